@@ -1,0 +1,71 @@
+# pyproxy: `make install` prepares a fresh Debian machine (idempotent, quick when everything is there);
+# `make demo` and `make test` start with it.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON   ?= python3
+VENV     := .venv
+VPY      := $(VENV)/bin/python
+CLANG    ?= clang
+BPF_OBJS := bpf/build/pyproxy.bpf.o bpf/build/verdict.bpf.o
+BPF_HDRS := $(wildcard bpf/include/pyproxy/*.h)
+ARCH_INC := /usr/include/$(shell uname -m)-linux-gnu
+
+# Debian packages, checked by the binary or file each one provides.
+APT_PKGS := clang llvm libbpf-dev libbpf1 bpftool iproute2 iptables nftables ipset conntrack socat \
+            ethtool libcap2-bin procps python3-venv
+APT_STAMP_FILES := /usr/bin/clang /usr/bin/llvm-strip /usr/include/bpf/bpf_helpers.h /usr/sbin/bpftool \
+                   /usr/sbin/ip /usr/sbin/iptables /usr/sbin/nft /usr/sbin/ipset /usr/sbin/conntrack \
+                   /usr/bin/socat /usr/sbin/ethtool /usr/sbin/capsh
+
+.PHONY: help install apt venv bpf demo test lint unit priv clean cleanup bench
+
+help:
+	@echo "make install   apt packages, .venv with pyproxy, BPF objects"
+	@echo "make demo      namespace lab + real traffic through the BPF dataplane"
+	@echo "make test      lint, type checks, layering, unit, BPF and end-to-end tests (root)"
+	@echo "make bench     benchmarks (see bench/)"
+
+install: apt venv bpf
+
+apt:
+	@missing=0; for f in $(APT_STAMP_FILES); do [ -e $$f ] || missing=1; done; \
+	ls /usr/lib/$(shell uname -m)-linux-gnu/libbpf.so.1 >/dev/null 2>&1 || missing=1; \
+	if [ $$missing = 1 ]; then \
+	  echo "installing Debian packages: $(APT_PKGS)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_PKGS); \
+	fi
+
+$(VENV)/.stamp: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.stamp
+
+bpf: $(BPF_OBJS)
+
+bpf/build/%.bpf.o: bpf/%.bpf.c $(BPF_HDRS)
+	@mkdir -p bpf/build
+	$(CLANG) -g -O2 -Wall -Werror -target bpf -D__TARGET_ARCH_x86 -I bpf/include -I $(ARCH_INC) -c $< -o $@
+
+demo: install
+	$(VENV)/bin/pyproxy demo
+
+lint: venv
+	$(VENV)/bin/ruff check pyproxy tests bench
+	$(VENV)/bin/mypy pyproxy
+	$(VENV)/bin/lint-imports
+
+unit: venv
+	$(VENV)/bin/pytest -q tests/unit
+
+test: install lint
+	$(VENV)/bin/pytest -q tests
+
+cleanup: venv
+	$(VENV)/bin/pyproxy cleanup
+
+clean:
+	rm -rf bpf/build

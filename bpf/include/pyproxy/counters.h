@@ -1,0 +1,25 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR Apache-2.0) */
+#ifndef PYPROXY_COUNTERS_H
+#define PYPROXY_COUNTERS_H
+
+#include "pyproxy/maps.h"
+
+static __always_inline void pyproxy_count(__u32 idx)
+{
+	__u64 *v = bpf_map_lookup_elem(&PYPROXY_MAP_COUNTERS, &idx);
+
+	if (v)
+		*v += 1;
+}
+
+static __always_inline void pyproxy_count_svc(__u32 svc_id, __u64 bytes)
+{
+	struct pyproxy_svc_stats *st = bpf_map_lookup_elem(&PYPROXY_MAP_STATS, &svc_id);
+
+	if (st) {
+		st->packets += 1;
+		st->bytes += bytes;
+	}
+}
+
+#endif

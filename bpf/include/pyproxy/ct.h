@@ -1,0 +1,53 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR Apache-2.0) */
+/* Connection tracking: keys built from a parsed packet, entries recorded for a new flow. */
+#ifndef PYPROXY_CT_H
+#define PYPROXY_CT_H
+
+#include "pyproxy/maps.h"
+#include "pyproxy/parse.h"
+
+static __always_inline void pyproxy_ct_key_of(const struct pyproxy_pkt *p, __u8 dir, struct pyproxy_ct_key *k)
+{
+	k->saddr = p->saddr;
+	k->daddr = p->daddr;
+	k->sport = p->sport;
+	k->dport = p->dport;
+	k->proto = p->proto;
+	k->dir = dir;
+	k->pad = 0;
+}
+
+/* Records both directions of a new flow: the forward entry for the client's later packets and the
+ * reverse entry, keyed as the backend's replies will look, for reverse NAT. Returns non-zero when the
+ * table refused (only possible under memory pressure: the LRU evicts rather than fills). */
+static __always_inline int pyproxy_ct_create(const struct pyproxy_pkt *p, const struct pyproxy_backend *be,
+					     __u32 svc_id, __u64 now)
+{
+	struct pyproxy_ct_key fwd, rev;
+	struct pyproxy_ct_value fv = {}, rv = {};
+
+	pyproxy_ct_key_of(p, PYPROXY_CT_FORWARD, &fwd);
+	fv.nat_addr = be->addr;
+	fv.nat_port = be->port;
+	fv.svc_id = svc_id;
+	fv.last_seen = now;
+
+	rev.saddr = be->addr;
+	rev.daddr = p->saddr;
+	rev.sport = be->port;
+	rev.dport = p->sport;
+	rev.proto = p->proto;
+	rev.dir = PYPROXY_CT_REVERSE;
+	rev.pad = 0;
+	rv.nat_addr = p->daddr;
+	rv.nat_port = p->dport;
+	rv.svc_id = svc_id;
+	rv.last_seen = now;
+
+	/* Reverse first: a forward entry without its reverse would send replies out untranslated. */
+	if (bpf_map_update_elem(&PYPROXY_MAP_CT, &rev, &rv, BPF_ANY))
+		return -1;
+	return bpf_map_update_elem(&PYPROXY_MAP_CT, &fwd, &fv, BPF_ANY);
+}
+
+#endif

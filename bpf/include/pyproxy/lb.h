@@ -1,0 +1,132 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR Apache-2.0) */
+/* Load balancing: where does a client -> frontend packet go? Shared by TC and XDP; the caller then
+ * rewrites the packet with its own NAT helper. */
+#ifndef PYPROXY_LB_H
+#define PYPROXY_LB_H
+
+#include "pyproxy/counters.h"
+#include "pyproxy/ct.h"
+
+enum pyproxy_verdict {
+	PYPROXY_PASS = 0,   /* not a frontend: leave the packet alone */
+	PYPROXY_DNAT,       /* rewrite the destination to *be */
+	PYPROXY_DROP,       /* a frontend that cannot be served now */
+};
+
+static __always_inline int pyproxy_backend_alive(const struct pyproxy_backend *be)
+{
+	return bpf_map_lookup_elem(&PYPROXY_MAP_BACKENDS, be) != NULL;
+}
+
+/* ClientIP affinity: the backend this client used within the affinity window, if it is still alive. */
+static __always_inline int pyproxy_affinity_lookup(const struct pyproxy_pkt *p,
+						   const struct pyproxy_svc_value *svc, __u64 now,
+						   struct pyproxy_backend *be)
+{
+	struct pyproxy_ct_key k = {
+		.saddr = p->saddr, .daddr = p->daddr, .dport = p->dport,
+		.proto = p->proto, .dir = PYPROXY_CT_AFFINITY,
+	};
+	struct pyproxy_ct_value *v = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &k);
+
+	if (!v || now - v->last_seen > (__u64)svc->affinity_sec * 1000000000ULL)
+		return 0;
+	be->addr = v->nat_addr;
+	be->port = v->nat_port;
+	be->pad = 0;
+	return pyproxy_backend_alive(be);
+}
+
+static __always_inline void pyproxy_affinity_record(const struct pyproxy_pkt *p,
+						    const struct pyproxy_backend *be, __u32 svc_id, __u64 now)
+{
+	struct pyproxy_ct_key k = {
+		.saddr = p->saddr, .daddr = p->daddr, .dport = p->dport,
+		.proto = p->proto, .dir = PYPROXY_CT_AFFINITY,
+	};
+	struct pyproxy_ct_value v = {
+		.nat_addr = be->addr, .nat_port = be->port, .svc_id = svc_id, .last_seen = now,
+	};
+
+	bpf_map_update_elem(&PYPROXY_MAP_CT, &k, &v, BPF_ANY);
+}
+
+/* One ready backend, chosen uniformly: a random slot among backend_count. */
+static __always_inline int pyproxy_pick_backend(const struct pyproxy_svc_value *svc, struct pyproxy_backend *be)
+{
+	struct pyproxy_slot_key sk = { .svc_id = svc->svc_id, .slot = bpf_get_prandom_u32() % svc->backend_count };
+	struct pyproxy_backend *slot = bpf_map_lookup_elem(&PYPROXY_MAP_SLOTS, &sk);
+
+	if (!slot)
+		return 0;
+	*be = *slot;
+	return 1;
+}
+
+/* The forward decision for a packet entering the node. Cost for packets that are not ours: one hash
+ * lookup. For an established flow: three (frontend, flow, backend still alive). */
+static __always_inline int pyproxy_lb_forward(const struct pyproxy_pkt *p, __u64 pkt_len, struct pyproxy_backend *be)
+{
+	struct pyproxy_svc_key sk = { .vip = p->daddr, .port = p->dport, .proto = p->proto };
+	struct pyproxy_svc_value *svc;
+	struct pyproxy_ct_key ck;
+	struct pyproxy_ct_value *ct;
+	__u64 now;
+
+	svc = bpf_map_lookup_elem(&PYPROXY_MAP_SERVICES, &sk);
+	if (!svc)
+		return PYPROXY_PASS;
+	now = bpf_ktime_get_ns();
+
+	pyproxy_ct_key_of(p, PYPROXY_CT_FORWARD, &ck);
+	ct = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &ck);
+	if (ct) {
+		be->addr = ct->nat_addr;
+		be->port = ct->nat_port;
+		be->pad = 0;
+		if (ct->svc_id == svc->svc_id && pyproxy_backend_alive(be)) {
+			ct->last_seen = now;
+			pyproxy_count(PYPROXY_CNT_ESTABLISHED);
+			pyproxy_count_svc(svc->svc_id, pkt_len);
+			return PYPROXY_DNAT;
+		}
+		pyproxy_count(PYPROXY_CNT_REBALANCED);
+	}
+
+	if (svc->backend_count == 0) {
+		pyproxy_count(PYPROXY_CNT_NO_BACKEND);
+		return PYPROXY_DROP;
+	}
+	if (!((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_affinity_lookup(p, svc, now, be))) {
+		if (!pyproxy_pick_backend(svc, be)) {
+			pyproxy_count(PYPROXY_CNT_SLOT_MISS);
+			return PYPROXY_DROP;
+		}
+	}
+	if (svc->flags & PYPROXY_SVC_F_AFFINITY)
+		pyproxy_affinity_record(p, be, svc->svc_id, now);
+	if (pyproxy_ct_create(p, be, svc->svc_id, now))
+		pyproxy_count(PYPROXY_CNT_CT_FULL);
+	pyproxy_count(PYPROXY_CNT_NEW_FLOW);
+	pyproxy_count_svc(svc->svc_id, pkt_len);
+	return PYPROXY_DNAT;
+}
+
+/* The reverse decision for a packet leaving the node: a backend's reply gets its frontend back. */
+static __always_inline int pyproxy_lb_reverse(const struct pyproxy_pkt *p, struct pyproxy_backend *fe)
+{
+	struct pyproxy_ct_key ck;
+	struct pyproxy_ct_value *ct;
+
+	pyproxy_ct_key_of(p, PYPROXY_CT_REVERSE, &ck);
+	ct = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &ck);
+	if (!ct)
+		return PYPROXY_PASS;
+	fe->addr = ct->nat_addr;
+	fe->port = ct->nat_port;
+	fe->pad = 0;
+	pyproxy_count(PYPROXY_CNT_REVNAT);
+	return PYPROXY_DNAT;
+}
+
+#endif

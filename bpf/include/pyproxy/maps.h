@@ -1,0 +1,83 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR Apache-2.0) */
+/* The maps, one comment each on what it is for. Layouts live in abi.h. */
+#ifndef PYPROXY_MAPS_H
+#define PYPROXY_MAPS_H
+
+#include <bpf/bpf_helpers.h>
+#include "pyproxy/abi.h"
+
+/* Frontends: (ClusterIP, port, protocol) -> service id and ready-backend count. The first lookup of
+ * every packet; a miss means "not ours" and the packet passes untouched. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, PYPROXY_MAX_SERVICES);
+	__type(key, struct pyproxy_svc_key);
+	__type(value, struct pyproxy_svc_value);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_SERVICES SEC(".maps");
+
+/* Backend slots: (service id, n) -> backend, so choosing among n ready backends is one random number
+ * and one lookup, whatever the number of services. Not preallocated: sized by the sum of backends. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, PYPROXY_MAX_SLOTS);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct pyproxy_slot_key);
+	__type(value, struct pyproxy_backend);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_SLOTS SEC(".maps");
+
+/* Every endpoint of every slice, ready or not. An established flow keeps its backend while the
+ * backend is here; once it is gone (pod deleted) the flow is re-balanced, as upstream flushes
+ * conntrack entries of removed endpoints. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, PYPROXY_MAX_BACKENDS);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct pyproxy_backend);
+	__type(value, struct pyproxy_backend_info);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_BACKENDS SEC(".maps");
+
+/* Connection tracking: a FORWARD entry keeps a flow on its backend, a REVERSE entry gives replies
+ * their frontend address back, an AFFINITY entry remembers a client's backend for ClientIP affinity.
+ * LRU, so a full table evicts the oldest flows instead of refusing new ones. Pinned: a restarted
+ * pyproxy keeps every connection. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, PYPROXY_MAX_FLOWS);
+	__type(key, struct pyproxy_ct_key);
+	__type(value, struct pyproxy_ct_value);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_CT SEC(".maps");
+
+/* Per-service traffic counters, indexed by service id; per-CPU so counting needs no atomics. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, PYPROXY_MAX_SERVICES);
+	__type(key, __u32);
+	__type(value, struct pyproxy_svc_stats);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_STATS SEC(".maps");
+
+/* Datapath event counters (enum pyproxy_counter), for metrics and for telling why packets dropped. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, PYPROXY_CNT_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_COUNTERS SEC(".maps");
+
+/* Service id -> the Service port it serves. Never read by the programs: it lets `pyproxy inspect` name
+ * frontends and a restarted pyproxy rebuild what it had applied from the maps alone. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, PYPROXY_MAX_SERVICES);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32);
+	__type(value, struct pyproxy_svc_name);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_NAMES SEC(".maps");
+
+#endif

@@ -1,0 +1,96 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR Apache-2.0) */
+/* Rewriting one address and port of a parsed packet, with its IPv4 and TCP/UDP checksums.
+ * TC uses the skb helpers, which also keep CHECKSUM_PARTIAL and CHECKSUM_COMPLETE skbs right;
+ * XDP writes the bytes itself. */
+#ifndef PYPROXY_NAT_H
+#define PYPROXY_NAT_H
+
+#include <linux/bpf.h>
+#include <linux/pkt_cls.h>
+#include <bpf/bpf_helpers.h>
+#include "pyproxy/csum.h"
+#include "pyproxy/parse.h"
+
+enum pyproxy_nat_side {
+	PYPROXY_NAT_DST = 0,   /* DNAT: client -> frontend becomes client -> backend */
+	PYPROXY_NAT_SRC = 1,   /* reverse NAT: backend -> client becomes frontend -> client */
+};
+
+static __always_inline __u32 pyproxy_addr_off(const struct pyproxy_pkt *p, int side)
+{
+	return p->l3_off + (side == PYPROXY_NAT_DST ? __builtin_offsetof(struct iphdr, daddr)
+						    : __builtin_offsetof(struct iphdr, saddr));
+}
+
+/* Source and destination ports sit at the same offsets in TCP and UDP. */
+static __always_inline __u32 pyproxy_port_off(const struct pyproxy_pkt *p, int side)
+{
+	return p->l4_off + (side == PYPROXY_NAT_DST ? __builtin_offsetof(struct udphdr, dest)
+						    : __builtin_offsetof(struct udphdr, source));
+}
+
+static __always_inline int pyproxy_tc_nat(struct __sk_buff *skb, const struct pyproxy_pkt *p, int side,
+					  __be32 addr, __be16 port)
+{
+	__be32 old_addr = side == PYPROXY_NAT_DST ? p->daddr : p->saddr;
+	__be16 old_port = side == PYPROXY_NAT_DST ? p->dport : p->sport;
+	/* A UDP checksum of 0 means "none": leave it, and never produce 0 for a real one. */
+	__u64 l4f = p->proto == IPPROTO_UDP ? BPF_F_MARK_MANGLED_0 : 0;
+
+	if (bpf_l4_csum_replace(skb, p->csum_off, old_addr, addr, l4f | BPF_F_PSEUDO_HDR | sizeof(addr)))
+		return -1;
+	if (old_port != port) {
+		if (bpf_l4_csum_replace(skb, p->csum_off, old_port, port, l4f | sizeof(port)))
+			return -1;
+		if (bpf_skb_store_bytes(skb, pyproxy_port_off(p, side), &port, sizeof(port), 0))
+			return -1;
+	}
+	if (bpf_l3_csum_replace(skb, p->l3_off + __builtin_offsetof(struct iphdr, check), old_addr, addr,
+				sizeof(addr)))
+		return -1;
+	return bpf_skb_store_bytes(skb, pyproxy_addr_off(p, side), &addr, sizeof(addr), 0);
+}
+
+static __always_inline int pyproxy_xdp_nat(struct xdp_md *ctx, const struct pyproxy_pkt *p, int side,
+					   __be32 addr, __be16 port)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct iphdr *ip = data + sizeof(struct ethhdr);
+	__be32 old_addr = side == PYPROXY_NAT_DST ? p->daddr : p->saddr;
+	__be16 old_port = side == PYPROXY_NAT_DST ? p->dport : p->sport;
+	__u16 *check;
+	__be16 *l4port;
+
+	/* Re-derive pointers the verifier can bound: p->l4_off is at most 14 + 60. */
+	if ((void *)(ip + 1) > data_end || p->l4_off > 74)
+		return -1;
+	check = data + (p->csum_off & 0x7f);
+	l4port = data + (pyproxy_port_off(p, side) & 0x7f);
+	if ((void *)(check + 1) > data_end || (void *)(l4port + 1) > data_end)
+		return -1;
+
+	if (!(p->proto == IPPROTO_UDP && *check == 0)) {
+		__u16 c = *check;
+
+		if (c == pyproxy_pseudo_sum(p->saddr, p->daddr, p->proto, p->l4_len)) {
+			/* Partial: the ports are not in it yet, the pseudo header is. */
+			c = pyproxy_csum_replace_partial(c, old_addr, addr);
+		} else {
+			c = pyproxy_csum_replace(c, old_addr, addr);
+			c = pyproxy_csum_replace(c, old_port, port);
+			if (p->proto == IPPROTO_UDP && c == 0)
+				c = 0xffff;
+		}
+		*check = c;
+	}
+	*l4port = port;
+	ip->check = pyproxy_csum_replace(ip->check, old_addr, addr);
+	if (side == PYPROXY_NAT_DST)
+		ip->daddr = addr;
+	else
+		ip->saddr = addr;
+	return 0;
+}
+
+#endif

@@ -1,0 +1,89 @@
+// SPDX-License-Identifier: (GPL-2.0 OR Apache-2.0)
+/*
+ * pyproxy's datapath entry points. Each is thin: parse, ask lb.h where the packet goes, rewrite with
+ * nat.h. The control plane fills the maps (maps.h); nothing here allocates or decides policy.
+ *
+ * Where each step runs, and why:
+ *  - DNAT on TC ingress (or XDP) of every managed device, before routing and netfilter: the node then
+ *    routes, filters and conntracks the packet as client -> backend, like any routed packet.
+ *  - Reverse NAT on TC egress, after routing and netfilter: the node's conntrack saw the reply as
+ *    backend -> client (ESTABLISHED, not INVALID) and strict reverse-path filtering checked the
+ *    backend's address against the interface it really came in on.
+ */
+#include <linux/bpf.h>
+#include <linux/pkt_cls.h>
+#include <bpf/bpf_helpers.h>
+
+#include "pyproxy/lb.h"
+#include "pyproxy/nat.h"
+
+/* Parses an skb, pulling headers into the linear area once if they straddle it. */
+static __always_inline int pyproxy_tc_parse(struct __sk_buff *skb, struct pyproxy_pkt *p)
+{
+	int r = pyproxy_parse((void *)(long)skb->data, (void *)(long)skb->data_end, p);
+
+	if (r == PYPROXY_PARSE_SHORT && skb->len > skb->data_end - skb->data) {
+		__u32 want = skb->len < 128 ? skb->len : 128;
+
+		if (bpf_skb_pull_data(skb, want))
+			return PYPROXY_PARSE_SKIP;
+		r = pyproxy_parse((void *)(long)skb->data, (void *)(long)skb->data_end, p);
+	}
+	return r;
+}
+
+SEC("tc")
+int pyproxy_tc_ingress(struct __sk_buff *skb)
+{
+	struct pyproxy_pkt p;
+	struct pyproxy_backend be;
+
+	if (pyproxy_tc_parse(skb, &p) != PYPROXY_PARSE_OK)
+		return TC_ACT_OK;
+	switch (pyproxy_lb_forward(&p, skb->len, &be)) {
+	case PYPROXY_DNAT:
+		if (pyproxy_tc_nat(skb, &p, PYPROXY_NAT_DST, be.addr, be.port))
+			return TC_ACT_SHOT;
+		return TC_ACT_OK;
+	case PYPROXY_DROP:
+		return TC_ACT_SHOT;
+	default:
+		return TC_ACT_OK;
+	}
+}
+
+SEC("tc")
+int pyproxy_tc_egress(struct __sk_buff *skb)
+{
+	struct pyproxy_pkt p;
+	struct pyproxy_backend fe;
+
+	if (pyproxy_tc_parse(skb, &p) != PYPROXY_PARSE_OK)
+		return TC_ACT_OK;
+	if (pyproxy_lb_reverse(&p, &fe) == PYPROXY_DNAT && pyproxy_tc_nat(skb, &p, PYPROXY_NAT_SRC, fe.addr, fe.port))
+		return TC_ACT_SHOT;
+	return TC_ACT_OK;
+}
+
+/* The same forward decision at the driver, for --xdp-devices. Replies still leave through TC egress. */
+SEC("xdp")
+int pyproxy_xdp_ingress(struct xdp_md *ctx)
+{
+	struct pyproxy_pkt p;
+	struct pyproxy_backend be;
+
+	if (pyproxy_parse((void *)(long)ctx->data, (void *)(long)ctx->data_end, &p) != PYPROXY_PARSE_OK)
+		return XDP_PASS;
+	switch (pyproxy_lb_forward(&p, ctx->data_end - ctx->data, &be)) {
+	case PYPROXY_DNAT:
+		if (pyproxy_xdp_nat(ctx, &p, PYPROXY_NAT_DST, be.addr, be.port))
+			return XDP_DROP;
+		return XDP_PASS;
+	case PYPROXY_DROP:
+		return XDP_DROP;
+	default:
+		return XDP_PASS;
+	}
+}
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";

@@ -1,0 +1,5 @@
+import sys
+
+from pyproxy.cli import main
+
+sys.exit(main())

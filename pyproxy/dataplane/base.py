@@ -1,0 +1,27 @@
+"""What the proxier needs from a dataplane backend."""
+
+from __future__ import annotations
+
+from collections.abc import Set
+from typing import Protocol
+
+from pyproxy.model.state import DesiredState
+
+
+class DataplaneError(RuntimeError):
+    """Applying failed; the message says what, and the dataplane still holds its last good state."""
+
+
+class Dataplane(Protocol):
+    mode: str
+    """The --proxy-mode this backend implements ("bpf", "nftables"…)."""
+
+    def start(self) -> None:
+        """Take over the kernel state (adopting what a previous run left), ready to apply."""
+
+    def apply(self, desired: DesiredState, changed: Set[str] | None) -> None:
+        """Program the kernel: only the Services in `changed`, or everything when it is None. Raises
+        DataplaneError, leaving every Service either as before or as desired, never in between."""
+
+    def stop(self) -> None:
+        """Release pyproxy's handles; what is programmed stays, so traffic keeps flowing."""

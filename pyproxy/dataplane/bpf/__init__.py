@@ -1,0 +1,1 @@
+"""The default dataplane: TC and XDP programs from bpf/, maps filled from the desired state."""

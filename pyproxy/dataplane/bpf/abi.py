@@ -1,0 +1,174 @@
+"""Python mirror of bpf/include/pyproxy/abi.h, struct by struct and name by name.
+
+Each class names the C struct it mirrors; `__be` fields hold the value whose in-memory bytes are in
+network order (use `be32`/`be16` to build them); padding is explicit, as in C, because hash keys are
+compared bytewise. tests/priv/test_abi.py checks sizes and offsets against the compiled object's BTF.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+import struct
+
+# Map names: abi.h PYPROXY_MAP_*.
+MAP_SERVICES = "pyproxy_svc_v1"
+MAP_SLOTS = "pyproxy_slot_v1"
+MAP_BACKENDS = "pyproxy_be_v1"
+MAP_CT = "pyproxy_ct_v1"
+MAP_STATS = "pyproxy_stat_v1"
+MAP_COUNTERS = "pyproxy_cnt_v1"
+MAP_NAMES = "pyproxy_name_v1"
+ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES)
+NAME_LEN = 128  # PYPROXY_NAME_LEN
+
+# Program names in bpf/pyproxy.bpf.c; the "pyproxy_" prefix is how cleanup recognises ours.
+PROG_TC_INGRESS = "pyproxy_tc_ingress"
+PROG_TC_EGRESS = "pyproxy_tc_egress"
+PROG_XDP = "pyproxy_xdp_ingress"
+PROG_PREFIX = "pyproxy_"
+
+SVC_F_AFFINITY = 0x1  # PYPROXY_SVC_F_AFFINITY
+
+CT_FORWARD = 0  # PYPROXY_CT_FORWARD
+CT_REVERSE = 1  # PYPROXY_CT_REVERSE
+CT_AFFINITY = 2  # PYPROXY_CT_AFFINITY
+
+# enum pyproxy_counter, in order.
+COUNTERS = (
+    "new_flow",
+    "established",
+    "revnat",
+    "no_backend",
+    "rebalanced",
+    "slot_miss",
+    "ct_full",
+)
+
+IPPROTO = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP}
+PROTO_NAME = {v: k for k, v in IPPROTO.items()}
+
+
+def be32(ip: str) -> int:
+    """A dotted IPv4 address as the u32 whose memory bytes are in network order."""
+    return int(struct.unpack("=I", socket.inet_aton(ip))[0])
+
+
+def be16(port: int) -> int:
+    """A port as the u16 whose memory bytes are in network order."""
+    return int(struct.unpack("=H", struct.pack("!H", port))[0])
+
+
+def ip_of(v: int) -> str:
+    return socket.inet_ntoa(struct.pack("=I", v))
+
+
+def port_of(v: int) -> int:
+    return int(struct.unpack("!H", struct.pack("=H", v))[0])
+
+
+class SvcKey(ctypes.Structure):
+    """struct pyproxy_svc_key"""
+
+    _fields_ = [
+        ("vip", ctypes.c_uint32),  # network order
+        ("port", ctypes.c_uint16),  # network order
+        ("proto", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8),
+    ]
+
+
+class SvcValue(ctypes.Structure):
+    """struct pyproxy_svc_value"""
+
+    _fields_ = [
+        ("svc_id", ctypes.c_uint32),  # host order
+        ("backend_count", ctypes.c_uint16),  # host order
+        ("flags", ctypes.c_uint16),  # host order
+        ("affinity_sec", ctypes.c_uint32),  # host order
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+class SlotKey(ctypes.Structure):
+    """struct pyproxy_slot_key"""
+
+    _fields_ = [
+        ("svc_id", ctypes.c_uint32),  # host order
+        ("slot", ctypes.c_uint32),  # host order
+    ]
+
+
+class Backend(ctypes.Structure):
+    """struct pyproxy_backend"""
+
+    _fields_ = [
+        ("addr", ctypes.c_uint32),  # network order
+        ("port", ctypes.c_uint16),  # network order
+        ("pad", ctypes.c_uint16),
+    ]
+
+
+class BackendInfo(ctypes.Structure):
+    """struct pyproxy_backend_info"""
+
+    _fields_ = [
+        ("flags", ctypes.c_uint32),  # host order, reserved
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+class CtKey(ctypes.Structure):
+    """struct pyproxy_ct_key"""
+
+    _fields_ = [
+        ("saddr", ctypes.c_uint32),  # network order
+        ("daddr", ctypes.c_uint32),  # network order
+        ("sport", ctypes.c_uint16),  # network order
+        ("dport", ctypes.c_uint16),  # network order
+        ("proto", ctypes.c_uint8),
+        ("dir", ctypes.c_uint8),
+        ("pad", ctypes.c_uint16),
+    ]
+
+
+class CtValue(ctypes.Structure):
+    """struct pyproxy_ct_value"""
+
+    _fields_ = [
+        ("nat_addr", ctypes.c_uint32),  # network order
+        ("nat_port", ctypes.c_uint16),  # network order
+        ("pad", ctypes.c_uint16),
+        ("svc_id", ctypes.c_uint32),  # host order
+        ("pad2", ctypes.c_uint32),
+        ("last_seen", ctypes.c_uint64),  # host order, bpf_ktime_get_ns()
+    ]
+
+
+class SvcStats(ctypes.Structure):
+    """struct pyproxy_svc_stats"""
+
+    _fields_ = [
+        ("packets", ctypes.c_uint64),  # host order
+        ("bytes", ctypes.c_uint64),  # host order
+    ]
+
+
+class SvcName(ctypes.Structure):
+    """struct pyproxy_svc_name"""
+
+    _fields_ = [("name", ctypes.c_char * NAME_LEN)]  # NUL-terminated
+
+
+# For the ABI test: every mirrored struct by its C name.
+STRUCTS: dict[str, type[ctypes.Structure]] = {
+    "pyproxy_svc_key": SvcKey,
+    "pyproxy_svc_value": SvcValue,
+    "pyproxy_slot_key": SlotKey,
+    "pyproxy_backend": Backend,
+    "pyproxy_backend_info": BackendInfo,
+    "pyproxy_ct_key": CtKey,
+    "pyproxy_ct_value": CtValue,
+    "pyproxy_svc_stats": SvcStats,
+    "pyproxy_svc_name": SvcName,
+}

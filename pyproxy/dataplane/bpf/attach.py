@@ -1,0 +1,97 @@
+"""Attaching pyproxy's programs to devices: TC clsact filters and XDP, through libbpf.
+
+libbpf rather than pyroute2 here because it also answers "which program is attached" (bpf_tc_query,
+bpf_xdp_query_id), which a restart needs to find the previous run's maps. Our TC filter always sits at one
+fixed priority and handle, so a restart replaces it atomically and cleanup finds it without guessing.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+
+from pyproxy.dataplane import netlink
+from pyproxy.dataplane.bpf import libbpf
+from pyproxy.dataplane.bpf.libbpf import ffi
+
+log = logging.getLogger(__name__)
+
+INGRESS = 1  # BPF_TC_INGRESS
+EGRESS = 2  # BPF_TC_EGRESS
+TC_PRIORITY = 0x7079  # "py": our filter's priority on both hooks
+TC_HANDLE = 1
+BPF_TC_F_REPLACE = 1
+
+XDP_FLAGS_SKB_MODE = 1 << 1
+XDP_FLAGS_DRV_MODE = 1 << 2
+XDP_MODES = {"native": XDP_FLAGS_DRV_MODE, "generic": XDP_FLAGS_SKB_MODE}
+
+
+def _hook(ifindex: int, direction: int) -> object:
+    hook = ffi.new("struct bpf_tc_hook *")
+    hook.sz = ffi.sizeof("struct bpf_tc_hook")
+    hook.ifindex = ifindex
+    hook.attach_point = direction
+    return hook
+
+
+def _opts(prog_fd: int = 0, flags: int = 0) -> object:
+    opts = ffi.new("struct bpf_tc_opts *")
+    opts.sz = ffi.sizeof("struct bpf_tc_opts")
+    opts.handle = TC_HANDLE
+    opts.priority = TC_PRIORITY
+    opts.prog_fd = prog_fd
+    opts.flags = flags
+    return opts
+
+
+def attach_tc(ifindex: int, direction: int, prog_fd: int) -> None:
+    """Put (or atomically replace) our filter on one hook, creating the clsact qdisc if missing."""
+    lib = libbpf.lib()
+    if not netlink.has_clsact(ifindex):
+        ret = lib.bpf_tc_hook_create(_hook(ifindex, direction))
+        if ret != -errno.EEXIST:
+            libbpf.check(ret, f"create clsact on ifindex {ifindex}")
+    libbpf.check(
+        lib.bpf_tc_attach(_hook(ifindex, direction), _opts(prog_fd, BPF_TC_F_REPLACE)),
+        f"attach tc program on ifindex {ifindex}",
+    )
+
+
+def tc_prog_id(ifindex: int, direction: int) -> int | None:
+    """The id of the program in our filter slot, or None when the slot is empty."""
+    opts = _opts()
+    ret = libbpf.lib().bpf_tc_query(_hook(ifindex, direction), opts)
+    if ret < 0:
+        return None
+    return int(opts.prog_id)
+
+
+def detach_tc(ifindex: int, direction: int) -> bool:
+    """Remove our filter from one hook; True if there was one."""
+    ret = libbpf.lib().bpf_tc_detach(_hook(ifindex, direction), _opts())
+    if ret in (-errno.ENOENT, -errno.EINVAL, -errno.ENODEV):
+        return False
+    libbpf.check(ret, f"detach tc program from ifindex {ifindex}")
+    return True
+
+
+def attach_xdp(ifindex: int, prog_fd: int, mode: str) -> None:
+    libbpf.check(
+        libbpf.lib().bpf_xdp_attach(ifindex, prog_fd, XDP_MODES[mode], ffi.NULL),
+        f"attach XDP ({mode}) on ifindex {ifindex}",
+    )
+
+
+def xdp_prog_ids(ifindex: int) -> dict[str, int]:
+    """Attached XDP program ids by mode ("native", "generic")."""
+    out = {}
+    for mode, flag in XDP_MODES.items():
+        pid = ffi.new("uint32_t *")
+        if libbpf.lib().bpf_xdp_query_id(ifindex, flag, pid) == 0 and pid[0]:
+            out[mode] = int(pid[0])
+    return out
+
+
+def detach_xdp(ifindex: int, mode: str) -> None:
+    libbpf.check(libbpf.lib().bpf_xdp_detach(ifindex, XDP_MODES[mode], ffi.NULL), f"detach XDP from {ifindex}")

@@ -1,0 +1,107 @@
+"""libbpf through cffi (ABI mode: dlopen of Debian's libbpf.so.1, nothing compiled at install time).
+
+Only the calls pyproxy uses are declared. Every wrapper turns libbpf's negative-errno convention into an
+OSError that names what failed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Any
+
+from cffi import FFI
+
+ffi = FFI()
+ffi.cdef(
+    """
+    struct bpf_object; struct bpf_map; struct bpf_program;
+
+    struct bpf_test_run_opts {
+        size_t sz;
+        const void *data_in;
+        void *data_out;
+        uint32_t data_size_in;
+        uint32_t data_size_out;
+        const void *ctx_in;
+        void *ctx_out;
+        uint32_t ctx_size_in;
+        uint32_t ctx_size_out;
+        uint32_t retval;
+        int repeat;
+        uint32_t duration;
+        uint32_t flags;
+        uint32_t cpu;
+        uint32_t batch_size;
+    };
+
+    struct bpf_tc_hook { size_t sz; int ifindex; int attach_point; uint32_t parent; };
+    struct bpf_tc_opts { size_t sz; int prog_fd; uint32_t flags; uint32_t prog_id; uint32_t handle;
+                         uint32_t priority; };
+    int bpf_tc_hook_create(struct bpf_tc_hook *hook);
+    int bpf_tc_hook_destroy(struct bpf_tc_hook *hook);
+    int bpf_tc_attach(const struct bpf_tc_hook *hook, struct bpf_tc_opts *opts);
+    int bpf_tc_detach(const struct bpf_tc_hook *hook, const struct bpf_tc_opts *opts);
+    int bpf_tc_query(const struct bpf_tc_hook *hook, struct bpf_tc_opts *opts);
+    int bpf_xdp_attach(int ifindex, int prog_fd, uint32_t flags, const void *opts);
+    int bpf_xdp_detach(int ifindex, uint32_t flags, const void *opts);
+    int bpf_xdp_query_id(int ifindex, int flags, uint32_t *prog_id);
+    uint32_t bpf_map__key_size(const struct bpf_map *map);
+    uint32_t bpf_map__value_size(const struct bpf_map *map);
+    uint32_t bpf_map__max_entries(const struct bpf_map *map);
+    int bpf_map__type(const struct bpf_map *map);
+    uint32_t bpf_map__map_flags(const struct bpf_map *map);
+
+    struct bpf_object *bpf_object__open_file(const char *path, const void *opts);
+    int bpf_object__load(struct bpf_object *obj);
+    void bpf_object__close(struct bpf_object *obj);
+    struct bpf_map *bpf_object__next_map(const struct bpf_object *obj, const struct bpf_map *map);
+    struct bpf_program *bpf_object__next_program(const struct bpf_object *obj, struct bpf_program *prog);
+    const char *bpf_map__name(const struct bpf_map *map);
+    int bpf_map__set_pin_path(struct bpf_map *map, const char *path);
+    int bpf_map__reuse_fd(struct bpf_map *map, int fd);
+    int bpf_map__set_max_entries(struct bpf_map *map, uint32_t max_entries);
+    int bpf_map__fd(const struct bpf_map *map);
+    const char *bpf_program__name(const struct bpf_program *prog);
+    int bpf_program__fd(const struct bpf_program *prog);
+
+    int bpf_map_update_elem(int fd, const void *key, const void *value, uint64_t flags);
+    int bpf_map_lookup_elem(int fd, const void *key, void *value);
+    int bpf_map_delete_elem(int fd, const void *key);
+    int bpf_map_get_next_key(int fd, const void *key, void *next_key);
+    int bpf_obj_get(const char *pathname);
+    int bpf_obj_pin(int fd, const char *pathname);
+    int bpf_map_get_fd_by_id(uint32_t id);
+    int bpf_prog_get_fd_by_id(uint32_t id);
+    int bpf_prog_get_next_id(uint32_t start_id, uint32_t *next_id);
+    int bpf_obj_get_info_by_fd(int bpf_fd, void *info, uint32_t *info_len);
+    int bpf_prog_test_run_opts(int prog_fd, struct bpf_test_run_opts *opts);
+    int libbpf_num_possible_cpus(void);
+    """
+)
+
+_lib: Any = None
+
+
+def lib() -> Any:
+    """The loaded libbpf; opened on first use so importing pyproxy never needs it."""
+    global _lib
+    if _lib is None:
+        try:
+            _lib = ffi.dlopen("libbpf.so.1")
+        except OSError as e:
+            raise OSError(errno.ENOENT, f"libbpf.so.1 not found (install Debian's libbpf1): {e}") from e
+    return _lib
+
+
+def check(ret: int, what: str) -> int:
+    """libbpf returns -errno (and sets errno); raise an OSError naming the operation."""
+    if ret < 0:
+        code = -ret if ret != -1 else ffi.errno
+        raise OSError(code, f"{what}: {os.strerror(code)}")
+    return ret
+
+
+BPF_ANY = 0
+BPF_NOEXIST = 1
+BPF_EXIST = 2

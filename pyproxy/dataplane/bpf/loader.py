@@ -1,0 +1,255 @@
+"""Loading bpf/build/pyproxy.bpf.o: bpffs, pinned maps, and adopting the maps of a previous run.
+
+A restart must keep every connection, so the maps outlive the process in two ways:
+- pinned under the pin path (default /sys/fs/bpf/pyproxy), in a bpffs pyproxy mounts when none is there;
+- held by the programs left attached to the devices. Under `ip netns exec` /sys is a fresh sysfs per
+  invocation, so a bpffs mounted there dies with the process; the next run then finds the old maps through
+  the attached program (map ids in its prog info) and reuses them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pyproxy.dataplane.bpf import abi, libbpf
+from pyproxy.dataplane.bpf.libbpf import ffi
+
+log = logging.getLogger(__name__)
+
+BPF_FS_ROOT = Path("/sys/fs/bpf")
+
+
+class BpfUnavailable(RuntimeError):
+    """The kernel, the object file or our privileges cannot run the BPF dataplane; says which."""
+
+
+class _ProgInfo(ctypes.Structure):
+    """The head of the kernel's struct bpf_prog_info (uapi/linux/bpf.h): the fields pyproxy reads."""
+
+    _fields_ = [
+        ("type", ctypes.c_uint32),
+        ("id", ctypes.c_uint32),
+        ("tag", ctypes.c_uint8 * 8),
+        ("jited_prog_len", ctypes.c_uint32),
+        ("xlated_prog_len", ctypes.c_uint32),
+        ("jited_prog_insns", ctypes.c_uint64),
+        ("xlated_prog_insns", ctypes.c_uint64),
+        ("load_time", ctypes.c_uint64),
+        ("created_by_uid", ctypes.c_uint32),
+        ("nr_map_ids", ctypes.c_uint32),
+        ("map_ids", ctypes.c_uint64),
+        ("name", ctypes.c_char * 16),
+    ]
+
+
+class _MapInfo(ctypes.Structure):
+    """The head of the kernel's struct bpf_map_info."""
+
+    _fields_ = [
+        ("type", ctypes.c_uint32),
+        ("id", ctypes.c_uint32),
+        ("key_size", ctypes.c_uint32),
+        ("value_size", ctypes.c_uint32),
+        ("max_entries", ctypes.c_uint32),
+        ("map_flags", ctypes.c_uint32),
+        ("name", ctypes.c_char * 16),
+    ]
+
+
+def _info(fd: int, info: ctypes.Structure) -> None:
+    size = ffi.new("uint32_t *", ctypes.sizeof(info))
+    libbpf.check(
+        libbpf.lib().bpf_obj_get_info_by_fd(fd, ffi.cast("void *", ctypes.addressof(info)), size),
+        "bpf_obj_get_info_by_fd",
+    )
+
+
+def prog_name(prog_id: int) -> str | None:
+    """The kernel name of a program (15 characters at most), None if it is gone."""
+    fd = libbpf.lib().bpf_prog_get_fd_by_id(prog_id)
+    if fd < 0:
+        return None
+    try:
+        info = _ProgInfo()
+        _info(fd, info)
+        return info.name.decode()
+    finally:
+        os.close(fd)
+
+
+def is_ours(prog_id: int | None) -> bool:
+    name = prog_name(prog_id) if prog_id else None
+    return bool(name and name.startswith(abi.PROG_PREFIX))
+
+
+def maps_of_program(prog_id: int) -> dict[str, int]:
+    """Map name -> new fd for every map the program uses (the caller owns the fds)."""
+    fd = libbpf.lib().bpf_prog_get_fd_by_id(prog_id)
+    if fd < 0:
+        return {}
+    try:
+        ids = (ctypes.c_uint32 * 32)()
+        info = _ProgInfo(nr_map_ids=32, map_ids=ctypes.addressof(ids))
+        _info(fd, info)
+        out = {}
+        for map_id in ids[: min(info.nr_map_ids, 32)]:
+            mfd = libbpf.lib().bpf_map_get_fd_by_id(map_id)
+            if mfd < 0:
+                continue
+            minfo = _MapInfo()
+            _info(mfd, minfo)
+            out[minfo.name.decode()] = mfd
+        return out
+    finally:
+        os.close(fd)
+
+
+def map_info(fd: int) -> _MapInfo:
+    info = _MapInfo()
+    _info(fd, info)
+    return info
+
+
+def fs_type(path: Path) -> str | None:
+    """The filesystem type of the mount holding `path` (from /proc/self/mountinfo)."""
+    best, fstype = "", None
+    target = os.path.realpath(path)
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        mnt = fields[4].replace("\\040", " ")
+        sep = fields.index("-")
+        if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            best, fstype = mnt, fields[sep + 1]
+    return fstype
+
+
+def is_mountpoint(path: Path) -> bool:
+    target = os.path.realpath(path)
+    return any(line.split()[4] == target for line in Path("/proc/self/mountinfo").read_text().splitlines())
+
+
+def _mount_bpffs(where: Path) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(b"bpf", str(where).encode(), b"bpf", 0, None) != 0:
+        code = ctypes.get_errno()
+        raise BpfUnavailable(f"cannot mount a bpffs at {where}: {os.strerror(code)}")
+    log.info("mounted a bpffs at %s", where)
+
+
+def unmount(where: Path) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.umount2(str(where).encode(), 0) != 0:
+        raise OSError(ctypes.get_errno(), f"cannot unmount {where}")
+
+
+def ensure_bpffs(pin_dir: Path) -> None:
+    """Make `pin_dir` a directory on a bpffs, mounting one when none is there. Under `ip netns exec`,
+    /sys/fs/bpf exists but is a plain sysfs directory: mount there, as a host would at boot."""
+    if pin_dir.exists() and fs_type(pin_dir) == "bpf":
+        return
+    parent = pin_dir.parent
+    if parent.exists() and fs_type(parent) != "bpf" and (parent == BPF_FS_ROOT or fs_type(parent) == "sysfs"):
+        _mount_bpffs(parent)
+    if parent.exists() and fs_type(parent) == "bpf":
+        pin_dir.mkdir(exist_ok=True)
+        return
+    pin_dir.mkdir(parents=True, exist_ok=True)
+    _mount_bpffs(pin_dir)
+
+
+@dataclass
+class LoadedObject:
+    """The loaded object: program and map fds, valid until `close()`."""
+
+    handle: Any
+    progs: dict[str, int] = field(default_factory=dict)
+    maps: dict[str, int] = field(default_factory=dict)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            libbpf.lib().bpf_object__close(self.handle)
+            self.handle = None
+
+
+def _iter_maps(obj: Any) -> list[Any]:
+    lib, out, m = libbpf.lib(), [], ffi.NULL
+    while True:
+        m = lib.bpf_object__next_map(obj, m)
+        if m == ffi.NULL:
+            return out
+        out.append(m)
+
+
+def _compatible(m: Any, fd: int) -> bool:
+    lib, info = libbpf.lib(), map_info(fd)
+    return (
+        info.type == lib.bpf_map__type(m)
+        and info.key_size == lib.bpf_map__key_size(m)
+        and info.value_size == lib.bpf_map__value_size(m)
+        and info.max_entries == lib.bpf_map__max_entries(m)
+        and info.map_flags == lib.bpf_map__map_flags(m)
+    )
+
+
+def load(
+    obj_path: Path,
+    pin_dir: Path | None,
+    max_entries: dict[str, int] | None = None,
+    adopt: dict[str, int] | None = None,
+) -> LoadedObject:
+    """Open and load the object. Maps come, in this order of preference, from their pin under `pin_dir`,
+    from `adopt` (name -> fd of a previous run's map), or new (and then pinned). A pinned or adopted map of
+    another shape (e.g. a changed capacity) is not reused: a warning says so and a new one replaces it."""
+    lib = libbpf.lib()
+    if not obj_path.exists():
+        raise BpfUnavailable(f"BPF object {obj_path} not found (run `make bpf`)")
+    obj = lib.bpf_object__open_file(str(obj_path).encode(), ffi.NULL)
+    if obj == ffi.NULL:
+        raise BpfUnavailable(f"cannot open BPF object {obj_path}: {os.strerror(ffi.errno)}")
+    loaded = LoadedObject(obj)
+    try:
+        for m in _iter_maps(obj):
+            name = ffi.string(lib.bpf_map__name(m)).decode()
+            if max_entries and name in max_entries:
+                libbpf.check(lib.bpf_map__set_max_entries(m, max_entries[name]), f"resize map {name}")
+            if pin_dir is None:
+                continue
+            pin = pin_dir / name
+            if pin.exists():
+                fd = lib.bpf_obj_get(str(pin).encode())
+                ok = fd >= 0 and _compatible(m, fd)
+                if fd >= 0:
+                    os.close(fd)
+                if not ok:
+                    log.warning("pinned map %s has another shape or size: replacing it (its entries are lost)", pin)
+                    pin.unlink()
+            elif adopt and name in adopt:
+                if _compatible(m, adopt[name]):
+                    libbpf.check(lib.bpf_map__reuse_fd(m, adopt[name]), f"reuse map {name}")
+                    log.info("reusing map %s of the programs already attached", name)
+                else:
+                    log.warning("attached programs use map %s of another shape: not reusing it", name)
+            libbpf.check(lib.bpf_map__set_pin_path(m, str(pin).encode()), f"pin path for {name}")
+        ret = lib.bpf_object__load(obj)
+        if ret < 0:
+            code = -ret if ret != -1 else ffi.errno
+            hint = " (needs root: CAP_BPF and CAP_SYS_ADMIN)" if code in (errno.EPERM, errno.EACCES) else ""
+            raise BpfUnavailable(f"the kernel refused to load {obj_path}: {os.strerror(code)}{hint}")
+        for m in _iter_maps(obj):
+            loaded.maps[ffi.string(lib.bpf_map__name(m)).decode()] = lib.bpf_map__fd(m)
+        p = ffi.NULL
+        while True:
+            p = lib.bpf_object__next_program(obj, p)
+            if p == ffi.NULL:
+                break
+            loaded.progs[ffi.string(lib.bpf_program__name(p)).decode()] = lib.bpf_program__fd(p)
+        return loaded
+    except BaseException:
+        loaded.close()
+        raise

@@ -1,0 +1,111 @@
+"""Links of pyproxy's network namespace, through pyroute2: which devices exist and when they come and go.
+
+This is the only module that speaks rtnetlink through pyroute2; backends ask it for `Link`s and subscribe
+to `LinkWatcher` instead of holding sockets of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pyroute2 import IPRoute
+
+log = logging.getLogger(__name__)
+
+ARPHRD_ETHER = 1
+ARPHRD_LOOPBACK = 772
+TC_H_CLSACT = 0xFFFFFFF1
+TC_INGRESS_PARENT = 0xFFFFFFF2
+TC_EGRESS_PARENT = 0xFFFFFFF3
+
+
+@dataclass(frozen=True)
+class Link:
+    index: int
+    name: str
+    kind: str
+    """The rtnetlink kind (veth, dummy, bridge…), "" for a physical device."""
+    ether: bool
+    """An Ethernet-framed device: the BPF programs parse from an Ethernet header."""
+    up: bool
+
+
+def _link_of(msg: dict) -> Link:
+    info = msg.get_attr("IFLA_LINKINFO")  # type: ignore[attr-defined]
+    kind = info.get_attr("IFLA_INFO_KIND") if info else ""
+    return Link(
+        index=msg["index"],
+        name=msg.get_attr("IFLA_IFNAME"),  # type: ignore[attr-defined]
+        kind=kind or "",
+        ether=msg["ifi_type"] == ARPHRD_ETHER,
+        up=bool(msg["flags"] & 1),
+    )
+
+
+def list_links() -> list[Link]:
+    """Every device of this network namespace except loopback."""
+    with IPRoute() as ipr:
+        return [lk for lk in (_link_of(m) for m in ipr.get_links()) if lk.name != "lo"]
+
+
+def has_clsact(ifindex: int) -> bool:
+    with IPRoute() as ipr:
+        return any(q.get_attr("TCA_KIND") == "clsact" for q in ipr.get_qdiscs(ifindex))
+
+
+def tc_filter_count(ifindex: int) -> int:
+    """Filters on the clsact hooks of a device, whoever owns them (pyroute2 lists one header entry per
+    priority plus one per filter; only entries with options are filters)."""
+    with IPRoute() as ipr:
+        n = 0
+        for parent in (TC_INGRESS_PARENT, TC_EGRESS_PARENT):
+            n += sum(1 for f in ipr.get_filters(ifindex, parent=parent) if f.get_attr("TCA_OPTIONS"))
+        return n
+
+
+def remove_clsact(ifindex: int) -> None:
+    with IPRoute() as ipr:
+        ipr.tc("del", "clsact", ifindex)
+
+
+class LinkWatcher:
+    """Calls `on_change(link, present)` for every link added, changed or removed, from a thread of its own.
+    Subscribe before listing, so no link can slip between the list and the first event."""
+
+    def __init__(self, on_change: Callable[[Link, bool], None]) -> None:
+        self._on_change = on_change
+        self._ipr = IPRoute()
+        self._ipr.bind()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="link-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._ipr.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                msgs = self._ipr.get()
+            except Exception as e:  # noqa: BLE001 - a closed socket at stop, or a netlink hiccup
+                if not self._stop.is_set():
+                    log.warning("link watch: %s", e)
+                return
+            for m in msgs:
+                event = m.get("event")
+                if event not in ("RTM_NEWLINK", "RTM_DELLINK"):
+                    continue
+                try:
+                    lk = _link_of(m)
+                except (KeyError, TypeError):
+                    continue
+                if lk.name and lk.name != "lo":
+                    self._on_change(lk, event == "RTM_NEWLINK")

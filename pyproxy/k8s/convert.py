@@ -1,0 +1,280 @@
+"""Kubernetes objects as decoded JSON/YAML (plain dicts) → model objects.
+
+Shared by the manifest source and the API informers. Input is untrusted: every field is type-checked
+and every problem raises `InvalidObject` naming the object and the field, never another exception.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any, NoReturn
+
+from pyproxy.model.objects import (
+    DEFAULT_SESSION_AFFINITY_TIMEOUT,
+    LAST_CHANGE_TRIGGER_TIME_ANNOTATION,
+    SERVICE_NAME_LABEL,
+    Endpoint,
+    EndpointPort,
+    EndpointSlice,
+    InvalidObject,
+    Protocol,
+    Service,
+    ServicePort,
+    object_key,
+)
+
+SERVICE_KIND = "Service"
+ENDPOINT_SLICE_KIND = "EndpointSlice"
+
+_SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
+_SESSION_AFFINITIES = ("None", "ClientIP")
+_MAX_AFFINITY_TIMEOUT = 86400  # upstream validation's limit
+_ADDRESS_PARSERS: dict[str, Callable[[str], ipaddress.IPv4Address | ipaddress.IPv6Address] | None] = {
+    "IPv4": ipaddress.IPv4Address,
+    "IPv6": ipaddress.IPv6Address,
+    "FQDN": None,
+}
+
+
+def _path(within: str, field: str) -> str:
+    return f"{within}.{field}" if within else field
+
+
+class _Reader:
+    """Typed access to the fields of one object; a failure is an InvalidObject naming the object and
+    the field's path. An absent field and an explicit null are the same, as in the API."""
+
+    def __init__(self, kind: str, key: str) -> None:
+        self.kind = kind
+        self.key = key
+
+    def fail(self, reason: str) -> NoReturn:
+        raise InvalidObject(self.kind, self.key, reason)
+
+    def check(self, value: Any, typ: type | tuple[type, ...], what: str, path: str) -> Any:
+        # bool is an int subclass, but `port: true` is no port number.
+        if not isinstance(value, typ) or (isinstance(value, bool) and typ is not bool):
+            self.fail(f"{path} must be {what}, not {value!r}")
+        return value
+
+    def get(
+        self,
+        parent: Mapping[str, Any],
+        field: str,
+        within: str,
+        typ: type | tuple[type, ...],
+        what: str,
+        default: Any,
+    ) -> Any:
+        value = parent.get(field)
+        return default if value is None else self.check(value, typ, what, _path(within, field))
+
+    def elements(
+        self, parent: Mapping[str, Any], field: str, within: str, typ: type, what: str
+    ) -> list[tuple[str, Any]]:
+        """(path, element) for each element of a list field, each element checked against `typ`."""
+        path = _path(within, field)
+        items = self.get(parent, field, within, list, "a list", [])
+        return [(f"{path}[{i}]", self.check(v, typ, what, f"{path}[{i}]")) for i, v in enumerate(items)]
+
+    def mapping(self, parent: Mapping[str, Any], field: str, within: str) -> Mapping[str, Any]:
+        result: Mapping[str, Any] = self.get(parent, field, within, Mapping, "an object", {})
+        return result
+
+    def string(self, parent: Mapping[str, Any], field: str, within: str, default: str = "") -> str:
+        result: str = self.get(parent, field, within, str, "a string", default)
+        return result
+
+    def flag(self, parent: Mapping[str, Any], field: str, within: str, default: bool) -> bool:
+        result: bool = self.get(parent, field, within, bool, "true or false", default)
+        return result
+
+    def integer(self, parent: Mapping[str, Any], field: str, within: str) -> int | None:
+        result: int | None = self.get(parent, field, within, int, "an integer", None)
+        return result
+
+    def optional_port(self, parent: Mapping[str, Any], field: str, within: str) -> int | None:
+        number = self.integer(parent, field, within)
+        if number is not None and not 1 <= number <= 65535:
+            self.fail(f"{_path(within, field)} {number} is outside 1-65535")
+        return number
+
+    def port(self, parent: Mapping[str, Any], field: str, within: str) -> int:
+        number = self.optional_port(parent, field, within)
+        if number is None:
+            self.fail(f"{_path(within, field)} is missing")
+        return number
+
+    def protocol(self, parent: Mapping[str, Any], within: str) -> Protocol:
+        value = self.string(parent, "protocol", within, Protocol.TCP.value)
+        try:
+            return Protocol(value)
+        except ValueError:
+            self.fail(f"{within}.protocol {value!r} is not one of {', '.join(Protocol)}")
+
+    def address(
+        self,
+        path: str,
+        value: str,
+        parse: Callable[[str], ipaddress.IPv4Address | ipaddress.IPv6Address],
+        what: str,
+    ) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+        try:
+            return parse(value)
+        except ValueError:
+            self.fail(f"{path} {value!r} is not {what}")
+
+
+def _open(kind: str, d: Mapping[str, Any]) -> tuple[_Reader, str, str, Mapping[str, Any]]:
+    """A reader named after the object, its namespace, name and metadata."""
+    anonymous = _Reader(kind, "<unnamed>")
+    anonymous.check(d, Mapping, "an object", "the object")
+    meta = anonymous.mapping(d, "metadata", "")
+    namespace = anonymous.string(meta, "namespace", "metadata") or "default"
+    name = anonymous.string(meta, "name", "metadata")
+    reader = _Reader(kind, object_key(namespace, name or "<unnamed>"))
+    if not name:
+        reader.fail("metadata.name is missing")
+    return reader, namespace, name, meta
+
+
+def _service_port(r: _Reader, entry: Mapping[str, Any], path: str) -> ServicePort:
+    port = r.port(entry, "port", path)
+    return ServicePort(
+        name=r.string(entry, "name", path),
+        port=port,
+        protocol=r.protocol(entry, path),
+        target_port=r.get(entry, "targetPort", path, (int, str), "an integer or a string", port),
+        node_port=r.optional_port(entry, "nodePort", path),
+    )
+
+
+def _cluster_ips(r: _Reader, spec: Mapping[str, Any]) -> tuple[str, ...]:
+    """The IPv4 ClusterIPs; IPv6 ones are valid but not served."""
+    entries = r.elements(spec, "clusterIPs", "spec", str, "a string") or [
+        ("spec.clusterIP", r.string(spec, "clusterIP", "spec"))
+    ]
+    ips: list[str] = []
+    for path, value in entries:
+        if value in ("", "None"):  # not allocated / headless
+            continue
+        ip = r.address(path, value, ipaddress.ip_address, 'an IP address, "None" or empty')
+        if ip.version == 4:
+            ips.append(str(ip))
+    return tuple(ips)
+
+
+def service_from_dict(d: Mapping[str, Any]) -> Service:
+    """Convert a `v1` Service; raises InvalidObject if it cannot be served as written."""
+    r, namespace, name, _ = _open(SERVICE_KIND, d)
+    spec = r.mapping(d, "spec", "")
+    svc_type = r.string(spec, "type", "spec", "ClusterIP")
+    if svc_type not in _SERVICE_TYPES:
+        r.fail(f"spec.type {svc_type!r} is not one of {', '.join(_SERVICE_TYPES)}")
+
+    entries = r.elements(spec, "ports", "spec", Mapping, "an object")
+    ports: list[ServicePort] = []
+    for path, entry in entries:
+        port = _service_port(r, entry, path)
+        # Ports are matched to slice ports by name, so names must tell them apart.
+        if len(entries) > 1 and not port.name:
+            r.fail(f"{path}.name is required when a Service has more than one port")
+        if any(p.name == port.name for p in ports):
+            r.fail(f"{path}.name {port.name!r} is used by another port")
+        if any((p.port, p.protocol) == (port.port, port.protocol) for p in ports):
+            r.fail(f"{path}: port {port.port}/{port.protocol} is used by another port")
+        ports.append(port)
+
+    affinity = r.string(spec, "sessionAffinity", "spec", "None")
+    if affinity not in _SESSION_AFFINITIES:
+        r.fail(f"spec.sessionAffinity {affinity!r} is not one of {', '.join(_SESSION_AFFINITIES)}")
+    config = r.mapping(spec, "sessionAffinityConfig", "spec")
+    client_ip = r.mapping(config, "clientIP", "spec.sessionAffinityConfig")
+    within = "spec.sessionAffinityConfig.clientIP"
+    timeout = r.integer(client_ip, "timeoutSeconds", within)
+    if timeout is not None and not 1 <= timeout <= _MAX_AFFINITY_TIMEOUT:
+        r.fail(f"{within}.timeoutSeconds {timeout} is outside 1-{_MAX_AFFINITY_TIMEOUT}")
+
+    return Service(
+        namespace=namespace,
+        name=name,
+        type=svc_type,
+        cluster_ips=_cluster_ips(r, spec),
+        ports=tuple(ports),
+        session_affinity=affinity,
+        session_affinity_timeout=DEFAULT_SESSION_AFFINITY_TIMEOUT if timeout is None else timeout,
+    )
+
+
+def _endpoint(r: _Reader, entry: Mapping[str, Any], path: str, address_type: str, v1beta1: bool) -> Endpoint:
+    addresses = r.elements(entry, "addresses", path, str, "a string")
+    if not addresses:
+        r.fail(f"{path}.addresses is empty")
+    parse = _ADDRESS_PARSERS[address_type]
+    if parse is not None:
+        addresses = [(p, str(r.address(p, a, parse, f"an {address_type} address"))) for p, a in addresses]
+
+    conditions = r.mapping(entry, "conditions", path)
+    within = f"{path}.conditions"
+    ready = r.flag(conditions, "ready", within, True)
+    if v1beta1:
+        topology = r.mapping(entry, "topology", path)
+        node_name = r.string(topology, "kubernetes.io/hostname", f"{path}.topology")
+        zone = r.string(topology, "topology.kubernetes.io/zone", f"{path}.topology")
+    else:
+        node_name = r.string(entry, "nodeName", path)
+        zone = r.string(entry, "zone", path)
+    return Endpoint(
+        addresses=tuple(a for _, a in addresses),
+        ready=ready,
+        serving=r.flag(conditions, "serving", within, ready),
+        terminating=r.flag(conditions, "terminating", within, False),
+        node_name=node_name or None,
+        zone=zone or None,
+    )
+
+
+def _endpoint_port(r: _Reader, entry: Mapping[str, Any], path: str) -> EndpointPort | None:
+    port = r.optional_port(entry, "port", path)
+    if port is None:
+        # The API allows it ("all ports"); a proxy has nothing to forward to, as upstream.
+        return None
+    return EndpointPort(name=r.string(entry, "name", path), port=port, protocol=r.protocol(entry, path))
+
+
+def _trigger_time(value: object) -> float | None:
+    """Unix time of an RFC 3339 timestamp; None when absent or unparsable (it only feeds a metric)."""
+    if not isinstance(value, str):
+        return None
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return moment.timestamp() if moment.tzinfo else None
+
+
+def endpointslice_from_dict(d: Mapping[str, Any]) -> EndpointSlice:
+    """Convert a `discovery.k8s.io/v1` or `v1beta1` EndpointSlice (v1 when `apiVersion` is absent, as
+    in the items of a list response); raises InvalidObject if it cannot be used as written."""
+    r, namespace, name, meta = _open(ENDPOINT_SLICE_KIND, d)
+    service_name = r.string(r.mapping(meta, "labels", "metadata"), SERVICE_NAME_LABEL, "metadata.labels")
+    if not service_name:
+        r.fail(f"the {SERVICE_NAME_LABEL} label is missing")
+    address_type = r.string(d, "addressType", "")
+    if address_type not in _ADDRESS_PARSERS:
+        r.fail(f"addressType {address_type!r} is not one of {', '.join(_ADDRESS_PARSERS)}")
+    v1beta1 = d.get("apiVersion") == "discovery.k8s.io/v1beta1"
+    endpoints = r.elements(d, "endpoints", "", Mapping, "an object")
+    ports = (_endpoint_port(r, e, p) for p, e in r.elements(d, "ports", "", Mapping, "an object"))
+    annotations = r.mapping(meta, "annotations", "metadata")
+    return EndpointSlice(
+        namespace=namespace,
+        name=name,
+        service_name=service_name,
+        address_type=address_type,
+        endpoints=tuple(_endpoint(r, e, p, address_type, v1beta1) for p, e in endpoints),
+        ports=tuple(p for p in ports if p is not None),
+        trigger_time=_trigger_time(annotations.get(LAST_CHANGE_TRIGGER_TIME_ANNOTATION)),
+    )

@@ -1,0 +1,72 @@
+"""Ordinary Kubernetes YAML for lab scenarios: `v1` Services and `discovery.k8s.io/v1` EndpointSlices.
+
+Written as block-style YAML text, the way people write manifests, without a YAML library (stdlib only).
+Values are not validated, on purpose: tests also write invalid objects (port 70000, protocol FOO, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+
+
+@dataclass(frozen=True, slots=True)
+class Port:
+    """One Service port and the backend port it maps to (the EndpointSlice carries that resolved number)."""
+
+    name: str
+    port: int
+    backend_port: int
+    protocol: str = "TCP"
+    target_port: int | str | None = None
+    """The Service's targetPort when it differs from `backend_port`, e.g. a port name such as "http"."""
+
+
+# Words YAML 1.1 reads as booleans or null when unquoted.
+_YAML_WORDS = {"y", "n", "yes", "no", "true", "false", "on", "off", "null"}
+
+
+def _q(value: object) -> str:
+    """A scalar: plain when it is an unambiguous word, else a JSON string, which is a valid YAML double-quoted
+    scalar (so an IP, "80" or "on" is never misread as a number or a boolean)."""
+    if isinstance(value, str) and re.fullmatch(r"[A-Za-z][A-Za-z0-9.-]*", value) and \
+            value.lower() not in _YAML_WORDS:
+        return value
+    return json.dumps(value)
+
+
+def service(name: str, cluster_ip: str, ports: Sequence[Port], *, namespace: str = "default") -> str:
+    lines = ["apiVersion: v1", "kind: Service", "metadata:", f"  name: {_q(name)}",
+             f"  namespace: {_q(namespace)}", "spec:", "  type: ClusterIP", f"  clusterIP: {_q(cluster_ip)}",
+             "  ports:"]
+    for p in ports:
+        lines += [f"  - name: {_q(p.name)}", f"    port: {p.port}", f"    protocol: {_q(p.protocol)}",
+                  f"    targetPort: {_q(p.backend_port if p.target_port is None else p.target_port)}"]
+    return "\n".join(lines) + "\n"
+
+
+def endpoint_slice(service_name: str, endpoints: Mapping[str, bool | None], ports: Sequence[Port], *,
+                   name: str | None = None, namespace: str = "default") -> str:
+    """An IPv4 slice: `endpoints` maps address -> ready (None: no conditions, which the API reads as ready);
+    its ports are the Service ports' backend ports."""
+    lines = ["apiVersion: discovery.k8s.io/v1", "kind: EndpointSlice", "metadata:",
+             f"  name: {_q(name or service_name + '-abc12')}", f"  namespace: {_q(namespace)}", "  labels:",
+             f"    {SERVICE_NAME_LABEL}: {_q(service_name)}", "addressType: IPv4"]
+    lines.append("endpoints:" if endpoints else "endpoints: []")
+    for address, ready in endpoints.items():
+        lines.append(f"- addresses: [{_q(address)}]")
+        if ready is not None:
+            lines += ["  conditions:", f"    ready: {'true' if ready else 'false'}"]
+    lines.append("ports:")
+    for p in ports:
+        lines += [f"- name: {_q(p.name)}", f"  port: {p.backend_port}", f"  protocol: {_q(p.protocol)}"]
+    return "\n".join(lines) + "\n"
+
+
+def documents(*docs: str) -> str:
+    """Several objects in one multi-document YAML file."""
+    return "---\n" + "---\n".join(docs)

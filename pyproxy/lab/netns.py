@@ -1,0 +1,598 @@
+"""A network-namespace lab: a client, a node and N backends, wired with veth pairs, for real traffic.
+
+    client 10.200.0.2 --eth0/to-client-- node --to-bI/eth0-- backend I 10.201.I.2   (I = 1..N)
+                                           \\--to-uplink/eth0-- uplink 10.199.0.2  (only with distro=True)
+
+The node routes (ip_forward=1 in the node namespace only; it is per netns); the client and every backend have
+their default route via the node, so traffic to a ClusterIP goes client -> node -> backend and back. The
+addressing is deterministic (backend I is always 10.201.I.2) so shipped demo manifests can name backends; the
+/24s exist only inside these namespaces. Namespace names are `<prefix>-<4 hex>-<role>`, unique per Lab, so
+parallel labs never collide, and a marker file lets a later Lab remove what a crashed (SIGKILLed) run left.
+
+Everything runs `ip`, `ethtool`, `sysctl` and `iptables` through subprocess with a timeout; teardown runs
+every step even when one fails, and also on exceptions and KeyboardInterrupt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import json
+import logging
+import os
+import secrets
+import select
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from pyproxy.lab.traffic import READY_LINE, HttpResult, ProbeResult
+
+log = logging.getLogger("pyproxy.lab")
+
+DEFAULT_TIMEOUT = 30.0
+# Lab state outside /sys: `ip netns exec` remounts /sys, hiding any bpffs there (kernel-and-bpf.md pitfall 2).
+RUN_DIR = Path("/run/pyproxy-lab")
+# One bpffs shared by all labs, mounted before any `ip netns exec`, so pins made by pyproxy inside the node
+# namespace are visible to `pyproxy cleanup`, `bpftool` and the tests; each Lab pins in its own subdirectory.
+BPFFS_DIR = RUN_DIR / "bpffs"
+MARKER_DIR = RUN_DIR / "labs"
+
+CLIENT_IP = "10.200.0.2"
+NODE_CLIENT_IP = "10.200.0.1"
+UPLINK_IP = "10.199.0.2"
+NODE_UPLINK_IP = "10.199.0.1"
+NODE_CLIENT_IFNAME = "to-client"
+NODE_UPLINK_IFNAME = "to-uplink"
+# The interface name on the client, backend and uplink side of their veth.
+PEER_IFNAME = "eth0"
+IFNAMSIZ = 15
+MAX_BACKENDS = 254
+
+# The counters a wrong checksum after NAT increments in the receiving namespace (names as nstat prints them).
+CHECKSUM_COUNTERS = ("TcpInCsumErrors", "UdpInCsumErrors", "IcmpInCsumErrors", "IpExtInCsumErrors")
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class LabError(RuntimeError):
+    """A lab command failed; the message carries the command and its stderr."""
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    index: int
+    name: str
+    """Short name, `b1`, `b2`, ...: what the traffic server answers with."""
+    ns: str
+    """The namespace's full name."""
+    ip: str
+    node_ip: str
+    """The node's address on this link: the backend's default gateway."""
+    node_ifname: str
+    """The node-side interface of this backend's veth pair."""
+
+
+def backend_ip(index: int) -> str:
+    """Backend `index`'s address; fixed, so manifests written ahead of time match the lab."""
+    return f"10.201.{index}.2"
+
+
+# ------------------------------------------------------------------------------------------------- commands
+
+
+def python_env() -> dict[str, str]:
+    """The environment for `python -m pyproxy...` inside a namespace: this process's, with this pyproxy on
+    the path (an `ip netns exec` child inherits the environment, but need not share our working directory)."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def run(argv: Sequence[str], *, check: bool = True, timeout: float = DEFAULT_TIMEOUT,
+        input: str | None = None, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a command to completion within `timeout` seconds; LabError with its stderr when it fails."""
+    try:
+        cp = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, input=input,
+                            env=None if env is None else dict(env))
+    except subprocess.TimeoutExpired as exc:
+        raise LabError(f"timed out after {timeout:g}s: {shlex.join(argv)}") from exc
+    except OSError as exc:
+        raise LabError(f"cannot run {shlex.join(argv)}: {exc}") from exc
+    if check and cp.returncode != 0:
+        raise LabError(f"{shlex.join(argv)} exited {cp.returncode}: {(cp.stderr or cp.stdout).strip()}")
+    return cp
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: if the test runner dies, even by SIGKILL, its servers and
+    # pyproxy get SIGTERM instead of living on. It survives `ip netns exec`'s exec (ip is not setuid).
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _process_starttime(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat: tells a live owner from a new process that reused its pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def list_namespaces() -> list[str]:
+    out = run(["ip", "netns", "list"]).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _kill_namespace_pids(ns: str) -> None:
+    # Only ever our own uniquely named namespaces: whatever runs there was started by a lab.
+    for pid in run(["ip", "netns", "pids", ns], check=False).stdout.split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def _delete_namespace(ns: str) -> None:
+    _kill_namespace_pids(ns)
+    run(["ip", "netns", "del", ns])
+
+
+def _remove_tree(path: Path) -> None:
+    # Works on bpffs too: pins unlink, directories rmdir.
+    if path.exists():
+        shutil.rmtree(path)
+
+
+@contextlib.contextmanager
+def _run_dir_lock() -> Iterator[None]:
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    with open(RUN_DIR / "lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _is_bpffs(path: Path) -> bool:
+    target = str(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            if fields[4] == target and fields[sep + 1] == "bpf":
+                return True
+    return False
+
+
+def ensure_bpffs() -> Path:
+    """Mount the labs' shared bpffs at BPFFS_DIR unless it is there already; returns BPFFS_DIR."""
+    with _run_dir_lock():
+        if not _is_bpffs(BPFFS_DIR):
+            BPFFS_DIR.mkdir(parents=True, exist_ok=True)
+            run(["mount", "-t", "bpf", "bpf", str(BPFFS_DIR)])
+    return BPFFS_DIR
+
+
+def reap_stale_labs() -> list[str]:
+    """Remove namespaces, pins and markers of labs whose owning process is gone; returns their ids.
+
+    A Lab writes a marker (owner pid and start time) before it creates anything, so only labs of dead owners
+    are touched, never those of a live parallel run."""
+    reaped: list[str] = []
+    if not MARKER_DIR.is_dir():
+        return reaped
+    for marker in MARKER_DIR.glob("*.json"):
+        try:
+            owner = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            continue
+        if _process_starttime(owner["pid"]) == owner["starttime"]:
+            continue
+        lab_id = marker.stem
+        for ns in list_namespaces():
+            if ns.startswith(lab_id + "-"):
+                with contextlib.suppress(LabError):
+                    _delete_namespace(ns)
+        with contextlib.suppress(OSError):
+            _remove_tree(BPFFS_DIR / lab_id)
+        marker.unlink(missing_ok=True)
+        reaped.append(lab_id)
+    return reaped
+
+
+# ------------------------------------------------------------------------------------------------- the lab
+
+
+class Lab:
+    """client <-> node <-> backends in network namespaces; a context manager that always tears down.
+
+    `distro=True` makes the node look like a stock distribution: strict (or, with rp_filter=2, loose) reverse
+    path filtering on all, default and every interface, a default route via an extra uplink namespace, and
+    `iptables -A FORWARD -m conntrack --ctstate INVALID -j DROP`. `csum_offload=False` (the default) turns off
+    tx checksum offload on the client's and backends' veth ends: their packets then carry full checksums, and
+    a checksum left wrong by NAT is verified and counted by the receiver (pitfall 3), see `checksum_errors()`.
+    """
+
+    def __init__(self, backends: int = 3, *, prefix: str = "pyp", distro: bool = False,
+                 csum_offload: bool = False, rp_filter: int = 1) -> None:
+        if not 0 <= backends <= MAX_BACKENDS:
+            raise ValueError(f"backends must be 0..{MAX_BACKENDS}")
+        if rp_filter not in (0, 1, 2):
+            raise ValueError("rp_filter must be 0, 1 or 2")
+        self.prefix = prefix
+        self.distro = distro
+        self.csum_offload = csum_offload
+        self.rp_filter = rp_filter
+        self._initial_backends = backends
+        self.id = ""
+        self._backends: list[Backend] = []
+        self._namespaces: list[str] = []
+        self._procs: list[subprocess.Popen[Any]] = []
+        self._servers: dict[str, subprocess.Popen[bytes]] = {}
+        self._server_ports: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._workdir: Path | None = None
+        self._started = False
+        self._closed = False
+        self.teardown_errors: list[str] = []
+
+    # ---- names
+
+    def _ns(self, role: str) -> str:
+        return f"{self.id}-{role}"
+
+    @property
+    def node(self) -> str:
+        return self._ns("node")
+
+    @property
+    def client(self) -> str:
+        return self._ns("client")
+
+    @property
+    def uplink(self) -> str | None:
+        return self._ns("uplink") if self.distro else None
+
+    @property
+    def backends(self) -> list[Backend]:
+        return list(self._backends)
+
+    @property
+    def namespaces(self) -> list[str]:
+        return list(self._namespaces)
+
+    @property
+    def client_ip(self) -> str:
+        return CLIENT_IP
+
+    @property
+    def node_client_ifname(self) -> str:
+        """The node's client-facing interface (where ClusterIP traffic enters the node)."""
+        return NODE_CLIENT_IFNAME
+
+    @property
+    def node_ifnames(self) -> list[str]:
+        """Every interface of the node except lo."""
+        names = [NODE_CLIENT_IFNAME] + [b.node_ifname for b in self._backends]
+        return names + [NODE_UPLINK_IFNAME] if self.distro else names
+
+    @property
+    def pin_path(self) -> str:
+        """A bpffs path unique to this lab, for `--bpf-pin-path`; the lab removes whatever is left there."""
+        return str(BPFFS_DIR / self.id)
+
+    @property
+    def workdir(self) -> Path:
+        """A scratch directory removed at teardown."""
+        if self._workdir is None:
+            self._workdir = Path(tempfile.mkdtemp(prefix=f"{self.id}-"))
+        return self._workdir
+
+    def _resolve(self, ns: str) -> str:
+        """Accept a full namespace name or a role (`node`, `client`, `uplink`, `b1`, ...)."""
+        return ns if ns in self._namespaces else self._ns(ns)
+
+    def _role(self, ns: str) -> str:
+        return ns.removeprefix(self.id + "-")
+
+    # ---- lifecycle
+
+    def __enter__(self) -> Lab:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def start(self) -> Lab:
+        if self._started:
+            raise LabError("lab already started")
+        self._started = True
+        try:
+            self._claim_id()
+            ensure_bpffs()
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _claim_id(self) -> None:
+        with contextlib.suppress(LabError, OSError):
+            reap_stale_labs()
+        MARKER_DIR.mkdir(parents=True, exist_ok=True)
+        existing = set(list_namespaces())
+        while True:
+            self.id = f"{self.prefix}-{secrets.token_hex(2)}"
+            marker = MARKER_DIR / f"{self.id}.json"
+            if any(ns.startswith(self.id + "-") for ns in existing):
+                continue
+            try:
+                # O_EXCL: two labs drawing the same id at the same moment cannot both claim it.
+                with open(marker, "x") as f:
+                    pid = os.getpid()
+                    json.dump({"pid": pid, "starttime": _process_starttime(pid)}, f)
+            except FileExistsError:
+                continue
+            return
+
+    def _add_ns(self, role: str) -> str:
+        ns = self._ns(role)
+        run(["ip", "netns", "add", ns])
+        self._namespaces.append(ns)
+        run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        return ns
+
+    def _link(self, node_ifname: str, peer_ns: str, node_cidr: str, peer_cidr: str, gateway: str) -> None:
+        """A veth pair node:node_ifname <-> peer_ns:eth0, addressed and up; the peer routes via the node."""
+        if len(node_ifname) > IFNAMSIZ:
+            raise LabError(f"interface name too long: {node_ifname}")
+        # Created directly inside the namespaces: no temporary name in the host namespace to collide on.
+        run(["ip", "-n", self.node, "link", "add", node_ifname, "type", "veth", "peer", "name", PEER_IFNAME,
+             "netns", peer_ns])
+        if self.distro:
+            # Before the address: strict filtering from the first packet, also on devices added later.
+            self.sysctl(self.node, {f"net.ipv4.conf.{node_ifname}.rp_filter": self.rp_filter})
+        run(["ip", "-n", self.node, "addr", "add", node_cidr, "dev", node_ifname])
+        run(["ip", "-n", peer_ns, "addr", "add", peer_cidr, "dev", PEER_IFNAME])
+        if not self.csum_offload and peer_ns != self.uplink:
+            # Full checksums on the wire, so the receiver verifies (and counts) what NAT did (pitfall 3).
+            self.exec(peer_ns, "ethtool", "-K", PEER_IFNAME, "tx", "off")
+        run(["ip", "-n", self.node, "link", "set", node_ifname, "up"])
+        run(["ip", "-n", peer_ns, "link", "set", PEER_IFNAME, "up"])
+        run(["ip", "-n", peer_ns, "route", "add", "default", "via", gateway])
+
+    def _build(self) -> None:
+        self._add_ns("node")
+        self.sysctl(self.node, {"net.ipv4.ip_forward": 1})
+        if self.distro:
+            self.sysctl(self.node, {"net.ipv4.conf.all.rp_filter": self.rp_filter,
+                                    "net.ipv4.conf.default.rp_filter": self.rp_filter,
+                                    "net.ipv4.conf.lo.rp_filter": self.rp_filter})
+            # conntrack in the node: a NAT that leaves flows looking invalid to it gets them dropped, as on a
+            # distribution.
+            self.exec(self.node, "iptables", "-w", "5", "-A", "FORWARD", "-m", "conntrack", "--ctstate",
+                      "INVALID", "-j", "DROP")
+        self._add_ns("client")
+        self._link(NODE_CLIENT_IFNAME, self.client, f"{NODE_CLIENT_IP}/24", f"{CLIENT_IP}/24", NODE_CLIENT_IP)
+        if self.distro:
+            uplink = self._add_ns("uplink")
+            self._link(NODE_UPLINK_IFNAME, uplink, f"{NODE_UPLINK_IP}/24", f"{UPLINK_IP}/24", NODE_UPLINK_IP)
+            # The node's default route leaves through the uplink, as a real node's does: traffic the dataplane
+            # does not translate goes there, not back to the client.
+            run(["ip", "-n", self.node, "route", "add", "default", "via", UPLINK_IP])
+        for _ in range(self._initial_backends):
+            self._add_backend()
+
+    def _add_backend(self) -> Backend:
+        index = len(self._backends) + 1
+        if index > MAX_BACKENDS:
+            raise LabError(f"at most {MAX_BACKENDS} backends")
+        name = f"b{index}"
+        ns = self._add_ns(name)
+        backend = Backend(index=index, name=name, ns=ns, ip=backend_ip(index), node_ip=f"10.201.{index}.1",
+                          node_ifname=f"to-{name}")
+        self._link(backend.node_ifname, ns, f"{backend.node_ip}/24", f"{backend.ip}/24", backend.node_ip)
+        self._backends.append(backend)
+        return backend
+
+    def add_backend(self) -> Backend:
+        """One more backend namespace and node interface, after start; it runs the servers the others run."""
+        if not self._started or self._closed:
+            raise LabError("lab not running")
+        backend = self._add_backend()
+        if self._server_ports is not None:
+            self.start_servers(*self._server_ports, backends=[backend])
+        return backend
+
+    def close(self) -> list[str]:
+        """Tear everything down; every step runs even if an earlier one failed. Returns the failures (also
+        logged). A KeyboardInterrupt during teardown does not cut it short: it is re-raised at the end."""
+        if self._closed:
+            return self.teardown_errors
+        self._closed = True
+        interrupted: KeyboardInterrupt | None = None
+
+        def step(what: str, fn: Callable[..., object], *args: Any) -> None:
+            nonlocal interrupted
+            try:
+                fn(*args)
+            except KeyboardInterrupt as exc:
+                interrupted = exc
+            except Exception as exc:  # noqa: BLE001 - collected and logged; the next step must still run
+                self.teardown_errors.append(f"{what}: {exc}")
+                log.warning("lab %s teardown: %s: %s", self.id, what, exc)
+
+        step("stop processes", self._stop_processes)
+        for ns in reversed(self._namespaces):
+            step(f"delete namespace {ns}", _delete_namespace, ns)
+        if self.id:
+            step("remove pins", _remove_tree, Path(self.pin_path))
+            step("remove marker", (MARKER_DIR / f"{self.id}.json").unlink, True)
+        if self._workdir is not None:
+            step("remove workdir", _remove_tree, self._workdir)
+        if interrupted is not None:
+            raise interrupted
+        return self.teardown_errors
+
+    def _stop_processes(self, grace: float = 3.0) -> None:
+        procs = [p for p in self._procs if p.poll() is None]
+        for p in procs:
+            # Each was started in its own session: the group also holds anything it spawned.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        end = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=grace)
+        for p in self._procs:
+            for stream in (p.stdin, p.stdout, p.stderr):
+                if stream is not None:
+                    stream.close()
+        self._procs.clear()
+        self._servers.clear()
+
+    # ---- running things in namespaces
+
+    def exec(self, ns: str, *argv: str, check: bool = True, timeout: float = DEFAULT_TIMEOUT,
+             input: str | None = None) -> subprocess.CompletedProcess[str]:
+        """`ip netns exec NS argv...` to completion (bounded by `timeout`); LabError on failure if `check`."""
+        return run(["ip", "netns", "exec", self._resolve(ns), *argv], check=check, timeout=timeout,
+                   input=input, env=python_env())
+
+    def popen(self, ns: str, *argv: str, **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start `ip netns exec NS argv...` in the background; the lab terminates it at teardown at the
+        latest. It gets its own session (so teardown can signal its whole group) and dies with its parent."""
+        kwargs.setdefault("env", python_env())
+        proc: subprocess.Popen[Any] = subprocess.Popen(  # noqa: S603
+            ["ip", "netns", "exec", self._resolve(ns), *argv], start_new_session=True,
+            preexec_fn=_die_with_parent, **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def python(self, ns: str, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        """This Python (`sys.executable`) with `args`, inside `ns`."""
+        return self.exec(ns, sys.executable, *args, **kwargs)
+
+    def sysctl(self, ns: str, settings: Mapping[str, int | str]) -> None:
+        self.exec(ns, "sysctl", "-q", "-w", *(f"{k}={v}" for k, v in settings.items()))
+
+    # ---- traffic
+
+    def start_servers(self, tcp: Iterable[int] = (), udp: Iterable[int] = (),
+                      backends: Iterable[Backend] | None = None, timeout: float = 10.0) -> None:
+        """Run the traffic server in each backend (all by default) on these ports; returns once all listen.
+
+        Backends added later with add_backend() get the same servers."""
+        tcp_ports, udp_ports = tuple(tcp), tuple(udp)
+        self._server_ports = (tcp_ports, udp_ports)
+        targets = list(self._backends if backends is None else backends)
+        started = []
+        for b in targets:
+            if b.name in self._servers:
+                self.stop_servers([b])
+            # stdin stays an open pipe: the server exits on its EOF, i.e. when this process is gone.
+            proc = self.popen(b.ns, sys.executable, "-m", "pyproxy.lab.traffic", "serve", "--name", b.name,
+                              "--tcp", ",".join(map(str, tcp_ports)), "--udp", ",".join(map(str, udp_ports)),
+                              "--exit-on-stdin-eof", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+            self._servers[b.name] = proc
+            started.append((b, proc))
+        # Started all at once, then waited for: the Python start-ups overlap.
+        end = time.monotonic() + timeout
+        for b, proc in started:
+            assert proc.stdout is not None and proc.stderr is not None
+            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, end - time.monotonic()))
+            line = proc.stdout.readline().decode().strip() if ready else ""
+            if line != READY_LINE:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=5)
+                err = proc.stderr.read().decode(errors="replace").strip()
+                raise LabError(f"server in {b.name} did not start (rc={proc.returncode}): {err[-2000:]}")
+
+    def stop_servers(self, backends: Iterable[Backend] | None = None) -> None:
+        names = [b.name for b in (self._backends if backends is None else backends)]
+        for name in names:
+            proc = self._servers.pop(name, None)
+            if proc is None:
+                continue
+            assert proc.stdin is not None
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+    def probe(self, proto: str, ip: str, port: int, count: int = 20, *, timeout: float = 1.0,
+              deadline: float | None = None, interval: float = 0.0, ns: str | None = None) -> ProbeResult:
+        """Send `count` requests (a new TCP connection / UDP socket each) from the client (or `ns`) to
+        ip:port. Returns {"replies": {"b1:8080": n, ...}, "failures": k, "errors": {...}, ...}."""
+        if proto not in ("tcp", "udp"):
+            raise ValueError("proto must be tcp or udp")
+        if deadline is None:
+            deadline = min(60.0, count * timeout + 5.0)
+        out = self.python(self.client if ns is None else ns, "-m", "pyproxy.lab.traffic", "probe",
+                          f"--{proto}", ip, str(port), "--count", str(count), "--timeout", str(timeout),
+                          "--deadline", str(deadline), "--interval", str(interval),
+                          timeout=deadline + 15.0).stdout
+        result: ProbeResult = json.loads(out)
+        return result
+
+    def http_get(self, ns: str, url: str, *, timeout: float = 2.0, wait: float = 0.0,
+                 expect: int | None = None) -> HttpResult:
+        """GET `url` from inside `ns`; with `wait` and `expect`, poll until it answers `expect` (bounded)."""
+        args = ["-m", "pyproxy.lab.traffic", "http", url, "--timeout", str(timeout)]
+        if wait and expect is not None:
+            args += ["--wait", str(wait), "--expect", str(expect)]
+        out = self.python(ns, *args, check=False, timeout=wait + timeout + 15.0).stdout
+        result: HttpResult = json.loads(out)
+        return result
+
+    # ---- observation
+
+    def checksum_errors(self, namespaces: Iterable[str] | None = None) -> dict[str, dict[str, int]]:
+        """Checksum error counters per namespace, {role: {TcpInCsumErrors: n, ...}}, of the client, the
+        backends and the node, read from /proc/net/snmp and /proc/net/netstat inside each namespace."""
+        targets = (list(namespaces) if namespaces is not None
+                   else [self.client, *(b.ns for b in self._backends), self.node])
+        result = {}
+        for ns in targets:
+            text = self.exec(ns, "cat", "/proc/net/snmp", "/proc/net/netstat").stdout
+            counters = parse_proc_net_counters(text)
+            result[self._role(self._resolve(ns))] = {k: counters.get(k, 0) for k in CHECKSUM_COUNTERS}
+        return result
+
+
+def parse_proc_net_counters(text: str) -> dict[str, int]:
+    """`/proc/net/snmp`-style text (a header line then a value line per group) -> {GroupField: value}."""
+    counters = {}
+    lines = text.splitlines()
+    for header, values in zip(lines, lines[1:], strict=False):
+        h_group, _, h_fields = header.partition(":")
+        v_group, _, v_fields = values.partition(":")
+        if h_group != v_group or not h_fields.split() or not v_fields.split()[0].lstrip("-").isdigit():
+            continue
+        for name, value in zip(h_fields.split(), v_fields.split(), strict=False):
+            with contextlib.suppress(ValueError):
+                counters[h_group + name] = int(value)
+    return counters
+
+
+def nonzero_checksum_errors(errors: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:
+    """Only the namespaces and counters of `Lab.checksum_errors()` that are not zero: {} means all clean."""
+    return {ns: {k: v for k, v in c.items() if v} for ns, c in errors.items() if any(c.values())}

@@ -1,0 +1,307 @@
+"""Real traffic for the lab: a backend server, a probing client and an HTTP checker.
+
+Run inside a namespace as `python -m pyproxy.lab.traffic SUBCOMMAND ...`:
+
+    serve --name b1 --tcp 8080,9090 --udp 5353     answer every TCP connection / UDP datagram
+    probe --tcp 10.96.0.10 80 --count 60           one NEW connection (new source port) per request
+    probe --udp 10.96.0.53 53 --count 60           one NEW socket per datagram
+    http http://127.0.0.1:10256/healthz --wait 20 --expect 200
+
+Every reply is one line, `NAME:PORT PEER_IP:PEER_PORT`: the backend's name, the port the request reached it on
+(after DNAT, so a multi-port service shows which targetPort it was mapped to) and the source address the
+backend saw (so a test can tell whether the client's address survived the NAT).
+
+Everything here is bounded in time: each request has its own timeout and a probe run has an overall deadline,
+so a broken dataplane shows up as counted failures, never as a hang. The server is quiet: it never prints
+tracebacks for the misbehaving peers a broken dataplane produces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import signal
+import socket
+import socketserver
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Sequence
+from typing import TypedDict
+
+# Printed by `serve` once every socket is bound, so whoever started it knows when probing can begin.
+READY_LINE = "ready"
+# How long a server waits for a client's request bytes before giving up on that connection.
+SERVER_REQUEST_TIMEOUT = 5.0
+REQUEST = b"probe\n"
+
+
+class ProbeResult(TypedDict):
+    """What `probe` prints (as JSON) and `Lab.probe` returns."""
+
+    replies: dict[str, int]
+    """`NAME:PORT` of the answering backend -> number of requests it answered."""
+    failures: int
+    """Requests without a well-formed reply."""
+    errors: dict[str, int]
+    """Why requests failed: timeout, refused, reset, unreachable, empty, deadline, ..."""
+    seen_from: dict[str, int]
+    """The source IPs the backends reported seeing -> count (the client's own IP unless something SNATs)."""
+    count: int
+    elapsed: float
+
+
+class HttpResult(TypedDict):
+    status: int | None
+    body: str
+    error: str | None
+    elapsed: float
+
+
+def format_reply(name: str, port: int, peer: tuple[str, int]) -> bytes:
+    return f"{name}:{port} {peer[0]}:{peer[1]}\n".encode()
+
+
+def parse_reply(data: bytes) -> tuple[str, str] | None:
+    """(`NAME:PORT`, peer IP) from a reply line, or None when it is not one of ours."""
+    fields = data.decode(errors="replace").split()
+    if len(fields) != 2 or ":" not in fields[0] or ":" not in fields[1]:
+        return None
+    return fields[0], fields[1].rsplit(":", 1)[0]
+
+
+# ---------------------------------------------------------------------------------------------------- server
+
+
+class _QuietTCPServer(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+    # Probes open connections back to back; a deep backlog keeps a slow Python accept loop from dropping SYNs.
+    request_queue_size = 256
+
+    def __init__(self, name: str, address: tuple[str, int]) -> None:
+        self.name = name
+        super().__init__(address, _TCPHandler)
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        # Resets and half-open connections are what a broken dataplane produces; the client counts them.
+        pass
+
+
+class _TCPHandler(socketserver.BaseRequestHandler):
+    server: _QuietTCPServer
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        sock.settimeout(SERVER_REQUEST_TIMEOUT)
+        try:
+            # Wait for the request so the reply proves data crossed the forward path, not just the handshake.
+            if not sock.recv(1024):
+                return
+            sock.sendall(format_reply(self.server.name, self.server.server_address[1], self.client_address))
+        except OSError:
+            pass
+
+
+def _serve_udp(name: str, sock: socket.socket) -> None:
+    port = sock.getsockname()[1]
+    while True:
+        try:
+            _, peer = sock.recvfrom(2048)
+            sock.sendto(format_reply(name, port, peer), peer)
+        except OSError:
+            # ICMP errors from earlier sends surface here (ECONNREFUSED etc.); keep serving.
+            continue
+
+
+def serve(name: str, tcp_ports: Sequence[int], udp_ports: Sequence[int], bind: str = "0.0.0.0",
+          exit_on_stdin_eof: bool = False) -> int:
+    # Bind everything before announcing readiness, so a port clash is an error the starter sees, not a hang.
+    tcp_servers = [_QuietTCPServer(name, (bind, port)) for port in tcp_ports]
+    udp_socks = []
+    for port in udp_ports:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((bind, port))
+        udp_socks.append(sock)
+    for server in tcp_servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    for sock in udp_socks:
+        threading.Thread(target=_serve_udp, args=(name, sock), daemon=True).start()
+
+    print(READY_LINE, flush=True)
+    if exit_on_stdin_eof:
+        # The starter holds our stdin open; when it dies (even by SIGKILL) we see EOF and go, leaving nothing.
+        sys.stdin.buffer.read()
+    else:
+        threading.Event().wait()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- client
+
+
+def _classify(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError | socket.timeout):
+        return "timeout"
+    if isinstance(exc, ConnectionRefusedError):
+        return "refused"
+    if isinstance(exc, ConnectionResetError):
+        return "reset"
+    if isinstance(exc, OSError) and exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        return "unreachable"
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return errno.errorcode.get(exc.errno, str(exc.errno))
+    return type(exc).__name__
+
+
+def _tcp_request(ip: str, port: int, timeout: float) -> bytes:
+    end = time.monotonic() + timeout
+    # A fresh socket per request: a new source port, so every request is a new flow for the load balancer.
+    with socket.create_connection((ip, port), timeout=timeout) as sock:
+        sock.sendall(REQUEST)
+        data = b""
+        while not data.endswith(b"\n"):
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("reply incomplete")
+            sock.settimeout(remaining)
+            chunk = sock.recv(1024)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+
+def _udp_request(ip: str, port: int, timeout: float) -> bytes:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        # connect() makes the kernel drop replies whose source is not ip:port, as a real resolver would: a
+        # reply that escaped reverse NAT (source = backend IP) is a failure; ICMP port unreachable: "refused".
+        sock.connect((ip, port))
+        sock.settimeout(timeout)
+        sock.send(REQUEST)
+        return sock.recv(2048)
+
+
+def probe(proto: str, ip: str, port: int, count: int, timeout: float = 1.0, deadline: float = 60.0,
+          interval: float = 0.0) -> ProbeResult:
+    request = _tcp_request if proto == "tcp" else _udp_request
+    replies: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
+    seen_from: Counter[str] = Counter()
+    start = time.monotonic()
+    for i in range(count):
+        if time.monotonic() - start > deadline:
+            errors["deadline"] += count - i
+            break
+        try:
+            parsed = parse_reply(request(ip, port, timeout))
+        except Exception as exc:  # noqa: BLE001 - every failure is counted by kind, none may end the run
+            errors[_classify(exc)] += 1
+        else:
+            if parsed is None:
+                errors["empty"] += 1
+            else:
+                replies[parsed[0]] += 1
+                seen_from[parsed[1]] += 1
+        if interval:
+            time.sleep(interval)
+    return ProbeResult(replies=dict(sorted(replies.items())), failures=sum(errors.values()),
+                       errors=dict(errors), seen_from=dict(seen_from), count=count,
+                       elapsed=round(time.monotonic() - start, 3))
+
+
+# ---------------------------------------------------------------------------------------------------- http
+
+
+def http_get(url: str, timeout: float = 2.0) -> HttpResult:
+    start = time.monotonic()
+    # No proxies: the target is the namespace's own loopback, whatever http_proxy the environment names.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    status: int | None = None
+    body = ""
+    error: str | None = None
+    try:
+        with opener.open(url, timeout=timeout) as resp:
+            status = resp.status
+            body = resp.read(65536).decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+        body = exc.read(65536).decode(errors="replace")
+    except Exception as exc:  # noqa: BLE001 - reported to the caller, who decides
+        error = f"{type(exc).__name__}: {exc}"
+    return HttpResult(status=status, body=body, error=error, elapsed=round(time.monotonic() - start, 3))
+
+
+def wait_http(url: str, expect: int, deadline: float, timeout: float = 1.0) -> HttpResult:
+    """Poll `url` until it answers `expect` or `deadline` seconds pass; the last answer either way."""
+    end = time.monotonic() + deadline
+    while True:
+        result = http_get(url, timeout=min(timeout, max(0.1, end - time.monotonic())))
+        if result["status"] == expect or time.monotonic() >= end:
+            return result
+        time.sleep(0.1)
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+
+def _ports(text: str) -> list[int]:
+    return [int(p) for p in text.split(",") if p.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pyproxy.lab.traffic", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p_serve = sub.add_parser("serve", help="answer TCP connections and UDP datagrams with NAME:PORT")
+    p_serve.add_argument("--name", required=True)
+    p_serve.add_argument("--tcp", type=_ports, default=[], help="comma-separated ports")
+    p_serve.add_argument("--udp", type=_ports, default=[], help="comma-separated ports")
+    p_serve.add_argument("--bind", default="0.0.0.0")
+    p_serve.add_argument("--exit-on-stdin-eof", action="store_true", help="exit when stdin closes")
+
+    p_probe = sub.add_parser("probe", help="send requests, print a JSON summary of who answered")
+    proto = p_probe.add_mutually_exclusive_group(required=True)
+    proto.add_argument("--tcp", dest="proto", action="store_const", const="tcp")
+    proto.add_argument("--udp", dest="proto", action="store_const", const="udp")
+    p_probe.add_argument("ip")
+    p_probe.add_argument("port", type=int)
+    p_probe.add_argument("--count", type=int, default=20)
+    p_probe.add_argument("--timeout", type=float, default=1.0, help="seconds per request")
+    p_probe.add_argument("--deadline", type=float, default=60.0, help="seconds for the whole run")
+    p_probe.add_argument("--interval", type=float, default=0.0, help="seconds between requests")
+
+    p_http = sub.add_parser("http", help="GET a URL, print JSON {status, body, error, elapsed}")
+    p_http.add_argument("url")
+    p_http.add_argument("--timeout", type=float, default=2.0, help="seconds per request")
+    p_http.add_argument("--wait", type=float, default=0.0, help="poll up to this many seconds for --expect")
+    p_http.add_argument("--expect", type=int, default=None, help="status that makes the exit code 0")
+
+    args = parser.parse_args(argv)
+    # A terminated server or client ends quietly with status 0 instead of a KeyboardInterrupt-style traceback.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        if args.cmd == "serve":
+            return serve(args.name, args.tcp, args.udp, args.bind, args.exit_on_stdin_eof)
+        if args.cmd == "probe":
+            print(json.dumps(probe(args.proto, args.ip, args.port, args.count, args.timeout, args.deadline,
+                                   args.interval)))
+            return 0
+        if args.wait and args.expect is not None:
+            result = wait_http(args.url, args.expect, args.wait, args.timeout)
+        else:
+            result = http_get(args.url, args.timeout)
+        print(json.dumps(result))
+        return 0 if args.expect is None or result["status"] == args.expect else 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

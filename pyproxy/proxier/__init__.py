@@ -1,0 +1,1 @@
+"""The proxier: sources record changes, one runner syncs, the dataplane applies."""

@@ -1,0 +1,94 @@
+"""What `pyproxy run`, `inspect` and `cleanup` do, given ready settings."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+
+from pyproxy.dataplane.base import Dataplane
+from pyproxy.dataplane.bpf import backend as bpf_backend
+from pyproxy.dataplane.bpf import inspect as bpf_inspect
+from pyproxy.dataplane.bpf.loader import BpfUnavailable
+from pyproxy.k8s.manifest import ManifestSource
+from pyproxy.proxier.config import ProxySettings, parse_address
+from pyproxy.proxier.metrics import ProxyMetrics
+from pyproxy.proxier.proxier import Proxier
+from pyproxy.proxier.server import ProxyHealth, health_server, metrics_server
+
+log = logging.getLogger(__name__)
+
+
+class StartupError(RuntimeError):
+    """pyproxy cannot start as configured; the message says why."""
+
+
+def make_dataplane(settings: ProxySettings) -> Dataplane:
+    if settings.mode == "bpf":
+        return bpf_backend.BpfDataplane(settings.bpf)
+    raise StartupError(f"--proxy-mode={settings.mode}: not available in this build (bpf is)")
+
+
+def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
+    """Run until SIGTERM/SIGINT (or `stop`); the dataplane stays programmed after return."""
+    stop = stop or threading.Event()
+    if settings.source is None:
+        raise StartupError("no source of Services: give --source=PATH (manifests)")
+    dataplane = make_dataplane(settings)
+    try:
+        dataplane.start()
+    except (BpfUnavailable, OSError) as e:
+        raise StartupError(f"the {settings.mode} dataplane cannot start: {e}") from e
+    metrics = ProxyMetrics(dataplane.mode)
+    health = ProxyHealth(settings.sync_period)
+    proxier = Proxier(
+        dataplane,
+        min_sync_period=settings.min_sync_period,
+        sync_period=settings.sync_period,
+        metrics=metrics,
+        health=health,
+    )
+    servers = [
+        health_server(*parse_address(settings.healthz_bind_address), health).start(),
+        metrics_server(*parse_address(settings.metrics_bind_address), metrics.registry, dataplane.mode).start(),
+    ]
+    source = ManifestSource(settings.source, proxier)
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("received %s: stopping, the dataplane stays in place", signal.Signals(signum).name)
+        stop.set()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    sync_thread = threading.Thread(target=proxier.runner.loop, name="sync", daemon=True)
+    sync_thread.start()
+    source.start()
+    log.info("pyproxy running: mode=%s source=%s", dataplane.mode, settings.source)
+    stop.wait()
+    source.stop()
+    proxier.runner.stop()
+    sync_thread.join(timeout=5)
+    for s in servers:
+        s.stop()
+    dataplane.stop()
+    return 0
+
+
+def inspect(settings: ProxySettings, flows: bool = True) -> str:
+    maps = bpf_inspect.open_maps(settings.bpf.pin_path)
+    if maps is None:
+        raise StartupError(
+            f"no pyproxy BPF dataplane here: no pins under {settings.bpf.pin_path} and no pyproxy program "
+            "attached in this network namespace"
+        )
+    try:
+        return bpf_inspect.report(maps, flows)
+    finally:
+        maps.close()
+
+
+def cleanup(settings: ProxySettings) -> list[str]:
+    return bpf_backend.cleanup(Path(settings.bpf.pin_path))

@@ -1,0 +1,35 @@
+"""Settings of `pyproxy run`, shaped like upstream's KubeProxyConfiguration. The CLI and the config file
+only map onto these dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pyproxy.dataplane.bpf.backend import BpfSettings
+
+
+@dataclass
+class ProxySettings:
+    mode: str = "bpf"
+    """--proxy-mode: which dataplane programs the kernel."""
+    source: Path | None = None
+    """--source: a manifest file or folder; without it, the Kubernetes API."""
+    healthz_bind_address: str = "0.0.0.0:10256"
+    """--healthz-bind-address: /healthz and /livez (upstream's port)."""
+    metrics_bind_address: str = "127.0.0.1:10249"
+    """--metrics-bind-address: Prometheus /metrics (upstream's port)."""
+    min_sync_period: float = 1.0
+    """--min-sync-period: seconds between two syncs at the least; bursts coalesce into one."""
+    sync_period: float = 30.0
+    """--sync-period: seconds between full resyncs at the most."""
+    bpf: BpfSettings = field(default_factory=BpfSettings)
+    """The BPF dataplane's own settings."""
+
+
+def parse_address(addr: str) -> tuple[str, int]:
+    """"host:port" (IPv6 hosts in brackets) -> (host, port); port 0 means any free port."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"invalid bind address {addr!r}: want host:port")
+    return host.strip("[]") or "0.0.0.0", int(port)

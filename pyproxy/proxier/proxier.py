@@ -1,0 +1,101 @@
+"""Wires one source, the change trackers, the runner and a dataplane together.
+
+Sources only record (`set_service`, `set_endpoint_slice`); the runner's thread is the only one that
+drains the trackers, computes the desired state and applies it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pyproxy.dataplane.base import Dataplane
+from pyproxy.model.desired import update_desired_state
+from pyproxy.model.objects import EndpointSlice, Service
+from pyproxy.model.state import DesiredState
+from pyproxy.model.tracker import ClusterState
+from pyproxy.proxier.metrics import ProxyMetrics
+from pyproxy.proxier.runner import BoundedFrequencyRunner
+from pyproxy.proxier.server import ProxyHealth
+
+log = logging.getLogger(__name__)
+
+
+class Proxier:
+    """Implements the sources' ObjectSink protocol and owns the sync."""
+
+    def __init__(
+        self,
+        dataplane: Dataplane,
+        *,
+        min_sync_period: float,
+        sync_period: float,
+        metrics: ProxyMetrics,
+        health: ProxyHealth,
+    ) -> None:
+        self.dataplane = dataplane
+        self.cluster = ClusterState()
+        self.desired = DesiredState()
+        self.metrics = metrics
+        self.health = health
+        self.sync_period = sync_period
+        self.runner = BoundedFrequencyRunner(self.sync, min_sync_period, sync_period)
+        self._synced = False
+        self._last_full = float("-inf")
+        self._retry: set[str] = set()
+
+    # -- ObjectSink ------------------------------------------------------------------------------
+
+    def set_service(self, key: str, svc: Service | None) -> None:
+        if self.cluster.services.update(key, svc):
+            self.metrics.service_changes_total.inc()
+            self._queued()
+
+    def set_endpoint_slice(self, key: str, s: EndpointSlice | None) -> None:
+        if self.cluster.slices.update(key, s):
+            self.metrics.endpoint_changes_total.inc()
+            self._queued()
+
+    def mark_synced(self) -> None:
+        self._synced = True
+        self.runner.request()
+
+    def _queued(self) -> None:
+        svc, eps = self.cluster.pending_counts()
+        self.metrics.service_changes_pending.set(svc)
+        self.metrics.endpoint_changes_pending.set(eps)
+        self.health.queued()
+        self.runner.request()
+
+    # -- the one sync ----------------------------------------------------------------------------
+
+    def sync(self) -> None:
+        if not self._synced:
+            return  # never program a partial view: wait for every source's first complete read
+        start = time.monotonic()
+        changed = self.cluster.drain_changed_services() | self._retry
+        self.metrics.service_changes_pending.set(0)
+        self.metrics.endpoint_changes_pending.set(0)
+        full = start - self._last_full >= self.sync_period
+        self.desired = update_desired_state(
+            self.desired, self.cluster.services.current, self.cluster.slices_for, changed
+        )
+        if not changed and not full:
+            return
+        try:
+            self.dataplane.apply(self.desired, None if full else changed)
+        except Exception:
+            self._retry = changed
+            self.metrics.sync_errors.inc()
+            raise
+        self._retry = set()
+        if full:
+            self._last_full = start
+        elapsed = time.monotonic() - start
+        self.metrics.sync_duration.observe(elapsed)
+        self.metrics.last_sync.set_to_current_time()
+        self.health.updated()
+        log.info(
+            "synced %s: %d services changed, %d services total, %.1f ms",
+            "all" if full else "changes", len(changed), len(self.desired.services), elapsed * 1000,
+        )

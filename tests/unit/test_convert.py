@@ -1,0 +1,256 @@
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from pyproxy.k8s.convert import endpointslice_from_dict, service_from_dict
+from pyproxy.model.objects import (
+    Endpoint,
+    EndpointPort,
+    EndpointSlice,
+    InvalidObject,
+    Protocol,
+    Service,
+    ServicePort,
+)
+
+
+def service_doc() -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "web", "namespace": "shop"},
+        "spec": {
+            "type": "NodePort",
+            "clusterIP": "10.96.0.10",
+            "clusterIPs": ["10.96.0.10", "fd00::10"],
+            "ports": [
+                {"name": "http", "port": 80, "targetPort": "web", "nodePort": 30080},
+                {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 5353},
+            ],
+            "sessionAffinity": "ClientIP",
+            "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}},
+        },
+    }
+
+
+def slice_doc() -> dict[str, Any]:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": "web-abc",
+            "namespace": "shop",
+            "labels": {"kubernetes.io/service-name": "web"},
+            "annotations": {"endpoints.kubernetes.io/last-change-trigger-time": "2024-05-01T12:00:00Z"},
+        },
+        "addressType": "IPv4",
+        "endpoints": [
+            {"addresses": ["10.0.0.1"], "nodeName": "node-a", "zone": "z1"},
+            {"addresses": ["10.0.0.2"], "conditions": {"ready": False, "serving": True, "terminating": True}},
+        ],
+        "ports": [{"name": "http", "port": 8080}, {"name": "dns", "port": 5353, "protocol": "UDP"}],
+    }
+
+
+def test_a_service_converts_with_its_ipv4_cluster_ips_and_ports() -> None:
+    assert service_from_dict(service_doc()) == Service(
+        namespace="shop",
+        name="web",
+        type="NodePort",
+        cluster_ips=("10.96.0.10",),
+        ports=(
+            ServicePort("http", 80, Protocol.TCP, "web", 30080),
+            ServicePort("dns", 53, Protocol.UDP, 5353),
+        ),
+        session_affinity="ClientIP",
+        session_affinity_timeout=600,
+    )
+
+
+def test_a_minimal_service_gets_the_api_defaults() -> None:
+    svc = service_from_dict(
+        {"metadata": {"name": "web"}, "spec": {"clusterIP": "10.96.0.10", "ports": [{"port": 80}]}}
+    )
+    assert svc == Service(
+        "default", "web", "ClusterIP", ("10.96.0.10",), (ServicePort("", 80, Protocol.TCP, 80),)
+    )
+    assert svc.session_affinity == "None"
+    assert svc.session_affinity_timeout == 10800
+
+
+@pytest.mark.parametrize("cluster_ip", ["None", "", None])
+def test_headless_or_unallocated_services_have_no_cluster_ip(cluster_ip: str | None) -> None:
+    doc = service_doc()
+    del doc["spec"]["clusterIPs"]
+    doc["spec"]["clusterIP"] = cluster_ip
+    assert service_from_dict(doc).cluster_ips == ()
+
+
+def test_a_slice_converts_with_conditions_topology_and_trigger_time() -> None:
+    assert endpointslice_from_dict(slice_doc()) == EndpointSlice(
+        namespace="shop",
+        name="web-abc",
+        service_name="web",
+        address_type="IPv4",
+        endpoints=(
+            Endpoint(("10.0.0.1",), node_name="node-a", zone="z1"),
+            Endpoint(("10.0.0.2",), ready=False, serving=True, terminating=True),
+        ),
+        ports=(EndpointPort("http", 8080, Protocol.TCP), EndpointPort("dns", 5353, Protocol.UDP)),
+    )
+    expected = datetime(2024, 5, 1, 12, tzinfo=UTC).timestamp()
+    assert endpointslice_from_dict(slice_doc()).trigger_time == expected
+
+
+def test_v1beta1_and_v1_normalise_to_the_same_object() -> None:
+    beta = slice_doc()
+    beta["apiVersion"] = "discovery.k8s.io/v1beta1"
+    first = beta["endpoints"][0]
+    del first["nodeName"], first["zone"]
+    first["topology"] = {"kubernetes.io/hostname": "node-a", "topology.kubernetes.io/zone": "z1"}
+    assert endpointslice_from_dict(beta) == endpointslice_from_dict(slice_doc())
+
+
+@pytest.mark.parametrize(
+    ("conditions", "expected"),
+    [
+        ({}, (True, True, False)),
+        ({"ready": None}, (True, True, False)),
+        ({"ready": False}, (False, False, False)),
+        ({"ready": False, "serving": True, "terminating": True}, (False, True, True)),
+    ],
+)
+def test_absent_conditions_follow_the_api_defaults(
+    conditions: dict[str, Any], expected: tuple[bool, ...]
+) -> None:
+    doc = slice_doc()
+    doc["endpoints"] = [{"addresses": ["10.0.0.1"], "conditions": conditions}]
+    ep = endpointslice_from_dict(doc).endpoints[0]
+    assert (ep.ready, ep.serving, ep.terminating) == expected
+
+
+def test_a_slice_port_without_a_number_is_skipped() -> None:
+    doc = slice_doc()
+    doc["ports"] = [{"name": "all", "port": None}, {"name": "http", "port": 8080}]
+    assert endpointslice_from_dict(doc).ports == (EndpointPort("http", 8080, Protocol.TCP),)
+
+
+@pytest.mark.parametrize("stamp", ["yesterday", 1714564800, "2024-05-01T12:00:00"])
+def test_an_unparsable_trigger_time_is_ignored(stamp: object) -> None:
+    doc = slice_doc()
+    doc["metadata"]["annotations"]["endpoints.kubernetes.io/last-change-trigger-time"] = stamp
+    assert endpointslice_from_dict(doc).trigger_time is None
+
+
+Path = tuple[str | int, ...]
+
+
+def set_path(doc: dict[str, Any], path: Path | str, value: Any) -> dict[str, Any]:
+    """A copy of `doc` with `path` set to `value`; a str path is dotted, with list indices as numbers."""
+    if isinstance(path, str):
+        path = tuple(int(p) if p.isdigit() else p for p in path.split("."))
+    doc = copy.deepcopy(doc)
+    node: Any = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "reason"),
+    [
+        ("metadata.name", None, "metadata.name is missing"),
+        ("metadata", ["web"], "metadata must be an object"),
+        ("spec.type", "Magic", "spec.type 'Magic' is not one of"),
+        ("spec.clusterIPs.0", "10.96.0.300", "spec.clusterIPs[0] '10.96.0.300' is not an IP address"),
+        ("spec.clusterIPs", "10.96.0.10", "spec.clusterIPs must be a list"),
+        ("spec.ports.0.port", 0, "spec.ports[0].port 0 is outside 1-65535"),
+        ("spec.ports.0.port", 70000, "spec.ports[0].port 70000 is outside 1-65535"),
+        ("spec.ports.0.port", None, "spec.ports[0].port is missing"),
+        ("spec.ports.0.port", "80", "spec.ports[0].port must be an integer, not '80'"),
+        ("spec.ports.0.port", True, "spec.ports[0].port must be an integer"),
+        ("spec.ports.0.nodePort", 99999, "spec.ports[0].nodePort 99999 is outside 1-65535"),
+        ("spec.ports.1.protocol", "ICMP", "spec.ports[1].protocol 'ICMP' is not one of TCP, UDP, SCTP"),
+        ("spec.ports.1.name", "http", "spec.ports[1].name 'http' is used by another port"),
+        ("spec.ports.1.name", None, "spec.ports[1].name is required when a Service has more than one port"),
+        ("spec.ports.1", {"name": "alt", "port": 80}, "spec.ports[1]: port 80/TCP is used by another port"),
+        ("spec.ports.1", "53/UDP", "spec.ports[1] must be an object"),
+        ("spec.sessionAffinity", "Cookie", "spec.sessionAffinity 'Cookie' is not one of None, ClientIP"),
+        (
+            "spec.sessionAffinityConfig.clientIP.timeoutSeconds",
+            0,
+            "spec.sessionAffinityConfig.clientIP.timeoutSeconds 0 is outside 1-86400",
+        ),
+    ],
+)
+def test_an_invalid_service_is_rejected_with_a_clear_reason(path: str, value: Any, reason: str) -> None:
+    with pytest.raises(InvalidObject) as caught:
+        service_from_dict(set_path(service_doc(), path, value))
+    assert caught.value.kind == "Service"
+    assert caught.value.reason.startswith(reason)
+    if path != "metadata":
+        assert caught.value.key == ("shop/<unnamed>" if path == "metadata.name" else "shop/web")
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "reason"),
+    [
+        ("metadata.labels", {}, "the kubernetes.io/service-name label is missing"),
+        ("addressType", "IPX", "addressType 'IPX' is not one of IPv4, IPv6, FQDN"),
+        ("addressType", None, "addressType '' is not one of"),
+        ("endpoints.0.addresses.0", "fd00::1", "endpoints[0].addresses[0] 'fd00::1' is not an IPv4 address"),
+        ("endpoints.0.addresses.0", "10.0.0", "endpoints[0].addresses[0] '10.0.0' is not an IPv4 address"),
+        ("endpoints.0.addresses", [], "endpoints[0].addresses is empty"),
+        ("endpoints.0.conditions", {"ready": "yes"}, "endpoints[0].conditions.ready must be true or false"),
+        ("endpoints.0", ["10.0.0.1"], "endpoints[0] must be an object"),
+        ("ports.0.port", 65536, "ports[0].port 65536 is outside 1-65535"),
+        ("ports.0.port", "8080", "ports[0].port must be an integer"),
+        ("ports.1.protocol", "udp", "ports[1].protocol 'udp' is not one of TCP, UDP, SCTP"),
+    ],
+)
+def test_an_invalid_slice_is_rejected_with_a_clear_reason(path: str, value: Any, reason: str) -> None:
+    with pytest.raises(InvalidObject) as caught:
+        endpointslice_from_dict(set_path(slice_doc(), path, value))
+    assert (caught.value.kind, caught.value.key) == ("EndpointSlice", "shop/web-abc")
+    assert caught.value.reason.startswith(reason)
+
+
+def test_ipv6_and_fqdn_slices_check_their_own_address_family() -> None:
+    doc = set_path(slice_doc(), "addressType", "IPv6")
+    doc["endpoints"] = [{"addresses": ["fd00:0::1"]}]
+    assert endpointslice_from_dict(doc).endpoints[0].addresses == ("fd00::1",)
+    doc = set_path(slice_doc(), "addressType", "FQDN")
+    doc["endpoints"] = [{"addresses": ["web.example.com"]}]
+    assert endpointslice_from_dict(doc).endpoints[0].addresses == ("web.example.com",)
+
+
+def paths(node: Any, prefix: Path = ()) -> Iterator[Path]:
+    """The path of every value inside a document."""
+    children = enumerate(node) if isinstance(node, list) else node.items() if isinstance(node, dict) else []
+    for key, child in children:
+        yield (*prefix, key)
+        yield from paths(child, (*prefix, key))
+
+
+ODD_VALUES: list[Any] = [None, [], ["x"], {}, {"a": 1}, "", "x", 0, -1, 1.5, True]
+
+
+@pytest.mark.parametrize(
+    ("convert", "doc"),
+    [(service_from_dict, service_doc()), (endpointslice_from_dict, slice_doc())],
+)
+def test_odd_shapes_anywhere_are_rejected_not_crashed_on(
+    convert: Callable[[dict[str, Any]], object], doc: dict[str, Any]
+) -> None:
+    for path in paths(doc):
+        for value in ODD_VALUES:
+            with contextlib.suppress(InvalidObject):
+                convert(set_path(doc, path, value))
+    for top in ODD_VALUES:
+        with pytest.raises(InvalidObject):
+            convert(top)

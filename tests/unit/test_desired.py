@@ -1,0 +1,155 @@
+from dataclasses import replace
+
+from pyproxy.model.desired import compute_desired_state, compute_service_state, update_desired_state
+from pyproxy.model.objects import Endpoint, EndpointPort, EndpointSlice, Protocol, Service, ServicePort
+from pyproxy.model.state import Backend, DesiredState, Frontend
+from pyproxy.model.tracker import ClusterState
+
+TCP, UDP = Protocol.TCP, Protocol.UDP
+
+
+def port(name: str, number: int, target: int | str, protocol: Protocol = TCP) -> ServicePort:
+    return ServicePort(name, number, protocol, target)
+
+
+def service(
+    *ports: ServicePort, name: str = "web", ips: tuple[str, ...] = ("10.96.0.10",), type: str = "ClusterIP"
+) -> Service:
+    return Service("default", name, type, ips, ports)
+
+
+def endpoint(ip: str, ready: bool = True) -> Endpoint:
+    return Endpoint((ip,), ready=ready, serving=ready)
+
+
+def slice_(
+    name: str, endpoints: tuple[Endpoint, ...], ports: tuple[EndpointPort, ...], address_type: str = "IPv4"
+) -> EndpointSlice:
+    return EndpointSlice("default", name, "web", address_type, endpoints, ports)
+
+
+HTTP = port("", 80, 8080)
+HTTP_SLICE_PORT = (EndpointPort("", 8080, TCP),)
+
+
+def test_one_frontend_per_cluster_ip_and_port_with_sorted_ready_backends() -> None:
+    svc = service(port("http", 80, 8080), port("dns", 53, 53, UDP), ips=("10.96.0.10", "10.96.0.11"))
+    eps = slice_(
+        "web-1",
+        (endpoint("10.0.0.2"), endpoint("10.0.0.1")),
+        (EndpointPort("http", 8080, TCP), EndpointPort("dns", 5353, UDP)),
+    )
+    states = compute_service_state(svc, [eps])
+    assert [str(s.frontend) for s in states] == [
+        "10.96.0.10:53/UDP",
+        "10.96.0.10:80/TCP",
+        "10.96.0.11:53/UDP",
+        "10.96.0.11:80/TCP",
+    ]
+    http = next(s for s in states if s.frontend == Frontend("10.96.0.10", 80, TCP))
+    assert http.backends == (Backend("10.0.0.1", 8080), Backend("10.0.0.2", 8080))
+    assert http.service == "default/web"
+    assert http.display_name == "default/web:http"
+    assert http.session_affinity_seconds == 0
+
+
+def test_a_multi_port_service_maps_each_port_to_the_slice_port_of_the_same_name() -> None:
+    svc = service(port("http", 80, 8080), port("metrics", 9090, 9100))
+    eps = slice_(
+        "web-1",
+        (endpoint("10.0.0.1"),),
+        (EndpointPort("metrics", 9100, TCP), EndpointPort("http", 8080, TCP)),
+    )
+    by_port = {s.port_name: s.backends for s in compute_service_state(svc, [eps])}
+    assert by_port == {"http": (Backend("10.0.0.1", 8080),), "metrics": (Backend("10.0.0.1", 9100),)}
+
+
+def test_named_target_port_resolves_through_slice_port_names() -> None:
+    # targetPort "web" is a container port name; the slice controller resolved it to 8443 and named
+    # the slice port after the service port.
+    svc = service(port("https", 443, "web"))
+    eps = slice_("web-1", (endpoint("10.0.0.1"),), (EndpointPort("https", 8443, TCP),))
+    (state,) = compute_service_state(svc, [eps])
+    assert state.backends == (Backend("10.0.0.1", 8443),)
+
+
+def test_a_slice_port_of_another_protocol_does_not_match() -> None:
+    svc = service(port("dns", 53, 53, UDP))
+    eps = slice_("web-1", (endpoint("10.0.0.1"),), (EndpointPort("dns", 53, TCP),))
+    (state,) = compute_service_state(svc, [eps])
+    assert state.backends == ()
+
+
+def test_two_slices_of_one_service_merge_without_duplicates() -> None:
+    a = slice_("web-a", (endpoint("10.0.0.3"), endpoint("10.0.0.1")), HTTP_SLICE_PORT)
+    b = slice_("web-b", (endpoint("10.0.0.2"), endpoint("10.0.0.1")), HTTP_SLICE_PORT)
+    (state,) = compute_service_state(service(HTTP), [a, b])
+    assert state.backends == tuple(Backend(f"10.0.0.{i}", 8080) for i in (1, 2, 3))
+
+
+def test_not_ready_endpoints_are_known_but_receive_no_new_connections() -> None:
+    eps = slice_("web-1", (endpoint("10.0.0.1"), endpoint("10.0.0.2", ready=False)), HTTP_SLICE_PORT)
+    (state,) = compute_service_state(service(HTTP), [eps])
+    assert state.backends == (Backend("10.0.0.1", 8080),)
+    assert state.known_backends == (Backend("10.0.0.1", 8080), Backend("10.0.0.2", 8080))
+
+
+def test_ipv6_slices_are_ignored() -> None:
+    v6 = slice_("web-v6", (Endpoint(("fd00::1",)),), HTTP_SLICE_PORT, address_type="IPv6")
+    (state,) = compute_service_state(service(HTTP), [v6])
+    assert state.known_backends == ()
+
+
+def test_a_service_without_slices_has_frontends_that_reject() -> None:
+    (state,) = compute_service_state(service(HTTP), [])
+    assert state.frontend == Frontend("10.96.0.10", 80, TCP)
+    assert state.backends == ()
+
+
+def test_client_ip_affinity_carries_its_timeout() -> None:
+    svc = replace(service(HTTP), session_affinity="ClientIP", session_affinity_timeout=600)
+    (state,) = compute_service_state(svc, [])
+    assert state.session_affinity_seconds == 600
+
+
+def test_services_with_nothing_to_serve_are_absent() -> None:
+    eps = slice_("web-1", (endpoint("10.0.0.1"),), HTTP_SLICE_PORT)
+    services = {
+        "default/headless": service(HTTP, name="headless", ips=()),
+        "default/external": service(HTTP, name="external", ips=(), type="ExternalName"),
+        "default/web": service(HTTP),
+    }
+    desired = compute_desired_state(services, lambda key: [eps])
+    assert set(desired.services) == {"default/web"}
+    assert compute_service_state(None, [eps]) == ()
+
+
+def test_node_port_and_load_balancer_services_get_cluster_ip_frontends() -> None:
+    for svc_type in ("NodePort", "LoadBalancer"):
+        (state,) = compute_service_state(service(HTTP, type=svc_type), [])
+        assert state.frontend == Frontend("10.96.0.10", 80, TCP)
+
+
+def test_update_recomputes_only_changed_services_and_leaves_prev_intact() -> None:
+    state = ClusterState()
+    state.services.update("default/web", service(HTTP))
+    state.services.update("default/db", service(HTTP, name="db", ips=("10.96.0.20",)))
+    state.slices.update("default/web-1", slice_("web-1", (endpoint("10.0.0.1"),), HTTP_SLICE_PORT))
+    state.drain_changed_services()
+    prev = compute_desired_state(state.services.current, state.slices_for)
+    prev_web = prev.services["default/web"]
+
+    state.services.update("default/web", None)
+    state.services.update("default/api", service(HTTP, name="api", ips=("10.96.0.30",)))
+    changed = state.drain_changed_services()
+    new = update_desired_state(prev, state.services.current, state.slices_for, changed)
+
+    assert set(new.services) == {"default/db", "default/api"}
+    assert new.services["default/db"] is prev.services["default/db"]  # reused, not recomputed
+    assert prev.services["default/web"] is prev_web
+    assert set(prev.services) == {"default/web", "default/db"}
+    assert new == compute_desired_state(state.services.current, state.slices_for)
+
+
+def test_empty_inputs_give_an_empty_desired_state() -> None:
+    assert compute_desired_state({}, lambda key: []) == DesiredState({})
