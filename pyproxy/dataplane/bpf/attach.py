@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import logging
+from typing import Any
 
 from pyproxy.dataplane import netlink
 from pyproxy.dataplane.bpf import libbpf
@@ -27,7 +28,7 @@ XDP_FLAGS_DRV_MODE = 1 << 2
 XDP_MODES = {"native": XDP_FLAGS_DRV_MODE, "generic": XDP_FLAGS_SKB_MODE}
 
 
-def _hook(ifindex: int, direction: int) -> object:
+def _hook(ifindex: int, direction: int) -> Any:
     hook = ffi.new("struct bpf_tc_hook *")
     hook.sz = ffi.sizeof("struct bpf_tc_hook")
     hook.ifindex = ifindex
@@ -35,7 +36,7 @@ def _hook(ifindex: int, direction: int) -> object:
     return hook
 
 
-def _opts(prog_fd: int = 0, flags: int = 0) -> object:
+def _opts(prog_fd: int = 0, flags: int = 0) -> Any:
     opts = ffi.new("struct bpf_tc_opts *")
     opts.sz = ffi.sizeof("struct bpf_tc_opts")
     opts.handle = TC_HANDLE
@@ -60,6 +61,8 @@ def attach_tc(ifindex: int, direction: int, prog_fd: int) -> None:
 
 def tc_prog_id(ifindex: int, direction: int) -> int | None:
     """The id of the program in our filter slot, or None when the slot is empty."""
+    if not netlink.has_clsact(ifindex):
+        return None  # querying would only make libbpf print "Parent Qdisc doesn't exists"
     opts = _opts()
     ret = libbpf.lib().bpf_tc_query(_hook(ifindex, direction), opts)
     if ret < 0:

@@ -71,8 +71,10 @@ class Maps:
         }
 
     def close(self) -> None:
-        for m in (*self.by_name.values(), self.stats, self.counters):
+        for m in self.by_name.values():
             m.close()
+        self.stats.close()
+        self.counters.close()
 
     def run(self, op: Op) -> None:
         if op.verb == "reset":
@@ -94,6 +96,8 @@ class Maps:
             if v is None:
                 continue
             name_v = self.names.get(ctypes.c_uint32(v.svc_id))
+            # The names map is not held by the programs, so a restart under `ip netns exec` may not find it;
+            # a placeholder owner is then renamed in place by the first full sync.
             name = name_v.name.decode(errors="replace") if name_v else f"?/svc-{v.svc_id}"
             backends = []
             for i in range(v.backend_count):

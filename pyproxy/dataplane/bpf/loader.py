@@ -178,7 +178,8 @@ class LoadedObject:
 
 
 def _iter_maps(obj: Any) -> list[Any]:
-    lib, out, m = libbpf.lib(), [], ffi.NULL
+    lib, m = libbpf.lib(), ffi.NULL
+    out: list[Any] = []
     while True:
         m = lib.bpf_object__next_map(obj, m)
         if m == ffi.NULL:

@@ -9,7 +9,7 @@ import ctypes
 import errno
 import os
 from collections.abc import Iterator, MutableMapping
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 from pyproxy.dataplane.bpf import libbpf
 from pyproxy.dataplane.bpf.libbpf import ffi
@@ -23,7 +23,7 @@ class MapFullError(OSError):
 
 
 def _buf(obj: ctypes.Structure | ctypes._SimpleCData | ctypes.Array) -> object:
-    return ffi.from_buffer(memoryview(obj).cast("B"))  # type: ignore[arg-type]
+    return ffi.from_buffer(memoryview(obj).cast("B"))
 
 
 class BpfMap(MutableMapping[K, V], Generic[K, V]):
@@ -53,9 +53,10 @@ class BpfMap(MutableMapping[K, V], Generic[K, V]):
         return value
 
     def __setitem__(self, key: K, value: V) -> None:
-        self.update(key, value, libbpf.BPF_ANY)
+        self.put(key, value, libbpf.BPF_ANY)
 
-    def update(self, key: K, value: V, flags: int) -> None:
+    def put(self, key: K, value: V, flags: int) -> None:
+        """Update with explicit BPF_ANY / BPF_NOEXIST / BPF_EXIST semantics."""
         ret = libbpf.lib().bpf_map_update_elem(self.fd, _buf(key), _buf(value), flags)
         if ret < 0:
             code = -ret if ret != -1 else ffi.errno
@@ -116,8 +117,10 @@ class PerCpuArray(Generic[V]):
         raw = (ctypes.c_uint8 * (self._stride * self.ncpus))()
         key = ctypes.c_uint32(index)
         libbpf.check(libbpf.lib().bpf_map_lookup_elem(self.fd, _buf(key), _buf(raw)), f"lookup in {self.name}")
-        return [self.value_type.from_buffer_copy(bytes(raw[i * self._stride : (i + 1) * self._stride])[
-            : ctypes.sizeof(self.value_type)]) for i in range(self.ncpus)]
+        size = ctypes.sizeof(self.value_type)
+        data = bytes(raw)
+        return [cast(V, self.value_type.from_buffer_copy(data[i * self._stride : i * self._stride + size]))
+                for i in range(self.ncpus)]
 
     def reset(self, index: int) -> None:
         """Zero one index on every CPU (a reused service id starts its counters from zero)."""

@@ -41,9 +41,6 @@ class Applied:
     frontends: Mapping[FrontendKey, AppliedFrontend] = field(default_factory=dict)
     backend_refs: Mapping[Backend, int] = field(default_factory=dict)
 
-    def of_service(self, service: str) -> dict[FrontendKey, AppliedFrontend]:
-        return {k: f for k, f in self.frontends.items() if f.service == service}
-
 
 @dataclass(frozen=True)
 class Op:
@@ -105,54 +102,65 @@ def render(
         used_ids.add(next_id)
         return next_id
 
-    for service, states in desired.items():
-        old = applied.of_service(service)
-        new: dict[FrontendKey, ServicePortState] = {}
-        for st in states:
+    # Claim frontends first: a frontend can move between Services (a ClusterIP freed and reused, or a
+    # restart that restored frontends under placeholder names), and must then be updated in place, never
+    # deleted after its new owner wrote it. A frontend held by a Service outside this plan stays there.
+    changing = set(desired)
+    claims: dict[FrontendKey, tuple[str, ServicePortState]] = {}
+    for service in sorted(desired):
+        for st in desired[service]:
+            key = frontend_key(st.frontend)
             if st.frontend.protocol.value not in abi.IPPROTO:
                 skipped.append(f"{st.display_name} {st.frontend}: protocol not served by the bpf dataplane")
                 continue
-            new[frontend_key(st.frontend)] = st
-
-        for key, cur in old.items():
-            if key in new:
+            holder = claims[key][0] if key in claims else None
+            cur = applied.frontends.get(key)
+            if holder is None and cur is not None and cur.service not in changing:
+                holder = cur.service
+            if holder is not None and holder != service:
+                skipped.append(f"{st.display_name} {st.frontend}: frontend already served by {holder}")
                 continue
-            removals.append(Op("del", abi.MAP_SERVICES, key))
-            removals.extend(Op("del", abi.MAP_SLOTS, (cur.svc_id, i)) for i in range(len(cur.backends)))
-            removals.append(Op("del", abi.MAP_NAMES, (cur.svc_id,)))
-            refs.subtract(cur.known)
-            used_ids.discard(cur.svc_id)
-            del frontends[key]
+            claims[key] = (service, st)
 
-        for key, st in new.items():
-            cur_fe = old.get(key)
-            affinity = st.session_affinity_seconds
-            nxt = AppliedFrontend(
-                svc_id=cur_fe.svc_id if cur_fe else alloc_id(),
-                name=st.display_name,
-                service=service,
-                backends=st.backends,
-                known=tuple(sorted(set(st.known_backends) | set(st.backends))),
-                affinity_sec=affinity,
-            )
-            if cur_fe == nxt:
-                continue
-            for b in nxt.known:
-                if refs[b] == 0:
-                    early.append(Op("put", abi.MAP_BACKENDS, (b.ip, b.port), (0,)))
-            refs.update(nxt.known)
-            if cur_fe:
-                refs.subtract(cur_fe.known)
-            else:
-                middle.append(Op("reset", abi.MAP_STATS, (nxt.svc_id,)))
-            writes, deletes = _slot_ops(nxt.svc_id, cur_fe.backends if cur_fe else (), nxt.backends)
-            middle.extend(writes)
-            flags = abi.SVC_F_AFFINITY if affinity else 0
-            middle.append(Op("put", abi.MAP_SERVICES, key, (nxt.svc_id, len(nxt.backends), flags, affinity)))
-            middle.extend(deletes)
-            if not cur_fe or cur_fe.name != nxt.name:
-                middle.append(Op("put", abi.MAP_NAMES, (nxt.svc_id,), (nxt.name,)))
-            frontends[key] = nxt
+    for key, cur in applied.frontends.items():
+        if cur.service not in changing or key in claims:
+            continue
+        removals.append(Op("del", abi.MAP_SERVICES, key))
+        removals.extend(Op("del", abi.MAP_SLOTS, (cur.svc_id, i)) for i in range(len(cur.backends)))
+        removals.append(Op("del", abi.MAP_NAMES, (cur.svc_id,)))
+        refs.subtract(cur.known)
+        used_ids.discard(cur.svc_id)
+        del frontends[key]
+
+    for key, (service, st) in claims.items():
+        cur_fe = applied.frontends.get(key)
+        affinity = st.session_affinity_seconds
+        nxt = AppliedFrontend(
+            svc_id=cur_fe.svc_id if cur_fe else alloc_id(),
+            name=st.display_name,
+            service=service,
+            backends=st.backends,
+            known=tuple(sorted(set(st.known_backends) | set(st.backends))),
+            affinity_sec=affinity,
+        )
+        if cur_fe == nxt:
+            continue
+        for b in nxt.known:
+            if refs[b] == 0:
+                early.append(Op("put", abi.MAP_BACKENDS, (b.ip, b.port), (0,)))
+        refs.update(nxt.known)
+        if cur_fe:
+            refs.subtract(cur_fe.known)
+        else:
+            middle.append(Op("reset", abi.MAP_STATS, (nxt.svc_id,)))
+        writes, deletes = _slot_ops(nxt.svc_id, cur_fe.backends if cur_fe else (), nxt.backends)
+        middle.extend(writes)
+        flags = abi.SVC_F_AFFINITY if affinity else 0
+        middle.append(Op("put", abi.MAP_SERVICES, key, (nxt.svc_id, len(nxt.backends), flags, affinity)))
+        middle.extend(deletes)
+        if not cur_fe or cur_fe.name != nxt.name:
+            middle.append(Op("put", abi.MAP_NAMES, (nxt.svc_id,), (nxt.name,)))
+        frontends[key] = nxt
 
     late = [Op("del", abi.MAP_BACKENDS, (b.ip, b.port)) for b, n in refs.items() if n <= 0]
     new_refs = {b: n for b, n in refs.items() if n > 0}
