@@ -1,4 +1,13 @@
-"""A network-namespace lab with real traffic, for tests, `pyproxy demo` and benchmarks (stdlib only)."""
+"""A network-namespace lab with real traffic, for tests, `pyproxy demo` and benchmarks (stdlib only).
+
+    with Lab(3) as lab:                                   # client <-> node <-> b1..b3, torn down on exit
+        lab.start_servers(tcp=[8080], udp=[5353])         # each backend answers "bI:PORT PEER"
+        with Pyproxy(lab, manifests_dir) as proxy:        # `python -m pyproxy run` inside lab.node
+            proxy.start()
+            proxy.wait_healthy()
+            result = lab.probe("tcp", "10.96.0.10", 80, 60)   # {"replies": {"b1:8080": 21, ...}, ...}
+        assert not nonzero_checksum_errors(lab.checksum_errors())
+"""
 
 from pyproxy.lab.netns import Backend, Lab, LabError, nonzero_checksum_errors, reap_stale_labs
 from pyproxy.lab.proxy import Pyproxy, PyproxyError, describe, write_manifest

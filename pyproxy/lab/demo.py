@@ -16,12 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pyproxy.lab.netns import Lab, LabError, nonzero_checksum_errors
-from pyproxy.lab.proxy import Pyproxy
+from pyproxy.lab.proxy import Pyproxy, PyproxyError
 from pyproxy.lab.traffic import ProbeResult
 
 MANIFESTS = Path(__file__).resolve().parents[1] / "demo" / "manifests"
 BACKENDS = 3
 REQUESTS = 60
+# `pyproxy inspect` lists every tracked flow too: enough lines for the services and some flows.
+INSPECT_LINES = 30
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,12 @@ def _problems(results: list[tuple[DemoService, ProbeResult]], lab: Lab) -> list[
     return problems
 
 
+def _head(text: str, lines: int) -> str:
+    rows = text.rstrip().splitlines()
+    more = f"\n... ({len(rows) - lines} more lines)" if len(rows) > lines else ""
+    return "\n".join(rows[:lines]) + more
+
+
 def _check_manifests_match(lab: Lab) -> None:
     # The shipped manifests name the backends by address; the lab's addressing is fixed so that they match.
     text = "".join(p.read_text() for p in sorted(MANIFESTS.glob("*.yaml")))
@@ -97,7 +105,7 @@ def run_demo() -> int:
                 print(_table(results, lab))
                 problems += _problems(results, lab)
 
-                print("\n$ pyproxy inspect\n" + proxy.inspect().rstrip())
+                print("\n$ pyproxy inspect\n" + _head(proxy.inspect(), INSPECT_LINES))
 
                 status = proxy.terminate(10.0)
                 if status != 0:
@@ -112,6 +120,9 @@ def run_demo() -> int:
     except KeyboardInterrupt:
         print("\ninterrupted; the lab was removed", file=sys.stderr)
         return 130
+    except PyproxyError as exc:
+        problems.append(str(exc))  # ends with pyproxy's log tail already
+        proxy = None
     except LabError as exc:
         problems.append(str(exc))
 

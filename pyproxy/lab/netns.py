@@ -282,7 +282,7 @@ class Lab:
     def node_ifnames(self) -> list[str]:
         """Every interface of the node except lo."""
         names = [NODE_CLIENT_IFNAME] + [b.node_ifname for b in self._backends]
-        return names + [NODE_UPLINK_IFNAME] if self.distro else names
+        return (names + [NODE_UPLINK_IFNAME]) if self.distro else names
 
     @property
     def pin_path(self) -> str:
@@ -475,7 +475,8 @@ class Lab:
 
     def popen(self, ns: str, *argv: str, **kwargs: Any) -> subprocess.Popen[Any]:
         """Start `ip netns exec NS argv...` in the background; the lab terminates it at teardown at the
-        latest. It gets its own session (so teardown can signal its whole group) and dies with its parent."""
+        latest. It gets its own session (so teardown can signal its whole group) and gets SIGTERM when the
+        calling *thread* ends (PR_SET_PDEATHSIG): call it from the main thread or a thread that outlives it."""
         kwargs.setdefault("env", python_env())
         proc: subprocess.Popen[Any] = subprocess.Popen(  # noqa: S603
             ["ip", "netns", "exec", self._resolve(ns), *argv], start_new_session=True,

@@ -55,6 +55,7 @@ class Pyproxy:
         self._metrics_address = f"127.0.0.1:{metrics_port}"
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self._cleaned = False
 
     @property
     def pin_path(self) -> str:
@@ -82,6 +83,7 @@ class Pyproxy:
     def start(self) -> None:
         if self.running:
             raise PyproxyError("pyproxy already running")
+        self._cleaned = False
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self._log.write(f"### {' '.join(self.command())}\n".encode())
         self._log.flush()
@@ -131,7 +133,7 @@ class Pyproxy:
     def close(self) -> None:
         """Kill pyproxy if it still runs, then `pyproxy cleanup`; failures only logged."""
         self.kill()
-        if self.proc is not None:
+        if self.proc is not None and not self._cleaned:
             try:
                 self.cleanup()
             except LabError as exc:
@@ -155,7 +157,9 @@ class Pyproxy:
         return self.cli("inspect").stdout
 
     def cleanup(self) -> subprocess.CompletedProcess[str]:
-        return self.cli("cleanup")
+        cp = self.cli("cleanup")
+        self._cleaned = True
+        return cp
 
     # ---- log
 

@@ -69,9 +69,10 @@ class Proxier:
 
     # -- the one sync ----------------------------------------------------------------------------
 
-    def sync(self) -> None:
+    def sync(self) -> bool:
+        """One sync; False when it had nothing it may do yet."""
         if not self._synced:
-            return  # never program a partial view: wait for every source's first complete read
+            return False  # never program a partial view: wait for every source's first complete read
         start = time.monotonic()
         changed = self.cluster.drain_changed_services() | self._retry
         self.metrics.service_changes_pending.set(0)
@@ -81,7 +82,7 @@ class Proxier:
             self.desired, self.cluster.services.current, self.cluster.slices_for, changed
         )
         if not changed and not full:
-            return
+            return True
         try:
             self.dataplane.apply(self.desired, None if full else changed)
         except Exception:
@@ -99,3 +100,4 @@ class Proxier:
             "synced %s: %d services changed, %d services total, %.1f ms",
             "all" if full else "changes", len(changed), len(self.desired.services), elapsed * 1000,
         )
+        return True

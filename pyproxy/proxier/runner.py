@@ -2,7 +2,8 @@
 
 `request()` may be called from any thread, any number of times: bursts coalesce into one run. Runs are
 at least `min_interval` apart, at most `max_interval` apart (the periodic resync), and a failed run is
-retried after `retry_interval`.
+retried after `retry_interval`. A run that returns False did nothing (e.g. the sources had not listed yet)
+and does not count against the minimum interval.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 class BoundedFrequencyRunner:
     def __init__(
         self,
-        fn: Callable[[], None],
+        fn: Callable[[], bool | None],
         min_interval: float,
         max_interval: float,
         retry_interval: float | None = None,
@@ -66,9 +67,11 @@ class BoundedFrequencyRunner:
                     return
                 self._requested = False
                 self._retry_at = None
-                self._last_run = self._clock()
+                previous, self._last_run = self._last_run, self._clock()
             try:
-                self._fn()
+                if self._fn() is False:
+                    with self._cond:
+                        self._last_run = previous
             except Exception:  # noqa: BLE001 - logged and retried, never kills the loop
                 log.exception("sync failed; retrying in %.1fs", self.retry_interval)
                 with self._cond:

@@ -1,0 +1,169 @@
+"""Fixtures for the end-to-end tests: a namespace lab per test and pyproxy started as a user starts it.
+
+Every test gets its own Lab (unique namespace names) and its own pin path, so tests can run in parallel with each
+other and with other people's runs. Teardown always happens, failure or not: pyproxy killed, `pyproxy cleanup`
+run, the lab removed; on failure pyproxy's whole log is printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pyproxy.lab import Lab, ProbeResult, Pyproxy, describe, nonzero_checksum_errors, write_manifest
+from pyproxy.lab.manifests import documents
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Tests marked `root` skip for this one reason only: anything else missing (BPF objects, the CLI) fails.
+    if item.get_closest_marker("root") and os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces, BPF)")
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    # Keep each phase's report on the item, so fixtures can tell at teardown whether the test failed.
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"report_{report.when}", report)
+
+
+def _failed(request: pytest.FixtureRequest) -> bool:
+    return any(getattr(getattr(request.node, f"report_{when}", None), "failed", False)
+               for when in ("setup", "call"))
+
+
+class Env:
+    """One test's world: a started Lab with traffic servers, a manifest folder, and pyproxy (not yet started)."""
+
+    def __init__(self, lab: Lab, source: Path, log_path: Path) -> None:
+        self.lab = lab
+        self.source = source
+        self.log_path = log_path
+        self.proxy: Pyproxy | None = None
+
+    # ---- manifests and pyproxy
+
+    def write(self, name: str, *docs: str) -> Path:
+        return write_manifest(self.source, name, documents(*docs))
+
+    def write_raw(self, name: str, text: str) -> Path:
+        return write_manifest(self.source, name, text)
+
+    def start(self, *, xdp_devices: list[str] | None = None, devices: list[str] | None = None) -> Pyproxy:
+        self.proxy = Pyproxy(self.lab, self.source, log_path=self.log_path, xdp_devices=xdp_devices,
+                             devices=devices)
+        self.proxy.start()
+        self.proxy.wait_healthy(20.0)
+        return self.proxy
+
+    @property
+    def running(self) -> Pyproxy:
+        assert self.proxy is not None, "pyproxy not started"
+        return self.proxy
+
+    # ---- traffic
+
+    def probe(self, proto: str, ip: str, port: int, count: int = 30, **kw: Any) -> ProbeResult:
+        return self.lab.probe(proto, ip, port, count, **kw)
+
+    def assert_reaches(self, proto: str, ip: str, port: int, expected: set[str], count: int = 60) -> ProbeResult:
+        """`count` new flows to ip:port all answered, by exactly the `expected` NAME:PORT set, and the
+        backends saw the client's own address (ClusterIP traffic is not SNATed)."""
+        result = self.probe(proto, ip, port, count)
+        assert result["failures"] == 0, f"{proto} {ip}:{port}: {describe(result)}"
+        assert set(result["replies"]) == expected, f"{proto} {ip}:{port}: {describe(result)}"
+        assert set(result["seen_from"]) == {self.lab.client_ip}, f"source seen by backends: {result['seen_from']}"
+        return result
+
+    def assert_no_checksum_errors(self) -> None:
+        errors = nonzero_checksum_errors(self.lab.checksum_errors())
+        assert not errors, f"receivers counted checksum errors: {errors}"
+
+    def poll(self, check: Callable[[], bool], deadline: float, interval: float = 0.05) -> float | None:
+        """Seconds until `check()` first held, or None if it did not within `deadline` seconds."""
+        start = time.monotonic()
+        while True:
+            if check():
+                return time.monotonic() - start
+            if time.monotonic() - start >= deadline:
+                return None
+            time.sleep(interval)
+
+    # ---- what pyproxy left on the node
+
+    def attached_programs(self) -> dict[str, list[int]]:
+        """Per node device, the ids of BPF programs attached there (tc ingress/egress filters and XDP)."""
+        result: dict[str, list[int]] = {}
+        for dev in self.lab.node_ifnames:
+            ids = []
+            for direction in ("ingress", "egress"):
+                out = self.lab.exec(self.lab.node, "tc", "-j", "filter", "show", "dev", dev, direction,
+                                    check=False).stdout
+                for f in json.loads(out or "[]"):
+                    prog = f.get("options", {}).get("prog")
+                    if prog:
+                        ids.append(prog["id"])
+            link = json.loads(self.lab.exec(self.lab.node, "ip", "-j", "link", "show", "dev", dev).stdout)[0]
+            for attached in link.get("xdp", {}).get("attached", []):
+                ids.append(attached["prog"]["id"])
+            if "xdp" in link and "prog" in link["xdp"]:
+                ids.append(link["xdp"]["prog"]["id"])
+            result[dev] = sorted(set(ids))
+        return result
+
+    def leftovers(self, prog_ids: set[int]) -> list[str]:
+        """What of pyproxy is still on the node: filters, clsact qdiscs, XDP, pins, or any of `prog_ids`."""
+        found = []
+        for dev in self.lab.node_ifnames:
+            for direction in ("ingress", "egress"):
+                out = self.lab.exec(self.lab.node, "tc", "filter", "show", "dev", dev, direction,
+                                    check=False).stdout.strip()
+                if out:
+                    found.append(f"tc filter {dev} {direction}: {out}")
+            qdiscs = self.lab.exec(self.lab.node, "tc", "qdisc", "show", "dev", dev).stdout
+            # The lab never adds a clsact (or ingress) qdisc: any there is pyproxy's.
+            found += [f"qdisc {dev}: {q}" for q in qdiscs.splitlines() if "clsact" in q or "ingress" in q]
+            link = self.lab.exec(self.lab.node, "ip", "-d", "link", "show", "dev", dev).stdout
+            found += [f"{dev}: {line.strip()}" for line in link.splitlines() if "prog/xdp" in line]
+        net = self.lab.exec(self.lab.node, "bpftool", "net", "show").stdout
+        found += [f"bpftool net: {line}" for line in net.splitlines() if " id " in line]
+        pins = Path(self.lab.pin_path)
+        if pins.exists():
+            found += [f"pin {p}" for p in pins.rglob("*")]
+        progs = json.loads(self.lab.exec(self.lab.node, "bpftool", "-j", "prog", "show").stdout or "[]")
+        found += [f"program still loaded: {p}" for p in progs if p.get("id") in prog_ids]
+        return found
+
+
+@pytest.fixture
+def make_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[..., Env]]:
+    """`make_env(backends=3, distro=False, ...)` -> a started Env; torn down whatever happens."""
+    envs: list[Env] = []
+
+    def make(backends: int = 3, **lab_kwargs: Any) -> Env:
+        lab = Lab(backends, **lab_kwargs)
+        source = tmp_path / f"manifests{len(envs)}"
+        source.mkdir()
+        env = Env(lab, source, tmp_path / f"pyproxy{len(envs)}.log")
+        envs.append(env)
+        lab.start()
+        lab.start_servers(tcp=[8080, 9090], udp=[5353])
+        return env
+
+    yield make
+
+    for env in envs:
+        try:
+            if env.proxy is not None:
+                env.proxy.close()  # kill if running, then `pyproxy cleanup`
+        finally:
+            env.lab.close()
+        if _failed(request) and env.proxy is not None:
+            print(f"\n===== pyproxy log ({env.log_path}) =====\n{env.proxy.log_text()}")
