@@ -220,6 +220,9 @@ def load(
             if max_entries and name in max_entries:
                 libbpf.check(lib.bpf_map__set_max_entries(m, max_entries[name]), f"resize map {name}")
             if pin_dir is None:
+                # LIBBPF_PIN_BY_NAME gave every map a default pin under /sys/fs/bpf at open: unpinned
+                # means no pin at all (tests, benchmarks).
+                libbpf.check(lib.bpf_map__set_pin_path(m, ffi.NULL), f"unpin {name}")
                 continue
             pin = pin_dir / name
             if pin.exists():

@@ -129,7 +129,8 @@ def render(
         removals.extend(Op("del", abi.MAP_SLOTS, (cur.svc_id, i)) for i in range(len(cur.backends)))
         removals.append(Op("del", abi.MAP_NAMES, (cur.svc_id,)))
         refs.subtract(cur.known)
-        used_ids.discard(cur.svc_id)
+        # Its id stays taken until the next plan: its slots are deleted after this plan's writes, which
+        # would otherwise hit a new frontend given the same id.
         del frontends[key]
 
     for key, (service, st) in claims.items():
