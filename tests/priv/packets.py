@@ -1,0 +1,194 @@
+"""Ethernet/IPv4/TCP/UDP frames for driving the BPF programs, and the checksum verifier the tests trust.
+
+Written from the RFCs (791 IPv4, 793 TCP, 768 UDP, 1071 Internet checksum) with `struct` only and
+sharing no code with the dataplane, so an error in the programs' checksum arithmetic cannot cancel out
+here. Frames are built whole (checksums computed from scratch), so "the frame a client would have sent
+to the backend directly" is one call, and a translated frame can be compared with it byte for byte.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+import struct
+from dataclasses import dataclass, replace
+
+ETH_P_IP = 0x0800
+ETH_P_ARP = 0x0806
+ETH_P_8021Q = 0x8100
+ETH_P_IPV6 = 0x86DD
+TCP = socket.IPPROTO_TCP
+UDP = socket.IPPROTO_UDP
+ICMP = socket.IPPROTO_ICMP
+ETH_HLEN = 14
+ETH_ZLEN = 60  # minimum frame without FCS: shorter frames are padded on the wire
+
+IP_MF = 0x2000
+TCP_SYN = 0x02
+TCP_ACK = 0x10
+
+ROUTER_MAC = bytes.fromhex("02000000aa01")
+CLIENT_MAC = bytes.fromhex("02000000bb02")
+
+
+class L4Csum(enum.Enum):
+    """What the TCP/UDP checksum field holds."""
+
+    FULL = "full"  # the complete checksum, as on the wire
+    PARTIAL = "partial"  # CHECKSUM_PARTIAL: folded, uncomplemented pseudo-header sum (offload to come)
+    NONE = "none"  # UDP only: 0, "no checksum"
+
+
+def ones_sum(data: bytes) -> int:
+    """RFC 1071 one's complement sum of big-endian 16-bit words (odd length padded with a zero byte),
+    folded to 16 bits and not complemented. For any data with a non-zero byte the result is 1..0xffff."""
+    if len(data) % 2:
+        data += b"\0"
+    s = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    while s > 0xFFFF:
+        s = (s & 0xFFFF) + (s >> 16)
+    return s
+
+
+def checksum(data: bytes) -> int:
+    """The Internet checksum of `data` (its checksum field zeroed)."""
+    return ~ones_sum(data) & 0xFFFF
+
+
+def pseudo_header(src: str, dst: str, proto: int, length: int) -> bytes:
+    return socket.inet_aton(src) + socket.inet_aton(dst) + struct.pack("!BBH", 0, proto, length)
+
+
+def pseudo_header_sum(src: str, dst: str, proto: int, length: int) -> int:
+    """The value Linux leaves in the L4 checksum field of a CHECKSUM_PARTIAL packet."""
+    return ones_sum(pseudo_header(src, dst, proto, length))
+
+
+@dataclass(frozen=True)
+class Flow:
+    """One direction of a TCP or UDP conversation."""
+
+    src: str
+    dst: str
+    sport: int
+    dport: int
+    proto: int = TCP
+
+    def to(self, ip: str, port: int) -> Flow:
+        """The same flow with another destination (what DNAT should produce)."""
+        return replace(self, dst=ip, dport=port)
+
+    def from_(self, ip: str, port: int) -> Flow:
+        """The same flow with another source (what reverse NAT should produce)."""
+        return replace(self, src=ip, sport=port)
+
+    def reply(self) -> Flow:
+        return Flow(self.dst, self.src, self.dport, self.sport, self.proto)
+
+
+def ethernet(ethertype: int, body: bytes, pad_to: int = 0) -> bytes:
+    frame = ROUTER_MAC + CLIENT_MAC + struct.pack("!H", ethertype) + body
+    return frame + b"\0" * max(0, pad_to - len(frame))
+
+
+def ipv4(
+    src: str,
+    dst: str,
+    proto: int,
+    body: bytes,
+    *,
+    options: bytes = b"",
+    frag: int = 0,
+    ident: int = 0x1234,
+    ttl: int = 64,
+    ihl: int | None = None,
+    tot_len: int | None = None,
+) -> bytes:
+    """An IPv4 header with a correct checksum, then `body`. `ihl`/`tot_len` override the honest values
+    (the checksum still covers what is written) to build malformed packets."""
+    assert len(options) % 4 == 0, "IPv4 options are padded to 32 bits"
+    hlen = 20 + len(options)
+    ihl = hlen // 4 if ihl is None else ihl
+    tot_len = hlen + len(body) if tot_len is None else tot_len
+    head = struct.pack(
+        "!BBHHHBBH4s4s", 0x40 | ihl, 0, tot_len, ident, frag, ttl, proto, 0,
+        socket.inet_aton(src), socket.inet_aton(dst),
+    ) + options
+    csum = checksum(head)
+    return head[:10] + struct.pack("!H", csum) + head[12:] + body
+
+
+def l4_segment(flow: Flow, payload: bytes, csum: L4Csum = L4Csum.FULL, tcp_flags: int = TCP_SYN) -> bytes:
+    """A TCP or UDP header plus payload, its checksum field as `csum` says."""
+    if flow.proto == TCP:
+        head = struct.pack("!HHIIBBHHH", flow.sport, flow.dport, 1000, 0, 5 << 4, tcp_flags, 64240, 0, 0)
+        at = 16
+    elif flow.proto == UDP:
+        head = struct.pack("!HHHH", flow.sport, flow.dport, 8 + len(payload), 0)
+        at = 6
+    else:
+        raise ValueError(f"not TCP or UDP: {flow.proto}")
+    seg = head + payload
+    pseudo = pseudo_header(flow.src, flow.dst, flow.proto, len(seg))
+    if csum is L4Csum.NONE:
+        assert flow.proto == UDP, "only UDP may omit its checksum"
+        value = 0
+    elif csum is L4Csum.PARTIAL:
+        value = ones_sum(pseudo)
+    else:
+        value = checksum(pseudo + seg)
+        if flow.proto == UDP and value == 0:
+            value = 0xFFFF  # RFC 768: a computed 0 is sent as all ones
+    return seg[:at] + struct.pack("!H", value) + seg[at + 2 :]
+
+
+def frame(
+    flow: Flow,
+    payload: bytes = b"",
+    *,
+    csum: L4Csum = L4Csum.FULL,
+    tcp_flags: int = TCP_SYN,
+    options: bytes = b"",
+    frag: int = 0,
+    pad_to: int = ETH_ZLEN,
+) -> bytes:
+    """An Ethernet frame carrying one IPv4 TCP/UDP packet of `flow`, padded to the Ethernet minimum."""
+    seg = l4_segment(flow, payload, csum, tcp_flags)
+    return ethernet(ETH_P_IP, ipv4(flow.src, flow.dst, flow.proto, seg, options=options, frag=frag), pad_to)
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """What a receiving stack checks in an IPv4 TCP/UDP frame."""
+
+    flow: Flow
+    ip_csum_ok: bool
+    l4_csum: int
+    """The raw TCP/UDP checksum field."""
+    l4_csum_ok: bool
+    """The complete checksum verifies over pseudo header, header and payload (False for UDP's 0)."""
+    l4_len: int
+
+
+def decode(data: bytes) -> Decoded:
+    """Parse an Ethernet/IPv4/TCP-or-UDP frame (lengths from the IPv4 header, padding ignored) and verify
+    both checksums the way a receiver does: the one's complement sum including the field is all ones."""
+    (ethertype,) = struct.unpack_from("!H", data, 12)
+    assert ethertype == ETH_P_IP, f"not IPv4: ethertype {ethertype:#06x}"
+    ip = data[ETH_HLEN:]
+    ver_ihl, _, tot_len, _, _, _, proto, _, src, dst = struct.unpack_from("!BBHHHBBH4s4s", ip)
+    hlen = (ver_ihl & 0xF) * 4
+    assert ver_ihl >> 4 == 4 and hlen >= 20 and tot_len <= len(ip), "malformed IPv4 header"
+    seg = ip[hlen:tot_len]
+    sport, dport = struct.unpack_from("!HH", seg)
+    at = {TCP: 16, UDP: 6}[proto]
+    (l4_csum,) = struct.unpack_from("!H", seg, at)
+    flow = Flow(socket.inet_ntoa(src), socket.inet_ntoa(dst), sport, dport, proto)
+    pseudo = pseudo_header(flow.src, flow.dst, proto, len(seg))
+    return Decoded(
+        flow=flow,
+        ip_csum_ok=ones_sum(ip[:hlen]) == 0xFFFF,
+        l4_csum=l4_csum,
+        l4_csum_ok=not (proto == UDP and l4_csum == 0) and ones_sum(pseudo + seg) == 0xFFFF,
+        l4_len=len(seg),
+    )

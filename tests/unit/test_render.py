@@ -1,0 +1,278 @@
+"""render(): desired state to ordered BPF map operations, checked without a kernel.
+
+Every plan is also run against `MapModel`, a dictionary model of the maps that after each single operation
+checks what the datapath needs at that instant (a frontend's slots 0..count-1 exist and point at known
+backends, no two frontends share a service id), and at the end that the maps hold exactly what the plan's
+`applied` says. The ordering tests then pin the specific orders render.py promises.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+
+import pytest
+
+from pyproxy.dataplane.bpf import abi
+from pyproxy.dataplane.bpf.render import Applied, CapacityError, Op, Plan, render
+from pyproxy.model.objects import Protocol
+from pyproxy.model.state import Backend, Frontend, ServicePortState
+
+WEB, DNS = "default/web", "kube-system/dns"
+A, B, C, D = (Backend(f"10.0.1.{i}", 8080) for i in (1, 2, 3, 4))
+X, Y = Backend("10.0.2.1", 53), Backend("10.0.2.2", 53)
+
+MapContents = dict[str, dict[tuple, tuple]]
+
+
+def port(
+    service: str,
+    ip: str,
+    number: int,
+    backends: Iterable[Backend],
+    *,
+    not_ready: Iterable[Backend] = (),
+    protocol: Protocol = Protocol.TCP,
+    affinity: int = 0,
+    name: str = "",
+) -> ServicePortState:
+    ready = tuple(sorted(backends))
+    return ServicePortState(
+        service=service,
+        port_name=name,
+        frontend=Frontend(ip, number, protocol),
+        backends=ready,
+        known_backends=tuple(sorted(set(ready) | set(not_ready))),
+        session_affinity_seconds=affinity,
+    )
+
+
+def web(*backends: Backend, not_ready: Iterable[Backend] = (), number: int = 80) -> ServicePortState:
+    return port(WEB, "10.96.0.10", number, backends, not_ready=not_ready)
+
+
+def dns(*backends: Backend) -> ServicePortState:
+    return port(DNS, "10.96.0.53", 53, backends, protocol=Protocol.UDP, name="dns")
+
+
+class MapModel:
+    """The maps render() writes, as dictionaries keyed and valued by the ops' tuples."""
+
+    def __init__(self) -> None:
+        self.maps: MapContents = {m: {} for m in (abi.MAP_SERVICES, abi.MAP_SLOTS, abi.MAP_BACKENDS, abi.MAP_NAMES)}
+        self.resets: list[int] = []
+
+    def run(self, op: Op) -> None:
+        if op.verb == "reset":
+            assert op.map == abi.MAP_STATS
+            self.resets.append(op.key[0])
+        elif op.verb == "put":
+            assert op.value is not None
+            self.maps[op.map][op.key] = op.value
+        else:
+            assert op.verb == "del", op
+            self.maps[op.map].pop(op.key, None)
+
+    def check_servable(self) -> None:
+        services, slots, backends = (self.maps[m] for m in (abi.MAP_SERVICES, abi.MAP_SLOTS, abi.MAP_BACKENDS))
+        ids = [v[0] for v in services.values()]
+        assert len(ids) == len(set(ids)), f"two frontends share a service id: {services}"
+        for key, (svc_id, count, *_) in services.items():
+            for i in range(count):
+                assert (svc_id, i) in slots, f"{key}: slot {i} of {count} missing"
+                assert slots[svc_id, i] in backends, f"{key}: slot {i} points at unknown {slots[svc_id, i]}"
+
+
+def contents(applied: Applied) -> MapContents:
+    """What the maps hold when they match `applied`."""
+    fes = applied.frontends
+    return {
+        abi.MAP_SERVICES: {
+            k: (f.svc_id, len(f.backends), abi.SVC_F_AFFINITY if f.affinity_sec else 0, f.affinity_sec)
+            for k, f in fes.items()
+        },
+        abi.MAP_SLOTS: {(f.svc_id, i): (b.ip, b.port) for f in fes.values() for i, b in enumerate(f.backends)},
+        abi.MAP_BACKENDS: {(b.ip, b.port): (0,) for b in applied.backend_refs},
+        abi.MAP_NAMES: {(f.svc_id,): (f.name,) for f in fes.values()},
+    }
+
+
+class Cluster:
+    """Successive plans, each run on the map model as BpfDataplane.apply runs them on the kernel."""
+
+    def __init__(self, capacity: Mapping[str, int] | None = None) -> None:
+        self.applied = Applied()
+        self.model = MapModel()
+        self.capacity = dict(capacity or {})
+
+    def sync(self, desired: Mapping[str, Iterable[ServicePortState]]) -> Plan:
+        plan = render(self.applied, {k: tuple(v) for k, v in desired.items()}, self.capacity)
+        for op in plan.ops:
+            self.model.run(op)
+            self.model.check_servable()
+        assert self.model.maps == contents(plan.applied)
+        self.applied = plan.applied
+        return plan
+
+    def svc_id(self, st: ServicePortState) -> int:
+        fe = st.frontend
+        return self.applied.frontends[fe.ip, fe.port, fe.protocol.value].svc_id
+
+
+def positions(plan: Plan, verb: str, map_name: str) -> list[int]:
+    return [i for i, op in enumerate(plan.ops) if op.verb == verb and op.map == map_name]
+
+
+def test_new_service_writes_backends_then_slots_then_its_entry() -> None:
+    c = Cluster()
+    plan = c.sync({WEB: [web(A, B, C, not_ready=[D])]})
+    backends, slots = positions(plan, "put", abi.MAP_BACKENDS), positions(plan, "put", abi.MAP_SLOTS)
+    (entry,) = positions(plan, "put", abi.MAP_SERVICES)
+    (reset,) = positions(plan, "reset", abi.MAP_STATS)
+    assert len(backends) == 4 and len(slots) == 3  # not-ready D is known, never in a slot
+    assert max(backends) < min(slots) and max(slots) < entry
+    assert reset < entry  # counting starts from zero, never wiped after the first packet
+    assert plan.ops[entry] == Op("put", abi.MAP_SERVICES, ("10.96.0.10", 80, "TCP"), (0, 3, 0, 0))
+
+
+def test_shrinking_deletes_slots_after_the_count_shrinks() -> None:
+    c = Cluster()
+    c.sync({WEB: [web(A, B, C)]})
+    plan = c.sync({WEB: [web(A)]})
+    svc_id = c.svc_id(web(A))
+    assert [(op.verb, op.map, op.key) for op in plan.ops] == [
+        ("put", abi.MAP_SERVICES, ("10.96.0.10", 80, "TCP")),
+        ("del", abi.MAP_SLOTS, (svc_id, 1)),
+        ("del", abi.MAP_SLOTS, (svc_id, 2)),
+        ("del", abi.MAP_BACKENDS, (B.ip, B.port)),
+        ("del", abi.MAP_BACKENDS, (C.ip, C.port)),
+    ]
+    assert plan.ops[0].value == (svc_id, 1, 0, 0)
+
+
+def test_growing_and_reordering_writes_slots_before_the_count_grows() -> None:
+    c = Cluster()
+    c.sync({WEB: [web(B, C)]})
+    plan = c.sync({WEB: [web(A, B, C, D)]})  # A sorts first: every slot moves
+    (entry,) = positions(plan, "put", abi.MAP_SERVICES)
+    assert positions(plan, "put", abi.MAP_SLOTS) == list(range(entry - 4, entry))
+    assert max(positions(plan, "put", abi.MAP_BACKENDS)) < entry - 4
+
+
+def test_removing_a_service_deletes_its_entry_then_slots_then_backends() -> None:
+    c = Cluster()
+    c.sync({WEB: [web(A, B, not_ready=[C])]})
+    svc_id = c.svc_id(web(A))
+    plan = c.sync({WEB: []})
+    assert [(op.verb, op.map, op.key) for op in plan.ops] == [
+        ("del", abi.MAP_SERVICES, ("10.96.0.10", 80, "TCP")),
+        ("del", abi.MAP_SLOTS, (svc_id, 0)),
+        ("del", abi.MAP_SLOTS, (svc_id, 1)),
+        ("del", abi.MAP_NAMES, (svc_id,)),
+        ("del", abi.MAP_BACKENDS, (A.ip, A.port)),
+        ("del", abi.MAP_BACKENDS, (B.ip, B.port)),
+        ("del", abi.MAP_BACKENDS, (C.ip, C.port)),
+    ]
+    assert c.applied == Applied()
+
+
+@pytest.mark.parametrize("web_in_plan", [False, True], ids=["dns-only", "both-services"])
+def test_a_change_to_one_service_touches_only_that_service(web_in_plan: bool) -> None:
+    c = Cluster()
+    c.sync({WEB: [web(A, B)], DNS: [dns(X)]})
+    web_before = {k: f for k, f in c.applied.frontends.items() if f.service == WEB}
+    dns_id = c.svc_id(dns(X))
+    plan = c.sync({DNS: [dns(X, Y)], **({WEB: [web(A, B)]} if web_in_plan else {})})
+    assert plan.ops, "the DNS change is planned"
+    for op in plan.ops:
+        if op.map in (abi.MAP_SLOTS, abi.MAP_NAMES, abi.MAP_STATS):
+            assert op.key[0] == dns_id, op
+        else:
+            assert op.key in {("10.96.0.53", 53, "UDP"), (X.ip, X.port), (Y.ip, Y.port)}, op
+    assert {k: f for k, f in c.applied.frontends.items() if f.service == WEB} == web_before
+
+
+def test_unchanged_render_plans_nothing() -> None:
+    c = Cluster()
+    desired = {WEB: [web(A, B, not_ready=[C])], DNS: [dns(X)]}
+    c.sync(desired)
+    applied = c.applied
+    plan = c.sync(desired)
+    assert plan.ops == ()
+    assert plan.applied == applied
+
+
+def test_service_ids_stay_put_and_a_reused_id_starts_from_zero_stats() -> None:
+    c = Cluster()
+    c.sync({WEB: [web(A)], DNS: [dns(X)]})
+    web_id, dns_id = c.svc_id(web(A)), c.svc_id(dns(X))
+    assert web_id != dns_id
+    c.sync({WEB: [web(A, B)]})  # a changed frontend keeps its id
+    assert (c.svc_id(web(A, B)), c.svc_id(dns(X))) == (web_id, dns_id)
+
+    c.sync({WEB: []})
+    c.model.resets.clear()
+    other = port("default/other", "10.96.0.99", 443, [C])
+    c.sync({"default/other": [other]})
+    assert c.svc_id(other) == web_id  # the freed id is reused ...
+    assert c.model.resets == [web_id]  # ... and its per-CPU counters zeroed before use
+    assert c.svc_id(dns(X)) == dns_id
+
+
+def test_a_frontend_replaced_within_one_plan_keeps_its_slots() -> None:
+    """A Service whose port changes: old frontend out, new one in, one plan. The new frontend must not get
+    the id whose slots the old frontend's removals delete later in the same plan (MapModel checks it)."""
+    c = Cluster()
+    c.sync({WEB: [web(A, B)]})
+    c.sync({WEB: [web(A, B, number=8080)]})
+    assert set(c.applied.frontends) == {("10.96.0.10", 8080, "TCP")}
+
+
+def test_a_frontend_moving_between_services_is_updated_in_place() -> None:
+    c = Cluster()
+    moved = port(WEB, "10.96.0.10", 80, [A])
+    c.sync({WEB: [moved]})
+    svc_id = c.svc_id(moved)
+    new_owner = port("default/web2", "10.96.0.10", 80, [B], name="http")
+    plan = c.sync({WEB: [], "default/web2": [new_owner]})
+    assert not positions(plan, "del", abi.MAP_SERVICES)
+    assert c.svc_id(new_owner) == svc_id
+    assert c.applied.frontends["10.96.0.10", 80, "TCP"].service == "default/web2"
+
+
+def test_a_frontend_held_by_a_service_outside_the_plan_is_not_taken() -> None:
+    c = Cluster()
+    c.sync({WEB: [web(A)]})
+    plan = c.sync({"default/web2": [port("default/web2", "10.96.0.10", 80, [B])]})
+    assert plan.ops == ()
+    assert plan.skipped and WEB in plan.skipped[0]
+
+
+def test_client_ip_affinity_is_flagged_with_its_timeout() -> None:
+    c = Cluster()
+    plan = c.sync({WEB: [port(WEB, "10.96.0.10", 80, [A], affinity=10800)]})
+    (entry,) = positions(plan, "put", abi.MAP_SERVICES)
+    assert plan.ops[entry].value == (0, 1, abi.SVC_F_AFFINITY, 10800)
+
+
+@pytest.mark.parametrize(
+    ("full_map", "size"),
+    [(abi.MAP_SERVICES, 2), (abi.MAP_SLOTS, 3), (abi.MAP_BACKENDS, 3), (abi.MAP_STATS, 2)],
+)
+def test_capacity_exceeded_names_the_map_and_changes_nothing(full_map: str, size: int) -> None:
+    c = Cluster({full_map: size})
+    c.sync({WEB: [web(A, B)], DNS: [dns(X)]})  # 2 frontends, 3 slots, 3 backends, ids 0..1: fits
+    before, model = copy.deepcopy(c.applied), copy.deepcopy(c.model.maps)
+    grow = {WEB: [web(A, B), web(C, number=443)]}  # one more of everything
+    with pytest.raises(CapacityError, match=full_map):
+        c.sync(grow)
+    assert c.applied == before and c.model.maps == model
+
+
+def test_sctp_frontends_are_reported_skipped() -> None:
+    c = Cluster()
+    sctp = port(WEB, "10.96.0.10", 9000, [A], protocol=Protocol.SCTP, name="sig")
+    plan = c.sync({WEB: [web(A), sctp]})
+    assert len(plan.skipped) == 1 and "10.96.0.10:9000/SCTP" in plan.skipped[0]
+    assert "default/web:sig" in plan.skipped[0]
+    assert set(c.applied.frontends) == {("10.96.0.10", 80, "TCP")}
