@@ -18,7 +18,7 @@ APT_STAMP_FILES := /usr/bin/clang /usr/bin/llvm-strip /usr/include/bpf/bpf_helpe
                    /usr/sbin/ip /usr/sbin/iptables /usr/sbin/nft /usr/sbin/ipset /usr/sbin/conntrack \
                    /usr/bin/socat /usr/sbin/ethtool /usr/sbin/capsh
 
-.PHONY: help install apt venv bpf demo test lint unit priv clean cleanup bench
+.PHONY: help install apt venv bpf demo test lint unit clean cleanup
 
 help:
 	@echo "make install   apt packages, .venv with pyproxy, BPF objects"
@@ -54,7 +54,7 @@ demo: install
 	$(VENV)/bin/pyproxy demo
 
 lint: venv
-	$(VENV)/bin/ruff check pyproxy tests bench
+	$(VENV)/bin/ruff check pyproxy tests $(wildcard bench)
 	$(VENV)/bin/mypy pyproxy
 	$(VENV)/bin/lint-imports
 

@@ -27,6 +27,8 @@ IP_MF = 0x2000
 TCP_SYN = 0x02
 TCP_ACK = 0x10
 
+CSUM_OFFSET = {TCP: 16, UDP: 6}  # of the checksum field in the TCP / UDP header
+
 ROUTER_MAC = bytes.fromhex("02000000aa01")
 CLIENT_MAC = bytes.fromhex("02000000bb02")
 
@@ -122,13 +124,12 @@ def l4_segment(flow: Flow, payload: bytes, csum: L4Csum = L4Csum.FULL, tcp_flags
     """A TCP or UDP header plus payload, its checksum field as `csum` says."""
     if flow.proto == TCP:
         head = struct.pack("!HHIIBBHHH", flow.sport, flow.dport, 1000, 0, 5 << 4, tcp_flags, 64240, 0, 0)
-        at = 16
     elif flow.proto == UDP:
         head = struct.pack("!HHHH", flow.sport, flow.dport, 8 + len(payload), 0)
-        at = 6
     else:
         raise ValueError(f"not TCP or UDP: {flow.proto}")
     seg = head + payload
+    at = CSUM_OFFSET[flow.proto]
     pseudo = pseudo_header(flow.src, flow.dst, flow.proto, len(seg))
     if csum is L4Csum.NONE:
         assert flow.proto == UDP, "only UDP may omit its checksum"
@@ -140,6 +141,19 @@ def l4_segment(flow: Flow, payload: bytes, csum: L4Csum = L4Csum.FULL, tcp_flags
         if flow.proto == UDP and value == 0:
             value = 0xFFFF  # RFC 768: a computed 0 is sent as all ones
     return seg[:at] + struct.pack("!H", value) + seg[at + 2 :]
+
+
+def payload_for_checksum(flow: Flow, size: int, value: int, tcp_flags: int = TCP_SYN) -> bytes:
+    """`size` payload bytes, the last two chosen so that the TCP/UDP checksum of `flow` computes to `value`
+    (before UDP turns a 0 into 0xffff): corner cases that random traffic hits once in 65535 packets."""
+    assert size >= 2 and size % 2 == 0
+    head = b"z" * (size - 2)
+    seg = bytearray(l4_segment(flow, head + b"\0\0", L4Csum.FULL, tcp_flags))
+    at = CSUM_OFFSET[flow.proto]
+    seg[at : at + 2] = b"\0\0"
+    rest = ones_sum(pseudo_header(flow.src, flow.dst, flow.proto, len(seg)) + bytes(seg))
+    # checksum = ~(rest + last), so rest + last must be ~value in one's complement arithmetic (mod 0xffff).
+    return head + struct.pack("!H", ((~value & 0xFFFF) - rest) % 0xFFFF)
 
 
 def frame(
@@ -181,8 +195,7 @@ def decode(data: bytes) -> Decoded:
     assert ver_ihl >> 4 == 4 and hlen >= 20 and tot_len <= len(ip), "malformed IPv4 header"
     seg = ip[hlen:tot_len]
     sport, dport = struct.unpack_from("!HH", seg)
-    at = {TCP: 16, UDP: 6}[proto]
-    (l4_csum,) = struct.unpack_from("!H", seg, at)
+    (l4_csum,) = struct.unpack_from("!H", seg, CSUM_OFFSET[proto])
     flow = Flow(socket.inet_ntoa(src), socket.inet_ntoa(dst), sport, dport, proto)
     pseudo = pseudo_header(flow.src, flow.dst, proto, len(seg))
     return Decoded(
