@@ -24,7 +24,6 @@ help:
 	@echo "make install   apt packages, .venv with pyproxy, BPF objects"
 	@echo "make demo      namespace lab + real traffic through the BPF dataplane"
 	@echo "make test      lint, type checks, layering, unit, BPF and end-to-end tests (root)"
-	@echo "make bench     benchmarks (see bench/)"
 
 install: apt venv bpf
 

@@ -65,7 +65,8 @@ int pyproxy_tc_egress(struct __sk_buff *skb)
 	return TC_ACT_OK;
 }
 
-/* The same forward decision at the driver, for --xdp-devices. Replies still leave through TC egress. */
+/* The same forward decision at the driver, for --xdp-devices. Replies still leave through TC egress, and
+ * packets whose checksum form XDP cannot tell are left to TC ingress. */
 SEC("xdp")
 int pyproxy_xdp_ingress(struct xdp_md *ctx)
 {
@@ -73,6 +74,9 @@ int pyproxy_xdp_ingress(struct xdp_md *ctx)
 	struct pyproxy_backend be;
 
 	if (pyproxy_parse((void *)(long)ctx->data, (void *)(long)ctx->data_end, &p) != PYPROXY_PARSE_OK)
+		return XDP_PASS;
+	/* Decided before the load balancer runs: TC ingress then makes the whole decision for this packet. */
+	if (pyproxy_xdp_csum_ambiguous(ctx, &p))
 		return XDP_PASS;
 	switch (pyproxy_lb_forward(&p, ctx->data_end - ctx->data, &be)) {
 	case PYPROXY_DNAT:

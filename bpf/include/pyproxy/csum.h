@@ -36,21 +36,13 @@ static __always_inline __u16 pyproxy_csum_replace(__u16 check, __u32 from, __u32
 
 /* A CHECKSUM_PARTIAL packet (a veth peer or a local socket offloaded the sum) carries in its L4 field
  * only the folded, uncomplemented pseudo-header sum; the rest is added on transmit. XDP cannot see
- * skb->ip_summed, so it recognises that form by value. */
+ * skb->ip_summed, and a complete checksum can hold the same value (one packet in 65535), so a field equal
+ * to this sum is ambiguous: XDP leaves such a packet to TC, whose helpers know which form it is. */
 static __always_inline __u16 pyproxy_pseudo_sum(__be32 saddr, __be32 daddr, __u8 proto, __u32 l4_len)
 {
 	__u32 s = pyproxy_csum_words(saddr) + pyproxy_csum_words(daddr);
 
 	s += bpf_htons((__u16)proto) + bpf_htons((__u16)l4_len);
-	return pyproxy_csum_fold(s);
-}
-
-/* For that partial form, an address change moves the pseudo-header sum itself, uncomplemented. */
-static __always_inline __u16 pyproxy_csum_replace_partial(__u16 check, __u32 from, __u32 to)
-{
-	__u32 s = check;
-
-	s += pyproxy_csum_neg_words(from) + pyproxy_csum_words(to);
 	return pyproxy_csum_fold(s);
 }
 

@@ -51,6 +51,21 @@ static __always_inline int pyproxy_tc_nat(struct __sk_buff *skb, const struct py
 	return bpf_skb_store_bytes(skb, pyproxy_addr_off(p, side), &addr, sizeof(addr), 0);
 }
 
+/* True when the L4 checksum field may be either a complete checksum or a CHECKSUM_PARTIAL pseudo-header
+ * sum (see csum.h): XDP must not translate such a packet. */
+static __always_inline int pyproxy_xdp_csum_ambiguous(struct xdp_md *ctx, const struct pyproxy_pkt *p)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	__u16 *check = data + (p->csum_off & 0x7f);
+
+	if ((void *)(check + 1) > data_end)
+		return 1;
+	if (p->proto == IPPROTO_UDP && *check == 0)
+		return 0;
+	return *check == pyproxy_pseudo_sum(p->saddr, p->daddr, p->proto, p->l4_len);
+}
+
 static __always_inline int pyproxy_xdp_nat(struct xdp_md *ctx, const struct pyproxy_pkt *p, int side,
 					   __be32 addr, __be16 port)
 {
@@ -71,17 +86,11 @@ static __always_inline int pyproxy_xdp_nat(struct xdp_md *ctx, const struct pypr
 		return -1;
 
 	if (!(p->proto == IPPROTO_UDP && *check == 0)) {
-		__u16 c = *check;
+		__u16 c = pyproxy_csum_replace(*check, old_addr, addr);
 
-		if (c == pyproxy_pseudo_sum(p->saddr, p->daddr, p->proto, p->l4_len)) {
-			/* Partial: the ports are not in it yet, the pseudo header is. */
-			c = pyproxy_csum_replace_partial(c, old_addr, addr);
-		} else {
-			c = pyproxy_csum_replace(c, old_addr, addr);
-			c = pyproxy_csum_replace(c, old_port, port);
-			if (p->proto == IPPROTO_UDP && c == 0)
-				c = 0xffff;
-		}
+		c = pyproxy_csum_replace(c, old_port, port);
+		if (p->proto == IPPROTO_UDP && c == 0)
+			c = 0xffff;
 		*check = c;
 	}
 	*l4port = port;

@@ -149,7 +149,8 @@ class BpfDataplane:
         finally:
             for fd in adopt.values():
                 os.close(fd)
-        self.maps = Maps(self._obj.maps)
+        # Maps owns its fds and the object owns its own: duplicate, so each closes only what it has.
+        self.maps = Maps({n: os.dup(fd) for n, fd in self._obj.maps.items()})
         self._capacity = {n: loader.map_info(fd).max_entries for n, fd in self._obj.maps.items()}
         self.applied = self.maps.read_applied()
         if self.applied.frontends:
