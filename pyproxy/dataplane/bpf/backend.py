@@ -193,7 +193,7 @@ class BpfDataplane:
             if self.attached.get(link.name) == link.index:
                 return
             if not self._wanted(link):
-                self._detach_if_ours(link)
+                detach_device(link)
                 return
             try:
                 self._attach(link)
@@ -214,10 +214,6 @@ class BpfDataplane:
                 attach.attach_xdp(link.index, progs[abi.PROG_XDP], "generic")
         self.attached[link.name] = link.index
         log.info("attached to device %s (ifindex %d)", link.name, link.index)
-
-    @staticmethod
-    def _detach_if_ours(link: netlink.Link) -> None:
-        detach_device(link)
 
     # -- sync ------------------------------------------------------------------------------------
 
@@ -240,15 +236,6 @@ class BpfDataplane:
             self.applied = self.maps.read_applied()
             raise DataplaneError(f"programming the BPF maps failed: {e}") from e
         self.applied = plan.applied
-
-    def service_stats(self) -> dict[FrontendKey, tuple[int, int]]:
-        """Packets and bytes per frontend, summed over CPUs."""
-        assert self.maps is not None
-        out = {}
-        for key, fe in self.applied.frontends.items():
-            per_cpu = self.maps.stats.get(fe.svc_id)
-            out[key] = (sum(s.packets for s in per_cpu), sum(s.bytes for s in per_cpu))
-        return out
 
 
 def detach_device(link: netlink.Link) -> bool:
