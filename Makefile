@@ -18,12 +18,15 @@ APT_STAMP_FILES := /usr/bin/clang /usr/bin/llvm-strip /usr/include/bpf/bpf_helpe
                    /usr/sbin/ip /usr/sbin/iptables /usr/sbin/nft /usr/sbin/ipset /usr/sbin/conntrack \
                    /usr/bin/socat /usr/sbin/ethtool /usr/sbin/capsh
 
-.PHONY: help install apt venv bpf demo test lint unit clean cleanup
+.PHONY: help install apt venv bpf demo test lint unit clean cleanup apiserver cluster-up cluster-down
 
 help:
 	@echo "make install   apt packages, .venv with pyproxy, BPF objects"
 	@echo "make demo      namespace lab + real traffic through the BPF dataplane"
 	@echo "make test      lint, type checks, layering, unit, BPF and end-to-end tests (root)"
+	@echo "make apiserver build kube-apiserver v1.20.2 once (cached in ~/.cache/pyproxy) and install etcd"
+	@echo "make cluster-up    etcd + kube-apiserver on 127.0.0.1:6443, detached; admin kubeconfig in .cluster/"
+	@echo "make cluster-down  stop that cluster and forget its etcd data"
 
 install: apt venv bpf
 
@@ -60,8 +63,19 @@ lint: venv
 unit: venv
 	$(VENV)/bin/pytest -q tests/unit
 
-test: install lint
+test: install apiserver lint
 	$(VENV)/bin/pytest -q tests
+
+# Builds only when the cached binary is missing (about 7 minutes on 2 cores), else returns at once.
+apiserver:
+	bash tests/cluster/build-apiserver.sh
+
+cluster-up: install apiserver
+	$(VPY) -m pyproxy.lab.cluster up --dir .cluster
+
+# No venv needed (pyproxy.lab.cluster is stdlib only): stopping must not first build a venv.
+cluster-down:
+	@$$([ -x $(VPY) ] && echo $(VPY) || echo $(PYTHON)) -m pyproxy.lab.cluster down --dir .cluster
 
 cleanup: venv
 	$(VENV)/bin/pyproxy cleanup
