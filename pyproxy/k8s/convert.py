@@ -19,6 +19,7 @@ from pyproxy.model.objects import (
     EndpointPort,
     EndpointSlice,
     InvalidObject,
+    Node,
     Protocol,
     Service,
     ServicePort,
@@ -27,6 +28,7 @@ from pyproxy.model.objects import (
 
 SERVICE_KIND = "Service"
 ENDPOINT_SLICE_KIND = "EndpointSlice"
+NODE_KIND = "Node"
 
 _SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
 _SESSION_AFFINITIES = ("None", "ClientIP")
@@ -127,14 +129,16 @@ class _Reader:
             self.fail(f"{path} {value!r} is not {what}")
 
 
-def _open(kind: str, d: Mapping[str, Any]) -> tuple[_Reader, str, str, Mapping[str, Any]]:
+def _open(
+    kind: str, d: Mapping[str, Any], namespaced: bool = True
+) -> tuple[_Reader, str, str, Mapping[str, Any]]:
     """A reader named after the object, its namespace, name and metadata."""
     anonymous = _Reader(kind, "<unnamed>")
     anonymous.check(d, Mapping, "an object", "the object")
     meta = anonymous.mapping(d, "metadata", "")
     namespace = anonymous.string(meta, "namespace", "metadata") or "default"
     name = anonymous.string(meta, "name", "metadata")
-    reader = _Reader(kind, object_key(namespace, name or "<unnamed>"))
+    reader = _Reader(kind, object_key(namespace, name or "<unnamed>") if namespaced else name or "<unnamed>")
     if not name:
         reader.fail("metadata.name is missing")
     return reader, namespace, name, meta
@@ -278,3 +282,16 @@ def endpointslice_from_dict(d: Mapping[str, Any]) -> EndpointSlice:
         ports=tuple(p for p in ports if p is not None),
         trigger_time=_trigger_time(annotations.get(LAST_CHANGE_TRIGGER_TIME_ANNOTATION)),
     )
+
+
+def node_from_dict(d: Mapping[str, Any]) -> Node:
+    """Convert a `v1` Node; only its name, labels and addresses matter to a proxy."""
+    r, _, name, meta = _open(NODE_KIND, d, namespaced=False)
+    labels = r.mapping(meta, "labels", "metadata")
+    for key, value in labels.items():
+        r.check(value, str, "a string", f"metadata.labels[{key!r}]")
+    status = r.mapping(d, "status", "")
+    addresses = []
+    for path, entry in r.elements(status, "addresses", "status", Mapping, "an object"):
+        addresses.append((r.string(entry, "type", path), r.string(entry, "address", path)))
+    return Node(name=name, labels=tuple(sorted(labels.items())), addresses=tuple(addresses))

@@ -14,11 +14,12 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import yaml
 
 from pyproxy.k8s.convert import ENDPOINT_SLICE_KIND, SERVICE_KIND, endpointslice_from_dict, service_from_dict
+from pyproxy.k8s.sink import ObjectSink
 from pyproxy.model.objects import EndpointSlice, InvalidObject, Service
 
 log = logging.getLogger(__name__)
@@ -31,17 +32,6 @@ _Object = Service | EndpointSlice
 _ObjectId = tuple[str, str]
 """(kind, namespace/name)"""
 T = TypeVar("T")
-
-
-class ObjectSink(Protocol):
-    """Where a source delivers objects; None deletes."""
-
-    def set_service(self, key: str, svc: Service | None) -> None: ...
-
-    def set_endpoint_slice(self, key: str, s: EndpointSlice | None) -> None: ...
-
-    def mark_synced(self) -> None:
-        """Everything that existed at start has been delivered (called once)."""
 
 
 @dataclass(slots=True)

@@ -109,3 +109,22 @@ class EndpointSlice:
     @property
     def service_key(self) -> str:
         return object_key(self.namespace, self.service_name)
+
+
+# The well-known label of a node's zone (topology-aware routing reads it).
+ZONE_LABEL = "topology.kubernetes.io/zone"
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """The node pyproxy runs on: kept for topology and node-port features."""
+
+    name: str
+    labels: tuple[tuple[str, str], ...] = ()
+    """Sorted (key, value) pairs, so equal nodes compare equal."""
+    addresses: tuple[tuple[str, str], ...] = ()
+    """(type, address) pairs in the API's order, e.g. ("InternalIP", "10.0.0.5")."""
+
+    @property
+    def zone(self) -> str | None:
+        return dict(self.labels).get(ZONE_LABEL)
