@@ -29,7 +29,11 @@ def parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="watch Services and EndpointSlices and program the dataplane")
     run.add_argument("--proxy-mode", choices=MODES, default="bpf", help="the dataplane to program")
-    run.add_argument("--source", type=Path, help="a manifest file or folder (v1 Services, EndpointSlices)")
+    run.add_argument("--source", type=Path,
+                     help="read a manifest file or folder (v1 Services, EndpointSlices) instead of the API")
+    run.add_argument("--kubeconfig", type=Path, help="kubeconfig file of the API server to follow")
+    run.add_argument("--master", help="the API server's URL (overrides the kubeconfig's server)")
+    run.add_argument("--hostname-override", help="the name of this node (default: the host name)")
     run.add_argument("--devices", type=_csv, default=(),
                      help="comma-separated devices to attach to (default: every non-loopback Ethernet device)")
     run.add_argument("--xdp-devices", type=_csv, default=(), help="devices that also get the XDP program")
@@ -56,6 +60,9 @@ def settings_from(args: argparse.Namespace) -> ProxySettings:
     if args.command == "run":
         s.mode = args.proxy_mode
         s.source = args.source
+        s.connection.kubeconfig = args.kubeconfig
+        s.connection.master = args.master
+        s.hostname_override = args.hostname_override
         s.healthz_bind_address = args.healthz_bind_address
         s.metrics_bind_address = args.metrics_bind_address
         s.min_sync_period = args.min_sync_period

@@ -39,12 +39,13 @@ class Pyproxy:
     The healthz and metrics addresses are on the node namespace's own loopback, so the default ports never
     clash between parallel labs. The pin path is the lab's own (under the labs' bpffs outside /sys)."""
 
-    def __init__(self, lab: Lab, source: Path | str, *, log_path: Path | str | None = None,
+    def __init__(self, lab: Lab, source: Path | str | None, *, log_path: Path | str | None = None,
                  devices: Sequence[str] | None = None, xdp_devices: Sequence[str] | None = None,
                  extra_args: Sequence[str] = (), healthz_port: int = HEALTHZ_PORT,
                  metrics_port: int = METRICS_PORT) -> None:
         self.lab = lab
-        self.source = Path(source)
+        self.source = Path(source) if source is not None else None
+        """Manifests to read; None when `extra_args` name an API server (--kubeconfig)."""
         self.log_path = Path(log_path) if log_path is not None else lab.workdir / "pyproxy.log"
         self.devices = devices
         self.xdp_devices = xdp_devices
@@ -62,9 +63,11 @@ class Pyproxy:
         return self.lab.pin_path
 
     def command(self) -> list[str]:
-        argv = [sys.executable, "-m", "pyproxy", "run", "--proxy-mode=bpf", f"--source={self.source}",
+        argv = [sys.executable, "-m", "pyproxy", "run", "--proxy-mode=bpf",
                 f"--bpf-pin-path={self.pin_path}", f"--healthz-bind-address={self._healthz_address}",
                 f"--metrics-bind-address={self._metrics_address}"]
+        if self.source is not None:
+            argv.append(f"--source={self.source}")
         if self.devices is not None:
             argv.append(f"--devices={','.join(self.devices)}")
         if self.xdp_devices is not None:

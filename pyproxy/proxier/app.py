@@ -7,14 +7,18 @@ import signal
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import Protocol
 
 from pyproxy.dataplane.base import Dataplane
 from pyproxy.dataplane.bpf import backend as bpf_backend
 from pyproxy.dataplane.bpf import inspect as bpf_inspect
 from pyproxy.dataplane.bpf.loader import BpfUnavailable
+from pyproxy.k8s.client import ApiClient, ConfigError, configuration
+from pyproxy.k8s.events import record_node_event
+from pyproxy.k8s.informer import ApiSource
 from pyproxy.k8s.manifest import ManifestSource
-from pyproxy.proxier.config import ProxySettings, parse_address
-from pyproxy.proxier.metrics import ProxyMetrics
+from pyproxy.proxier.config import ProxySettings, node_name, parse_address
+from pyproxy.proxier.metrics import InformerCollector, ProxyMetrics
 from pyproxy.proxier.proxier import Proxier
 from pyproxy.proxier.server import ProxyHealth, health_server, metrics_server
 
@@ -31,11 +35,24 @@ def make_dataplane(settings: ProxySettings) -> Dataplane:
     raise StartupError(f"--proxy-mode={settings.mode}: not available in this build (bpf is)")
 
 
+class _Source(Protocol):
+    def start(self) -> object: ...
+
+    def stop(self) -> None: ...
+
+
+def _api_client(settings: ProxySettings) -> ApiClient:
+    try:
+        return ApiClient(configuration(settings.connection))
+    except ConfigError as e:
+        raise StartupError(str(e)) from e
+
+
 def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
     """Run until SIGTERM/SIGINT (or `stop`); the dataplane stays programmed after return."""
     stop = stop or threading.Event()
-    if settings.source is None:
-        raise StartupError("no source of Services: give --source=PATH (manifests)")
+    # Configuration errors first: a wrong kubeconfig must not leave programs attached.
+    api = None if settings.source is not None else _api_client(settings)
     dataplane = make_dataplane(settings)
     try:
         dataplane.start()
@@ -54,7 +71,19 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
         health_server(*parse_address(settings.healthz_bind_address), health).start(),
         metrics_server(*parse_address(settings.metrics_bind_address), metrics.registry, dataplane.mode).start(),
     ]
-    source = ManifestSource(settings.source, proxier)
+    source: _Source
+    if api is None:
+        assert settings.source is not None
+        source = ManifestSource(settings.source, proxier)
+        origin = str(settings.source)
+    else:
+        node = node_name(settings)
+        source = ApiSource(api, proxier, node)
+        metrics.registry.register(InformerCollector({n: r.stats for n, r in source.reflectors.items()}))
+        origin = f"{api.host} as node {node}"
+        threading.Thread(
+            target=record_node_event, args=(api, node, "Starting", "Starting pyproxy."), daemon=True
+        ).start()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info("received %s: stopping, the dataplane stays in place", signal.Signals(signum).name)
@@ -66,7 +95,7 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
     sync_thread = threading.Thread(target=proxier.runner.loop, name="sync", daemon=True)
     sync_thread.start()
     source.start()
-    log.info("pyproxy running: mode=%s source=%s", dataplane.mode, settings.source)
+    log.info("pyproxy running: mode=%s source=%s", dataplane.mode, origin)
     stop.wait()
     source.stop()
     proxier.runner.stop()

@@ -3,10 +3,12 @@ only map onto these dataclasses."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pyproxy.dataplane.bpf.backend import BpfSettings
+from pyproxy.k8s.client import ConnectionSettings
 
 
 @dataclass
@@ -15,6 +17,10 @@ class ProxySettings:
     """--proxy-mode: which dataplane programs the kernel."""
     source: Path | None = None
     """--source: a manifest file or folder; without it, the Kubernetes API."""
+    connection: ConnectionSettings = field(default_factory=ConnectionSettings)
+    """--kubeconfig / --master (clientConnection in KubeProxyConfiguration); neither: in-cluster."""
+    hostname_override: str | None = None
+    """--hostname-override: the name of the own Node; default: this host's name, lowercased."""
     healthz_bind_address: str = "0.0.0.0:10256"
     """--healthz-bind-address: /healthz and /livez (upstream's port)."""
     metrics_bind_address: str = "127.0.0.1:10249"
@@ -33,3 +39,9 @@ def parse_address(addr: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"invalid bind address {addr!r}: want host:port")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def node_name(settings: ProxySettings) -> str:
+    """The own Node's name, as upstream derives it."""
+    name = settings.hostname_override or os.uname().nodename
+    return name.strip().lower()

@@ -1,17 +1,24 @@
 """Wires one source, the change trackers, the runner and a dataplane together.
 
-Sources only record (`set_service`, `set_endpoint_slice`); the runner's thread is the only one that
-drains the trackers, computes the desired state and applies it.
+Sources only record (`set_service`, `set_endpoint_slice`, `set_node`); the runner's thread is the only one
+that drains the trackers, computes the desired state and applies it.
+
+Network-programming latency follows upstream: for every EndpointSlice change, the time it was triggered
+(the slice's last-change-trigger-time annotation, set by the EndpointSlice controller, else when the event
+reached pyproxy) is kept until a sync has applied the Service it belongs to; the metric observes
+"applied - triggered". Trigger times older than the proxier are not observed: a restart would otherwise
+report the age of every slice in the cluster.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from pyproxy.dataplane.base import Dataplane
 from pyproxy.model.desired import update_desired_state
-from pyproxy.model.objects import EndpointSlice, Service
+from pyproxy.model.objects import EndpointSlice, Node, Service
 from pyproxy.model.state import DesiredState
 from pyproxy.model.tracker import ClusterState
 from pyproxy.proxier.metrics import ProxyMetrics
@@ -43,6 +50,14 @@ class Proxier:
         self._synced = False
         self._last_full = float("-inf")
         self._retry: set[str] = set()
+        self.node: Node | None = None
+        """The own Node as last seen (None until the API source delivers it)."""
+        self._started = time.time()
+        # Serialises recording a slice change with its trigger time against the sync's drain, so a trigger
+        # time is never taken by a sync that did not also take its change.
+        self._lock = threading.Lock()
+        self._triggers: dict[str, list[float]] = {}
+        """service key -> trigger times (Unix) of its endpoint changes not yet applied."""
 
     # -- ObjectSink ------------------------------------------------------------------------------
 
@@ -52,9 +67,27 @@ class Proxier:
             self._queued()
 
     def set_endpoint_slice(self, key: str, s: EndpointSlice | None) -> None:
-        if self.cluster.slices.update(key, s):
-            self.metrics.endpoint_changes_total.inc()
-            self._queued()
+        arrived = time.time()
+        with self._lock:
+            if not self.cluster.slices.update(key, s):
+                return
+            if s is not None:
+                triggered = s.trigger_time if s.trigger_time is not None else arrived
+                if triggered >= self._started:
+                    self._triggers.setdefault(s.service_key, []).append(triggered)
+        self.metrics.endpoint_changes_total.inc()
+        self._queued()
+
+    def set_node(self, node: Node | None) -> None:
+        if node == self.node:
+            return
+        if node is None:
+            # Labels feed topology only: the last known ones are a better guess than none.
+            log.warning("the own node was deleted from the API; keeping its last known labels")
+            return
+        log.info("node %s: zone=%s addresses=%s", node.name, node.zone or "-",
+                 ",".join(f"{t}={a}" for t, a in node.addresses) or "-")
+        self.node = node
 
     def mark_synced(self) -> None:
         self._synced = True
@@ -74,7 +107,9 @@ class Proxier:
         if not self._synced:
             return False  # never program a partial view: wait for every source's first complete read
         start = time.monotonic()
-        changed = self.cluster.drain_changed_services() | self._retry
+        with self._lock:
+            changed = self.cluster.drain_changed_services() | self._retry
+            triggers, self._triggers = self._triggers, {}
         self.metrics.service_changes_pending.set(0)
         self.metrics.endpoint_changes_pending.set(0)
         full = start - self._last_full >= self.sync_period
@@ -87,9 +122,16 @@ class Proxier:
             self.dataplane.apply(self.desired, None if full else changed)
         except Exception:
             self._retry = changed
+            with self._lock:
+                for svc, times in triggers.items():
+                    self._triggers.setdefault(svc, []).extend(times)
             self.metrics.sync_errors.inc()
             raise
         self._retry = set()
+        applied = time.time()
+        for times in triggers.values():
+            for triggered in times:
+                self.metrics.network_programming.observe(max(0.0, applied - triggered))
         if full:
             self._last_full = start
         elapsed = time.monotonic() - start
