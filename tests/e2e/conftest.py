@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pyproxy.lab import Lab, ProbeResult, Pyproxy, describe, nonzero_checksum_errors, write_manifest
+from pyproxy.lab.cluster import Cluster, bridge_into_netns, stop_process
 from pyproxy.lab.manifests import documents
 
 
@@ -47,6 +50,7 @@ class Env:
         self.source = source
         self.log_path = log_path
         self.proxy: Pyproxy | None = None
+        self.bridge: subprocess.Popen[bytes] | None = None
 
     # ---- manifests and pyproxy
 
@@ -62,6 +66,29 @@ class Env:
         self.proxy.start()
         self.proxy.wait_healthy(20.0)
         return self.proxy
+
+    def start_api(self, cluster: Cluster, *, node: str = "lab-node", args: Sequence[str] = ()) -> Pyproxy:
+        """pyproxy following `cluster` as a user runs it: `--kubeconfig` with the admin token, reaching the API
+        server through a bridge to the node namespace's own 127.0.0.1:6443."""
+        self.bridge = bridge_into_netns(self.lab.node, cluster.apiserver_port)
+        kubeconfig = cluster.write_kubeconfig(self.source / "kubeconfig", cluster.admin_token,
+                                              server="https://127.0.0.1:6443")
+        self.proxy = Pyproxy(self.lab, None, log_path=self.log_path,
+                             extra_args=[f"--kubeconfig={kubeconfig}", f"--hostname-override={node}", *args])
+        self.proxy.start()
+        self.proxy.wait_healthy(30.0)
+        return self.proxy
+
+    def metrics(self) -> dict[str, float]:
+        """pyproxy's /metrics as {"name{label=value,...}": value} (labels sorted)."""
+        result = self.lab.http_get(self.lab.node, self.running.metrics_url, expect=200)
+        assert result["status"] == 200, result
+        samples: dict[str, float] = {}
+        for family in text_string_to_metric_families(result["body"]):
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return samples
 
     @property
     def running(self) -> Pyproxy:
@@ -164,6 +191,8 @@ def make_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callabl
             if env.proxy is not None:
                 env.proxy.close()  # kill if running, then `pyproxy cleanup`
         finally:
+            if env.bridge is not None:
+                stop_process(env.bridge)
             env.lab.close()
         if _failed(request) and env.proxy is not None:
             print(f"\n===== pyproxy log ({env.log_path}) =====\n{env.proxy.log_text()}")

@@ -1,6 +1,5 @@
 import json
 import logging
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -9,35 +8,7 @@ import pytest
 import yaml
 
 from pyproxy.k8s.manifest import ManifestSource
-from pyproxy.model.objects import EndpointSlice, Service
-
-
-class RecordingSink:
-    """Applies what the source pushes, and records each call."""
-
-    def __init__(self) -> None:
-        self.services: dict[str, Service] = {}
-        self.slices: dict[str, EndpointSlice] = {}
-        self.calls: list[tuple[str, str, bool]] = []
-        self.synced = 0
-        self.changed = threading.Event()
-
-    def _set(self, store: dict[str, Any], kind: str, key: str, obj: Any) -> None:
-        self.calls.append((kind, key, obj is not None))
-        if obj is None:
-            del store[key]
-        else:
-            store[key] = obj
-        self.changed.set()
-
-    def set_service(self, key: str, svc: Service | None) -> None:
-        self._set(self.services, "Service", key, svc)
-
-    def set_endpoint_slice(self, key: str, s: EndpointSlice | None) -> None:
-        self._set(self.slices, "EndpointSlice", key, s)
-
-    def mark_synced(self) -> None:
-        self.synced += 1
+from pyproxy.k8s.sink import RecordingSink
 
 
 def service(name: str, ip: str = "10.96.0.10", port: Any = 80) -> dict[str, Any]:
