@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import urllib3
+import yaml
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
@@ -64,7 +65,7 @@ def configuration(settings: ConnectionSettings) -> k8s_client.Configuration:
             raise ConfigError(f"--kubeconfig {settings.kubeconfig}: no such file")
         try:
             k8s_config.load_kube_config(config_file=str(settings.kubeconfig), client_configuration=cfg)
-        except (k8s_config.ConfigException, ValueError, TypeError, OSError) as e:
+        except (k8s_config.ConfigException, ValueError, TypeError, OSError, yaml.YAMLError) as e:
             raise ConfigError(f"--kubeconfig {settings.kubeconfig}: {e}") from e
     elif settings.master is None:
         if not in_cluster():
@@ -79,7 +80,17 @@ def configuration(settings: ConnectionSettings) -> k8s_client.Configuration:
     if settings.master is not None:
         if not settings.master.startswith(("http://", "https://")):
             raise ConfigError(f"--master {settings.master!r}: want an http:// or https:// URL")
-        cfg.host = settings.master.rstrip("/")
+        cfg.host = host = settings.master.rstrip("/")
+        # The kubeconfig loader's token refresh re-applies the whole kubeconfig, server included, before every
+        # request: re-assert --master after it, or the override would last until the first request.
+        reload_kubeconfig = cfg.refresh_api_key_hook
+        if reload_kubeconfig is not None:
+
+            def refresh(c: k8s_client.Configuration) -> None:
+                reload_kubeconfig(c)
+                c.host = host
+
+            cfg.refresh_api_key_hook = refresh
     cfg.connection_pool_maxsize = _POOL_SIZE
     return cfg
 

@@ -4,7 +4,10 @@ real traffic in a namespace lab follow. pyproxy runs as a user runs it (`pyproxy
 
 from __future__ import annotations
 
+import signal
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +20,7 @@ from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.inspect import open_maps
 from pyproxy.lab import describe
-from pyproxy.lab.cluster import Cluster
+from pyproxy.lab.cluster import Cluster, bridge_into_netns
 
 pytestmark = pytest.mark.root
 
@@ -245,3 +248,32 @@ def test_burst_of_1000_services_programs_in_a_handful_of_syncs(make_env, cluster
     finally:
         kube.delete_many(objects)
     wait_for(lambda: frontend_count(maps) == frontends_before, timeout=120, what="burst deleted")
+
+
+def test_the_black_box_command_line(make_env, cluster: Cluster, kube: Kube, namespace: str, tmp_path: Path) -> None:
+    """Exactly what an outside lab runs, nothing added: default pin path, healthz and metrics addresses."""
+    env = make_env(2)
+    env.bridge = bridge_into_netns(env.lab.node, cluster.apiserver_port)
+    kubeconfig = cluster.write_kubeconfig(tmp_path / "kubeconfig", cluster.admin_token,
+                                          server="https://127.0.0.1:6443")
+    pyproxy = str(Path(sys.executable).with_name("pyproxy"))
+    log = open(tmp_path / "pyproxy.log", "wb")  # noqa: SIM115 - closed below
+    proc = env.lab.popen(env.lab.node, pyproxy, "run", "--proxy-mode=bpf", f"--kubeconfig={kubeconfig}",
+                         "--hostname-override=black-box-node", stdout=log, stderr=subprocess.STDOUT)
+    try:
+        health = env.lab.http_get(env.lab.node, "http://127.0.0.1:10256/healthz", wait=20, expect=200)
+        assert health["status"] == 200, (health, (tmp_path / "pyproxy.log").read_text())
+        kube.create(service("bb", "10.96.13.1", namespace=namespace))
+        kube.create(kube.endpoint_slice("bb-1", "bb", [B[1], B[2]], namespace=namespace))
+        wait_for(lambda: set(env.probe("tcp", "10.96.13.1", 80, 10)["replies"]) == {"b1:8080", "b2:8080"},
+                 timeout=10, interval=0.2, what="traffic through the black-box command line")
+        metrics = env.lab.http_get(env.lab.node, "http://127.0.0.1:10249/metrics", expect=200)
+        assert 'pyproxy_proxy_mode{mode="bpf"} 1.0' in metrics["body"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+        env.lab.exec(env.lab.node, pyproxy, "cleanup", check=False)
+    print((tmp_path / "pyproxy.log").read_text()[-2000:])
