@@ -177,7 +177,8 @@ def test_single_endpoint_change_latency(make_env, cluster: Cluster, kube: Kube, 
     kube.create(kube.endpoint_slice("lat-1", "lat", sets[0], namespace=namespace))
     wait_for(lambda: backends_of(maps, "10.96.12.1", 80) == {f"{B[1]}:8080"}, what="initial")
     time.sleep(min_sync + 0.2)
-    base = env.metrics().get("kubeproxy_network_programming_duration_seconds_count", 0.0)
+    m0 = env.metrics()
+    base = m0.get("kubeproxy_network_programming_duration_seconds_count", 0.0)
 
     latencies = []
     rounds = 15
@@ -199,6 +200,10 @@ def test_single_endpoint_change_latency(make_env, cluster: Cluster, kube: Kube, 
     m = env.metrics()
     count = m["kubeproxy_network_programming_duration_seconds_count"] - base
     assert count == rounds, f"{count} observations for {rounds} changes"
+    changes = "kubeproxy_sync_proxy_rules_endpoint_changes_total"
+    assert m[changes] - m0[changes] == rounds and m["kubeproxy_sync_proxy_rules_endpoint_changes_pending"] == 0
+    assert m["kubeproxy_sync_proxy_rules_service_changes_pending"] == 0
+    assert time.time() - m["kubeproxy_sync_proxy_rules_last_timestamp_seconds"] < 5
     # The histogram's median bucket agrees with what was measured from outside.
     buckets = sorted((float(k.split("le=")[1].rstrip("}")), v) for k, v in m.items()
                      if k.startswith("kubeproxy_network_programming_duration_seconds_bucket"))
