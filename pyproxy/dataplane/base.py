@@ -12,12 +12,18 @@ class DataplaneError(RuntimeError):
     """Applying failed; the message says what, and the dataplane still holds its last good state."""
 
 
+class ModeUnavailable(RuntimeError):
+    """This proxy mode cannot run on this node (kernel feature, tool or capability missing); the message
+    says what is missing. `--proxy-mode=auto` moves on to the next mode; an explicit mode fails."""
+
+
 class Dataplane(Protocol):
     mode: str
     """The --proxy-mode this backend implements ("bpf", "nftables"…)."""
 
     def start(self) -> None:
-        """Take over the kernel state (adopting what a previous run left), ready to apply."""
+        """Take over the kernel state (adopting what a previous run left), ready to apply. Raises
+        ModeUnavailable, having changed nothing, when the mode cannot work here."""
 
     def apply(self, desired: DesiredState, changed: Set[str] | None) -> None:
         """Program the kernel: only the Services in `changed`, or everything when it is None. Raises

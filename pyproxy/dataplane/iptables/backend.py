@@ -1,0 +1,102 @@
+"""The iptables dataplane backend: upstream kube-proxy's KUBE-* chains, one iptables-restore per sync.
+
+Each sync is one `iptables-restore --noflush` holding both tables (see render.py for what it writes), so the
+kernel switches from the previous rules to the new ones in one step per table, and keeps the previous ones
+when the restore fails. (nat comes first; should only the small filter part fail, nat has already switched,
+and the next sync repairs both.) pyproxy keeps no state the rules do not show: a restarted pyproxy adopts
+them as they are (traffic keeps flowing), and its first sync, always a full one, reconciles them against
+iptables-save. After a failed sync the next one is full too, since what is applied is then unsure.
+
+UDP conntrack entries of endpoints that left are deleted after the restore, as upstream: a UDP "flow" has
+no end, so without that a client would keep talking to a removed backend. Failing to do so is logged only.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Set
+from dataclasses import dataclass, field
+
+from pyproxy.dataplane import netfilter as nf
+from pyproxy.dataplane.base import DataplaneError
+from pyproxy.dataplane.iptables.render import Applied, ConntrackFlush, is_mode_chain, is_mode_rule, render
+from pyproxy.dataplane.netfilter import MasqueradeSettings
+from pyproxy.model.state import DesiredState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class IptablesSettings:
+    backend: str = "auto"
+    """--iptables-backend: "legacy", "nft", or "auto" (what the `iptables` command on this node is)."""
+    masquerade: MasqueradeSettings = field(default_factory=MasqueradeSettings)
+
+
+class IptablesDataplane:
+    mode = "iptables"
+
+    def __init__(self, settings: IptablesSettings) -> None:
+        self.settings = settings
+        self.tools: nf.Tools | None = None
+        self.applied: Applied = {}
+        self._reconciled = False
+        """Whether `applied` is known to match the kernel (a full sync succeeded, no sync failed since)."""
+
+    def start(self) -> None:
+        t = nf.usable_tools(self.settings.backend, self.settings.masquerade)
+        if shutil.which("conntrack") is None:
+            log.warning("conntrack not found: UDP flows to removed endpoints will not be cut off")
+        self.tools = t
+        # Both backends' hooks run in the kernel: rules a run on the other backend left would keep translating
+        # ClusterIPs to stale endpoints beside ours.
+        others = [o for o in nf.installed_backends() if o.backend != t.backend]
+        for line in nf.cleanup(is_mode_chain, is_mode_rule, backends=others):
+            log.info("removed what the iptables mode left on the other backend: %s", line)
+        kept = [c for c in nf.save(t, ("nat",))["nat"].chains if is_mode_chain("nat", c)]
+        if kept:
+            log.info("kept %d KUBE-SVC/KUBE-SEP chains of the previous run until the first sync", len(kept))
+        log.info("iptables mode on the %s backend (%s)", t.backend, t.restore)
+
+    def stop(self) -> None:
+        """Nothing to release: the rules stay, so traffic keeps flowing."""
+
+    def apply(self, desired: DesiredState, changed: Set[str] | None) -> None:
+        assert self.tools is not None, "start() first"
+        full = changed is None or not self._reconciled
+        saved = nf.save(self.tools) if full else None
+        plan = render(desired, None if full else changed, self.applied, self.settings.masquerade, saved)
+        try:
+            nf.restore(self.tools, plan.text)
+        except DataplaneError as e:
+            self._reconciled = False
+            raise DataplaneError(f"iptables-{self.tools.backend}-restore failed, the previous rules stay: {e}") from e
+        self.applied = plan.applied
+        self._reconciled = True
+        log.debug("%s sync: %d chains written, %d removed, %d rules", "full" if full else "partial",
+                  plan.written, plan.removed, plan.rules)
+        for flush in plan.flushes:
+            _flush_udp(flush)
+
+
+def _flush_udp(flush: ConntrackFlush) -> None:
+    fe = flush.frontend
+    args = ["-p", "udp", "--orig-dst", fe.ip, "--orig-port-dst", str(fe.port)]
+    # Upstream deletes every entry to the ClusterIP when the first endpoint comes; only the un-NATed ones (the
+    # reply would come from the ClusterIP itself) need to go, which also spares live flows when pyproxy
+    # restarts and sees every frontend as new.
+    args += ["--dst-nat", flush.endpoint_ip] if flush.endpoint_ip else ["--reply-src", fe.ip]
+    try:
+        n = nf.conntrack_delete(*args)
+    except DataplaneError as e:
+        log.warning("deleting UDP conntrack entries of %s -> %s failed: %s", fe, flush.endpoint_ip or "-", e)
+        return
+    if n:
+        log.info("deleted %d UDP conntrack entries of %s -> %s", n, fe, flush.endpoint_ip or "(no endpoint)")
+
+
+def cleanup(settings: IptablesSettings) -> list[str]:
+    """Remove the iptables mode's chains and jumps from nat and filter, in both iptables backends; the
+    shared ones (KUBE-SERVICES, KUBE-MARK-MASQ, ...) too unless another mode's rules still use them."""
+    return nf.cleanup(is_mode_chain, is_mode_rule)

@@ -1,0 +1,457 @@
+"""What the netfilter-based modes share (iptables, and ipvs for its masquerade rules), as upstream
+kube-proxy: masquerade settings, `KUBE-*` chain naming, and running iptables-save/-restore against one of the
+two iptables backends (legacy or nft).
+
+Backends never import each other; both import this module. Its API is stable:
+
+Tools (which binaries)
+    `tools(backend)` -> `Tools(backend, save, restore)` for "legacy", "nft" or "auto" (= whatever the plain
+    `iptables` command is, from `iptables --version`); ModeUnavailable when a binary is missing.
+    `check_usable(tools)` -> ModeUnavailable when iptables-save cannot read nat/filter (no CAP_NET_ADMIN, no
+    kernel tables). `usable_tools(backend, masquerade)` = both, after checking the masquerade bit: what a
+    mode's start() calls. `installed_backends()` -> the backends whose binaries are here (for cleanup).
+Running them
+    `run(argv, input=, timeout=)` -> stdout, DataplaneError with the command and its stderr otherwise.
+    `save(tools, tables=("nat", "filter"))` -> {table: SavedTable}; `tables=None` reads only the tables that
+    exist, loading no kernel module. `restore(tools, text)` runs `iptables-restore --noflush` (one atomic
+    transaction per table). Both raise DataplaneError carrying the command's stderr; every call has a timeout.
+    `conntrack_delete(*args)` runs `conntrack -D ...`, returns how many entries went (0 is not an error).
+Restore input
+    `Chain(name, rules)`: a chain and its rule bodies (what follows `-A NAME`). `TableEdit` collects, per
+    table, chains to write (declared = created or flushed, then filled), chains to remove (flushed, `-X` last)
+    and jumps to insert; `restore_input({table: TableEdit})` -> the text for `restore()`.
+    `Jump(table, chain, target, comment, match)`: a rule in a built-in chain leading to one of ours, inserted
+    at the top as upstream; `jump.present(saved)` tells whether iptables-save already shows it.
+Naming
+    `service_port_name(service, port_name)` = upstream's ServicePortName.String(); `chain_hash(text)` =
+    base32(sha256(text))[:16], the suffix of KUBE-SVC-/KUBE-SEP-/... chains.
+Masquerade (from MasqueradeSettings)
+    `masquerade_chains(m)` -> KUBE-MARK-MASQ and KUBE-POSTROUTING (nat); `forward_chain(m)` -> KUBE-FORWARD
+    (filter); `MASQUERADE_JUMPS` -> the POSTROUTING and FORWARD jumps; `mark_masq_rule(m, match)` -> the rule
+    body marking ClusterIP traffic `match`ed for SNAT per --masquerade-all / --cluster-cidr, or None.
+Cleanup
+    `cleanup(mode_chain, mode_rule)` removes one mode's chains and rules in both backends, and the shared
+    chains (KUBE-SERVICES, KUBE-MARK-MASQ, KUBE-POSTROUTING, KUBE-FORWARD) once no rule of any mode uses them:
+    the mode starting up runs the other modes' cleanups, and must not lose the shared chains it adopted.
+    `mode_chain(table, chain)` says which chains only that mode makes; `mode_rule(table, chain, body)` which
+    of its rules sit in shared chains without jumping to one of its own (found by their comments: the
+    iptables mode claims `"<service> cluster IP"` in nat KUBE-SERVICES and `"<service> has no endpoints"`
+    in filter KUBE-SERVICES, so another mode must not write rules with those comments there).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+import shlex
+import shutil
+import subprocess
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pyproxy.dataplane.base import DataplaneError, ModeUnavailable
+
+
+@dataclass
+class MasqueradeSettings:
+    cluster_cidr: str | None = None
+    """--cluster-cidr: traffic to a ClusterIP from outside this range is masqueraded (upstream); None: no
+    such rule, so clients keep their source address."""
+    masquerade_all: bool = False
+    """--masquerade-all: SNAT all traffic sent to a ClusterIP."""
+    masquerade_bit: int = 14
+    """--iptables-masquerade-bit: the fwmark bit (0-31) that marks a packet for SNAT (upstream: 14)."""
+
+
+BACKENDS = ("legacy", "nft")
+TABLES = ("nat", "filter")
+BUILTIN_CHAINS = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"})
+
+SERVICES_CHAIN = "KUBE-SERVICES"
+MARK_MASQ_CHAIN = "KUBE-MARK-MASQ"
+POSTROUTING_CHAIN = "KUBE-POSTROUTING"
+FORWARD_CHAIN = "KUBE-FORWARD"
+# (table, chain) of the chains every netfilter mode writes the same way.
+SHARED_CHAINS = frozenset({("nat", SERVICES_CHAIN), ("nat", MARK_MASQ_CHAIN), ("nat", POSTROUTING_CHAIN),
+                           ("filter", SERVICES_CHAIN), ("filter", FORWARD_CHAIN)})
+
+SAVE_TIMEOUT = 30.0
+RESTORE_TIMEOUT = 60.0
+CONNTRACK_TIMEOUT = 10.0
+# Seconds iptables-restore waits for the xtables lock that other iptables users on the node take.
+LOCK_WAIT = "5"
+
+
+# ------------------------------------------------------------------------------------------- binaries
+
+
+@dataclass(frozen=True)
+class Tools:
+    backend: str
+    """"legacy" or "nft"."""
+    save: str
+    restore: str
+
+
+def _which(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise ModeUnavailable(f"{name} not found in PATH (install the iptables package)")
+    return path
+
+
+def detect_backend() -> str:
+    """What the plain `iptables` command is here: "legacy" or "nft" (ModeUnavailable if neither)."""
+    out = run([_which("iptables"), "--version"], timeout=SAVE_TIMEOUT)
+    if "(nf_tables)" in out:
+        return "nft"
+    if "(legacy)" in out:
+        return "legacy"
+    # iptables before 1.8 has only the legacy backend and does not say so.
+    if re.search(r"v1\.[0-7]\.", out):
+        return "legacy"
+    raise ModeUnavailable(f"cannot tell the iptables backend from `iptables --version`: {out.strip()!r}")
+
+
+def tools(backend: str) -> Tools:
+    """The save/restore binaries of `backend` ("legacy", "nft", or "auto")."""
+    if backend == "auto":
+        try:
+            backend = detect_backend()
+        except DataplaneError as e:
+            raise ModeUnavailable(str(e)) from e
+    if backend not in BACKENDS:
+        raise ModeUnavailable(f"unknown iptables backend {backend!r}: want auto, legacy or nft")
+    return Tools(backend, _which(f"iptables-{backend}-save"), _which(f"iptables-{backend}-restore"))
+
+
+def installed_backends() -> list[Tools]:
+    """The backends whose binaries are installed."""
+    found = []
+    for backend in BACKENDS:
+        try:
+            found.append(tools(backend))
+        except ModeUnavailable:
+            continue
+    return found
+
+
+def check_usable(t: Tools) -> None:
+    """ModeUnavailable unless iptables-save can read the nat and filter tables (needs CAP_NET_ADMIN and the
+    kernel's tables for this backend)."""
+    try:
+        save(t)
+    except DataplaneError as e:
+        raise ModeUnavailable(f"iptables ({t.backend}) cannot be used here: {e}") from e
+
+
+def usable_tools(backend: str, m: MasqueradeSettings) -> Tools:
+    """The binaries of `backend`, checked to work here with these settings: ModeUnavailable otherwise."""
+    t = tools(backend)
+    try:
+        mark(m)
+    except ValueError as e:
+        raise ModeUnavailable(str(e)) from e
+    check_usable(t)
+    return t
+
+
+# -------------------------------------------------------------------------------------------- running
+
+
+_ERROR_LINES = 12
+
+
+def run(argv: Sequence[str], *, input: str | None = None, timeout: float) -> str:
+    """stdout of `argv`; DataplaneError naming the command and its stderr when it fails or times out."""
+    cmd = shlex.join(argv)
+    try:
+        cp = subprocess.run(list(argv), input=input, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise DataplaneError(f"{cmd}: no answer within {timeout:g}s") from e
+    except OSError as e:
+        raise DataplaneError(f"{cmd}: {e}") from e
+    if cp.returncode != 0:
+        # nft and iptables-restore quote the failing input; a huge transaction must not flood the log.
+        lines = (cp.stderr or cp.stdout).strip().splitlines()
+        more = f"\n… {len(lines) - _ERROR_LINES} more lines" if len(lines) > _ERROR_LINES else ""
+        raise DataplaneError(f"{cmd} exited {cp.returncode}: " + "\n".join(lines[:_ERROR_LINES]) + more)
+    return cp.stdout
+
+
+@dataclass
+class SavedTable:
+    """One table as iptables-save shows it: every chain (built-in ones too) with its rule bodies in order."""
+
+    chains: dict[str, list[str]] = field(default_factory=dict)
+
+    def rules(self, chain: str) -> list[str]:
+        return self.chains.get(chain, [])
+
+
+def parse_save(text: str) -> dict[str, SavedTable]:
+    tables: dict[str, SavedTable] = {}
+    current: SavedTable | None = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith("*"):
+            current = tables.setdefault(line[1:], SavedTable())
+        elif current is None or not line or line.startswith("#") or line.startswith("COMMIT"):
+            continue
+        elif line.startswith(":"):
+            current.chains.setdefault(line[1:].split(" ", 1)[0], [])
+        elif line.startswith("-A "):
+            chain, _, body = line[3:].partition(" ")
+            current.chains.setdefault(chain, []).append(body)
+    return tables
+
+
+def target(body: str) -> str | None:
+    """The chain or target a rule body jumps to (`-j X` / `-g X`)."""
+    words = body.split()
+    for i, word in enumerate(words[:-1]):
+        if word in ("-j", "-g", "--jump", "--goto"):
+            return words[i + 1]
+    return None
+
+
+def save(t: Tools, tables: Sequence[str] | None = TABLES) -> dict[str, SavedTable]:
+    """The tables as they are; `tables=None`: only those that exist (no kernel module gets loaded)."""
+    if tables is None:
+        return parse_save(run([t.save], timeout=SAVE_TIMEOUT))
+    return {table: parse_save(run([t.save, "-t", table], timeout=SAVE_TIMEOUT)).get(table, SavedTable())
+            for table in tables}
+
+
+def restore(t: Tools, text: str, timeout: float = RESTORE_TIMEOUT) -> None:
+    """Apply `text` without flushing anyone else's chains; each table's part is one atomic transaction."""
+    try:
+        run([t.restore, "-w", LOCK_WAIT, "--noflush"], input=text, timeout=timeout)
+    except DataplaneError as e:
+        # iptables-restore names only the line number: quote the line, which is what one needs to see.
+        found = re.search(r"line:? (\d+)", str(e))
+        lines = text.splitlines()
+        if found and 0 < int(found.group(1)) <= len(lines):
+            raise DataplaneError(f"{e}\n(line {found.group(1)}: {lines[int(found.group(1)) - 1]})") from e
+        raise
+
+
+def conntrack_delete(*args: str) -> int:
+    """`conntrack -D ARGS`; the number of entries deleted. DataplaneError if conntrack is missing or fails."""
+    path = shutil.which("conntrack")
+    if path is None:
+        raise DataplaneError("conntrack not found in PATH (install conntrack): stale UDP flows are kept")
+    argv = [path, "-D", *args]
+    try:
+        cp = subprocess.run(argv, capture_output=True, text=True, timeout=CONNTRACK_TIMEOUT)
+    except (subprocess.TimeoutExpired, OSError) as e:
+        raise DataplaneError(f"{shlex.join(argv)}: {e}") from e
+    # conntrack exits 1 when nothing matched; its summary line says how many entries went either way.
+    found = re.search(r"(\d+) flow entries have been deleted", cp.stderr)
+    if found:
+        return int(found.group(1))
+    raise DataplaneError(f"{shlex.join(argv)} exited {cp.returncode}: {cp.stderr.strip()}")
+
+
+# ------------------------------------------------------------------------------------------ restore input
+
+
+@dataclass(frozen=True)
+class Chain:
+    name: str
+    rules: tuple[str, ...] = ()
+    """Rule bodies: what follows `-A NAME` in iptables-restore input."""
+
+
+@dataclass(frozen=True)
+class Jump:
+    """A rule in a built-in chain that sends packets into one of ours (upstream's iptablesJumpChains)."""
+
+    table: str
+    chain: str
+    target: str
+    comment: str
+    match: tuple[str, ...] = ()
+
+    def rule(self) -> str:
+        return " ".join([*self.match, "-m", "comment", "--comment", f'"{self.comment}"', "-j", self.target])
+
+    def present(self, saved: Mapping[str, SavedTable]) -> bool:
+        table = saved.get(self.table)
+        return table is not None and any(
+            target(body) == self.target and self.comment in body for body in table.rules(self.chain))
+
+
+@dataclass
+class TableEdit:
+    """One table's part of an iptables-restore input."""
+
+    declared: list[str] = field(default_factory=list)
+    inserted: list[str] = field(default_factory=list)
+    rules: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+
+    def write(self, chain: Chain) -> None:
+        """Create or flush `chain`, then fill it."""
+        self.declared.append(chain.name)
+        self.rules.extend(f"-A {chain.name} {body}" for body in chain.rules)
+
+    def remove(self, name: str) -> None:
+        """Flush and delete `name` (after every other line, so rules that jumped to it are gone by then)."""
+        self.declared.append(name)
+        self.removed.append(name)
+
+    def insert(self, jump: Jump) -> None:
+        """Put `jump` at the top of its chain (so of two jumps inserted into one chain, the later is first)."""
+        self.inserted.append(f"-I {jump.chain} 1 {jump.rule()}")
+
+    def delete_rule(self, chain: str, body: str) -> None:
+        self.rules.append(f"-D {chain} {body}")
+
+    def __bool__(self) -> bool:
+        return bool(self.declared or self.inserted or self.rules or self.removed)
+
+
+def restore_input(edits: Mapping[str, TableEdit]) -> str:
+    lines: list[str] = []
+    for table, edit in edits.items():
+        if not edit:
+            continue
+        lines.append(f"*{table}")
+        lines.extend(f":{name} - [0:0]" for name in dict.fromkeys(edit.declared))
+        lines.extend(edit.inserted)
+        lines.extend(edit.rules)
+        lines.extend(f"-X {name}" for name in edit.removed)
+        lines.append("COMMIT")
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+# ---------------------------------------------------------------------------------------------- naming
+
+
+def service_port_name(service: str, port_name: str) -> str:
+    """Upstream's ServicePortName.String(): "ns/name:port", or "ns/name" for an unnamed port."""
+    return f"{service}:{port_name}" if port_name else service
+
+
+def chain_hash(text: str) -> str:
+    """Upstream's chain-name suffix: the first 16 characters of base32(sha256(text))."""
+    return base64.b32encode(hashlib.sha256(text.encode()).digest()).decode()[:16]
+
+
+# ------------------------------------------------------------------------------------------- masquerade
+
+
+def mark(m: MasqueradeSettings) -> str:
+    """The masquerade fwmark, as iptables-save prints it (bit 14: 0x4000)."""
+    if not 0 <= m.masquerade_bit <= 31:
+        raise ValueError(f"--iptables-masquerade-bit must be 0..31, not {m.masquerade_bit}")
+    return f"{1 << m.masquerade_bit:#x}"
+
+
+def masquerade_chains(m: MasqueradeSettings) -> tuple[Chain, Chain]:
+    """KUBE-MARK-MASQ (sets the mark) and KUBE-POSTROUTING (SNATs what carries it), both in nat."""
+    value = mark(m)
+    return (
+        Chain(MARK_MASQ_CHAIN, (f"-j MARK --or-mark {value}",)),
+        Chain(POSTROUTING_CHAIN, (
+            f"-m mark ! --mark {value}/{value} -j RETURN",
+            # Clear the mark so a packet that traverses the stack again is not masqueraded twice.
+            f"-j MARK --xor-mark {value}",
+            '-m comment --comment "kubernetes service traffic requiring SNAT" -j MASQUERADE --random-fully',
+        )),
+    )
+
+
+def forward_chain(m: MasqueradeSettings) -> Chain:
+    """KUBE-FORWARD (filter): forward what was marked for SNAT even under a DROP policy, and drop packets
+    conntrack calls INVALID, which NAT cannot translate (upstream)."""
+    value = mark(m)
+    return Chain(FORWARD_CHAIN, (
+        "-m conntrack --ctstate INVALID -j DROP",
+        f'-m comment --comment "kubernetes forwarding rules" -m mark --mark {value}/{value} -j ACCEPT',
+    ))
+
+
+MASQUERADE_JUMPS = (
+    Jump("nat", "POSTROUTING", POSTROUTING_CHAIN, "kubernetes postrouting rules"),
+    Jump("filter", "FORWARD", FORWARD_CHAIN, "kubernetes forwarding rules"),
+)
+
+
+def mark_masq_rule(m: MasqueradeSettings, match: str) -> str | None:
+    """The body of the rule that marks ClusterIP traffic (`match`) for SNAT: all of it with
+    --masquerade-all, what comes from outside --cluster-cidr, or None (no such rule)."""
+    if m.masquerade_all:
+        return f"{match} -j {MARK_MASQ_CHAIN}"
+    if m.cluster_cidr:
+        return f"{match} ! -s {m.cluster_cidr} -j {MARK_MASQ_CHAIN}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- cleanup
+
+ModeChain = Callable[[str, str], bool]
+"""(table, chain) -> whether the chain is one only this mode makes."""
+ModeRule = Callable[[str, str, str], bool]
+"""(table, chain, rule body) -> whether a rule in a shared chain is this mode's."""
+
+
+def _unused_shared(saved: Mapping[str, SavedTable], gone: set[tuple[str, str]],
+                   is_ours: Callable[[str, str, str], bool]) -> set[tuple[str, str]]:
+    """The shared chains no remaining rule uses: KUBE-SERVICES when it would be empty; KUBE-MARK-MASQ when
+    nothing jumps to it any more; KUBE-POSTROUTING and KUBE-FORWARD (which only act on its mark) with it."""
+    present = {(t, c) for t, c in SHARED_CHAINS if c in saved.get(t, SavedTable()).chains}
+    unused = {(t, c) for t, c in present
+              if c == SERVICES_CHAIN and all(is_ours(t, c, body) for body in saved[t].rules(c))}
+    nat = saved.get("nat", SavedTable())
+    marking = [body for chain, bodies in nat.chains.items()
+               if chain not in BUILTIN_CHAINS and ("nat", chain) not in gone | unused
+               for body in bodies if target(body) == MARK_MASQ_CHAIN and not is_ours("nat", chain, body)]
+    if not marking:
+        unused |= {(t, c) for t, c in present if c != SERVICES_CHAIN}
+    return unused
+
+
+def removal_plan(saved: Mapping[str, SavedTable], mode_chain: ModeChain,
+                 mode_rule: ModeRule) -> tuple[dict[str, TableEdit], list[str]]:
+    """What to remove of one mode in `saved`: the restore edits, and one line per removed thing."""
+    gone = {(table, chain) for table, st in saved.items() for chain in st.chains if mode_chain(table, chain)}
+
+    def is_ours(table: str, chain: str, body: str) -> bool:
+        return (table, target(body)) in gone or mode_rule(table, chain, body)
+
+    gone |= _unused_shared(saved, gone, is_ours)
+    edits: dict[str, TableEdit] = {}
+    done: list[str] = []
+    for table, st in saved.items():
+        edit = edits.setdefault(table, TableEdit())
+        for chain, bodies in st.chains.items():
+            if (table, chain) in gone:
+                continue
+            for body in bodies:
+                if (table, target(body)) in gone or mode_rule(table, chain, body):
+                    edit.delete_rule(chain, body)
+                    done.append(f"{table} rule in {chain}: {body}")
+        for chain in st.chains:
+            if (table, chain) in gone:
+                edit.remove(chain)
+                done.append(f"{table} chain {chain}")
+    return edits, done
+
+
+def cleanup(mode_chain: ModeChain, mode_rule: ModeRule, backends: Iterable[Tools] | None = None) -> list[str]:
+    """Remove one mode's chains and rules (and the shared chains once unused) from every installed iptables
+    backend (a node may have run either); "<backend> <what>" per removed thing."""
+    done: list[str] = []
+    for t in installed_backends() if backends is None else backends:
+        try:
+            saved = save(t, tables=None)
+        except DataplaneError:
+            continue  # this backend's tables cannot be read here (e.g. no legacy iptables in the kernel)
+        edits, removed = removal_plan({k: v for k, v in saved.items() if k in TABLES}, mode_chain, mode_rule)
+        if removed:
+            restore(t, restore_input(edits))
+            done += [f"iptables-{t.backend} {line}" for line in removed]
+    return done
