@@ -1,0 +1,189 @@
+"""The nftables dataplane backend: runs `nft` (no Python bindings), one `nft -f -` transaction per sync.
+
+What the kernel holds is the truth: start() reads the table a previous run left and keeps it (traffic goes on
+flowing through a restart), and every full sync lists the table again and reconciles it, so objects someone
+removed come back and objects nobody wants go. Between full syncs the renderer works from `self.state`, the
+state the last transaction left; a failed transaction changes nothing in the kernel (nft applies all or
+nothing), and the next sync is a full one.
+
+After a transaction, UDP conntrack entries of endpoints that left are deleted with the `conntrack` tool, as
+upstream does: a UDP "connection" has no end, so without that a client would keep talking to an endpoint
+that is gone. Failures there are logged, never fatal: the rules are already right.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import time
+from collections.abc import Sequence, Set
+from dataclasses import dataclass, field, replace
+
+from pyproxy.dataplane import netfilter as nf
+from pyproxy.dataplane.base import DataplaneError, ModeUnavailable
+from pyproxy.dataplane.netfilter import MasqueradeSettings
+from pyproxy.dataplane.nftables.render import ConntrackFlush, base_commands, render
+from pyproxy.dataplane.nftables.table import (
+    FAMILY,
+    NO_ENDPOINT_SERVICES,
+    SERVICE_IPS,
+    TABLE,
+    TableState,
+    parse_listing,
+)
+from pyproxy.model.state import DesiredState
+
+log = logging.getLogger(__name__)
+
+NFT_TIMEOUT = 60.0
+CONNTRACK_TIMEOUT = 10.0
+# Upstream's requirement: a kernel this recent implies an nft (here and on the host) that handles its rules.
+MIN_KERNEL = (5, 13)
+# From 6.2 a chain no map element points to any more can be deleted in the same transaction.
+SAME_TRANSACTION_DELETE_KERNEL = (6, 2)
+# How long a chain stays flushed before it is deleted on older kernels (upstream: one second).
+DEFERRED_DELETE_SECONDS = 1.0
+_MISSING = "No such file or directory"
+
+
+@dataclass
+class NftablesSettings:
+    masquerade: MasqueradeSettings = field(default_factory=MasqueradeSettings)
+    """--cluster-cidr, --masquerade-all, --iptables-masquerade-bit: shared by the netfilter modes."""
+
+
+def kernel_version(release: str) -> tuple[int, int]:
+    """(major, minor) of a `uname -r` string such as "6.1.0-18-amd64"; (0, 0) when it is not one."""
+    m = re.match(r"(\d+)\.(\d+)", release)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def run_nft(args: Sequence[str], script: str | None = None) -> str:
+    """`nft ARGS` (a script on stdin), bounded in time; its stdout, or DataplaneError with its stderr."""
+    return nf.run(["nft", *args], input=script, timeout=NFT_TIMEOUT)
+
+
+def read_table() -> TableState:
+    """The table as the kernel holds it; an empty state when there is none."""
+    try:
+        out = run_nft(["-j", "list", "table", FAMILY, TABLE])
+    except DataplaneError as e:
+        if _MISSING in str(e):
+            return TableState()
+        raise
+    return parse_listing(json.loads(out))
+
+
+def _frontend_count(state: TableState) -> int:
+    return len(state.elems(SERVICE_IPS)) + len(state.elems(NO_ENDPOINT_SERVICES))
+
+
+class NftablesDataplane:
+    mode = "nftables"
+
+    def __init__(self, settings: NftablesSettings) -> None:
+        self.settings = settings
+        self.state = TableState()
+        self._need_full = True
+        self._defer_deletes = False
+        self._pending: dict[str, float] = {}
+        """Chains flushed but not yet deleted (kernels before 6.2) -> when (monotonic)."""
+        self._conntrack_warned = False
+
+    def start(self) -> None:
+        if shutil.which("nft") is None:
+            raise ModeUnavailable("the nft command is not installed")
+        release = os.uname().release
+        version = kernel_version(release)
+        if version < MIN_KERNEL:
+            raise ModeUnavailable(f"kernel {release} is older than {MIN_KERNEL[0]}.{MIN_KERNEL[1]}, "
+                                  f"which the nftables mode needs")
+        try:
+            state = read_table()
+            # What the first full sync will begin with, checked by the kernel but not committed.
+            run_nft(["-c", "-f", "-"], "".join(c + "\n" for c in base_commands(state, self.settings.masquerade)))
+        except DataplaneError as e:
+            raise ModeUnavailable(f"nft cannot program this network namespace: {e}") from e
+        self.state = state
+        self._defer_deletes = version < SAME_TRANSACTION_DELETE_KERNEL
+        if state.present:
+            log.info("kept table %s %s from the previous run: %d frontends, %d chains", FAMILY, TABLE,
+                     _frontend_count(state), len(state.chains))
+
+    def stop(self) -> None:
+        """Nothing to release: the table stays, and with it the traffic."""
+
+    def apply(self, desired: DesiredState, changed: Set[str] | None) -> None:
+        full = changed is None or self._need_full
+        if full:
+            self.state = _with_known(read_table(), self.state)
+            services = dict(desired.services)
+        else:
+            assert changed is not None
+            services = {k: desired.services.get(k, ()) for k in changed}
+        now = time.monotonic()
+        pending = {c: now - t >= DEFERRED_DELETE_SECONDS for c, t in self._pending.items()}
+        plan = render(self.state, services, self.settings.masquerade, full=full, pending=pending,
+                      defer_deletes=self._defer_deletes)
+        for line in plan.skipped:
+            log.warning("not served: %s", line)
+        try:
+            run_nft(["-f", "-"], plan.script)
+        except DataplaneError as e:
+            self._need_full = True
+            raise DataplaneError(f"nftables {'full' if full else 'partial'} sync of {len(services)} services "
+                                 f"({len(plan.commands)} commands) failed; the table is as before: {e}") from e
+        self.state = plan.state
+        self._need_full = False
+        self._pending = {c: self._pending.get(c, now) for c in plan.deferred}
+        log.debug("nft transaction: %d commands, %d rules, %.1f ms", len(plan.commands), plan.rule_count,
+                  (time.monotonic() - now) * 1000)
+        self._flush_conntrack(plan.flushes)
+
+    def _flush_conntrack(self, flushes: Sequence[ConntrackFlush]) -> None:
+        if not flushes:
+            return
+        if shutil.which("conntrack") is None:
+            if not self._conntrack_warned:
+                log.warning("the conntrack command is not installed: UDP flows to removed endpoints stay")
+                self._conntrack_warned = True
+            return
+        for f in flushes:
+            argv = f.argv()
+            try:
+                cp = subprocess.run(argv, capture_output=True, text=True, timeout=CONNTRACK_TIMEOUT)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                log.warning("%s failed: %s", shlex.join(argv), e)
+                continue
+            # It exits 1 when nothing matched, which is fine.
+            if cp.returncode != 0 and "0 flow entries" not in cp.stderr:
+                log.warning("%s exited %d: %s", shlex.join(argv), cp.returncode, cp.stderr.strip())
+            else:
+                log.debug("%s: %s", shlex.join(argv), cp.stderr.strip())
+
+
+def _with_known(kernel: TableState, memory: TableState) -> TableState:
+    """The kernel's state, plus the not-ready endpoints `memory` knew for frontends the kernel still has."""
+    keys = set(kernel.elems(SERVICE_IPS)) | set(kernel.elems(NO_ENDPOINT_SERVICES))
+    known = dict(kernel.known)
+    for key in keys & set(memory.known):
+        known[key] = known.get(key, frozenset()) | memory.known[key]
+    return replace(kernel, known=known)
+
+
+def cleanup(settings: NftablesSettings) -> list[str]:
+    """Delete pyproxy's table in this network namespace; what went, one line per thing."""
+    if shutil.which("nft") is None:
+        raise ModeUnavailable("the nft command is not installed")
+    try:
+        run_nft(["delete", "table", FAMILY, TABLE])
+    except DataplaneError as e:
+        if _MISSING in str(e):
+            return []
+        raise
+    return [f"nftables table {FAMILY} {TABLE}"]

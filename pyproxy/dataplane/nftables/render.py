@@ -1,0 +1,391 @@
+"""From desired state to one `nft -f` transaction: pure, no kernel.
+
+The ruleset is upstream kube-proxy's nftables mode (1.29+), in a table of pyproxy's own (`ip pyproxy`, so it
+never collides with a kube-proxy on the same node):
+
+- `nat-prerouting`/`nat-output` (priority dstnat) jump to `services`, whose one rule looks the packet's
+  `daddr . l4proto . dport` up in the verdict map `service-ips`: O(1) however many Services there are.
+  An element leads to `service-HASH-ns/name/proto/port`, which picks an endpoint with `numgen random mod N`
+  (ClientIP affinity first: `ip saddr @affinity-… goto endpoint-…`, one timed set per endpoint), and
+  `endpoint-HASH-…__ip/port` marks hairpin traffic for masquerade and DNATs.
+- A Service without ready endpoints is an element of `no-endpoint-services` instead, whose verdict
+  `goto reject-chain` refuses the packet, so a client fails at once with ECONNREFUSED. Upstream answers
+  ICMP port-unreachable to everything; pyproxy answers TCP with a reset, because the kernel rate-limits ICMP
+  errors per client (a burst of 6, then one a second): past that, upstream's refused connects turn into
+  timeouts, while resets are not limited. UDP and SCTP still get ICMP port-unreachable.
+  Upstream checks that map from filter chains on input, forward and output (priority dstnat-10, before DNAT
+  sees the packet); pyproxy checks it on prerouting and output. Rejecting in prerouting needs kernel 5.9 (this
+  mode needs 5.13) and refuses the packet before routing, so it also works on a node with no route for the
+  Service range, where the packet would otherwise die with host-unreachable and never reach forward.
+  Upstream's `cluster-ips-check` (reject other ports of a ClusterIP) is left out: traffic that is not to a
+  frontend stays untouched here.
+- `mark-for-masquerade` sets the masquerade bit; `nat-postrouting` (priority srcnat) jumps to `masquerading`,
+  which masquerades marked packets. The service chain marks traffic from outside `cluster_cidr`, or all of
+  it with `masquerade_all`.
+
+A transaction replaces what it rewrites rather than flushing the table: chains are added (a no-op if they
+exist), flushed and refilled; map elements are deleted and added one by one; what is no longer wanted is
+deleted last. nft applies the whole file atomically, so no packet ever sees a table without rules. A full
+sync rewrites every chain and diffs the maps against the kernel's listing; a partial sync touches only the
+chains, sets and elements of the Services it is given, found by their names (see table.py).
+
+Kernels before 6.2 notice only a moment after a transaction that a chain is no longer referenced by a map
+element, so deleting it in the same transaction fails with EBUSY. With `defer_deletes`, stale chains are
+flushed and returned as `Plan.deferred`; a later render deletes those its caller marks as old enough in
+`pending` (upstream waits a second).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pyproxy.dataplane.netfilter import MasqueradeSettings
+from pyproxy.dataplane.nftables.table import (
+    AFFINITY_PREFIX,
+    ENDPOINT_PREFIX,
+    ENDPOINT_SEP,
+    FAMILY,
+    NO_ENDPOINT_SERVICES,
+    SERVICE_IPS,
+    SERVICE_PREFIX,
+    TABLE,
+    Elem,
+    ElemKey,
+    Hook,
+    TableState,
+    elem_owner,
+    owner,
+)
+from pyproxy.model.state import Backend, Frontend, ServicePortState
+
+# nft's object names are at most 256 bytes; prefixes ("endpoint-", …) stay within 16 (as upstream).
+NAME_BASE_MAX = 256 - 16
+# nft refuses element comments longer than this.
+COMMENT_MAX = 128
+
+SERVICES_CHAIN = "services"
+ENDPOINTS_CHECK_CHAIN = "service-endpoints-check"
+REJECT_CHAIN = "reject-chain"
+MARK_MASQ_CHAIN = "mark-for-masquerade"
+MASQUERADING_CHAIN = "masquerading"
+
+# Numeric priorities: nft 1.0.6 accepts `dstnat` only on prerouting. dstnat = -100, srcnat = 100.
+BASE_CHAINS: Mapping[str, Hook] = {
+    "filter-prerouting": Hook("filter", "prerouting", -110),
+    "filter-output": Hook("filter", "output", -110),
+    "nat-prerouting": Hook("nat", "prerouting", -100),
+    "nat-output": Hook("nat", "output", -100),
+    "nat-postrouting": Hook("nat", "postrouting", 100),
+}
+MAPS: Mapping[str, str] = {
+    SERVICE_IPS: "ClusterIP traffic",
+    NO_ENDPOINT_SERVICES: "vmap to reject packets to services with no endpoints",
+}
+_MAP_TYPE = "ipv4_addr . inet_proto . inet_service : verdict"
+_LOOKUP = "ip daddr . meta l4proto . th dport vmap @"
+
+
+def fixed_chains(masq: MasqueradeSettings) -> dict[str, tuple[str, ...]]:
+    """The chains every sync keeps as they are, base chains first, with their rules."""
+    mark = masquerade_mark(masq.masquerade_bit)
+    return {
+        "filter-prerouting": (f"ct state new jump {ENDPOINTS_CHECK_CHAIN}",),
+        "filter-output": (f"ct state new jump {ENDPOINTS_CHECK_CHAIN}",),
+        "nat-prerouting": (f"jump {SERVICES_CHAIN}",),
+        "nat-output": (f"jump {SERVICES_CHAIN}",),
+        "nat-postrouting": (f"jump {MASQUERADING_CHAIN}",),
+        SERVICES_CHAIN: (_LOOKUP + SERVICE_IPS,),
+        ENDPOINTS_CHECK_CHAIN: (_LOOKUP + NO_ENDPOINT_SERVICES,),
+        REJECT_CHAIN: ("meta l4proto tcp reject with tcp reset", "reject"),
+        MARK_MASQ_CHAIN: (f"mark set mark or {mark}",),
+        MASQUERADING_CHAIN: (f"mark and {mark} == 0 return", f"mark set mark xor {mark}", "masquerade fully-random"),
+    }
+
+
+def masquerade_mark(bit: int) -> str:
+    if not 0 <= bit <= 31:
+        raise ValueError(f"masquerade bit {bit} is not 0-31")
+    return f"{1 << bit:#010x}"
+
+
+# ------------------------------------------------------------------------------------------------- names
+
+
+def _hashed(base: str) -> str:
+    """HASH-base, as upstream: the hash keeps names unique if truncated and tells similar ones apart."""
+    digest = base64.b32encode(hashlib.sha256(base.encode()).digest()).decode()[:8]
+    name = f"{digest}-{base}"
+    return name if len(name) <= NAME_BASE_MAX else name[: NAME_BASE_MAX - 3] + "..."
+
+
+def _port_base(sp: ServicePortState) -> str:
+    return f"{sp.service}/{sp.frontend.protocol.value.lower()}/{sp.port_name}"
+
+
+def service_chain(sp: ServicePortState) -> str:
+    return SERVICE_PREFIX + _hashed(_port_base(sp))
+
+
+def endpoint_chain(sp: ServicePortState, b: Backend) -> str:
+    return ENDPOINT_PREFIX + _hashed(f"{_port_base(sp)}{ENDPOINT_SEP}{b.ip}/{b.port}")
+
+
+def affinity_set(sp: ServicePortState, b: Backend) -> str:
+    return AFFINITY_PREFIX + _hashed(f"{_port_base(sp)}{ENDPOINT_SEP}{b.ip}/{b.port}")
+
+
+def elem_key(fe: Frontend) -> ElemKey:
+    return (fe.ip, fe.protocol.value.lower(), fe.port)
+
+
+# ------------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True, slots=True)
+class ConntrackFlush:
+    """UDP flows to forget once the transaction is in: those to `vip:port` DNATed to `endpoint`, or all of them
+    (a frontend that just got endpoints: flows from before it had any were never DNATed)."""
+
+    vip: str
+    port: int
+    endpoint: Backend | None = None
+
+    def argv(self) -> list[str]:
+        argv = ["conntrack", "-D", "-p", "udp", "--orig-dst", self.vip, "--orig-port-dst", str(self.port)]
+        if self.endpoint is not None:
+            argv += ["--dst-nat", self.endpoint.ip, "--reply-port-src", str(self.endpoint.port)]
+        return argv
+
+
+@dataclass(frozen=True)
+class Plan:
+    commands: tuple[str, ...]
+    state: TableState
+    """What the table holds once the commands ran."""
+    flushes: tuple[ConntrackFlush, ...] = ()
+    deferred: frozenset[str] = frozenset()
+    """Stale chains left flushed but not deleted (defer_deletes)."""
+    skipped: tuple[str, ...] = ()
+    """Frontends not served, with the reason, for a log line."""
+
+    @property
+    def script(self) -> str:
+        return "".join(c + "\n" for c in self.commands)
+
+    @property
+    def rule_count(self) -> int:
+        return sum(1 for c in self.commands if c.startswith("add rule "))
+
+
+@dataclass
+class _Port:
+    """The chains (endpoints first, the service chain last) and affinity sets of one service port."""
+
+    chains: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    sets: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Wanted:
+    ports: list[_Port] = field(default_factory=list)
+    elements: dict[str, dict[ElemKey, Elem]] = field(default_factory=lambda: {m: {} for m in MAPS})
+    known: dict[ElemKey, frozenset[Backend]] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+
+    def chains(self) -> set[str]:
+        return {name for p in self.ports for name in p.chains}
+
+    def sets(self) -> set[str]:
+        return {name for p in self.ports for name in p.sets}
+
+
+def _t(kind: str, name: str, rest: str = "") -> str:
+    return f"{kind} {FAMILY} {TABLE} {name}{' ' + rest if rest else ''}"
+
+
+def _hook_spec(h: Hook) -> str:
+    return f"{{ type {h.type} hook {h.hook} priority {h.priority}; policy accept; }}"
+
+
+def base_commands(state: TableState, masq: MasqueradeSettings) -> list[str]:
+    """The table, its base and helper chains and maps, all rewritten. Also the dry run of start()."""
+    cmds = [f'add table {FAMILY} {TABLE} {{ comment "rules for pyproxy"; }}']
+    for name, hook in BASE_CHAINS.items():
+        if name in state.chains and state.chains[name] != hook:
+            cmds.append(_t("delete chain", name))  # a hook or priority cannot change in place
+        cmds.append(_t("add chain", name, _hook_spec(hook)))
+    chains = fixed_chains(masq)
+    cmds += [_t("add chain", name) for name in chains if name not in BASE_CHAINS]
+    cmds += [_t("add map", name, f'{{ type {_MAP_TYPE}; comment "{comment}"; }}') for name, comment in MAPS.items()]
+    for name, rules in chains.items():
+        cmds.append(_t("flush chain", name))
+        cmds += [_t("add rule", name, r) for r in rules]
+    return cmds
+
+
+def _port_objects(states: Sequence[ServicePortState], masq: MasqueradeSettings) -> _Port:
+    """The chains and sets of the frontends of one service port (one, unless a Service had two ClusterIPs)."""
+    sp = states[0]
+    port = _Port()
+    proto = sp.frontend.protocol.value.lower()
+    affinity = sp.session_affinity_seconds
+    for b in sp.backends:
+        rules = [f"ip saddr {b.ip} jump {MARK_MASQ_CHAIN}"]  # hairpin: an endpoint reaching itself
+        if affinity:
+            port.sets[affinity_set(sp, b)] = affinity
+            rules.append(f"update @{affinity_set(sp, b)} {{ ip saddr }}")
+        rules.append(f"meta l4proto {proto} dnat to {b.ip}:{b.port}")
+        port.chains[endpoint_chain(sp, b)] = tuple(rules)
+    rules = []
+    for st in states:
+        match = f"ip daddr {st.frontend.ip} {proto} dport {st.frontend.port}"
+        if masq.masquerade_all:
+            rules.append(f"{match} jump {MARK_MASQ_CHAIN}")
+        elif masq.cluster_cidr:
+            rules.append(f"{match} ip saddr != {masq.cluster_cidr} jump {MARK_MASQ_CHAIN}")
+    if affinity:
+        rules += [f"ip saddr @{affinity_set(sp, b)} goto {endpoint_chain(sp, b)}" for b in sp.backends]
+    choices = ", ".join(f"{i} : goto {endpoint_chain(sp, b)}" for i, b in enumerate(sp.backends))
+    rules.append(f"numgen random mod {len(sp.backends)} vmap {{ {choices} }}")
+    port.chains[service_chain(sp)] = tuple(rules)
+    return port
+
+
+def _collect(state: TableState, services: Mapping[str, Iterable[ServicePortState]], full: bool,
+             masq: MasqueradeSettings) -> _Wanted:
+    wanted = _Wanted()
+    held = {} if full else {k: o for m in MAPS for k, e in state.elems(m).items()
+                            if (o := elem_owner(m, e)) is not None and o not in services}
+    by_port: dict[str, list[ServicePortState]] = {}
+    for service in sorted(services):
+        for sp in services[service]:
+            key = elem_key(sp.frontend)
+            holder = held.get(key)
+            if holder is not None and holder != service:
+                wanted.skipped.append(f"{sp.display_name} {sp.frontend}: frontend already served by {holder}")
+                continue
+            held[key] = service
+            wanted.known[key] = frozenset(sp.known_backends) | frozenset(sp.backends)
+            if sp.backends:
+                by_port.setdefault(service_chain(sp), []).append(sp)
+                wanted.elements[SERVICE_IPS][key] = Elem(f"goto {service_chain(sp)}")
+            else:
+                comment = sp.display_name[:COMMENT_MAX]  # the owner, `ns/name`, comes first and fits
+                wanted.elements[NO_ENDPOINT_SERVICES][key] = Elem(f"goto {REJECT_CHAIN}", comment)
+    wanted.ports = [_port_objects(states, masq) for states in by_port.values()]
+    return wanted
+
+
+def _port_commands(port: _Port, state: TableState) -> list[str]:
+    cmds = [_t("add chain", name) for name in port.chains]
+    cmds += [_t("flush chain", name) for name in port.chains if name in state.chains]
+    for name, timeout in port.sets.items():
+        if name in state.sets and state.sets[name] == timeout:
+            continue
+        if name in state.sets:
+            # A set's timeout cannot change in place on every kernel; its users were flushed just above.
+            cmds.append(_t("delete set", name))
+        cmds.append(_t("add set", name, f"{{ type ipv4_addr; flags dynamic,timeout; timeout {timeout}s; }}"))
+    for name, rules in port.chains.items():
+        cmds += [_t("add rule", name, r) for r in rules]
+    return cmds
+
+
+def _key_text(key: ElemKey) -> str:
+    return f"{key[0]} . {key[1]} . {key[2]}"
+
+
+def _elem_text(key: ElemKey, e: Elem) -> str:
+    comment = f' comment "{e.comment}"' if e.comment else ""
+    return f"{_key_text(key)}{comment} : {e.verdict}"
+
+
+def _element_commands(old: Mapping[str, Mapping[ElemKey, Elem]], new: Mapping[str, Mapping[ElemKey, Elem]]
+                      ) -> list[str]:
+    """Deletes of elements gone or changed, then adds of new or changed ones (nft cannot replace a value)."""
+    deletes, adds = [], []
+    for m in MAPS:
+        gone = [k for k, e in old[m].items() if new[m].get(k) != e]
+        added = [(k, e) for k, e in new[m].items() if old[m].get(k) != e]
+        if gone:
+            deletes.append(_t("delete element", m, "{ " + ", ".join(_key_text(k) for k in gone) + " }"))
+        if added:
+            adds.append(_t("add element", m, "{ " + ", ".join(_elem_text(k, e) for k, e in added) + " }"))
+    return deletes + adds
+
+
+def _flushes(old_service_ips: Mapping[ElemKey, Elem], old_known: Mapping[ElemKey, frozenset[Backend]],
+             wanted: _Wanted) -> list[ConntrackFlush]:
+    flushes = []
+    for key in sorted(set(old_known) | set(wanted.known)):
+        vip, proto, port = key
+        if proto != "udp":
+            continue
+        if key in wanted.elements[SERVICE_IPS] and key not in old_service_ips:
+            flushes.append(ConntrackFlush(vip, port))
+        gone = old_known.get(key, frozenset()) - wanted.known.get(key, frozenset())
+        flushes += [ConntrackFlush(vip, port, b) for b in sorted(gone)]
+    return flushes
+
+
+def render(state: TableState, services: Mapping[str, Iterable[ServicePortState]], masq: MasqueradeSettings, *,
+           full: bool, pending: Mapping[str, bool] | None = None, defer_deletes: bool = False) -> Plan:
+    """Plan one transaction. `full`: `services` is every Service, and whatever else the table holds goes.
+    Otherwise `services` holds the changed Services only (an empty iterable: the Service is gone), and only
+    their objects are touched. `pending`: chains an earlier plan deferred -> whether they may go now."""
+    pending = pending or {}
+    services = {k: tuple(v) for k, v in services.items()}
+    wanted = _collect(state, services, full, masq)
+
+    def in_scope(o: str | None) -> bool:
+        return full or o in services
+
+    fixed = fixed_chains(masq)
+    cmds = base_commands(state, masq) if full else []
+    for port in wanted.ports:
+        cmds += _port_commands(port, state)
+
+    old_elems = {m: {k: e for k, e in state.elems(m).items() if in_scope(elem_owner(m, e))} for m in MAPS}
+    cmds += _element_commands(old_elems, wanted.elements)
+
+    wanted_chains = wanted.chains() | set(fixed)
+    stale_chains = sorted(c for c in state.chains if c not in wanted_chains and (in_scope(owner(c)) or c in pending))
+    stale_sets = sorted(s for s in state.sets if s not in wanted.sets() and in_scope(owner(s)))
+    stale_maps = sorted(state.maps - set(MAPS)) if full else []
+    deleted = [c for c in stale_chains if not defer_deletes or pending.get(c, False)]
+    cmds += [_t("flush chain", c) for c in stale_chains if c not in pending]
+    cmds += [_t("delete set", s) for s in stale_sets] + [_t("delete map", m) for m in stale_maps]
+    cmds += [_t("delete chain", c) for c in deleted]
+
+    scope_keys = set(old_elems[SERVICE_IPS]) | set(old_elems[NO_ENDPOINT_SERVICES])
+    old_known = {k: v for k, v in state.known.items() if k in scope_keys}
+    after = _after(state, wanted, fixed, old_elems, deleted, stale_sets, stale_maps, full)
+    return Plan(commands=tuple(cmds), state=after, flushes=tuple(_flushes(old_elems[SERVICE_IPS], old_known, wanted)),
+                deferred=frozenset(stale_chains) - frozenset(deleted), skipped=tuple(wanted.skipped))
+
+
+def _after(state: TableState, wanted: _Wanted, fixed: Mapping[str, tuple[str, ...]],
+           old_elems: Mapping[str, Mapping[ElemKey, Elem]], deleted: Iterable[str], stale_sets: Iterable[str],
+           stale_maps: Iterable[str], full: bool) -> TableState:
+    chains = dict(state.chains)
+    for c in deleted:
+        chains.pop(c, None)
+    if full:
+        chains.update({name: BASE_CHAINS.get(name) for name in fixed})
+    chains.update({name: None for name in wanted.chains()})
+    sets = {s: t for s, t in state.sets.items() if s not in set(stale_sets)}
+    for p in wanted.ports:
+        sets.update(p.sets)
+    elements = {}
+    for m in set(state.elements) | set(MAPS):
+        kept = {k: e for k, e in state.elems(m).items() if k not in old_elems.get(m, {})}
+        elements[m] = {**kept, **wanted.elements.get(m, {})}
+    scope = {k for m in old_elems.values() for k in m}
+    known = {k: v for k, v in state.known.items() if k not in scope}
+    known.update(wanted.known)
+    maps = (state.maps - frozenset(stale_maps)) | (frozenset(MAPS) if full else frozenset())
+    return TableState(present=state.present or full, chains=chains, sets=sets, maps=maps,
+                      elements={m: e for m, e in elements.items() if m in maps}, known=known)

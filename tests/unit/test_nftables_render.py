@@ -1,0 +1,351 @@
+"""The nftables renderer and listing parser: pure, no kernel.
+
+Small desired states in, nft commands and the state after them out: full vs partial syncs, names that stay the
+same from sync to sync, stale objects removed (and only those of the Services a partial sync was given),
+conntrack flushes for UDP, and the deferred chain deletion of kernels before 6.2.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pyproxy.dataplane.netfilter import MasqueradeSettings
+from pyproxy.dataplane.nftables.render import (
+    ConntrackFlush,
+    Plan,
+    affinity_set,
+    endpoint_chain,
+    render,
+    service_chain,
+)
+from pyproxy.dataplane.nftables.table import (
+    NO_ENDPOINT_SERVICES,
+    SERVICE_IPS,
+    Hook,
+    TableState,
+    endpoint_of,
+    owner,
+    parse_listing,
+)
+from pyproxy.model.objects import Protocol
+from pyproxy.model.state import Backend, Frontend, ServicePortState
+
+MASQ = MasqueradeSettings()
+B1, B2, B3 = Backend("10.1.0.1", 8080), Backend("10.1.0.2", 8080), Backend("10.1.0.3", 8080)
+
+
+def sp(service: str = "default/web", ip: str = "10.96.0.10", port: int = 80, proto: str = "TCP",
+       backends: tuple[Backend, ...] = (B1, B2), known: tuple[Backend, ...] = (), affinity: int = 0,
+       port_name: str = "http") -> ServicePortState:
+    return ServicePortState(service, port_name, Frontend(ip, port, Protocol(proto)), backends,
+                            known or backends, affinity)
+
+
+def web(*backends: Backend, **kw: object) -> dict[str, tuple[ServicePortState, ...]]:
+    return {"default/web": (sp(backends=backends, **kw),)}  # type: ignore[arg-type]
+
+
+def dns(*backends: Backend, known: tuple[Backend, ...] = ()) -> dict[str, tuple[ServicePortState, ...]]:
+    eps = tuple(Backend(b.ip, 5353) for b in backends)
+    return {"default/dns": (sp("default/dns", "10.96.0.53", 53, "UDP", eps, known, port_name="dns"),)}
+
+
+def full(state: TableState, services: dict, masq: MasqueradeSettings = MASQ, **kw: object) -> Plan:
+    return render(state, services, masq, full=True, **kw)  # type: ignore[arg-type]
+
+
+def partial(state: TableState, services: dict, **kw: object) -> Plan:
+    return render(state, services, MASQ, full=False, **kw)  # type: ignore[arg-type]
+
+
+def lines_with(plan: Plan, text: str) -> list[str]:
+    return [c for c in plan.commands if text in c]
+
+
+# ---------------------------------------------------------------------------------------------------- names
+
+
+def test_names_are_upstreams_stable_and_carry_their_owner() -> None:
+    s = sp()
+    assert service_chain(s) == service_chain(sp())  # the same from sync to sync, process to process
+    assert service_chain(s).startswith("service-") and service_chain(s).endswith("-default/web/tcp/http")
+    assert len(service_chain(s).split("-", 2)[1]) == 8  # the hash
+    assert endpoint_chain(s, B1).endswith("-default/web/tcp/http__10.1.0.1/8080")
+    assert affinity_set(s, B1).startswith("affinity-")
+    assert endpoint_chain(s, B1) != endpoint_chain(s, B2)
+    assert endpoint_chain(s, B1) != endpoint_chain(sp(proto="UDP"), B1)
+    for name in (service_chain(s), endpoint_chain(s, B1), affinity_set(s, B1)):
+        assert owner(name) == "default/web"
+    assert endpoint_of(endpoint_chain(s, B1)) == B1
+    assert owner("services") is None and owner("service-endpoints-check") is None
+
+
+def test_long_names_are_truncated_within_nfts_limit_and_stay_unique() -> None:
+    long_ns, long_name = "n" * 63, "s" * 63
+    a = sp(f"{long_ns}/{long_name}", port_name="p" * 15)
+    chain = endpoint_chain(a, Backend("10.255.255.255", 65535))
+    assert len(chain) <= 255
+    assert owner(chain) == f"{long_ns}/{long_name}"
+
+
+# ---------------------------------------------------------------------------------------------------- full sync
+
+
+def test_full_sync_from_nothing_writes_the_base_and_a_service() -> None:
+    plan = full(TableState(), web(B1, B2))
+    cmds = plan.commands
+    assert cmds[0].startswith("add table ip pyproxy")
+    assert "add chain ip pyproxy nat-prerouting { type nat hook prerouting priority -100; policy accept; }" in cmds
+    assert "add chain ip pyproxy filter-prerouting { type filter hook prerouting priority -110; policy accept; }" \
+        in cmds
+    assert "add rule ip pyproxy services ip daddr . meta l4proto . th dport vmap @service-ips" in cmds
+    assert "add rule ip pyproxy filter-output ct state new jump service-endpoints-check" in cmds
+    assert "add rule ip pyproxy mark-for-masquerade mark set mark or 0x00004000" in cmds
+    s = sp()
+    svc, e1, e2 = service_chain(s), endpoint_chain(s, B1), endpoint_chain(s, B2)
+    assert f"add rule ip pyproxy {svc} numgen random mod 2 vmap {{ 0 : goto {e1}, 1 : goto {e2} }}" in cmds
+    assert f"add rule ip pyproxy {e1} ip saddr 10.1.0.1 jump mark-for-masquerade" in cmds  # hairpin
+    assert f"add rule ip pyproxy {e1} meta l4proto tcp dnat to 10.1.0.1:8080" in cmds
+    assert f"add element ip pyproxy service-ips {{ 10.96.0.10 . tcp . 80 : goto {svc} }}" in cmds
+    assert not lines_with(plan, "delete "), "nothing to delete in an empty table"
+    # By default nothing is masqueraded but hairpin traffic: the service chain holds only the numgen rule.
+    assert len(lines_with(plan, f"add rule ip pyproxy {svc} ")) == 1
+    # Chains exist before rules jump to them, and the element comes after its chain.
+    assert cmds.index(f"add chain ip pyproxy {e1}") < cmds.index(lines_with(plan, f"{svc} numgen")[0])
+    assert cmds.index(lines_with(plan, f"{svc} numgen")[0]) < cmds.index(lines_with(plan, "add element")[0])
+    assert plan.state.elems(SERVICE_IPS) and set(plan.state.chains) >= {svc, e1, e2, "services"}
+    assert plan.rule_count == len(lines_with(plan, "add rule "))
+
+
+def test_a_service_without_endpoints_is_rejected_by_map_element_only() -> None:
+    plan = full(TableState(), dns())
+    elem = lines_with(plan, "add element")
+    assert elem == ['add element ip pyproxy no-endpoint-services '
+                    '{ 10.96.0.53 . udp . 53 comment "default/dns:dns" : goto reject-chain }']
+    assert not [c for c in plan.state.chains if owner(c)], "no chains for a Service without endpoints"
+    # TCP gets a reset (ICMP errors are rate-limited per client), everything else ICMP port-unreachable.
+    assert lines_with(plan, "add rule ip pyproxy reject-chain ") == [
+        "add rule ip pyproxy reject-chain meta l4proto tcp reject with tcp reset",
+        "add rule ip pyproxy reject-chain reject"]
+
+
+def test_masquerade_all_and_cluster_cidr() -> None:
+    svc = service_chain(sp())
+    every = full(TableState(), web(B1), MasqueradeSettings(masquerade_all=True))
+    assert f"add rule ip pyproxy {svc} ip daddr 10.96.0.10 tcp dport 80 jump mark-for-masquerade" in every.commands
+    cidr = full(TableState(), web(B1), MasqueradeSettings(cluster_cidr="10.0.0.0/8", masquerade_bit=3))
+    assert (f"add rule ip pyproxy {svc} ip daddr 10.96.0.10 tcp dport 80 ip saddr != 10.0.0.0/8 "
+            "jump mark-for-masquerade") in cidr.commands
+    assert "add rule ip pyproxy masquerading mark and 0x00000008 == 0 return" in cidr.commands
+
+
+def test_client_ip_affinity_uses_a_timed_set_per_endpoint() -> None:
+    s = sp(affinity=60)
+    plan = full(TableState(), web(B1, B2, affinity=60))
+    svc, e1, a1 = service_chain(s), endpoint_chain(s, B1), affinity_set(s, B1)
+    assert f"add set ip pyproxy {a1} {{ type ipv4_addr; flags dynamic,timeout; timeout 60s; }}" in plan.commands
+    svc_rules = lines_with(plan, f"add rule ip pyproxy {svc} ")
+    assert svc_rules[0] == f"add rule ip pyproxy {svc} ip saddr @{a1} goto {e1}"
+    assert "numgen" in svc_rules[-1]  # affinity is checked before the random pick
+    assert f"add rule ip pyproxy {e1} update @{a1} {{ ip saddr }}" in plan.commands
+    assert plan.state.sets[a1] == 60
+
+
+def test_full_sync_is_idempotent_and_touches_no_element_twice() -> None:
+    first = full(TableState(), {**web(B1, B2), **dns(B1)})
+    again = full(first.state, {**web(B1, B2), **dns(B1)})
+    assert not lines_with(again, "element"), "elements already right are left alone"
+    assert not lines_with(again, "delete "), again.commands
+    assert again.state == first.state
+    # Chains are rewritten whole: flushed and refilled in the same transaction.
+    assert lines_with(again, f"flush chain ip pyproxy {service_chain(sp())}")
+
+
+def test_full_sync_removes_what_nobody_wants_and_unknown_objects() -> None:
+    first = full(TableState(), {**web(B1, B2), **dns(B1)})
+    stale = TableState(present=True, chains={**first.state.chains, "old-chain": None},
+                       sets={**first.state.sets, "old-set": None}, maps=first.state.maps | {"old-map"},
+                       elements=first.state.elements, known=first.state.known)
+    plan = full(stale, dns(B1))
+    s = sp()
+    for name in (service_chain(s), endpoint_chain(s, B1), endpoint_chain(s, B2), "old-chain"):
+        assert f"flush chain ip pyproxy {name}" in plan.commands
+        assert f"delete chain ip pyproxy {name}" in plan.commands
+        assert name not in plan.state.chains
+    assert "delete set ip pyproxy old-set" in plan.commands and "delete map ip pyproxy old-map" in plan.commands
+    assert "delete element ip pyproxy service-ips { 10.96.0.10 . tcp . 80 }" in plan.commands
+    # Deletes come last: after everything that pointed at the deleted objects was rewritten or removed.
+    first_delete = min(i for i, c in enumerate(plan.commands) if c.startswith("delete chain"))
+    assert all(not c.startswith(("add ", "flush ")) for c in plan.commands[first_delete:])
+    assert plan.state.elems(SERVICE_IPS).keys() == {("10.96.0.53", "udp", 53)}
+    assert "old-map" not in plan.state.maps
+
+
+def test_a_base_chain_whose_hook_differs_is_replaced() -> None:
+    first = full(TableState(), {})
+    moved = TableState(present=True, chains={**first.state.chains, "nat-output": Hook("nat", "output", 0)},
+                       maps=first.state.maps, elements=first.state.elements)
+    cmds = full(moved, {}).commands
+    i = cmds.index("delete chain ip pyproxy nat-output")
+    assert cmds[i + 1] == "add chain ip pyproxy nat-output { type nat hook output priority -100; policy accept; }"
+    assert "delete chain ip pyproxy nat-prerouting" not in cmds
+
+
+def test_the_first_service_claims_a_frontend_twice_defined() -> None:
+    other = {"default/zzz": (sp("default/zzz", backends=(B3,)),)}
+    plan = full(TableState(), {**web(B1), **other})
+    assert plan.skipped and "already served by default/web" in plan.skipped[0]
+    assert plan.state.elems(SERVICE_IPS)[("10.96.0.10", "tcp", 80)].verdict == f"goto {service_chain(sp())}"
+
+
+# ---------------------------------------------------------------------------------------------------- partial
+
+
+def test_partial_sync_touches_only_the_changed_service() -> None:
+    first = full(TableState(), {**web(B1, B2, B3), **dns(B1)})
+    plan = partial(first.state, web(B1, B2))
+    assert not lines_with(plan, "dns"), "the unchanged Service is untouched"
+    assert not lines_with(plan, "services ") and not lines_with(plan, "add table")
+    gone = endpoint_chain(sp(), B3)
+    assert plan.commands[-2:] == (f"flush chain ip pyproxy {gone}", f"delete chain ip pyproxy {gone}")
+    assert not lines_with(plan, "element"), "the frontend still leads to the same service chain"
+    assert "mod 2" in lines_with(plan, "numgen")[0]
+    assert gone not in plan.state.chains and endpoint_chain(sp(), B1) in plan.state.chains
+    assert plan.state.elems(SERVICE_IPS).keys() == first.state.elems(SERVICE_IPS).keys()
+
+
+def test_partial_sync_of_a_removed_service_deletes_its_objects() -> None:
+    first = full(TableState(), {**web(B1, B2, affinity=30), **dns(B1)})
+    plan = partial(first.state, {"default/web": ()})
+    assert "delete element ip pyproxy service-ips { 10.96.0.10 . tcp . 80 }" in plan.commands
+    assert len(lines_with(plan, "delete chain")) == 3 and len(lines_with(plan, "delete set")) == 2
+    assert not [c for c in plan.state.chains if owner(c) == "default/web"]
+    assert not [s for s in plan.state.sets if owner(s) == "default/web"]
+    assert [c for c in plan.state.chains if owner(c) == "default/dns"]
+
+
+def test_a_frontend_moving_between_maps_is_deleted_from_one_and_added_to_the_other() -> None:
+    first = full(TableState(), dns(B1))
+    empty = partial(first.state, dns())
+    assert "delete element ip pyproxy service-ips { 10.96.0.53 . udp . 53 }" in empty.commands
+    assert lines_with(empty, "add element ip pyproxy no-endpoint-services")
+    back = partial(empty.state, dns(B2))
+    assert "delete element ip pyproxy no-endpoint-services { 10.96.0.53 . udp . 53 }" in back.commands
+    assert lines_with(back, "add element ip pyproxy service-ips")
+    assert back.state.elems(NO_ENDPOINT_SERVICES) == {}
+
+
+def test_partial_sync_never_takes_a_frontend_another_service_serves() -> None:
+    first = full(TableState(), web(B1))
+    plan = partial(first.state, {"default/thief": (sp("default/thief", backends=(B3,)),)})
+    assert plan.skipped and "already served by default/web" in plan.skipped[0]
+    assert not lines_with(plan, "element")
+
+
+def test_a_changed_affinity_timeout_recreates_the_sets_after_their_users_are_flushed() -> None:
+    first = full(TableState(), web(B1, affinity=60))
+    plan = partial(first.state, web(B1, affinity=30))
+    a1, e1 = affinity_set(sp(), B1), endpoint_chain(sp(), B1)
+    cmds = list(plan.commands)
+    assert cmds.index(f"flush chain ip pyproxy {e1}") < cmds.index(f"delete set ip pyproxy {a1}") \
+        < cmds.index(f"add set ip pyproxy {a1} {{ type ipv4_addr; flags dynamic,timeout; timeout 30s; }}")
+    assert plan.state.sets[a1] == 30
+    # Unchanged, an existing set is left as it is (with the clients it remembers).
+    assert not lines_with(partial(plan.state, web(B1, affinity=30)), " set ")
+
+
+# ---------------------------------------------------------------------------------------------------- conntrack
+
+
+def test_udp_flows_of_endpoints_that_left_are_flushed() -> None:
+    first = full(TableState(), {**dns(B1, B2), **web(B1, B2)})
+    plan = partial(first.state, {**dns(B1), **web(B1)})
+    assert plan.flushes == (ConntrackFlush("10.96.0.53", 53, Backend("10.1.0.2", 5353)),)
+    assert plan.flushes[0].argv() == ["conntrack", "-D", "-p", "udp", "--orig-dst", "10.96.0.53", "--orig-port-dst",
+                                      "53", "--dst-nat", "10.1.0.2", "--reply-port-src", "5353"]
+
+
+def test_a_not_ready_but_known_endpoint_keeps_its_flows_until_it_leaves() -> None:
+    b1, b2 = Backend("10.1.0.1", 5353), Backend("10.1.0.2", 5353)
+    first = full(TableState(), dns(B1, B2))
+    not_ready = partial(first.state, dns(B1, known=(b1, b2)))
+    assert not_ready.flushes == ()
+    left = partial(not_ready.state, dns(B1))
+    assert left.flushes == (ConntrackFlush("10.96.0.53", 53, b2),)
+
+
+def test_a_udp_frontend_that_gets_its_first_endpoint_forgets_its_untranslated_flows() -> None:
+    first = full(TableState(), dns())
+    plan = partial(first.state, dns(B1))
+    assert plan.flushes == (ConntrackFlush("10.96.0.53", 53),)
+    assert ConntrackFlush("10.96.0.53", 53).argv()[-2:] == ["--orig-port-dst", "53"]
+    gone = partial(plan.state, {"default/dns": ()})
+    assert gone.flushes == (ConntrackFlush("10.96.0.53", 53, Backend("10.1.0.1", 5353)),)
+
+
+# ---------------------------------------------------------------------------------------------------- kernels < 6.2
+
+
+def test_deferred_deletes_flush_now_and_delete_on_a_later_sync() -> None:
+    first = full(TableState(), web(B1, B2))
+    gone = endpoint_chain(sp(), B2)
+    plan = partial(first.state, web(B1), defer_deletes=True)
+    assert f"flush chain ip pyproxy {gone}" in plan.commands and not lines_with(plan, "delete chain")
+    assert plan.deferred == {gone} and gone in plan.state.chains
+    too_soon = partial(plan.state, dns(B1), pending={gone: False}, defer_deletes=True)
+    assert not lines_with(too_soon, gone) and too_soon.deferred == {gone}
+    later = partial(too_soon.state, dns(B1), pending={gone: True}, defer_deletes=True)
+    assert f"delete chain ip pyproxy {gone}" in later.commands and later.deferred == frozenset()
+    assert f"flush chain ip pyproxy {gone}" not in later.commands  # it is empty already
+    assert gone not in later.state.chains
+
+
+def test_a_deferred_chain_wanted_again_is_reused() -> None:
+    first = full(TableState(), web(B1, B2))
+    gone = endpoint_chain(sp(), B2)
+    plan = partial(first.state, web(B1), defer_deletes=True)
+    back = partial(plan.state, web(B1, B2), pending={gone: True}, defer_deletes=True)
+    assert f"delete chain ip pyproxy {gone}" not in back.commands and back.deferred == frozenset()
+    assert f"add rule ip pyproxy {gone} meta l4proto tcp dnat to 10.1.0.2:8080" in back.commands
+
+
+# ---------------------------------------------------------------------------------------------------- listing
+
+
+def _listing(plan: Plan) -> dict:
+    """What `nft -j list table ip pyproxy` prints for a plan's state (the shapes nft 1.0.6 uses)."""
+    items: list[dict] = [{"metainfo": {"version": "1.0.6"}}, {"table": {"family": "ip", "name": "pyproxy"}}]
+    for name, hook in plan.state.chains.items():
+        chain: dict[str, object] = {"family": "ip", "table": "pyproxy", "name": name}
+        if hook:
+            chain |= {"type": hook.type, "hook": hook.hook, "prio": hook.priority, "policy": "accept"}
+        items.append({"chain": chain})
+    for name, timeout in plan.state.sets.items():
+        items.append({"set": {"name": name, "type": "ipv4_addr", "flags": ["timeout"], "timeout": timeout}})
+    for m in plan.state.maps:
+        elems = []
+        for (ip, proto, port), e in plan.state.elems(m).items():
+            key: dict = {"concat": [ip, proto, port]}
+            if e.comment:
+                key = {"elem": {"val": key, "comment": e.comment}}
+            kind, target = e.verdict.split(" ", 1)
+            elems.append([key, {kind: {"target": target}}])
+        items.append({"map": {"name": m, "type": ["ipv4_addr", "inet_proto", "inet_service"], "map": "verdict",
+                              "elem": elems}})
+    items.append({"rule": {"chain": "services", "expr": []}})
+    return {"nftables": items}
+
+
+def test_a_listing_parses_back_into_the_state_a_plan_left() -> None:
+    plan = full(TableState(), {**web(B1, B2, affinity=10), **dns(), **dns(B3)})
+    parsed = parse_listing(json.loads(json.dumps(_listing(plan))))
+    assert parsed == plan.state
+    # Read back, a restarted pyproxy plans nothing for elements or deletions when nothing changed.
+    again = full(parsed, {**web(B1, B2, affinity=10), **dns(B3)})
+    assert not lines_with(again, "element") and not lines_with(again, "delete ")
+
+
+def test_an_absent_table_and_foreign_elements() -> None:
+    assert parse_listing({"nftables": [{"metainfo": {}}]}) == TableState()
+    weird = {"nftables": [{"table": {}}, {"map": {"name": SERVICE_IPS, "elem": [["10.0.0.1", {"accept": None}]]}}]}
+    assert parse_listing(weird).elems(SERVICE_IPS) == {}
