@@ -1,0 +1,330 @@
+"""The IPVS dataplane backend (`--proxy-mode=ipvs`): upstream kube-proxy's IPVS proxier.
+
+Per sync: know what the kernel holds (virtual and real servers with their connection counts, kube-ipvs0's
+addresses, our ipsets), let render.py plan, run the plan; on a full sync also rewrite the iptables rules
+(they depend on the settings only, never on Services: they match the ipsets). A full sync reads all of the
+kernel's state; a partial one re-reads only the virtual servers it syncs and those with draining real
+servers, and takes the rest from what the last sync left (render.after): one netlink dump per virtual server
+is what makes reading slow. What is where:
+
+- IPVS (netlink, kernel.py): a virtual server per frontend, real servers = ready endpoints, graceful
+  termination of the ones that leave (render.py);
+- kube-ipvs0: every ClusterIP as a /32, so the node takes packets for it into LOCAL_IN, where IPVS is;
+- ipsets KUBE-CLUSTER-IP, KUBE-LOOP-BACK, KUBE-IPVS-IPS, and through netfilter.py (iptables-restore):
+    nat KUBE-SERVICES (from PREROUTING and OUTPUT): mark ClusterIP traffic for SNAT per --masquerade-all /
+      --cluster-cidr, then ACCEPT it (no other nat rule may touch what IPVS translates);
+    nat KUBE-POSTROUTING: masquerade hairpin flows (KUBE-LOOP-BACK dst,dst,src) and marked packets;
+    filter KUBE-IPVS-FILTER (from INPUT): reject new connections to a ClusterIP on a port that is no
+      Service's: the address is local on kube-ipvs0, so the node's own listeners would otherwise answer there
+      (upstream issue 72236);
+    filter KUBE-FORWARD: accept marked traffic, drop conntrack-INVALID;
+- sysctls net.ipv4.vs.conntrack=1 (iptables must see IPVS flows to masquerade them), expire_nodest_conn=1,
+  expire_quiescent_template=1, ip_forward=1, as upstream.
+
+A Service without ready endpoints keeps its virtual server with no real server: the kernel answers a new
+connection with ICMP port unreachable, so clients see "connection refused" at once (as upstream IPVS mode).
+
+Not atomic: IPVS has no transactions. A failing step raises DataplaneError naming it; what ran stays, and
+because every sync starts from what the kernel really holds, the next one (the proxier retries) completes it.
+Restart: start() changes nothing but sysctls; the first sync (always full) adopts the previous run's virtual
+servers as they are, so established and new connections keep flowing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Set
+from dataclasses import dataclass, field, replace
+
+from pyroute2 import IPVS
+from pyroute2.netlink.exceptions import NetlinkError
+
+from pyproxy.dataplane import netfilter as nf
+from pyproxy.dataplane.base import DataplaneError, ModeUnavailable
+from pyproxy.dataplane.ipvs import kernel
+from pyproxy.dataplane.ipvs.render import (
+    CLUSTER_IP_SET,
+    IPVS_IPS_SET,
+    LOOPBACK_SET,
+    SET_TYPES,
+    AddressOp,
+    Memory,
+    Observed,
+    Op,
+    Options,
+    RealOp,
+    SetOp,
+    VirtualOp,
+    VSKey,
+    after,
+    ours,
+    render,
+    vs_key,
+)
+from pyproxy.dataplane.netfilter import MasqueradeSettings
+from pyproxy.model.state import DesiredState
+
+log = logging.getLogger(__name__)
+
+IPVS_FILTER_CHAIN = "KUBE-IPVS-FILTER"
+JUMPS = (
+    nf.Jump("nat", "PREROUTING", nf.SERVICES_CHAIN, "kubernetes service portals"),
+    nf.Jump("nat", "OUTPUT", nf.SERVICES_CHAIN, "kubernetes service portals"),
+    nf.Jump("filter", "INPUT", IPVS_FILTER_CHAIN, "kubernetes ipvs access filter"),
+    *nf.MASQUERADE_JUMPS,
+)
+
+
+@dataclass
+class IpvsSettings:
+    scheduler: str = "rr"
+    """--ipvs-scheduler: rr, wrr, lc, wlc, sh, dh, ... (passed to the kernel as is)."""
+    iptables_backend: str = "auto"
+    """Which iptables the masquerade rules go to, as IptablesSettings.backend."""
+    masquerade: MasqueradeSettings = field(default_factory=MasqueradeSettings)
+    graceful_termination_seconds: float = 900.0
+    """How long a removed TCP real server may drain (weight 0) before it is deleted even with connections
+    left; upstream's original bound (rsGracefulDeletePeriod, 15 minutes)."""
+
+
+# --------------------------------------------------------------------------------------------- iptables
+
+
+def _set_match(name: str, flags: str) -> str:
+    return f"-m set --match-set {name} {flags}"
+
+
+def rule_edits(m: MasqueradeSettings) -> dict[str, nf.TableEdit]:
+    """The chains this mode writes (as upstream's IPVS proxier), without the jumps into them."""
+    cluster_ip = _set_match(CLUSTER_IP_SET, "dst,dst")
+    marking = nf.mark_masq_rule(
+        m, f'-m comment --comment "Kubernetes service cluster ip + port for masquerade purpose" {cluster_ip}')
+    if marking is None:
+        # Upstream: without a cluster CIDR, node-originated traffic whose source picked a ClusterIP of
+        # kube-ipvs0 (VIP to VIP) is masqueraded, else the reply would go to the VIP itself.
+        marking = f"{_set_match(CLUSTER_IP_SET, 'src,dst')} -j {nf.MARK_MASQ_CHAIN}"
+    mark_masq, postrouting = nf.masquerade_chains(m)
+    hairpin = ('-m comment --comment "Kubernetes endpoints dst ip:port, source ip for solving hairpin purpose" '
+               f"{_set_match(LOOPBACK_SET, 'dst,dst,src')} -j MASQUERADE")
+    nat, flt = nf.TableEdit(), nf.TableEdit()
+    nat.write(nf.Chain(nf.SERVICES_CHAIN, (marking, f"{cluster_ip} -j ACCEPT")))
+    nat.write(mark_masq)
+    nat.write(nf.Chain(postrouting.name, (hairpin, *postrouting.rules)))
+    flt.write(nf.forward_chain(m))
+    flt.write(nf.Chain(IPVS_FILTER_CHAIN, (
+        f"{cluster_ip} -j RETURN",
+        f"-m conntrack --ctstate NEW {_set_match(IPVS_IPS_SET, 'dst')} -j REJECT",
+    )))
+    return {"nat": nat, "filter": flt}
+
+
+def is_mode_chain(table: str, chain: str) -> bool:
+    return (table, chain) == ("filter", IPVS_FILTER_CHAIN)
+
+
+def is_mode_rule(table: str, chain: str, body: str) -> bool:
+    """A rule of this mode in a shared chain: it matches one of our ipsets."""
+    return any(f"--match-set {name} " in body for name in SET_TYPES)
+
+
+# --------------------------------------------------------------------------------------------- dataplane
+
+
+class IpvsDataplane:
+    mode = "ipvs"
+
+    def __init__(self, settings: IpvsSettings, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.memory = Memory()
+        self.tools: nf.Tools | None = None
+        self._clock = clock
+        self._last: Observed | None = None
+        """What the kernel holds after the last successful sync. A partial sync re-reads only the virtual
+        servers it syncs (and those with draining real servers) and takes the rest from here: reading every
+        one is what makes a sync slow. Full syncs and syncs after a failure read everything."""
+
+    def start(self) -> None:
+        kernel.open_ipvs().close()
+        kernel.check_sysctls()
+        kernel.check_ipset()
+        t = nf.tools(self.settings.iptables_backend)
+        try:
+            nf.mark(self.settings.masquerade)
+        except ValueError as e:
+            raise ModeUnavailable(str(e)) from e
+        nf.check_usable(t)
+        kernel.write_sysctls()
+        self.tools = t
+        with kernel.iproute() as ipr:
+            kept = len(kernel.dummy_addresses(ipr))
+        if kept:
+            log.info("kept %d ClusterIPs on %s from the previous run until the first sync", kept, kernel.DUMMY_DEVICE)
+        log.info("ipvs mode, scheduler %s, iptables %s backend", self.settings.scheduler, t.backend)
+
+    def stop(self) -> None:
+        """Nothing to release (sockets live for one sync); virtual servers, addresses, sets and rules stay, so
+        traffic flows on."""
+
+    def apply(self, desired: DesiredState, changed: Set[str] | None) -> None:
+        assert self.tools is not None, "start() first"
+        full = changed is None
+        keys = set(desired.services) | set(self.memory.owners.values()) if full else set(changed or ())
+        # A socket per sync: pyroute2's synchronous sockets belong to the thread that first used them, and
+        # syncs run on the proxier's runner thread, not on the one that called start().
+        try:
+            ipvs = kernel.open_ipvs()
+        except ModeUnavailable as e:
+            raise DataplaneError(str(e)) from e
+        with ipvs:
+            self._sync(ipvs, desired, keys, full)
+
+    def _sync(self, ipvs: IPVS, desired: DesiredState, keys: set[str], full: bool) -> None:
+        fresh = None
+        if not full:
+            fresh = {vs_key(st.frontend) for k in keys for st in desired.services.get(k, ())}
+            fresh |= {key for key, svc in self.memory.owners.items() if svc in keys}
+            fresh |= {key for key, _ in self.memory.draining_since}
+        observed = self._observe(ipvs, fresh)
+        plan = render(observed, self.memory, {k: desired.services.get(k, ()) for k in keys}, full=full,
+                      options=Options(self.settings.scheduler, self.settings.graceful_termination_seconds),
+                      now=self._clock())
+        for line in plan.skipped:
+            log.warning("not served: %s", line)
+        try:
+            self._run(ipvs, plan.ops)
+            if full:
+                self._write_rules()
+        except DataplaneError:
+            # Keep knowing who owns what was made: the retry is a partial sync of the same Services.
+            self.memory = Memory({**self.memory.owners, **plan.memory.owners},
+                                 {**self.memory.draining_since, **plan.memory.draining_since})
+            self._last = None
+            raise
+        self.memory = plan.memory
+        self._last = after(observed, plan.ops)
+        if plan.ops:
+            log.debug("%s sync: %d IPVS/address/ipset operations", "full" if full else "partial", len(plan.ops))
+
+    # -- kernel ----------------------------------------------------------------------------------
+
+    def _observe(self, ipvs: IPVS, fresh: set[VSKey] | None) -> Observed:
+        """The kernel's state: all of it read (`fresh` None), or the last sync's with `fresh` re-read."""
+        try:
+            if fresh is None or self._last is None:
+                virtuals = kernel.read_virtuals(ipvs)
+                with kernel.iproute() as ipr:
+                    addresses = kernel.dummy_addresses(ipr)
+                return Observed(virtuals, addresses, kernel.read_sets())
+            known = dict(self._last.virtuals)
+            for key in fresh:
+                found = kernel.read_virtual(ipvs, key)
+                if found is None:
+                    known.pop(key, None)
+                else:
+                    known[key] = found
+            return replace(self._last, virtuals=known)
+        except (NetlinkError, OSError) as e:
+            raise DataplaneError(f"reading IPVS state failed: {e}") from e
+
+    def _run(self, ipvs: IPVS, ops: Iterable[Op]) -> None:
+        ops = list(ops)
+        set_ops = [op for op in ops if isinstance(op, SetOp)]
+        # Sets first (creating them when missing): rules and the next steps rely on the members being there.
+        kernel.change_sets(adds=[(op.name, op.entry) for op in set_ops if op.verb == "add"])
+        with kernel.iproute() as ipr:
+            index: int | None = None
+            for op in ops:
+                if isinstance(op, SetOp):
+                    continue
+                try:
+                    if isinstance(op, AddressOp):
+                        index = index if index is not None else kernel.ensure_dummy(ipr)
+                        kernel.set_address(ipr, index, op.verb, op.ip)
+                    else:
+                        _run_ipvs(ipvs, op)
+                except (NetlinkError, OSError) as e:
+                    raise DataplaneError(f"{describe(op)} failed: {e}") from e
+        dels = [(op.name, op.entry) for op in set_ops if op.verb == "del"]
+        if dels:
+            kernel.change_sets(dels=dels)
+
+    def _write_rules(self) -> None:
+        assert self.tools is not None
+        edits = rule_edits(self.settings.masquerade)
+        saved = nf.save(self.tools)
+        for jump in JUMPS:
+            if not jump.present(saved):
+                edits[jump.table].insert(jump)
+        try:
+            nf.restore(self.tools, nf.restore_input(edits))
+        except DataplaneError as e:
+            raise DataplaneError(f"iptables-{self.tools.backend}-restore failed, the previous rules stay: {e}") from e
+
+
+def _run_ipvs(ipvs: IPVS, op: VirtualOp | RealOp) -> None:
+    if isinstance(op, VirtualOp):
+        if op.verb == "del":
+            kernel.delete_virtual(ipvs, op.key)
+        else:
+            kernel.put_virtual(ipvs, op.verb, op.key, op.scheduler, op.timeout)
+    elif op.verb == "del":
+        kernel.delete_real(ipvs, op.key, op.backend)
+    else:
+        kernel.put_real(ipvs, op.verb, op.key, op.backend, op.weight)
+
+
+def describe(op: Op) -> str:
+    """One line for a log or an error."""
+    if isinstance(op, VirtualOp):
+        extra = f" (scheduler {op.scheduler}, persistence {op.timeout}s)" if op.verb != "del" else ""
+        return f"IPVS {op.verb} virtual server {_key(op.key)}{extra}"
+    if isinstance(op, RealOp):
+        extra = f" weight {op.weight}" if op.verb != "del" else ""
+        return f"IPVS {op.verb} real server {op.backend} of {_key(op.key)}{extra}"
+    if isinstance(op, AddressOp):
+        return f"{op.verb} address {op.ip}/32 on {kernel.DUMMY_DEVICE}"
+    return f"ipset {op.verb} {op.name} {op.entry}"
+
+
+def _key(key: tuple[str, int, str]) -> str:
+    return f"{key[0]}:{key[1]}/{key[2]}"
+
+
+# ---------------------------------------------------------------------------------------------- cleanup
+
+
+def cleanup(settings: IpvsSettings) -> list[str]:
+    """Remove what IPVS mode made here: its virtual servers (those on kube-ipvs0's addresses or listed in
+    KUBE-CLUSTER-IP; unlike upstream, which flushes every virtual server, others' are left alone), its
+    iptables rules and chains (shared ones once unused), its ipsets and kube-ipvs0."""
+    done: list[str] = []
+    sets = _read_sets_or_none()
+    with kernel.iproute() as ipr:
+        addresses = kernel.dummy_addresses(ipr)
+        try:
+            ipvs = kernel.open_ipvs()
+        except ModeUnavailable:
+            ipvs = None  # no IPVS here: no virtual server can be ours
+        if ipvs is not None:
+            with ipvs:
+                observed = Observed(kernel.read_virtuals(ipvs), addresses, sets or {})
+                for key in sorted(ours(observed, Memory())):
+                    kernel.delete_virtual(ipvs, key)
+                    done.append(f"IPVS virtual server {_key(key)}")
+        done += nf.cleanup(is_mode_chain, is_mode_rule)
+        for name in sorted(sets or {}):
+            kernel.destroy_set(name)
+            done.append(f"ipset {name}")
+        if kernel.delete_dummy(ipr):
+            done.append(f"device {kernel.DUMMY_DEVICE}")
+    return done
+
+
+def _read_sets_or_none() -> dict[str, frozenset[str]] | None:
+    """Our sets, or None where ipset cannot be used (not installed, no ip_set in the kernel): none of ours."""
+    try:
+        kernel.ipset_path()
+        return kernel.read_sets()
+    except (ModeUnavailable, DataplaneError):
+        return None

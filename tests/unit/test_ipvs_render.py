@@ -1,0 +1,301 @@
+"""IPVS render(): desired state to ordered IPVS/address/ipset operations, checked without a kernel.
+
+Every plan runs against `KernelModel`, a dictionary model of IPVS, kube-ipvs0 and the ipsets, which after
+each single operation checks what the datapath needs at that instant (an address on kube-ipvs0 always has a
+virtual server and its KUBE-CLUSTER-IP member; real servers only exist under their virtual server), and the
+next sync starts from the model, as the backend starts from what it reads back from the kernel; `after()`,
+which a partial sync starts from instead, must predict the model exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import pytest
+
+from pyproxy.dataplane.ipvs.backend import is_mode_rule, rule_edits
+from pyproxy.dataplane.ipvs.render import (
+    CLUSTER_IP_SET,
+    IPVS_IPS_SET,
+    LOOPBACK_SET,
+    AddressOp,
+    Memory,
+    Observed,
+    Op,
+    Options,
+    Plan,
+    Real,
+    RealOp,
+    SetOp,
+    Virtual,
+    VirtualOp,
+    VSKey,
+    after,
+    cluster_entry,
+    loopback_entry,
+    render,
+)
+from pyproxy.dataplane.netfilter import MasqueradeSettings, restore_input
+from pyproxy.model.objects import Protocol
+from pyproxy.model.state import Backend, Frontend, ServicePortState
+
+WEB, DNS = "default/web", "kube-system/dns"
+A, B, C = (Backend(f"10.0.1.{i}", 8080) for i in (1, 2, 3))
+X, Y = Backend("10.0.2.1", 53), Backend("10.0.2.2", 53)
+WEB_KEY: VSKey = ("10.96.0.10", 80, "TCP")
+DNS_KEY: VSKey = ("10.96.0.53", 53, "UDP")
+
+
+def port(service: str, ip: str, number: int, backends: Iterable[Backend], *, protocol: Protocol = Protocol.TCP,
+         affinity: int = 0, name: str = "") -> ServicePortState:
+    ready = tuple(sorted(backends))
+    return ServicePortState(service=service, port_name=name, frontend=Frontend(ip, number, protocol),
+                            backends=ready, known_backends=ready, session_affinity_seconds=affinity)
+
+
+def web(*backends: Backend, number: int = 80, affinity: int = 0) -> ServicePortState:
+    return port(WEB, "10.96.0.10", number, backends, affinity=affinity)
+
+
+def dns(*backends: Backend) -> ServicePortState:
+    return port(DNS, "10.96.0.53", 53, backends, protocol=Protocol.UDP, name="dns")
+
+
+@dataclass
+class KernelModel:
+    virtuals: dict[VSKey, tuple[str, int, dict[Backend, int]]] = field(default_factory=dict)
+    addresses: set[str] = field(default_factory=set)
+    sets: dict[str, set[str]] = field(default_factory=dict)
+    conns: dict[tuple[VSKey, Backend], int] = field(default_factory=dict)
+    """Active connections per real server, as a test sets them."""
+
+    def observed(self) -> Observed:
+        virtuals = {k: Virtual(s, t, {b: Real(w, self.conns.get((k, b), 0)) for b, w in reals.items()})
+                    for k, (s, t, reals) in self.virtuals.items()}
+        return Observed(virtuals, frozenset(self.addresses), {n: frozenset(m) for n, m in self.sets.items()})
+
+    def run(self, op: Op) -> None:
+        if isinstance(op, VirtualOp):
+            assert (op.key in self.virtuals) == (op.verb != "add"), op
+            if op.verb == "del":
+                del self.virtuals[op.key]
+            else:
+                reals = self.virtuals[op.key][2] if op.key in self.virtuals else {}
+                self.virtuals[op.key] = (op.scheduler, op.timeout, reals)
+        elif isinstance(op, RealOp):
+            assert op.key in self.virtuals, op
+            reals = self.virtuals[op.key][2]
+            assert (op.backend in reals) == (op.verb != "add"), op
+            if op.verb == "del":
+                del reals[op.backend]
+            else:
+                reals[op.backend] = op.weight
+        elif isinstance(op, AddressOp):
+            assert (op.ip in self.addresses) == (op.verb == "del"), op
+            (self.addresses.add if op.verb == "add" else self.addresses.discard)(op.ip)
+        else:
+            members = self.sets.setdefault(op.name, set())
+            (members.add if op.verb == "add" else members.discard)(op.entry)
+        self.check()
+
+    def check(self) -> None:
+        """What must hold between any two operations."""
+        for ip in self.addresses:
+            served = [k for k in self.virtuals if k[0] == ip]
+            assert served, f"{ip} is local but no virtual server serves it"
+            for k in served:
+                assert cluster_entry(k) in self.sets.get(CLUSTER_IP_SET, set()), f"{k} local but not accepted"
+
+    def sync(self, memory: Memory, desired: Mapping[str, Iterable[ServicePortState]], *, full: bool = True,
+             options: Options | None = None, now: float = 0.0) -> Plan:
+        before = self.observed()
+        plan = render(before, memory, desired, full=full, options=options or Options(), now=now)
+        for op in plan.ops:
+            self.run(op)
+        # What a partial sync of the backend starts from instead of reading everything back.
+        assert after(before, plan.ops) == self.observed()
+        return plan
+
+
+def test_a_service_becomes_a_virtual_server_with_its_ready_endpoints() -> None:
+    k = KernelModel()
+    plan = k.sync(Memory(), {WEB: [web(A, B)]})
+    assert k.virtuals == {WEB_KEY: ("rr", 0, {A: 1, B: 1})}
+    assert k.addresses == {"10.96.0.10"}
+    assert k.sets[CLUSTER_IP_SET] == {"10.96.0.10,tcp:80"}
+    assert k.sets[LOOPBACK_SET] == {"10.0.1.1,tcp:8080,10.0.1.1", "10.0.1.2,tcp:8080,10.0.1.2"}
+    assert k.sets[IPVS_IPS_SET] == {"10.96.0.10"}
+    assert plan.memory.owners == {WEB_KEY: WEB}
+    kinds = [type(op).__name__ for op in plan.ops]
+    # ipset members first, then IPVS, then the address that makes the ClusterIP local.
+    assert kinds == ["SetOp"] * 4 + ["VirtualOp", "RealOp", "RealOp", "AddressOp"]
+
+
+def test_nothing_changes_nothing() -> None:
+    k = KernelModel()
+    plan = k.sync(Memory(), {WEB: [web(A, B)], DNS: [dns(X)]})
+    assert k.sync(plan.memory, {WEB: [web(A, B)], DNS: [dns(X)]}).ops == ()
+    assert k.sync(plan.memory, {WEB: [web(A, B)]}, full=False).ops == ()
+
+
+def test_no_endpoints_keeps_a_virtual_server_without_real_servers() -> None:
+    # The kernel answers such a virtual server with ICMP port unreachable: connection refused, at once.
+    k = KernelModel()
+    k.sync(Memory(), {WEB: [web()]})
+    assert k.virtuals == {WEB_KEY: ("rr", 0, {})}
+    assert k.addresses == {"10.96.0.10"}
+    assert not k.sets.get(LOOPBACK_SET)
+
+
+def test_scheduler_and_affinity_are_applied_and_edited_in_place() -> None:
+    k = KernelModel()
+    memory = k.sync(Memory(), {WEB: [web(A)]}, options=Options("wrr")).memory
+    assert k.virtuals[WEB_KEY][:2] == ("wrr", 0)
+    plan = k.sync(memory, {WEB: [web(A, affinity=10800)]}, options=Options("sh"))
+    assert plan.ops == (VirtualOp("set", WEB_KEY, "sh", 10800),)
+    assert k.virtuals[WEB_KEY] == ("sh", 10800, {A: 1})
+
+
+def test_removed_tcp_endpoint_drains_then_goes_when_idle() -> None:
+    k = KernelModel()
+    memory = k.sync(Memory(), {WEB: [web(A, B)]}).memory
+    k.conns[(WEB_KEY, B)] = 2
+    plan = k.sync(memory, {WEB: [web(A)]}, full=False, now=100.0)
+    assert plan.ops == (RealOp("set", WEB_KEY, B, 0),)
+    assert plan.memory.draining_since == {(WEB_KEY, B): 100.0}
+    # Still connected: it stays at weight 0, and the clock keeps its start.
+    plan = k.sync(plan.memory, {}, full=False, now=200.0)
+    assert plan.ops == ()
+    assert plan.memory.draining_since == {(WEB_KEY, B): 100.0}
+    assert k.sets[LOOPBACK_SET] >= {loopback_entry(WEB_KEY, B)}  # its flows may still hairpin
+    # Idle: deleted at the next sync of anything, here a partial sync of another Service.
+    k.conns[(WEB_KEY, B)] = 0
+    plan = k.sync(plan.memory, {DNS: [dns(X)]}, full=False, now=210.0)
+    assert RealOp("del", WEB_KEY, B) in plan.ops
+    assert k.virtuals[WEB_KEY][2] == {A: 1}
+    assert plan.memory.draining_since == {}
+    assert loopback_entry(WEB_KEY, B) not in k.sets[LOOPBACK_SET]
+
+
+def test_draining_is_bounded_by_the_grace_period() -> None:
+    k = KernelModel()
+    options = Options(grace_seconds=60.0)
+    memory = k.sync(Memory(), {WEB: [web(A, B)]}, options=options).memory
+    k.conns[(WEB_KEY, B)] = 1
+    memory = k.sync(memory, {WEB: [web(A)]}, options=options, now=0.0).memory
+    assert k.sync(memory, {WEB: [web(A)]}, options=options, now=59.0).ops == ()
+    plan = k.sync(memory, {WEB: [web(A)]}, options=options, now=60.0)
+    assert plan.ops[0] == RealOp("del", WEB_KEY, B)
+
+
+def test_removed_endpoint_without_connections_and_udp_ones_go_at_once() -> None:
+    k = KernelModel()
+    memory = k.sync(Memory(), {WEB: [web(A, B)], DNS: [dns(X, Y)]}).memory
+    k.conns[(DNS_KEY, Y)] = 5  # UDP: upstream never waits (expire_nodest_conn ends those flows)
+    plan = k.sync(memory, {WEB: [web(A)], DNS: [dns(X)]})
+    assert {op for op in plan.ops if isinstance(op, RealOp)} == {RealOp("del", WEB_KEY, B), RealOp("del", DNS_KEY, Y)}
+    assert plan.memory.draining_since == {}
+
+
+def test_a_draining_endpoint_that_comes_back_is_restored() -> None:
+    k = KernelModel()
+    memory = k.sync(Memory(), {WEB: [web(A, B)]}).memory
+    k.conns[(WEB_KEY, B)] = 1
+    memory = k.sync(memory, {WEB: [web(A)]}).memory
+    plan = k.sync(memory, {WEB: [web(A, B)]})
+    assert plan.ops == (RealOp("set", WEB_KEY, B, 1),)
+    assert plan.memory.draining_since == {}
+
+
+def test_removed_service_unbinds_its_address_before_its_virtual_server_goes() -> None:
+    k = KernelModel()
+    memory = k.sync(Memory(), {WEB: [web(A)], DNS: [dns(X)]}).memory
+    plan = k.sync(memory, {WEB: []}, full=False)
+    assert plan.ops[:2] == (AddressOp("del", "10.96.0.10"), VirtualOp("del", WEB_KEY))
+    assert all(isinstance(op, SetOp) and op.verb == "del" for op in plan.ops[2:])
+    assert set(k.virtuals) == {DNS_KEY}
+    assert k.addresses == {"10.96.0.53"}
+    assert k.sets[CLUSTER_IP_SET] == {cluster_entry(DNS_KEY)}
+    assert plan.memory.owners == {DNS_KEY: DNS}
+
+
+def test_one_port_of_a_two_port_service_goes_and_the_address_stays() -> None:
+    k = KernelModel()
+    memory = k.sync(Memory(), {WEB: [web(A), web(A, number=90)]}).memory
+    plan = k.sync(memory, {WEB: [web(A)]}, full=False)
+    assert VirtualOp("del", ("10.96.0.10", 90, "TCP")) in plan.ops
+    assert not any(isinstance(op, AddressOp) for op in plan.ops)
+    assert k.addresses == {"10.96.0.10"}
+
+
+def test_partial_sync_touches_only_its_services() -> None:
+    k = KernelModel()
+    memory = k.sync(Memory(), {WEB: [web(A)], DNS: [dns(X)]}).memory
+    # DNS is absent from this partial sync's desired state: it is not being synced, so it stays.
+    plan = k.sync(memory, {WEB: [web(A, B)]}, full=False)
+    assert plan.ops == (SetOp("add", LOOPBACK_SET, loopback_entry(WEB_KEY, B)), RealOp("add", WEB_KEY, B, 1))
+    assert DNS_KEY in k.virtuals
+
+
+def test_full_sync_adopts_a_previous_run_and_removes_only_its_stale_objects() -> None:
+    k = KernelModel()
+    k.sync(Memory(), {WEB: [web(A)], DNS: [dns(X)]})
+    foreign: VSKey = ("192.0.2.1", 80, "TCP")  # someone else's virtual server: not on kube-ipvs0, not listed
+    k.virtuals[foreign] = ("wlc", 0, {C: 1})
+    # A restart: nothing remembered. Same desired state: nothing to do, traffic untouched.
+    plan = k.sync(Memory(), {WEB: [web(A)], DNS: [dns(X)]})
+    assert plan.ops == ()
+    assert plan.memory.owners == {WEB_KEY: WEB, DNS_KEY: DNS}
+    # DNS deleted while pyproxy was down: the first full sync removes its leftovers, never the foreign one.
+    k2 = KernelModel()
+    k2.sync(Memory(), {WEB: [web(A)], DNS: [dns(X)]})
+    k2.virtuals[foreign] = ("wlc", 0, {C: 1})
+    k2.sync(Memory(), {WEB: [web(A)]})
+    assert set(k2.virtuals) == {WEB_KEY, foreign}
+    assert k2.addresses == {"10.96.0.10"}
+
+
+def test_a_frontend_claimed_twice_is_served_once() -> None:
+    k = KernelModel()
+    clash = port("default/other", "10.96.0.10", 80, [C])
+    plan = k.sync(Memory(), {WEB: [web(A)], "default/other": [clash]})
+    assert plan.memory.owners == {WEB_KEY: "default/other"}  # the first by name
+    assert plan.skipped and "already served by default/other" in plan.skipped[0]
+    # A partial sync of web alone does not take the frontend from its current owner.
+    plan = k.sync(plan.memory, {WEB: [web(A)]}, full=False)
+    assert plan.memory.owners == {WEB_KEY: "default/other"}
+    assert k.virtuals[WEB_KEY][2] == {C: 1}
+
+
+def test_ipset_members_are_stable_strings() -> None:
+    assert cluster_entry(("10.96.0.53", 53, "UDP")) == "10.96.0.53,udp:53"
+    assert loopback_entry(("10.96.0.10", 80, "TCP"), Backend("10.0.1.1", 8080)) == "10.0.1.1,tcp:8080,10.0.1.1"
+    assert cluster_entry(("10.96.0.9", 9, "SCTP")) == "10.96.0.9,sctp:9"
+
+
+# --------------------------------------------------------------------------------------------- iptables
+
+
+@pytest.mark.parametrize(("m", "marking"), [
+    (MasqueradeSettings(), "-m set --match-set KUBE-CLUSTER-IP src,dst -j KUBE-MARK-MASQ"),
+    (MasqueradeSettings(masquerade_all=True), "--match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ"),
+    (MasqueradeSettings(cluster_cidr="10.244.0.0/16"),
+     "--match-set KUBE-CLUSTER-IP dst,dst ! -s 10.244.0.0/16 -j KUBE-MARK-MASQ"),
+])
+def test_rules_mark_masquerade_per_settings(m: MasqueradeSettings, marking: str) -> None:
+    text = restore_input(rule_edits(m))
+    services = [line for line in text.splitlines() if line.startswith("-A KUBE-SERVICES ")]
+    assert len(services) == 2
+    assert services[0].endswith(marking)
+    assert services[1] == "-A KUBE-SERVICES -m set --match-set KUBE-CLUSTER-IP dst,dst -j ACCEPT"
+    postrouting = [line for line in text.splitlines() if line.startswith("-A KUBE-POSTROUTING ")]
+    # The hairpin rule comes before the RETURN of unmarked packets, or it would never match.
+    assert "--match-set KUBE-LOOP-BACK dst,dst,src -j MASQUERADE" in postrouting[0]
+    assert postrouting[1].endswith("-j RETURN")
+    assert "-A KUBE-IPVS-FILTER -m conntrack --ctstate NEW -m set --match-set KUBE-IPVS-IPS dst -j REJECT" in text
+
+
+def test_mode_rules_are_recognised_by_their_ipsets() -> None:
+    assert is_mode_rule("nat", "KUBE-SERVICES", "-m set --match-set KUBE-CLUSTER-IP dst,dst -j ACCEPT")
+    assert not is_mode_rule("nat", "KUBE-SERVICES", "-m comment --comment x -j KUBE-SVC-ABCDEFGHIJKLMNOP")
