@@ -9,8 +9,7 @@ from pathlib import Path
 
 from pyproxy.proxier import app
 from pyproxy.proxier.config import ProxySettings
-
-MODES = ("bpf",)
+from pyproxy.proxier.modes import AUTO, MODES
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -28,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="watch Services and EndpointSlices and program the dataplane")
-    run.add_argument("--proxy-mode", choices=MODES, default="bpf", help="the dataplane to program")
+    run.add_argument("--proxy-mode", choices=MODES, default=AUTO,
+                     help="the dataplane to program; auto: the first of bpf, ipvs, nftables, iptables that works")
     run.add_argument("--source", type=Path,
                      help="read a manifest file or folder (v1 Services, EndpointSlices) instead of the API")
     run.add_argument("--kubeconfig", type=Path, help="kubeconfig file of the API server to follow")
@@ -37,6 +37,12 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--devices", type=_csv, default=(),
                      help="comma-separated devices to attach to (default: every non-loopback Ethernet device)")
     run.add_argument("--xdp-devices", type=_csv, default=(), help="devices that also get the XDP program")
+    run.add_argument("--cluster-cidr", help="masquerade ClusterIP traffic from outside this range (netfilter modes)")
+    run.add_argument("--masquerade-all", action="store_true", help="masquerade all ClusterIP traffic (netfilter modes)")
+    run.add_argument("--iptables-masquerade-bit", type=int, default=14, help="fwmark bit marking packets for SNAT")
+    run.add_argument("--iptables-backend", choices=("auto", "legacy", "nft"), default="auto",
+                     help="iptables flavour for the iptables and ipvs modes (auto: whatever `iptables` is here)")
+    run.add_argument("--ipvs-scheduler", default="rr", help="IPVS scheduler: rr, wrr, lc, wlc, sh, dh, ...")
     run.add_argument("--healthz-bind-address", default="0.0.0.0:10256")
     run.add_argument("--metrics-bind-address", default="127.0.0.1:10249")
     run.add_argument("--min-sync-period", type=float, default=1.0, help="seconds between syncs at the least")
@@ -67,6 +73,12 @@ def settings_from(args: argparse.Namespace) -> ProxySettings:
         s.metrics_bind_address = args.metrics_bind_address
         s.min_sync_period = args.min_sync_period
         s.sync_period = args.sync_period
+        s.masquerade.cluster_cidr = args.cluster_cidr
+        s.masquerade.masquerade_all = args.masquerade_all
+        s.masquerade.masquerade_bit = args.iptables_masquerade_bit
+        s.iptables.backend = args.iptables_backend
+        s.ipvs.iptables_backend = args.iptables_backend
+        s.ipvs.scheduler = args.ipvs_scheduler
         s.bpf.devices = args.devices
         s.bpf.xdp_devices = args.xdp_devices
     return s

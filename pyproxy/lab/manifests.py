@@ -39,10 +39,15 @@ def _q(value: object) -> str:
     return json.dumps(value)
 
 
-def service(name: str, cluster_ip: str, ports: Sequence[Port], *, namespace: str = "default") -> str:
+def service(name: str, cluster_ip: str, ports: Sequence[Port], *, namespace: str = "default",
+            affinity_seconds: int | None = None) -> str:
+    """A ClusterIP Service; `affinity_seconds` turns on ClientIP session affinity for that long."""
     lines = ["apiVersion: v1", "kind: Service", "metadata:", f"  name: {_q(name)}",
-             f"  namespace: {_q(namespace)}", "spec:", "  type: ClusterIP", f"  clusterIP: {_q(cluster_ip)}",
-             "  ports:"]
+             f"  namespace: {_q(namespace)}", "spec:", "  type: ClusterIP", f"  clusterIP: {_q(cluster_ip)}"]
+    if affinity_seconds is not None:
+        lines += ["  sessionAffinity: ClientIP", "  sessionAffinityConfig:", "    clientIP:",
+                  f"      timeoutSeconds: {affinity_seconds}"]
+    lines.append("  ports:")
     for p in ports:
         lines += [f"  - name: {_q(p.name)}", f"    port: {p.port}", f"    protocol: {_q(p.protocol)}",
                   f"    targetPort: {_q(p.backend_port if p.target_port is None else p.target_port)}"]

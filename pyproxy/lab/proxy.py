@@ -42,7 +42,7 @@ class Pyproxy:
     def __init__(self, lab: Lab, source: Path | str | None, *, log_path: Path | str | None = None,
                  devices: Sequence[str] | None = None, xdp_devices: Sequence[str] | None = None,
                  extra_args: Sequence[str] = (), healthz_port: int = HEALTHZ_PORT,
-                 metrics_port: int = METRICS_PORT) -> None:
+                 metrics_port: int = METRICS_PORT, mode: str = "bpf", wrapper: Sequence[str] = ()) -> None:
         self.lab = lab
         self.source = Path(source) if source is not None else None
         """Manifests to read; None when `extra_args` name an API server (--kubeconfig)."""
@@ -50,6 +50,10 @@ class Pyproxy:
         self.devices = devices
         self.xdp_devices = xdp_devices
         self.extra_args = tuple(extra_args)
+        self.mode = mode
+        """--proxy-mode: bpf, nftables, iptables, ipvs or auto."""
+        self.wrapper = tuple(wrapper)
+        """A command that runs pyproxy's command line, e.g. capsh dropping capabilities; it must exec it."""
         self.healthz_url = f"http://127.0.0.1:{healthz_port}/healthz"
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         self._healthz_address = f"127.0.0.1:{healthz_port}"
@@ -63,7 +67,7 @@ class Pyproxy:
         return self.lab.pin_path
 
     def command(self) -> list[str]:
-        argv = [sys.executable, "-m", "pyproxy", "run", "--proxy-mode=bpf",
+        argv = [*self.wrapper, sys.executable, "-m", "pyproxy", "run", f"--proxy-mode={self.mode}",
                 f"--bpf-pin-path={self.pin_path}", f"--healthz-bind-address={self._healthz_address}",
                 f"--metrics-bind-address={self._metrics_address}"]
         if self.source is not None:

@@ -5,18 +5,15 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from pathlib import Path
 from types import FrameType
 from typing import Protocol
 
-from pyproxy.dataplane.base import Dataplane
-from pyproxy.dataplane.bpf import backend as bpf_backend
 from pyproxy.dataplane.bpf import inspect as bpf_inspect
-from pyproxy.dataplane.bpf.loader import BpfUnavailable
 from pyproxy.k8s.client import ApiClient, ConfigError, configuration
 from pyproxy.k8s.events import record_node_event
 from pyproxy.k8s.informer import ApiSource
 from pyproxy.k8s.manifest import ManifestSource
+from pyproxy.proxier import modes
 from pyproxy.proxier.config import ProxySettings, node_name, parse_address
 from pyproxy.proxier.metrics import InformerCollector, ProxyMetrics
 from pyproxy.proxier.proxier import Proxier
@@ -27,12 +24,6 @@ log = logging.getLogger(__name__)
 
 class StartupError(RuntimeError):
     """pyproxy cannot start as configured; the message says why."""
-
-
-def make_dataplane(settings: ProxySettings) -> Dataplane:
-    if settings.mode == "bpf":
-        return bpf_backend.BpfDataplane(settings.bpf)
-    raise StartupError(f"--proxy-mode={settings.mode}: not available in this build (bpf is)")
 
 
 class _Source(Protocol):
@@ -53,11 +44,10 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
     stop = stop or threading.Event()
     # Configuration errors first: a wrong kubeconfig must not leave programs attached.
     api = None if settings.source is not None else _api_client(settings)
-    dataplane = make_dataplane(settings)
     try:
-        dataplane.start()
-    except (BpfUnavailable, OSError) as e:
-        raise StartupError(f"the {settings.mode} dataplane cannot start: {e}") from e
+        dataplane = modes.start_dataplane(settings)
+    except modes.NoModeAvailable as e:
+        raise StartupError(str(e)) from e
     metrics = ProxyMetrics(dataplane.mode)
     health = ProxyHealth(settings.sync_period)
     proxier = Proxier(
@@ -120,4 +110,5 @@ def inspect(settings: ProxySettings, flows: bool = True) -> str:
 
 
 def cleanup(settings: ProxySettings) -> list[str]:
-    return bpf_backend.cleanup(Path(settings.bpf.pin_path))
+    """Remove what every mode made here: "mode: what" per removed thing."""
+    return modes.cleanup(settings)

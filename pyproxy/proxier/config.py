@@ -8,13 +8,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pyproxy.dataplane.bpf.backend import BpfSettings
+from pyproxy.dataplane.iptables.backend import IptablesSettings
+from pyproxy.dataplane.ipvs.backend import IpvsSettings
+from pyproxy.dataplane.netfilter import MasqueradeSettings
+from pyproxy.dataplane.nftables.backend import NftablesSettings
 from pyproxy.k8s.client import ConnectionSettings
 
 
 @dataclass
 class ProxySettings:
-    mode: str = "bpf"
-    """--proxy-mode: which dataplane programs the kernel."""
+    mode: str = "auto"
+    """--proxy-mode: which dataplane programs the kernel; auto takes the first of bpf, ipvs, nftables,
+    iptables that can run here."""
     source: Path | None = None
     """--source: a manifest file or folder; without it, the Kubernetes API."""
     connection: ConnectionSettings = field(default_factory=ConnectionSettings)
@@ -31,6 +36,16 @@ class ProxySettings:
     """--sync-period: seconds between full resyncs at the most."""
     bpf: BpfSettings = field(default_factory=BpfSettings)
     """The BPF dataplane's own settings."""
+    masquerade: MasqueradeSettings = field(default_factory=MasqueradeSettings)
+    """--cluster-cidr, --masquerade-all, --iptables-masquerade-bit: shared by the netfilter modes."""
+    iptables: IptablesSettings = field(default_factory=IptablesSettings)
+    nftables: NftablesSettings = field(default_factory=NftablesSettings)
+    ipvs: IpvsSettings = field(default_factory=IpvsSettings)
+
+    def __post_init__(self) -> None:
+        # One masquerade policy for every mode, as upstream's single set of flags.
+        for mode in (self.iptables, self.nftables, self.ipvs):
+            mode.masquerade = self.masquerade
 
 
 def parse_address(addr: str) -> tuple[str, int]:

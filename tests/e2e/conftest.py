@@ -60,9 +60,11 @@ class Env:
     def write_raw(self, name: str, text: str) -> Path:
         return write_manifest(self.source, name, text)
 
-    def start(self, *, xdp_devices: list[str] | None = None, devices: list[str] | None = None) -> Pyproxy:
+    def start(self, *, xdp_devices: list[str] | None = None, devices: list[str] | None = None,
+              mode: str = "bpf", args: Sequence[str] = (), wrapper: Sequence[str] = ()) -> Pyproxy:
+        """pyproxy in `mode` on the manifest folder; `args` are more flags; `wrapper` runs it (see Pyproxy)."""
         self.proxy = Pyproxy(self.lab, self.source, log_path=self.log_path, xdp_devices=xdp_devices,
-                             devices=devices)
+                             devices=devices, extra_args=args, mode=mode, wrapper=wrapper)
         self.proxy.start()
         self.proxy.wait_healthy(20.0)
         return self.proxy
@@ -144,6 +146,21 @@ class Env:
                 ids.append(link["xdp"]["prog"]["id"])
             result[dev] = sorted(set(ids))
         return result
+
+    def netfilter_leftovers(self) -> list[str]:
+        """What of pyproxy's netfilter modes is still in the node: KUBE-* chains in either iptables backend,
+        the nftables table, ipsets, kube-ipvs0."""
+        found = []
+        for save in ("iptables-legacy-save", "iptables-nft-save"):
+            out = self.lab.exec(self.lab.node, save, check=False).stdout
+            found += [f"{save}: {line}" for line in out.splitlines() if "KUBE-" in line]
+        nft = self.lab.exec(self.lab.node, "nft", "list", "tables").stdout
+        found += [f"nft: {line}" for line in nft.splitlines() if line.strip() == "table ip pyproxy"]
+        sets = self.lab.exec(self.lab.node, "ipset", "list", "-n", check=False).stdout
+        found += [f"ipset {name}" for name in sets.split() if name.startswith("KUBE-")]
+        if self.lab.exec(self.lab.node, "ip", "link", "show", "kube-ipvs0", check=False).returncode == 0:
+            found.append("link kube-ipvs0")
+        return found
 
     def leftovers(self, prog_ids: set[int]) -> list[str]:
         """What of pyproxy is still on the node: filters, clsact qdiscs, XDP, pins, or any of `prog_ids`."""

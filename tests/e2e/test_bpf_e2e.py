@@ -8,49 +8,24 @@ and what stays or goes on SIGTERM and `pyproxy cleanup`.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 
 import pytest
+from scenarios import (
+    DNS_IP,
+    WEB_IP,
+    assert_core_traffic,
+    dns,
+    names,
+    remove_b3,
+    start_web_and_dns,
+    web,
+    write_core_manifests,
+)
 
 from pyproxy.lab import describe
-from pyproxy.lab.manifests import Port, endpoint_slice, service
+from pyproxy.lab.manifests import Port, service
 
 pytestmark = pytest.mark.root
-
-WEB_IP, DNS_IP, MULTI_IP = "10.96.0.10", "10.96.0.53", "10.96.0.20"
-WEB_PORTS = [Port("http", 80, 8080, target_port="http")]
-DNS_PORTS = [Port("dns", 53, 5353, "UDP")]
-MULTI_PORTS = [Port("http", 80, 8080), Port("admin", 90, 9090)]
-
-
-def web(ready: Mapping[str, bool | None]) -> list[str]:
-    return [service("web", WEB_IP, WEB_PORTS), endpoint_slice("web", ready, WEB_PORTS)]
-
-
-def dns(ready: Mapping[str, bool | None]) -> list[str]:
-    return [service("dns", DNS_IP, DNS_PORTS), endpoint_slice("dns", ready, DNS_PORTS)]
-
-
-def names(env, port: int, backends=None) -> set[str]:
-    return {f"{b.name}:{port}" for b in (env.lab.backends if backends is None else backends)}
-
-
-def write_core_manifests(env) -> None:
-    """Services with a not-ready endpoint, a UDP service and a two-port service; checks every answer."""
-    b1, b2, b3 = env.lab.backends[:3]
-    some_ready = {b1.ip: True, b2.ip: None, b3.ip: False}  # None: no conditions, which means ready
-    env.write("web.yaml", *web(some_ready))
-    env.write("dns.yaml", *dns(some_ready))
-    env.write("multi.yaml", service("multi", MULTI_IP, MULTI_PORTS),
-              endpoint_slice("multi", {b.ip: True for b in env.lab.backends}, MULTI_PORTS))
-
-
-def assert_core_traffic(env) -> None:
-    env.assert_reaches("tcp", WEB_IP, 80, {"b1:8080", "b2:8080"})  # b3 is not ready: it gets nothing
-    env.assert_reaches("udp", DNS_IP, 53, {"b1:5353", "b2:5353"})
-    env.assert_reaches("tcp", MULTI_IP, 80, names(env, 8080))  # each named port to its own target port
-    env.assert_reaches("tcp", MULTI_IP, 90, names(env, 9090))
-    env.assert_no_checksum_errors()
 
 
 @pytest.mark.parametrize("distro", [False, True], ids=["plain", "distro"])
@@ -76,21 +51,8 @@ def test_xdp_on_the_client_facing_device(make_env) -> None:
 
 def test_removed_endpoint_stops_getting_new_connections(make_env, record_property) -> None:
     env = make_env(3)
-    all_ready = {b.ip: True for b in env.lab.backends}
-    env.write("web.yaml", *web(all_ready))
-    env.write("dns.yaml", *dns(all_ready))
-    env.start()
-    env.assert_reaches("tcp", WEB_IP, 80, names(env, 8080))
-    env.assert_reaches("udp", DNS_IP, 53, names(env, 5353))
-
-    b1, b2, b3 = env.lab.backends
-    without_b3 = {b1.ip: True, b2.ip: True}
-    env.write("web.yaml", *web(without_b3))
-    env.write("dns.yaml", *dns(without_b3))
-    # Gone = a round of 15 new connections and 15 datagrams none of which reached b3 (while b3 was still a
-    # backend, such a round had a chance of (2/3)^30, about 5e-6).
-    elapsed = env.poll(lambda: "b3:8080" not in env.probe("tcp", WEB_IP, 80, 15)["replies"]
-                       and "b3:5353" not in env.probe("udp", DNS_IP, 53, 15)["replies"], deadline=3.0, interval=0)
+    start_web_and_dns(env)
+    elapsed = remove_b3(env)
     record_property("endpoint_removal_seconds", elapsed)
     print(f"removed endpoint stopped getting new flows after {elapsed}s")
     assert elapsed is not None, "b3 still gets new connections 3 s after it left the EndpointSlice"

@@ -1,0 +1,141 @@
+"""One table of packet-flow cases — source, destination, port → backend set | refused | no answer — that every
+proxy mode must agree on. tests/e2e/test_flowcases.py runs it in a namespace lab against each mode this kernel
+has; the IPVS guest runs the same table (tests/guest_ipvs).
+
+The outcome is what a client sees over many new flows: which backends answered, whether they were always the
+same one (session affinity), or how the flows failed. Where a mode deliberately differs from upstream's
+semantics, the case says so in `by_mode`, with the reason, so a difference is a decision, never an accident.
+
+Lab addressing (pyproxy.lab): client 10.200.0.2, backend I at 10.201.I.2 (named bI), servers on TCP 8080
+and 9090 and UDP 5353 in every backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
+
+B1, B2, B3 = "10.201.1.2", "10.201.2.2", "10.201.3.2"
+HTTP, ALT, DNS = Port("http", 80, 8080), Port("alt", 443, 9090), Port("dns", 53, 5353, "UDP")
+
+# The cluster the table runs against: manifests for the --source folder.
+MANIFESTS = documents(
+    # b3 exists but is not ready: it must never be picked.
+    service("web", "10.96.20.1", [HTTP, ALT, DNS]),
+    endpoint_slice("web", {B1: True, B2: True, B3: False}, [HTTP, ALT, DNS]),
+    # Endpoints split across two slices count as one set.
+    service("split", "10.96.20.2", [HTTP]),
+    endpoint_slice("split", {B1: True}, [HTTP], name="split-a"),
+    endpoint_slice("split", {B3: True}, [HTTP], name="split-b"),
+    service("empty", "10.96.20.3", [HTTP]),
+    endpoint_slice("empty", {}, [HTTP]),
+    service("unready", "10.96.20.4", [HTTP]),
+    endpoint_slice("unready", {B1: False, B2: False}, [HTTP]),
+    service("sticky", "10.96.20.5", [HTTP], affinity_seconds=600),
+    endpoint_slice("sticky", {B1: True, B2: True, B3: True}, [HTTP]),
+    service("only-b2", "10.96.20.6", [HTTP]),
+    endpoint_slice("only-b2", {B2: True}, [HTTP]),
+)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: str
+    """"backends": every flow answered, and the answering set is exactly `backends`;
+    "sticky": every flow answered, always by the same one of `backends`;
+    "refused": every flow refused at once (REJECT: TCP reset or ICMP port unreachable);
+    "no-answer": no flow answered (dropped, or not translated and nothing listens)."""
+    backends: frozenset[str] = frozenset()
+
+    def __str__(self) -> str:
+        return f"{self.kind} {sorted(self.backends)}" if self.backends else self.kind
+
+
+def answered_by(*names: str) -> Outcome:
+    return Outcome("backends", frozenset(names))
+
+
+def sticky(*names: str) -> Outcome:
+    return Outcome("sticky", frozenset(names))
+
+
+REFUSED = Outcome("refused")
+NO_ANSWER = Outcome("no-answer")
+
+
+@dataclass(frozen=True)
+class FlowCase:
+    name: str
+    proto: str
+    dst: str
+    port: int
+    expect: Outcome
+    src: str = "client"
+    """"client", or a backend's name ("b1") for traffic from a pod of the cluster."""
+    by_mode: Mapping[str, Outcome] = field(default_factory=dict)
+    """Deliberate per-mode differences from `expect` (the reason is in the case's comment)."""
+
+    def expected(self, mode: str) -> Outcome:
+        return self.by_mode.get(mode, self.expect)
+
+
+# BPF mode drops new flows to a frontend without ready endpoints instead of rejecting them: the TC program
+# would have to forge a TCP reset or an ICMP error in place of the packet. Clients time out instead of
+# failing fast; upstream's netfilter modes reject.
+_BPF_DROPS = {"bpf": NO_ANSWER}
+
+CASES = (
+    FlowCase("ready endpoints only, tcp", "tcp", "10.96.20.1", 80, answered_by("b1:8080", "b2:8080")),
+    FlowCase("second port of the same service", "tcp", "10.96.20.1", 443, answered_by("b1:9090", "b2:9090")),
+    FlowCase("udp port", "udp", "10.96.20.1", 53, answered_by("b1:5353", "b2:5353")),
+    FlowCase("endpoints from two slices", "tcp", "10.96.20.2", 80, answered_by("b1:8080", "b3:8080")),
+    FlowCase("no endpoints: rejected", "tcp", "10.96.20.3", 80, REFUSED, by_mode=_BPF_DROPS),
+    FlowCase("no ready endpoints: rejected", "tcp", "10.96.20.4", 80, REFUSED, by_mode=_BPF_DROPS),
+    FlowCase("ClientIP affinity sticks", "tcp", "10.96.20.5", 80, sticky("b1:8080", "b2:8080", "b3:8080")),
+    FlowCase("a port the service does not have is not translated", "tcp", "10.96.20.1", 81, NO_ANSWER),
+    FlowCase("an address that is no service is not translated", "tcp", "10.96.20.99", 80, NO_ANSWER),
+    FlowCase("from a pod to another pod's service", "tcp", "10.96.20.6", 80, answered_by("b2:8080"), src="b1"),
+)
+
+
+def outcome_of(result: Mapping[str, Any]) -> Outcome:
+    """Classify a `Lab.probe` result."""
+    replies: dict[str, int] = result["replies"]
+    errors: dict[str, int] = result["errors"]
+    if replies and not result["failures"]:
+        return sticky(*replies) if len(replies) == 1 else answered_by(*replies)
+    if not replies and set(errors) == {"refused"}:
+        return REFUSED
+    if not replies:
+        return NO_ANSWER
+    return Outcome(f"mixed {replies} {errors}")
+
+
+def matches(expected: Outcome, seen: Outcome) -> bool:
+    if expected.kind == "sticky":
+        # One backend for all flows, and a legitimate one.
+        return seen.kind == "sticky" and seen.backends <= expected.backends
+    if expected.kind == "backends" and len(expected.backends) == 1:
+        return seen.backends == expected.backends and seen.kind in ("backends", "sticky")
+    return seen == expected
+
+
+def mismatches(lab: Any, mode: str) -> list[str]:
+    """Run every case with real flows in `lab` (a started pyproxy.lab.Lab whose node runs pyproxy in `mode`
+    on MANIFESTS); one line per case whose outcome differs from what `mode` must do."""
+    wrong = []
+    for case in CASES:
+        expected = case.expected(mode)
+        ns = None if case.src == "client" else next(b.ns for b in lab.backends if b.name == case.src)
+        positive = expected.kind in ("backends", "sticky")
+        # Enough flows that a missing backend or a broken affinity shows; few where nothing should answer.
+        result = lab.probe(case.proto, case.dst, case.port, 30 if positive else 4, timeout=1.0 if positive else 0.5,
+                           ns=ns)
+        seen = outcome_of(result)
+        if not matches(expected, seen):
+            wrong.append(f"{case.name} ({case.src} -> {case.proto} {case.dst}:{case.port}): "
+                         f"expected {expected}, saw {seen}")
+    return wrong
