@@ -1,15 +1,17 @@
 """Links of pyproxy's network namespace, through pyroute2: which devices exist and when they come and go.
 
-This is the only module that speaks rtnetlink through pyroute2; backends ask it for `Link`s and subscribe
-to `LinkWatcher` instead of holding sockets of their own.
+This is the only module that speaks rtnetlink through pyroute2; backends ask it for `Link`s, subscribe to
+`LinkWatcher`, and manage a device of their own (IPVS mode's dummy `kube-ipvs0`) with the small verbs at the
+end, instead of holding sockets of their own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from pyroute2 import IPRoute
@@ -109,3 +111,51 @@ class LinkWatcher:
                     continue
                 if lk.name and lk.name != "lo":
                     self._on_change(lk, event == "RTM_NEWLINK")
+
+
+# -- a backend's own device (IPVS mode's kube-ipvs0) ---------------------------------------------------------
+
+
+@contextlib.contextmanager
+def rtnl() -> Iterator[IPRoute]:
+    """One rtnetlink socket for a batch of the verbs below."""
+    with IPRoute() as ipr:
+        yield ipr
+
+
+def link_index(ipr: IPRoute, name: str) -> int | None:
+    found = ipr.link_lookup(ifname=name)
+    return found[0] if found else None
+
+
+def ensure_dummy(ipr: IPRoute, name: str) -> int:
+    """The index of dummy device `name`, creating it (left down: its addresses are local all the same)."""
+    index = link_index(ipr, name)
+    if index is None:
+        ipr.link("add", ifname=name, kind="dummy")
+        index = link_index(ipr, name)
+        if index is None:
+            raise OSError(f"{name} was created but cannot be found")
+    return index
+
+
+def ipv4_addresses(ipr: IPRoute, name: str) -> frozenset[str]:
+    """The IPv4 addresses on device `name` (none when it does not exist)."""
+    index = link_index(ipr, name)
+    if index is None:
+        return frozenset()
+    return frozenset(a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(index=index, family=socket.AF_INET))
+
+
+def set_host_address(ipr: IPRoute, index: int, verb: str, ip: str) -> None:
+    """Add ("add") or remove ("del") `ip`/32 on the device with `index`."""
+    ipr.addr(verb, index=index, address=ip, prefixlen=32)
+
+
+def delete_link(ipr: IPRoute, name: str) -> bool:
+    """Remove device `name`; False when it was not there."""
+    index = link_index(ipr, name)
+    if index is None:
+        return False
+    ipr.link("del", index=index)
+    return True

@@ -41,10 +41,12 @@ from pyroute2 import IPVS
 from pyroute2.netlink.exceptions import NetlinkError
 
 from pyproxy.dataplane import netfilter as nf
+from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import DataplaneError, ModeUnavailable
 from pyproxy.dataplane.ipvs import kernel
 from pyproxy.dataplane.ipvs.render import (
     CLUSTER_IP_SET,
+    DUMMY_DEVICE,
     IPVS_IPS_SET,
     LOOPBACK_SET,
     SET_TYPES,
@@ -156,10 +158,10 @@ class IpvsDataplane:
         nf.check_usable(t)
         kernel.write_sysctls()
         self.tools = t
-        with kernel.iproute() as ipr:
-            kept = len(kernel.dummy_addresses(ipr))
+        with netlink.rtnl() as ipr:
+            kept = len(netlink.ipv4_addresses(ipr, DUMMY_DEVICE))
         if kept:
-            log.info("kept %d ClusterIPs on %s from the previous run until the first sync", kept, kernel.DUMMY_DEVICE)
+            log.info("kept %d ClusterIPs on %s from the previous run until the first sync", kept, DUMMY_DEVICE)
         log.info("ipvs mode, scheduler %s, iptables %s backend", self.settings.scheduler, t.backend)
 
     def stop(self) -> None:
@@ -213,8 +215,8 @@ class IpvsDataplane:
         try:
             if fresh is None or self._last is None:
                 virtuals = kernel.read_virtuals(ipvs)
-                with kernel.iproute() as ipr:
-                    addresses = kernel.dummy_addresses(ipr)
+                with netlink.rtnl() as ipr:
+                    addresses = netlink.ipv4_addresses(ipr, DUMMY_DEVICE)
                 return Observed(virtuals, addresses, kernel.read_sets())
             known = dict(self._last.virtuals)
             for key in fresh:
@@ -232,15 +234,15 @@ class IpvsDataplane:
         set_ops = [op for op in ops if isinstance(op, SetOp)]
         # Sets first (creating them when missing): rules and the next steps rely on the members being there.
         kernel.change_sets(adds=[(op.name, op.entry) for op in set_ops if op.verb == "add"])
-        with kernel.iproute() as ipr:
+        with netlink.rtnl() as ipr:
             index: int | None = None
             for op in ops:
                 if isinstance(op, SetOp):
                     continue
                 try:
                     if isinstance(op, AddressOp):
-                        index = index if index is not None else kernel.ensure_dummy(ipr)
-                        kernel.set_address(ipr, index, op.verb, op.ip)
+                        index = index if index is not None else netlink.ensure_dummy(ipr, DUMMY_DEVICE)
+                        netlink.set_host_address(ipr, index, op.verb, op.ip)
                     else:
                         _run_ipvs(ipvs, op)
                 except (NetlinkError, OSError) as e:
@@ -283,7 +285,7 @@ def describe(op: Op) -> str:
         extra = f" weight {op.weight}" if op.verb != "del" else ""
         return f"IPVS {op.verb} real server {op.backend} of {_key(op.key)}{extra}"
     if isinstance(op, AddressOp):
-        return f"{op.verb} address {op.ip}/32 on {kernel.DUMMY_DEVICE}"
+        return f"{op.verb} address {op.ip}/32 on {DUMMY_DEVICE}"
     return f"ipset {op.verb} {op.name} {op.entry}"
 
 
@@ -300,8 +302,8 @@ def cleanup(settings: IpvsSettings) -> list[str]:
     iptables rules and chains (shared ones once unused), its ipsets and kube-ipvs0."""
     done: list[str] = []
     sets = _read_sets_or_none()
-    with kernel.iproute() as ipr:
-        addresses = kernel.dummy_addresses(ipr)
+    with netlink.rtnl() as ipr:
+        addresses = netlink.ipv4_addresses(ipr, DUMMY_DEVICE)
         try:
             ipvs = kernel.open_ipvs()
         except ModeUnavailable:
@@ -316,8 +318,8 @@ def cleanup(settings: IpvsSettings) -> list[str]:
         for name in sorted(sets or {}):
             kernel.destroy_set(name)
             done.append(f"ipset {name}")
-        if kernel.delete_dummy(ipr):
-            done.append(f"device {kernel.DUMMY_DEVICE}")
+        if netlink.delete_link(ipr, DUMMY_DEVICE):
+            done.append(f"device {DUMMY_DEVICE}")
     return done
 
 

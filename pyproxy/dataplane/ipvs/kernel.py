@@ -17,16 +17,15 @@ import shlex
 import shutil
 import socket
 import subprocess
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pyroute2 import IPVS, IPRoute, IPVSDest, IPVSService
+from pyroute2 import IPVS, IPVSDest, IPVSService
 from pyroute2.netlink.exceptions import NetlinkError
 
 from pyproxy.dataplane.base import DataplaneError, ModeUnavailable
-from pyproxy.dataplane.ipvs.render import DUMMY_DEVICE, SET_TYPES, Real, Virtual, VSKey
+from pyproxy.dataplane.ipvs.render import SET_TYPES, Real, Virtual, VSKey
 from pyproxy.model.state import Backend
 
 IPSET_TIMEOUT = 30.0
@@ -125,50 +124,6 @@ def put_real(ipvs: IPVS, verb: str, key: VSKey, b: Backend, weight: int) -> None
 
 def delete_real(ipvs: IPVS, key: VSKey, b: Backend) -> None:
     ipvs.dest("del", service=_service(key), dest=IPVSDest(addr=b.ip, port=b.port))
-
-
-# ---------------------------------------------------------------------------------------------- kube-ipvs0
-
-
-@contextmanager
-def iproute() -> Iterator[IPRoute]:
-    with IPRoute() as ipr:
-        yield ipr
-
-
-def dummy_index(ipr: IPRoute) -> int | None:
-    found = ipr.link_lookup(ifname=DUMMY_DEVICE)
-    return found[0] if found else None
-
-
-def ensure_dummy(ipr: IPRoute) -> int:
-    """kube-ipvs0's index, creating it (a dummy, left down as upstream: its addresses are local all the same)."""
-    index = dummy_index(ipr)
-    if index is None:
-        ipr.link("add", ifname=DUMMY_DEVICE, kind="dummy")
-        index = dummy_index(ipr)
-        if index is None:
-            raise DataplaneError(f"{DUMMY_DEVICE} was created but cannot be found")
-    return index
-
-
-def dummy_addresses(ipr: IPRoute) -> frozenset[str]:
-    index = dummy_index(ipr)
-    if index is None:
-        return frozenset()
-    return frozenset(a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(index=index, family=socket.AF_INET))
-
-
-def set_address(ipr: IPRoute, index: int, verb: str, ip: str) -> None:
-    ipr.addr(verb, index=index, address=ip, prefixlen=32)
-
-
-def delete_dummy(ipr: IPRoute) -> bool:
-    index = dummy_index(ipr)
-    if index is None:
-        return False
-    ipr.link("del", index=index)
-    return True
 
 
 # ---------------------------------------------------------------------------------------------------- ipset

@@ -219,13 +219,13 @@ def render(observed: Observed, memory: Memory, desired: Mapping[str, Iterable[Se
     mine = ours(observed, memory)
     claims, skipped = _claim(desired, memory, full)
     scope = mine if full else {k for k in mine if memory.owners.get(k) in desired}
-    removed = sorted((scope - claims.keys()) & observed.virtuals.keys())
+    gone = (scope - claims.keys()) & observed.virtuals.keys()
 
     virtual_ops: list[VirtualOp] = []
     real_ops: list[RealOp] = []
     reals_after: dict[VSKey, Mapping[Backend, Real]] = {}
     draining: dict[tuple[VSKey, Backend], float] = {}
-    owners = {k: s for k, s in memory.owners.items() if k in mine and k not in removed}
+    owners = {k: s for k, s in memory.owners.items() if k in mine and k not in gone}
 
     for key in sorted(claims):
         service, st = claims[key]
@@ -240,7 +240,7 @@ def render(observed: Observed, memory: Memory, desired: Mapping[str, Iterable[Se
         draining.update({(key, b): t for b, t in r.draining.items()})
         owners[key] = service
 
-    for key in sorted(mine - claims.keys() - set(removed)):
+    for key in sorted(mine - claims.keys() - gone):
         # Not synced now (partial sync) but ours: only its draining real servers may be due.
         r = _reconcile_reals(key, observed.virtuals[key].reals, None, memory.draining_since, options, now)
         real_ops += r.ops
@@ -262,7 +262,7 @@ def render(observed: Observed, memory: Memory, desired: Mapping[str, Iterable[Se
     ops: list[Op] = [*set_adds, *virtual_ops, *real_ops]
     ops += [AddressOp("add", ip) for ip in sorted(addresses - observed.addresses)]
     ops += [AddressOp("del", ip) for ip in sorted(observed.addresses - addresses)]
-    ops += [VirtualOp("del", key) for key in removed]
+    ops += [VirtualOp("del", key) for key in sorted(gone)]
     ops += set_dels
     return Plan(tuple(ops), Memory(owners=owners, draining_since=draining), tuple(skipped))
 

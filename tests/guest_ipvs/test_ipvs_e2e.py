@@ -1,0 +1,327 @@
+"""pyproxy's IPVS mode end to end, run INSIDE the qemu guest (tests/guest/run.py; host side:
+tests/e2e/test_ipvs_guest.py): `python -m pyproxy run --proxy-mode=ipvs` in a lab's node namespace, with real
+traffic from the client namespace to backends in their own namespaces.
+
+One Lab serves the whole module (building one costs seconds of emulated CPU); every test starts its own
+pyproxy on its own manifest folder and leaves through `pyproxy cleanup`, so each begins with no virtual server.
+The draining test needs connections that stay open: each backend also runs HOLD_SERVER on HOLD_PORT, which
+names itself (`bI:7070`) in answer to the first line and then echoes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from flowcases import MANIFESTS, mismatches
+
+from pyproxy.lab import Lab, LabError, ProbeResult, Pyproxy, PyproxyError, describe, write_manifest
+from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not Path("/proc/sys/net/ipv4/vs").exists(),
+                                reason="runs as root in the IPVS guest (tests/guest/run.py)")
+
+WEB_IP, DNS_IP, MULTI_IP, HOLD_IP, EMPTY_IP = "10.96.0.10", "10.96.0.53", "10.96.0.20", "10.96.0.30", "10.96.0.40"
+WEB_PORTS = [Port("http", 80, 8080)]
+DNS_PORTS = [Port("dns", 53, 5353, "UDP")]
+MULTI_PORTS = [Port("http", 80, 8080), Port("admin", 90, 9090)]
+HOLD_PORT = 7070
+HOLD_PORTS = [Port("hold", HOLD_PORT, HOLD_PORT)]
+SYNC_ARGS = ["--sync-period=2", "--min-sync-period=0.2"]
+STARTUP = 90.0  # seconds for pyproxy to be healthy under emulation
+# Answers a connection's first line with `NAME:PORT peer:0` (a reply the lab's probe understands), then echoes.
+HOLD_SERVER = """
+import socket, sys, threading
+name, port = sys.argv[1], int(sys.argv[2])
+server = socket.create_server(("0.0.0.0", port))
+
+def serve(conn):
+    with conn:
+        if conn.makefile("rb").readline():
+            conn.sendall(f"{name}:{port} peer:0\\n".encode())
+        while data := conn.recv(4096):
+            conn.sendall(data)
+
+while True:
+    threading.Thread(target=serve, args=(server.accept()[0],), daemon=True).start()
+"""
+
+
+@pytest.fixture(scope="module")
+def lab() -> Iterator[Lab]:
+    with Lab(3, prefix="ipvs") as lab:
+        lab.start_servers(tcp=[8080, 9090], udp=[5353], timeout=60.0)
+        for b in lab.backends:
+            lab.popen(b.ns, sys.executable, "-c", HOLD_SERVER, b.name, str(HOLD_PORT), stdin=subprocess.DEVNULL,
+                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        yield lab
+
+
+def wait_healthy(proxy: Pyproxy) -> None:
+    """proxy.wait_healthy(STARTUP), also when one of its /healthz checks overruns the lab's bound for it: under
+    emulation on a busy host, starting the checking Python process alone can take that long."""
+    end = time.monotonic() + STARTUP
+    while True:
+        try:
+            proxy.wait_healthy(max(1.0, end - time.monotonic()))
+            return
+        except PyproxyError:
+            raise
+        except LabError as e:
+            if not str(e).startswith("timed out") or time.monotonic() >= end:
+                raise
+
+
+class Env:
+    def __init__(self, lab: Lab, source: Path) -> None:
+        self.lab = lab
+        self.source = source
+        self.proxy: Pyproxy | None = None
+
+    def write(self, name: str, *docs: str) -> None:
+        write_manifest(self.source, name, documents(*docs))
+
+    def remove(self, name: str) -> None:
+        (self.source / name).unlink()
+
+    def start(self, *args: str) -> Pyproxy:
+        self.proxy = Pyproxy(self.lab, self.source, mode="ipvs", extra_args=[*SYNC_ARGS, *args],
+                             log_path=self.source.parent / f"pyproxy-{time.monotonic_ns()}.log")
+        self.proxy.start()
+        wait_healthy(self.proxy)
+        return self.proxy
+
+    def node(self, *argv: str) -> str:
+        return self.lab.exec(self.lab.node, *argv).stdout
+
+    def ipvsadm(self) -> str:
+        return self.node("ipvsadm", "-Ln")
+
+    def real(self, address: str) -> tuple[int, int, int] | None:
+        """(weight, active, inactive) of the real server `address` (ip:port) in `ipvsadm -Ln`."""
+        for line in self.ipvsadm().splitlines():
+            words = line.split()
+            if words[:2] == ["->", address]:
+                return int(words[3]), int(words[4]), int(words[5])
+        return None
+
+    def layout(self) -> list[str]:
+        """`ipvsadm -Ln` without the connection counters, which change with every probe."""
+        return [" ".join(line.split()[:4]) for line in self.ipvsadm().splitlines()]
+
+    def probe(self, proto: str, ip: str, port: int, count: int = 30, ns: str | None = None) -> ProbeResult:
+        return self.lab.probe(proto, ip, port, count, ns=ns)
+
+    def reaches(self, proto: str, ip: str, port: int, expected: set[str], count: int = 30) -> ProbeResult:
+        result = self.probe(proto, ip, port, count)
+        assert result["failures"] == 0, f"{proto} {ip}:{port}: {describe(result)}"
+        assert set(result["replies"]) == expected, f"{proto} {ip}:{port}: {describe(result)}"
+        assert set(result["seen_from"]) == {self.lab.client_ip}, f"backends saw {result['seen_from']}"
+        return result
+
+    def eventually(self, check: Callable[[], bool], what: str, deadline: float = 60.0) -> None:
+        end = time.monotonic() + deadline
+        while not check():
+            assert time.monotonic() < end, f"not within {deadline:g}s: {what}\n{self.ipvsadm()}"
+            time.sleep(0.5)
+
+
+@pytest.fixture
+def env(lab: Lab, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Env]:
+    source = tmp_path / "manifests"
+    source.mkdir()
+    e = Env(lab, source)
+    yield e
+    if e.proxy is not None:
+        failed = getattr(request.node, "rep_call", None)
+        e.proxy.close()  # kill if running, then `pyproxy cleanup`: the next test starts clean
+        if failed is not None and failed.failed:
+            print(f"\n===== pyproxy log =====\n{e.proxy.log_text()}")
+
+
+def web(endpoints: dict[str, bool | None], ip: str = WEB_IP, name: str = "web") -> list[str]:
+    return [service(name, ip, WEB_PORTS), endpoint_slice(name, endpoints, WEB_PORTS)]
+
+
+def names(lab: Lab, port: int, which: range | None = None) -> set[str]:
+    return {f"{b.name}:{port}" for i, b in enumerate(lab.backends) if which is None or i in which}
+
+
+def ready(lab: Lab, which: range | None = None) -> dict[str, bool | None]:
+    return {b.ip: True for i, b in enumerate(lab.backends) if which is None or i in which}
+
+
+def test_only_ready_backends_answer_tcp_and_udp(env: Env) -> None:
+    b1, b2, b3 = env.lab.backends
+    some = {b1.ip: True, b2.ip: None, b3.ip: False}  # None: no conditions, which means ready
+    env.write("web.yaml", *web(some))
+    env.write("dns.yaml", service("dns", DNS_IP, DNS_PORTS), endpoint_slice("dns", some, DNS_PORTS))
+    env.write("multi.yaml", service("multi", MULTI_IP, MULTI_PORTS),
+              endpoint_slice("multi", ready(env.lab), MULTI_PORTS))
+    env.start()
+    env.reaches("tcp", WEB_IP, 80, {"b1:8080", "b2:8080"})
+    env.reaches("udp", DNS_IP, 53, {"b1:5353", "b2:5353"})
+    env.reaches("tcp", MULTI_IP, 80, names(env.lab, 8080))
+    env.reaches("tcp", MULTI_IP, 90, names(env.lab, 9090))
+    table = env.ipvsadm()
+    assert f"TCP  {WEB_IP}:80 rr" in table and f"UDP  {DNS_IP}:53 rr" in table, table
+    assert "Masq" in table and "Route" not in table, table  # NAT forwarding, as kube-proxy
+    link = env.node("ip", "-o", "addr", "show", "dev", "kube-ipvs0")
+    assert {f"{ip}/32" for ip in (WEB_IP, DNS_IP, MULTI_IP)} <= set(link.split()), link
+    members = env.node("ipset", "list", "KUBE-CLUSTER-IP")
+    assert f"{WEB_IP},tcp:80" in members and f"{DNS_IP},udp:53" in members, members
+
+
+def test_round_robin_spreads_evenly_and_the_scheduler_is_configurable(env: Env) -> None:
+    env.write("web.yaml", *web(ready(env.lab)))
+    proxy = env.start()
+    result = env.reaches("tcp", WEB_IP, 80, names(env.lab, 8080), count=30)
+    assert sorted(result["replies"].values()) == [10, 10, 10], describe(result)
+    assert proxy.terminate(20.0) == 0
+    # sh hashes the client's address: every connection of the one client lands on one backend.
+    env.start("--ipvs-scheduler=sh")
+    env.eventually(lambda: f"{WEB_IP}:80 sh" in env.ipvsadm(), "scheduler sh applied to the kept virtual server")
+    result = env.probe("tcp", WEB_IP, 80, 20)
+    assert result["failures"] == 0 and len(result["replies"]) == 1, describe(result)
+
+
+def test_no_endpoints_is_refused_at_once(env: Env) -> None:
+    env.write("empty.yaml", service("empty", EMPTY_IP, WEB_PORTS + DNS_PORTS),
+              endpoint_slice("empty", {}, WEB_PORTS + DNS_PORTS))
+    env.start()
+    # Few probes: the node's ICMP rate limit (a burst of 6, then 1 per second per client) would turn more
+    # of them into timeouts, with any mode that rejects.
+    tcp = env.probe("tcp", EMPTY_IP, 80, 3)
+    assert tcp["errors"] == {"refused": 3} and tcp["elapsed"] < 2.0, describe(tcp)
+    udp = env.probe("udp", EMPTY_IP, 53, 3)
+    assert udp["errors"] == {"refused": 3}, describe(udp)
+    assert f"TCP  {EMPTY_IP}:80 rr" in env.ipvsadm()
+
+
+def test_session_affinity_sticks_to_one_backend(env: Env) -> None:
+    env.write("sticky.yaml", service("sticky", WEB_IP, WEB_PORTS, affinity_seconds=600),
+              endpoint_slice("sticky", ready(env.lab), WEB_PORTS))
+    env.start()
+    first = env.probe("tcp", WEB_IP, 80, 1)
+    assert first["failures"] == 0, describe(first)
+    env.reaches("tcp", WEB_IP, 80, set(first["replies"]), count=20)
+    assert f"{WEB_IP}:80 rr persistent 600" in env.ipvsadm()
+
+
+def _hold(lab: Lab) -> subprocess.Popen[str]:
+    """A client connection to HOLD_IP that stays open; it prints the backend's name, then sends each stdin
+    line through the connection and prints its echo; it resets the connection when stdin closes."""
+    code = (
+        "import socket, struct, sys\n"
+        f"s = socket.create_connection(('{HOLD_IP}', {HOLD_PORT}), timeout=10)\n"
+        "f = s.makefile('rb')\n"
+        "s.sendall(b'hello\\n')\n"
+        "print(f.readline().decode().split()[0], flush=True)\n"
+        "for line in sys.stdin:\n"
+        "    s.sendall(line.encode())\n"
+        "    print(f.readline().decode().strip(), flush=True)\n"
+        # At EOF, close with a reset: IPVS forgets a reset connection in 10 s, a FIN-closed one in 2 minutes.
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack('ii', 1, 0))\n"
+        "s.close()\n"
+    )
+    return lab.popen(lab.client, sys.executable, "-c", code, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
+
+
+def _ask(holder: subprocess.Popen[str], line: str) -> str:
+    assert holder.stdin is not None and holder.stdout is not None
+    holder.stdin.write(line + "\n")
+    holder.stdin.flush()
+    return holder.stdout.readline().strip()
+
+
+def test_removed_endpoint_drains_then_disappears(env: Env) -> None:
+    env.write("hold.yaml", service("hold", HOLD_IP, HOLD_PORTS), endpoint_slice("hold", ready(env.lab), HOLD_PORTS))
+    env.start()
+    holder = _hold(env.lab)
+    assert holder.stdout is not None
+    name = holder.stdout.readline().strip().split(":")[0]
+    assert name in {b.name for b in env.lab.backends}, f"no answer: {holder.stderr.read() if holder.stderr else ''}"
+    held = next(b for b in env.lab.backends if b.name == name)
+    others = {b.ip: True for b in env.lab.backends if b is not held}
+    env.write("hold.yaml", service("hold", HOLD_IP, HOLD_PORTS), endpoint_slice("hold", others, HOLD_PORTS))
+    real = f"{held.ip}:{HOLD_PORT}"
+    def draining() -> bool:
+        state = env.real(real)
+        return state is not None and state[0] == 0 and state[1] + state[2] == 1
+
+    env.eventually(draining, f"{real} drained to weight 0, its connection kept")
+    # Draining: the open connection still works, new ones go elsewhere only.
+    assert _ask(holder, "still there") == "still there"
+    fresh = env.probe("tcp", HOLD_IP, HOLD_PORT, 12)
+    assert fresh["failures"] == 0 and f"{name}:{HOLD_PORT}" not in fresh["replies"], describe(fresh)
+    assert env.real(real) is not None
+    # Once its last connection is closed (and IPVS forgot it), the next sync deletes the real server.
+    assert holder.stdin is not None
+    holder.stdin.close()
+    holder.wait(timeout=10)
+    env.eventually(lambda: env.real(real) is None, f"{real} deleted after draining", deadline=60.0)
+
+
+def test_removed_service_stops_answering(env: Env) -> None:
+    env.write("web.yaml", *web(ready(env.lab)))
+    env.write("dns.yaml", service("dns", DNS_IP, DNS_PORTS), endpoint_slice("dns", ready(env.lab), DNS_PORTS))
+    env.start()
+    env.reaches("tcp", WEB_IP, 80, names(env.lab, 8080))
+    env.remove("web.yaml")
+    env.eventually(lambda: f"{WEB_IP}:80" not in env.ipvsadm(), "web's virtual server removed")
+    gone = env.probe("tcp", WEB_IP, 80, 3)
+    assert gone["replies"] == {} and gone["failures"] == 3, describe(gone)
+    assert WEB_IP not in env.node("ip", "-o", "addr", "show", "dev", "kube-ipvs0")
+    env.reaches("udp", DNS_IP, 53, names(env.lab, 5353))  # the other Service is untouched
+
+
+def test_hairpin_is_masqueraded(env: Env) -> None:
+    env.write("web.yaml", *web(ready(env.lab)))
+    env.start()
+    b1 = env.lab.backends[0]
+    result = env.probe("tcp", WEB_IP, 80, 30, ns=b1.ns)
+    assert result["failures"] == 0 and set(result["replies"]) == names(env.lab, 8080), describe(result)
+    # b1 reaching itself through the ClusterIP sees the node's address (KUBE-LOOP-BACK); the others see b1.
+    assert set(result["seen_from"]) == {b1.node_ip, b1.ip}, result["seen_from"]
+
+
+def test_restart_keeps_traffic_and_cleanup_leaves_nothing(env: Env) -> None:
+    env.write("web.yaml", *web(ready(env.lab)))
+    proxy = env.start()
+    env.reaches("tcp", WEB_IP, 80, names(env.lab, 8080))
+    before = env.layout()
+    assert proxy.terminate(20.0) == 0
+    env.reaches("tcp", WEB_IP, 80, names(env.lab, 8080))  # rules stay while pyproxy is down
+    proxy = env.start()
+    env.reaches("tcp", WEB_IP, 80, names(env.lab, 8080))
+    assert env.layout() == before  # adopted as it was, nothing re-created
+    assert proxy.terminate(20.0) == 0
+    proxy.cleanup()
+    assert env.layout()[3:] == [], env.ipvsadm()  # the three header lines only
+    assert env.lab.exec(env.lab.node, "ip", "link", "show", "kube-ipvs0", check=False).returncode != 0
+    assert "KUBE-" not in env.node("ipset", "list", "-n")
+    saved = env.node("iptables-save")
+    assert "KUBE-" not in saved, saved
+    gone = env.probe("tcp", WEB_IP, 80, 2)
+    assert gone["replies"] == {}, describe(gone)
+
+
+def test_the_flow_table_agrees(tmp_path: Path) -> None:
+    """tests/flowcases.py, the table every mode runs, in a lab like a real node (as test_flowcases.py)."""
+    with Lab(3, prefix="ipvsft", distro=True) as lab:
+        lab.start_servers(tcp=[8080, 9090], udp=[5353], timeout=60.0)
+        # Several cases expect ICMP port unreachable in quick succession; the node's per-client ICMP rate limit
+        # (a burst of 6, then 1 a second) would turn some into timeouts, whichever mode rejects.
+        lab.sysctl(lab.node, {"net.ipv4.icmp_ratelimit": 0})
+        write_manifest(tmp_path, "cluster.yaml", MANIFESTS)
+        with Pyproxy(lab, tmp_path, mode="ipvs", extra_args=SYNC_ARGS, log_path=tmp_path / "pyproxy.log") as proxy:
+            proxy.start()
+            wait_healthy(proxy)
+            wrong = mismatches(lab, "ipvs")
+            assert not wrong, "\n".join(wrong) + f"\n{proxy.log_tail()}"
