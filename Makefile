@@ -63,7 +63,7 @@ lint: venv
 unit: venv
 	$(VENV)/bin/pytest -q tests/unit
 
-test: install apiserver lint
+test: install apiserver guest-image lint
 	$(VENV)/bin/pytest -q tests
 
 # Builds only when the cached binary is missing (about 7 minutes on 2 cores), else returns at once.
@@ -82,3 +82,37 @@ cleanup: venv
 
 clean:
 	rm -rf bpf/build
+
+# ---- benchmarks (bench/): every part bounded by its own time budget; results in bench/results/, plots in bench/plots/
+.PHONY: bench bench-quick bench-tools kube-proxy
+
+$(VENV)/.bench-stamp: pyproject.toml $(VENV)/.stamp
+	$(VPY) -m pip install -q -e '.[dev,bench]'
+	touch $@
+
+# The latency part's load generator and backend server (bench/connload.c).
+BENCH_TOOLS := bench/build/connload
+
+bench/build/connload: bench/connload.c
+	@mkdir -p bench/build
+	$(CLANG) -O2 -g -Wall -Wextra -Werror -pthread $< -o $@
+
+bench-tools: $(BENCH_TOOLS)
+
+# The full run: under 25 minutes on 2 cores.
+bench: install apiserver kube-proxy bench-tools $(VENV)/.bench-stamp
+	$(VPY) -m bench.run
+
+# Small sizes, under 3 minutes.
+bench-quick: install apiserver kube-proxy bench-tools $(VENV)/.bench-stamp
+	$(VPY) -m bench.run --quick
+
+# Upstream kube-proxy v1.20.2, built once (about 4-5 minutes on 2 cores) into ~/.cache/pyproxy, like `make apiserver`.
+kube-proxy:
+	bash bench/build-kube-proxy.sh
+
+# The qemu guest for the IPVS tests (this kernel has no IPVS): built once, cached in ~/.cache/pyproxy/guest,
+# rebuilt when tests/guest/build-image.sh changes (about 1 minute).
+.PHONY: guest-image
+guest-image:
+	bash tests/guest/build-image.sh
