@@ -3,7 +3,8 @@
 `request()` may be called from any thread, any number of times: bursts coalesce into one run. Runs are
 at least `min_interval` apart, at most `max_interval` apart (the periodic resync), and a failed run is
 retried after `retry_interval`. A run that returns False did nothing (e.g. the sources had not listed yet)
-and does not count against the minimum interval.
+and does not count against the minimum interval: the next request runs at once; without one, the next run is
+`max_interval` after it (never at once again, which would spin a core while the sources read).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class BoundedFrequencyRunner:
         self._cond = threading.Condition()
         self._requested = False
         self._last_run = float("-inf")
+        self._idle_since: float | None = None
+        """When the last run returned False (did nothing); None after a run that did something."""
         self._retry_at: float | None = None
         self._stop = False
 
@@ -48,6 +51,8 @@ class BoundedFrequencyRunner:
 
     def _next_due(self) -> float:
         due = self._last_run + self.max_interval
+        if self._idle_since is not None:
+            due = max(due, self._idle_since + self.max_interval)
         if self._requested:
             due = min(due, self._last_run + self.min_interval)
         if self._retry_at is not None:
@@ -69,10 +74,14 @@ class BoundedFrequencyRunner:
                 self._retry_at = None
                 previous, self._last_run = self._last_run, self._clock()
             try:
-                if self._fn() is False:
-                    with self._cond:
-                        self._last_run = previous
+                did_nothing = self._fn() is False
+                with self._cond:
+                    if did_nothing:
+                        self._idle_since, self._last_run = self._last_run, previous
+                    else:
+                        self._idle_since = None
             except Exception:  # noqa: BLE001 - logged and retried, never kills the loop
                 log.exception("sync failed; retrying in %.1fs", self.retry_interval)
                 with self._cond:
+                    self._idle_since = None
                     self._retry_at = self._clock() + self.retry_interval

@@ -79,3 +79,23 @@ def test_stop_ends_the_loop_promptly() -> None:
     runner.stop()
     t.join(2)
     assert not t.is_alive() and time.monotonic() - start < 1
+
+
+def test_a_run_that_did_nothing_waits_for_the_next_request_without_spinning() -> None:
+    calls: list[float] = []
+    ready = threading.Event()
+
+    def fn() -> bool:
+        calls.append(time.monotonic())
+        return ready.is_set()
+
+    runner = BoundedFrequencyRunner(fn, min_interval=5, max_interval=60)
+    t = _run(runner)
+    _wait(lambda: len(calls) == 1)
+    time.sleep(0.2)
+    assert len(calls) == 1, "a run that did nothing is not repeated until something is requested"
+    ready.set()
+    runner.request()
+    _wait(lambda: len(calls) == 2)  # at once: the idle run did not count against min_interval
+    runner.stop()
+    t.join(2)
