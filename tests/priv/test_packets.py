@@ -121,9 +121,8 @@ class Dataplane:
 
     def apply(self, *states: ServicePortState, service: str = SERVICE) -> Plan:
         plan = render(self.applied, {service: states}, self.capacity)
-        for op in plan.ops:
-            self.maps.run(op)
-        self.applied = plan.applied
+        self.maps.run_batches(plan.batches)
+        self.applied.commit(plan)
         return plan
 
     def svc_id(self, state: ServicePortState) -> int:

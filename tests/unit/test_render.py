@@ -2,13 +2,15 @@
 
 Every plan is also run against `MapModel`, a dictionary model of the maps that after each single operation
 checks what the datapath needs at that instant (a frontend's slots 0..count-1 exist and point at known
-backends, no two frontends share a service id), and at the end that the maps hold exactly what the plan's
-`applied` says. The ordering tests then pin the specific orders render.py promises.
+backends, no two frontends share a service id), and at the end that the maps hold exactly what `Applied`
+says once the plan is committed, and that its indexes match a fresh `Applied` built from the same state. The
+ordering tests then pin the specific orders render.py promises.
 """
 
 from __future__ import annotations
 
 import copy
+import random
 from collections.abc import Iterable, Mapping
 
 import pytest
@@ -97,6 +99,16 @@ def contents(applied: Applied) -> MapContents:
     }
 
 
+def check_indexes(applied: Applied) -> None:
+    """The incremental indexes equal those built from scratch from the same frontends and references."""
+    fresh = Applied(applied.frontends, applied.backend_refs)
+    assert applied == fresh
+    assert applied.by_service == fresh.by_service
+    assert applied.slots == fresh.slots == sum(len(f.backends) for f in applied.frontends.values())
+    assert applied.max_id() == max((f.svc_id for f in applied.frontends.values()), default=-1)
+    assert applied.new_ids(3) == fresh.new_ids(3)
+
+
 class Cluster:
     """Successive plans, each run on the map model as BpfDataplane.apply runs them on the kernel."""
 
@@ -110,8 +122,9 @@ class Cluster:
         for op in plan.ops:
             self.model.run(op)
             self.model.check_servable()
-        assert self.model.maps == contents(plan.applied)
-        self.applied = plan.applied
+        self.applied.commit(plan)
+        assert self.model.maps == contents(self.applied)
+        check_indexes(self.applied)
         return plan
 
     def svc_id(self, st: ServicePortState) -> int:
@@ -196,10 +209,10 @@ def test_unchanged_render_plans_nothing() -> None:
     c = Cluster()
     desired = {WEB: [web(A, B, not_ready=[C])], DNS: [dns(X)]}
     c.sync(desired)
-    applied = c.applied
+    applied = copy.deepcopy(c.applied)
     plan = c.sync(desired)
     assert plan.ops == ()
-    assert plan.applied == applied
+    assert c.applied == applied
 
 
 def test_service_ids_stay_put_and_a_reused_id_starts_from_zero_stats() -> None:
@@ -276,3 +289,78 @@ def test_sctp_frontends_are_reported_skipped() -> None:
     assert len(plan.skipped) == 1 and "10.96.0.10:9000/SCTP" in plan.skipped[0]
     assert "default/web:sig" in plan.skipped[0]
     assert set(c.applied.frontends) == {("10.96.0.10", 80, "TCP")}
+
+
+def test_unreferenced_backends_read_back_after_a_restart_go_with_the_next_plan() -> None:
+    c = Cluster()
+    c.sync({WEB: [web(A)]})
+    # As Maps.read_applied() returns it: a backend still in the map that no frontend references.
+    c.applied = Applied(c.applied.frontends, {**c.applied.backend_refs, D: 0})
+    c.model.maps[abi.MAP_BACKENDS][D.ip, D.port] = (0,)
+    plan = c.sync({DNS: [dns(X)]})  # a plan about another Service still removes it
+    assert Op("del", abi.MAP_BACKENDS, (D.ip, D.port)) in plan.ops
+    assert D not in c.applied.backend_refs
+
+
+def test_a_plan_commits_only_onto_the_state_it_was_made_from() -> None:
+    applied = Applied()
+    plan = render(applied, {WEB: [web(A)]}, {})
+    applied.commit(plan)
+    with pytest.raises(ValueError, match="generation"):
+        applied.commit(plan)
+
+
+def test_the_stats_capacity_counts_the_largest_id_left_after_the_plan() -> None:
+    c = Cluster({abi.MAP_STATS: 2})
+    c.sync({WEB: [web(A)], DNS: [dns(X)]})  # ids 0 and 1
+    assert c.svc_id(dns(X)) == 1
+    # DNS (id 1) goes and a new Service comes in the same plan: it gets id 2, the ids in use after the plan
+    # are 0 and 2, which do not fit. Without DNS's removal they would be 0, 1 and 2: no different.
+    with pytest.raises(CapacityError, match=abi.MAP_STATS):
+        c.sync({DNS: [], "default/other": [port("default/other", "10.96.0.99", 443, [C])]})
+    c.sync({DNS: []})
+    c.sync({"default/other": [port("default/other", "10.96.0.99", 443, [C])]})  # takes the freed id 1
+    assert c.applied.max_id() == 1
+
+
+def test_a_cold_start_comes_in_few_batches() -> None:
+    """The backend writes each batch (ops of one kind on one map) with one syscall."""
+    c = Cluster()
+    desired = {f"ns/svc-{i}": [port(f"ns/svc-{i}", f"10.96.1.{i}", 80, [Backend(f"10.1.{i}.{j}", 80)
+                                                                         for j in range(3)])]
+               for i in range(50)}
+    plan = c.sync(desired)
+    assert [(b.verb, b.map, len(b.keys)) for b in plan.batches] == [
+        ("put", abi.MAP_BACKENDS, 150), ("reset", abi.MAP_STATS, 50), ("put", abi.MAP_SLOTS, 150),
+        ("put", abi.MAP_SERVICES, 50), ("put", abi.MAP_NAMES, 50)]
+    plan = c.sync({k: [] for k in desired})
+    assert [(b.verb, b.map, len(b.keys)) for b in plan.batches] == [
+        ("del", abi.MAP_SERVICES, 50), ("del", abi.MAP_SLOTS, 150), ("del", abi.MAP_NAMES, 50),
+        ("del", abi.MAP_BACKENDS, 150)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_partial_syncs_keep_the_maps_servable_and_the_indexes_exact(seed: int) -> None:
+    """Services come, go, change backends, ports and ClusterIPs (taking over each other's), one plan at a
+    time over a few of them; Cluster.sync checks every op and the indexes after every plan."""
+    rng = random.Random(seed)
+    pool = [Backend(f"10.0.{i // 8}.{i % 8}", 8080) for i in range(24)]
+    services = [f"ns/s{i}" for i in range(12)]
+    c = Cluster()
+    desired: dict[str, list[ServicePortState]] = {}
+    for _ in range(150):
+        plan: dict[str, list[ServicePortState]] = {}
+        for svc in rng.sample(services, rng.randint(1, 4)):
+            states = []
+            for number in rng.sample([80, 443, 53], rng.randint(0, 2)):
+                ready = rng.sample(pool, rng.randint(0, 5))
+                states.append(port(svc, f"10.96.0.{rng.randint(1, 10)}", number, ready,
+                                   not_ready=rng.sample(pool, rng.randint(0, 2)), name=str(number)))
+            plan[svc] = states
+        c.sync(plan)
+        desired.update(plan)
+    # A full plan may still move a frontend that two Services claim (a partial plan leaves it with its
+    # holder, a full one gives it to the first by name); a second full plan has nothing left to do.
+    c.sync(desired)
+    held = copy.deepcopy(c.applied)
+    assert c.sync(desired).ops == () and c.applied == held

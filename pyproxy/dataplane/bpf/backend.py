@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import array
 import ctypes
+import itertools
 import logging
+import operator
 import os
+import socket
+import struct
 import threading
-from collections.abc import Callable, Set
+from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import DataplaneError
 from pyproxy.dataplane.bpf import abi, attach, loader
 from pyproxy.dataplane.bpf.maps import BpfMap, PerCpuArray
-from pyproxy.dataplane.bpf.render import Applied, AppliedFrontend, CapacityError, FrontendKey, Op, render
+from pyproxy.dataplane.bpf.render import Applied, AppliedFrontend, Batch, CapacityError, FrontendKey, Op, render
 from pyproxy.model.state import Backend, DesiredState
 
 log = logging.getLogger(__name__)
@@ -37,22 +41,54 @@ class BpfSettings:
     """Map capacities overriding abi.h's defaults, by map name."""
 
 
-def _key_codec() -> dict[str, Callable[[tuple], Any]]:
-    return {
-        abi.MAP_SERVICES: lambda k: abi.SvcKey(abi.be32(k[0]), abi.be16(k[1]), abi.IPPROTO[k[2]]),
-        abi.MAP_SLOTS: lambda k: abi.SlotKey(k[0], k[1]),
-        abi.MAP_BACKENDS: lambda k: abi.Backend(abi.be32(k[0]), abi.be16(k[1])),
-        abi.MAP_NAMES: lambda k: ctypes.c_uint32(k[0]),
-    }
+# The maps' keys and values as bytes, field by field as in abi.h (tests/unit/test_bpf_codec.py checks them
+# against the ctypes structs), a whole batch at a time with map()/array(), whose loops run in C: building one
+# ctypes structure per entry cost more than the kernel's work at a quarter million entries. "!" fields are in
+# network order, "=" in host order; "x" is padding.
+_SVC_KEY = struct.Struct("!4sHBx")  # pyproxy_svc_key: vip, port, proto
+_SVC_VALUE = struct.Struct("=IHHIxxxx")  # pyproxy_svc_value: svc_id, backend_count, flags, affinity_sec
+_BACKEND = struct.Struct("!4sHxx")  # pyproxy_backend: addr, port
+_BACKEND_INFO = struct.Struct("=Ixxxx")  # pyproxy_backend_info: flags
+_NAME = struct.Struct(f"{abi.NAME_LEN}s")  # pyproxy_svc_name, NUL-padded
+_SLOT_KEY = struct.Struct("=II")  # pyproxy_slot_key: svc_id, slot
+_U32_KEY = struct.Struct("=I")  # the names map's key
+_U32 = "I"  # array typecode of a host-order u32: packs many slot keys' fields or names keys at once
+assert array.array(_U32).itemsize == 4
+_ip, _port, _proto = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
 
 
-_VALUE_CODEC: dict[str, Callable[[tuple], Any]] = {
-    abi.MAP_SERVICES: lambda v: abi.SvcValue(*v),
-    abi.MAP_SLOTS: lambda v: abi.Backend(abi.be32(v[0]), abi.be16(v[1])),
-    abi.MAP_BACKENDS: lambda v: abi.BackendInfo(*v),
-    abi.MAP_NAMES: lambda v: abi.SvcName(v[0].encode()[: abi.NAME_LEN - 1]),
+def _endpoints(items: Sequence[tuple]) -> bytes:
+    """(ip, port) pairs as pyproxy_backend structs."""
+    return b"".join(map(_BACKEND.pack, map(socket.inet_aton, map(_ip, items)), map(_port, items)))
+
+
+def _svc_keys(keys: Sequence[tuple]) -> bytes:
+    protos = map(abi.IPPROTO.__getitem__, map(_proto, keys))
+    return b"".join(map(_SVC_KEY.pack, map(socket.inet_aton, map(_ip, keys)), map(_port, keys), protos))
+
+
+def _u32s(items: Iterable[int]) -> bytes:
+    return array.array(_U32, items).tobytes()
+
+
+def _names(values: Sequence[tuple]) -> bytes:
+    return b"".join([_NAME.pack(v[0].encode()[: abi.NAME_LEN - 1]) for v in values])
+
+
+Codec = Callable[[Sequence[tuple]], bytes]
+"""Packs the keys (or values) of a batch of ops on one map."""
+KEY_CODECS: dict[str, Codec] = {
+    abi.MAP_SERVICES: _svc_keys,
+    abi.MAP_SLOTS: lambda keys: _u32s(itertools.chain.from_iterable(keys)),  # (svc_id, slot)
+    abi.MAP_BACKENDS: _endpoints,
+    abi.MAP_NAMES: lambda keys: _u32s(map(_ip, keys)),  # (svc_id,)
 }
-_KEY_CODEC = _key_codec()
+VALUE_CODECS: dict[str, Codec] = {
+    abi.MAP_SERVICES: lambda values: b"".join(itertools.starmap(_SVC_VALUE.pack, values)),
+    abi.MAP_SLOTS: _endpoints,
+    abi.MAP_BACKENDS: lambda values: b"".join(map(_BACKEND_INFO.pack, map(_ip, values))),  # (flags,)
+    abi.MAP_NAMES: _names,
+}
 
 
 class Maps:
@@ -77,41 +113,65 @@ class Maps:
         self.counters.close()
 
     def run(self, op: Op) -> None:
+        """One op, one bpf(2) call: for callers that program a few entries (a big plan: run_batches)."""
         if op.verb == "reset":
             self.stats.reset(op.key[0])
             return
         m = self.by_name[op.map]
-        key = _KEY_CODEC[op.map](op.key)
+        key = KEY_CODECS[op.map]((op.key,))
         if op.verb == "put":
             assert op.value is not None
-            m[key] = _VALUE_CODEC[op.map](op.value)
+            m.put_raw(key, VALUE_CODECS[op.map]((op.value,)))
         else:
-            m.pop(key, None)
+            m.delete_raw(key)
+
+    def run_batches(self, batches: Iterable[Batch]) -> None:
+        """Run batches in order, each with one bpf(2) call: the kernel applies a batch entry by entry, in
+        order, so the datapath sees the same sequence as with one call per op."""
+        for verb, name, keys, values in batches:
+            if verb == "reset":
+                self.stats.reset(*(key[0] for key in keys))
+                continue
+            m = self.by_name[name]
+            packed = KEY_CODECS[name](keys)
+            if verb == "put":
+                assert values is not None
+                m.update_batch(packed, VALUE_CODECS[name](values), len(keys))
+            else:
+                m.delete_batch(packed, len(keys))
 
     def read_applied(self) -> Applied:
         """Rebuild what is applied from the maps (after a restart, or after a failed apply)."""
+        # Whole maps in a few batched lookups: one bpf(2) call per key made this take seconds at 10,000 Services,
+        # and it runs at every restart and after every failed sync.
+        keys, values = self.names.items_raw()
+        names = {
+            svc_id: name.split(b"\0", 1)[0]
+            for (svc_id,), (name,) in zip(_U32_KEY.iter_unpack(keys), _NAME.iter_unpack(values), strict=True)
+        }
+        keys, values = self.slots.items_raw()
+        slots = dict(zip(_SLOT_KEY.iter_unpack(keys), _BACKEND.iter_unpack(values), strict=True))
         frontends: dict[FrontendKey, AppliedFrontend] = {}
-        for k in self.services.keys_list():
-            v = self.services.get(k)
-            if v is None:
-                continue
-            name_v = self.names.get(ctypes.c_uint32(v.svc_id))
+        keys, values = self.services.items_raw()
+        for (vip, port, proto), (svc_id, count, flags, affinity) in zip(
+            _SVC_KEY.iter_unpack(keys), _SVC_VALUE.iter_unpack(values), strict=True
+        ):
+            raw_name = names.get(svc_id)
             # The names map is not held by the programs, so a restart under `ip netns exec` may not find it;
             # a placeholder owner is then renamed in place by the first full sync.
-            name = name_v.name.decode(errors="replace") if name_v else f"?/svc-{v.svc_id}"
-            backends = []
-            for i in range(v.backend_count):
-                b = self.slots.get(abi.SlotKey(v.svc_id, i))
-                if b is not None:
-                    backends.append(Backend(abi.ip_of(b.addr), abi.port_of(b.port)))
-            key = (abi.ip_of(k.vip), abi.port_of(k.port), abi.PROTO_NAME.get(k.proto, str(k.proto)))
-            frontends[key] = AppliedFrontend(
-                svc_id=v.svc_id,
+            name = raw_name.decode(errors="replace") if raw_name is not None else f"?/svc-{svc_id}"
+            backends = tuple(
+                Backend(socket.inet_ntoa(slot[0]), slot[1])
+                for slot in (slots.get((svc_id, i)) for i in range(count))
+                if slot is not None
+            )
+            frontends[(socket.inet_ntoa(vip), port, abi.PROTO_NAME.get(proto, str(proto)))] = AppliedFrontend(
+                svc_id=svc_id,
                 name=name,
                 service=name.split(":", 1)[0],
-                backends=tuple(backends),
-                known=tuple(backends),
-                affinity_sec=v.affinity_sec if v.flags & abi.SVC_F_AFFINITY else 0,
+                backends=backends,
+                known=backends,
+                affinity_sec=affinity if flags & abi.SVC_F_AFFINITY else 0,
             )
         refs: dict[Backend, int] = {}
         for f in frontends.values():
@@ -119,8 +179,8 @@ class Maps:
                 refs[b] = refs.get(b, 0) + 1
         # Backends no frontend references (e.g. not-ready ones) stay known with no references: the
         # first full sync either re-references them or removes them.
-        for bk in self.backends.keys_list():
-            refs.setdefault(Backend(abi.ip_of(bk.addr), abi.port_of(bk.port)), 0)
+        for addr, port in _BACKEND.iter_unpack(self.backends.items_raw()[0]):
+            refs.setdefault(Backend(socket.inet_ntoa(addr), port), 0)
         return Applied(frontends=frontends, backend_refs=refs)
 
 
@@ -219,9 +279,7 @@ class BpfDataplane:
 
     def apply(self, desired: DesiredState, changed: Set[str] | None) -> None:
         assert self.maps is not None
-        keys = set(changed) if changed is not None else (
-            set(desired.services) | {f.service for f in self.applied.frontends.values()}
-        )
+        keys = set(changed) if changed is not None else set(desired.services) | self.applied.by_service.keys()
         try:
             plan = render(self.applied, {k: desired.services.get(k, ()) for k in keys}, self._capacity)
         except CapacityError as e:
@@ -229,13 +287,12 @@ class BpfDataplane:
         for line in plan.skipped:
             log.warning("not served: %s", line)
         try:
-            for op in plan.ops:
-                self.maps.run(op)
+            self.maps.run_batches(plan.batches)
         except OSError as e:
             # Re-read the truth so the next sync plans from what the kernel really holds.
             self.applied = self.maps.read_applied()
             raise DataplaneError(f"programming the BPF maps failed: {e}") from e
-        self.applied = plan.applied
+        self.applied.commit(plan)
 
 
 def detach_device(link: netlink.Link) -> bool:

@@ -69,6 +69,12 @@ ffi.cdef(
     int bpf_map_lookup_elem(int fd, const void *key, void *value);
     int bpf_map_delete_elem(int fd, const void *key);
     int bpf_map_get_next_key(int fd, const void *key, void *next_key);
+    struct bpf_map_batch_opts { size_t sz; uint64_t elem_flags; uint64_t flags; };
+    int bpf_map_update_batch(int fd, const void *keys, const void *values, uint32_t *count,
+                             const struct bpf_map_batch_opts *opts);
+    int bpf_map_delete_batch(int fd, const void *keys, uint32_t *count, const struct bpf_map_batch_opts *opts);
+    int bpf_map_lookup_batch(int fd, void *in_batch, void *out_batch, void *keys, void *values, uint32_t *count,
+                             const struct bpf_map_batch_opts *opts);
     int bpf_obj_get(const char *pathname);
     int bpf_obj_pin(int fd, const char *pathname);
     int bpf_map_get_fd_by_id(uint32_t id);

@@ -5,6 +5,7 @@ Keys and values are ctypes structures from `abi`. A per-CPU map yields one value
 
 from __future__ import annotations
 
+import array
 import ctypes
 import errno
 import os
@@ -22,8 +23,93 @@ class MapFullError(OSError):
     """The kernel refused a new entry because the map holds max_entries already."""
 
 
+# What a kernel without batch operations on this map type answers (ENOTSUPP is the kernel's own 524). It then
+# leaves the count as it was given; a batch that failed at an entry sets it to the entries done.
+_NO_BATCH = frozenset({errno.EINVAL, errno.EOPNOTSUPP, 524})
+
+
+def _error(ret: int) -> int:
+    return -ret if ret != -1 else ffi.errno
+
+
 def _buf(obj: ctypes.Structure | ctypes._SimpleCData | ctypes.Array) -> object:
     return ffi.from_buffer(memoryview(obj).cast("B"))
+
+
+def update_batch(fd: int, name: str, keys: bytes, values: bytes, count: int, key_size: int, value_size: int) -> None:
+    """Write `count` entries (packed keys, packed values) with BPF_ANY, in order: one bpf(2) call instead of
+    one per entry. The kernel applies them one by one, so a reader sees them appear in that order. Falls back
+    to one call per entry where the kernel has no batch operations."""
+    lib = libbpf.lib()
+    key_buf, value_buf = ffi.from_buffer(keys), ffi.from_buffer(values)
+    n = ffi.new("uint32_t *", count)
+    ret = lib.bpf_map_update_batch(fd, key_buf, value_buf, n, ffi.NULL)
+    if ret >= 0:
+        return
+    code = _error(ret)
+    if code in _NO_BATCH and n[0] in (0, count):
+        for i in range(count):
+            ret = lib.bpf_map_update_elem(fd, key_buf + i * key_size, value_buf + i * value_size, libbpf.BPF_ANY)
+            if ret < 0:
+                break
+        else:
+            return
+        code = _error(ret)
+    if code == errno.E2BIG:
+        raise MapFullError(code, f"BPF map {name} is full")
+    libbpf.check(ret, f"update of map {name}")
+
+
+def delete_batch(fd: int, name: str, keys: bytes, count: int, key_size: int) -> None:
+    """Delete `count` packed keys in order with one bpf(2) call; keys already absent are skipped."""
+    lib = libbpf.lib()
+    buf = ffi.from_buffer(keys)
+    done = 0
+    while done < count:
+        n = ffi.new("uint32_t *", count - done)
+        ret = lib.bpf_map_delete_batch(fd, buf + done * key_size, n, ffi.NULL)
+        if ret >= 0:
+            return
+        code = _error(ret)
+        if code == errno.ENOENT:
+            done += n[0] + 1  # the kernel stopped at an absent key: skip it and go on after it
+        elif code in _NO_BATCH and n[0] in (0, count - done):
+            for i in range(done, count):
+                ret = lib.bpf_map_delete_elem(fd, buf + i * key_size)
+                if ret < 0 and _error(ret) != errno.ENOENT:
+                    libbpf.check(ret, f"delete from map {name}")
+            return
+        else:
+            libbpf.check(ret, f"delete from map {name}")
+
+
+_TOKEN = 64  # bytes for the kernel's batch position (a u32 bucket for hash maps, a key for arrays)
+
+
+def lookup_batch(fd: int, name: str, key_size: int, value_size: int, chunk: int = 4096) -> tuple[bytes, bytes] | None:
+    """Every key and every value of a map, packed one after the other (entry i's key at i * key_size, its
+    value at i * value_size): `chunk` entries per bpf(2) call instead of two calls per entry. None where the
+    kernel has no batch lookups for this map type."""
+    lib = libbpf.lib()
+    keys, values = ffi.new("char[]", key_size * chunk), ffi.new("char[]", value_size * chunk)
+    position, following = ffi.new("char[]", _TOKEN), ffi.new("char[]", _TOKEN)
+    all_keys: list[bytes] = []
+    all_values: list[bytes] = []
+    first = True
+    while True:
+        n = ffi.new("uint32_t *", chunk)
+        ret = lib.bpf_map_lookup_batch(fd, ffi.NULL if first else position, following, keys, values, n, ffi.NULL)
+        code = _error(ret) if ret < 0 else 0
+        if code not in (0, errno.ENOENT):  # ENOENT: this was the last chunk
+            if first and code in _NO_BATCH:
+                return None
+            libbpf.check(ret, f"batch lookup in map {name}")
+        all_keys.append(ffi.buffer(keys, n[0] * key_size)[:])
+        all_values.append(ffi.buffer(values, n[0] * value_size)[:])
+        if code == errno.ENOENT:
+            return b"".join(all_keys), b"".join(all_values)
+        ffi.memmove(position, following, _TOKEN)
+        first = False
 
 
 class BpfMap(MutableMapping[K, V], Generic[K, V]):
@@ -70,6 +156,38 @@ class BpfMap(MutableMapping[K, V], Generic[K, V]):
             if ret == -errno.ENOENT or ffi.errno == errno.ENOENT:
                 raise KeyError(key)
             libbpf.check(ret, f"delete from map {self.name}")
+
+    def put_raw(self, key: bytes, value: bytes) -> None:
+        """One entry as packed bytes, BPF_ANY."""
+        ret = libbpf.lib().bpf_map_update_elem(self.fd, ffi.from_buffer(key), ffi.from_buffer(value), libbpf.BPF_ANY)
+        if ret < 0:
+            if _error(ret) == errno.E2BIG:
+                raise MapFullError(errno.E2BIG, f"BPF map {self.name} is full")
+            libbpf.check(ret, f"update of map {self.name}")
+
+    def delete_raw(self, key: bytes) -> None:
+        """One entry by packed key; an absent one is no error."""
+        ret = libbpf.lib().bpf_map_delete_elem(self.fd, ffi.from_buffer(key))
+        if ret < 0 and _error(ret) != errno.ENOENT:
+            libbpf.check(ret, f"delete from map {self.name}")
+
+    def update_batch(self, keys: bytes, values: bytes, count: int) -> None:
+        """`count` entries, as packed keys and values, in one call (see `update_batch`)."""
+        update_batch(self.fd, self.name, keys, values, count, ctypes.sizeof(self.key_type),
+                     ctypes.sizeof(self.value_type))
+
+    def delete_batch(self, keys: bytes, count: int) -> None:
+        """`count` packed keys deleted in one call; absent ones are skipped (see `delete_batch`)."""
+        delete_batch(self.fd, self.name, keys, count, ctypes.sizeof(self.key_type))
+
+    def items_raw(self) -> tuple[bytes, bytes]:
+        """Every key and every value, packed (see `lookup_batch`): batched where the kernel can, else one
+        lookup per key."""
+        got = lookup_batch(self.fd, self.name, ctypes.sizeof(self.key_type), ctypes.sizeof(self.value_type))
+        if got is not None:
+            return got
+        items = [(k, v) for k in self.keys_list() if (v := self.get(k)) is not None]
+        return b"".join(bytes(k) for k, _ in items), b"".join(bytes(v) for _, v in items)
 
     def keys_list(self) -> list[K]:
         """All keys at once. Iterating while deleting is safe on the returned list."""
@@ -122,10 +240,8 @@ class PerCpuArray(Generic[V]):
         return [cast(V, self.value_type.from_buffer_copy(data[i * self._stride : i * self._stride + size]))
                 for i in range(self.ncpus)]
 
-    def reset(self, index: int) -> None:
-        """Zero one index on every CPU (a reused service id starts its counters from zero)."""
-        raw = (ctypes.c_uint8 * (self._stride * self.ncpus))()
-        key = ctypes.c_uint32(index)
-        libbpf.check(
-            libbpf.lib().bpf_map_update_elem(self.fd, _buf(key), _buf(raw), libbpf.BPF_ANY), f"reset {self.name}"
-        )
+    def reset(self, *indexes: int) -> None:
+        """Zero indexes on every CPU (a reused service id starts its counters from zero), in one call."""
+        size = self._stride * self.ncpus
+        update_batch(self.fd, self.name, array.array("I", indexes).tobytes(), bytes(size * len(indexes)),
+                     len(indexes), 4, size)

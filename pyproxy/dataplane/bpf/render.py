@@ -1,22 +1,30 @@
 """From desired state to BPF map operations: pure, no kernel.
 
 `render()` compares what is applied (`Applied`) with the desired frontends of the Services that changed
-and returns a `Plan`: ordered map operations plus the `Applied` that holds once they have run. Order is
-what keeps the datapath consistent while the plan runs, packet by packet:
+and returns a `Plan`: ordered map operations plus the change to `Applied` that holds once they have run
+(`Applied.commit`). Order is what keeps the datapath consistent while the plan runs, packet by packet:
 
 1. backends that become known are added before any slot can point at them;
 2. a frontend's slots are written before its count grows, and its count shrinks before slots go;
 3. a frontend's service entry is removed before its slots;
 4. backends no frontend knows any more go last.
 
+The ops come grouped by kind (every slot write of the plan, then every service entry, ...), which keeps
+each rule above for every frontend and lets the backend write each group with one batched syscall.
+
 Capacity is checked before anything is written, so a full map fails the sync without half-applying it.
+
+A plan costs O(what changed), not O(what is applied): `Applied` keeps the indexes render() needs (the
+frontends of each Service, backend reference counts, the slot total, the free service ids), and a plan
+carries its change to them instead of a new copy.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+import bisect
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from pyproxy.dataplane.bpf import abi
 from pyproxy.model.state import Backend, Frontend, ServicePortState
@@ -24,7 +32,7 @@ from pyproxy.model.state import Backend, Frontend, ServicePortState
 FrontendKey = tuple[str, int, str]  # (ClusterIP, port, "TCP"|"UDP")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class AppliedFrontend:
     svc_id: int
     name: str
@@ -34,17 +42,9 @@ class AppliedFrontend:
     affinity_sec: int
 
 
-@dataclass(frozen=True)
-class Applied:
-    """What the maps hold, as the control plane sees it."""
-
-    frontends: Mapping[FrontendKey, AppliedFrontend] = field(default_factory=dict)
-    backend_refs: Mapping[Backend, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Op:
-    """One map operation. `key`/`value` are plain tuples; the backend converts them to abi structs."""
+class Op(NamedTuple):
+    """One map operation. `key`/`value` are tuples (a Backend is one: (ip, port)); the backend converts them
+    to the maps' bytes."""
 
     verb: str  # "put" | "del" | "reset"
     map: str
@@ -52,12 +52,145 @@ class Op:
     value: tuple | None = None
 
 
-@dataclass(frozen=True)
+class Batch(NamedTuple):
+    """Consecutive ops of one kind on one map, as the backend writes them: one batched syscall. A plan is
+    held as batches rather than ops because a cold start at 10,000 Services has a quarter million of them:
+    an Op each would double the plan's memory and cost a tenth of a second to build."""
+
+    verb: str
+    map: str
+    keys: Sequence[tuple]
+    values: Sequence[tuple] | None = None
+    """For "put": one value per key."""
+
+    def ops(self) -> Iterator[Op]:
+        if self.values is None:
+            return (Op(self.verb, self.map, k) for k in self.keys)
+        return (Op(self.verb, self.map, k, v) for k, v in zip(self.keys, self.values, strict=True))
+
+
+_BACKEND_INFO = (0,)  # the backends map's value: no flags
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
-    ops: tuple[Op, ...]
-    applied: Applied
+    batches: tuple[Batch, ...]
+    """The ops, in order, grouped (see Batch); none is empty."""
+    upserts: Mapping[FrontendKey, AppliedFrontend]
+    """Frontends new or changed once the ops have run."""
+    removed: tuple[FrontendKey, ...]
+    refs: Mapping[Backend, int]
+    """The new reference count of every backend whose count changed (0: no longer in the backends map)."""
+    released: Sequence[Backend]
+    """The backends the plan removes from the map (those of `refs` left with no reference)."""
+    base: int
+    """The `Applied.generation` it was planned from: it commits onto that state and no other."""
     skipped: tuple[str, ...] = ()
     """Frontends the BPF dataplane cannot serve (e.g. SCTP), with the reason, for a log line."""
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        """Every op, in order, one by one."""
+        return tuple(op for batch in self.batches for op in batch.ops())
+
+
+class Applied:
+    """What the maps hold, as the control plane sees it, with the indexes that keep render() O(change).
+
+    `frontends` and `backend_refs` are the state (two Applied are equal when these are); the rest is derived
+    from them. Changed only by `commit()`, once a plan's ops have all run. Backends may be held with no
+    reference (read back from the maps after a restart): the next plan removes them unless it uses them.
+    """
+
+    __slots__ = ("frontends", "backend_refs", "by_service", "slots", "generation", "_unreferenced", "_free",
+                 "_next_id")
+
+    def __init__(
+        self,
+        frontends: Mapping[FrontendKey, AppliedFrontend] | None = None,
+        backend_refs: Mapping[Backend, int] | None = None,
+    ) -> None:
+        self.frontends: dict[FrontendKey, AppliedFrontend] = dict(frontends or {})
+        self.backend_refs: dict[Backend, int] = dict(backend_refs or {})
+        self.by_service: dict[str, dict[FrontendKey, None]] = {}
+        """Service -> its frontends (a dict for a stable order)."""
+        self.slots = 0
+        """Slots in use: the sum of every frontend's ready backends."""
+        self.generation = 0
+        self._unreferenced = {b for b, n in self.backend_refs.items() if n <= 0}
+        for key, fe in self.frontends.items():
+            self.by_service.setdefault(fe.service, {})[key] = None
+            self.slots += len(fe.backends)
+        ids = {fe.svc_id for fe in self.frontends.values()}
+        self._next_id = max(ids) + 1 if ids else 0
+        """One past the largest service id in use."""
+        self._free = sorted(set(range(self._next_id)) - ids)
+        """Ids below `_next_id` no frontend uses, ascending: the next plan's new frontends take the lowest."""
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Applied):
+            return NotImplemented
+        return self.frontends == other.frontends and self.backend_refs == other.backend_refs
+
+    __hash__ = None  # type: ignore[assignment] # mutable
+
+    def __repr__(self) -> str:
+        return f"Applied({len(self.frontends)} frontends, {len(self.backend_refs)} backends)"
+
+    def new_ids(self, count: int) -> list[int]:
+        """The ids the next `count` new frontends get: the lowest ones no frontend uses."""
+        taken = self._free[:count]
+        return taken + list(range(self._next_id, self._next_id + count - len(taken)))
+
+    def max_id(self) -> int:
+        """The largest service id in use (-1: none)."""
+        return self._next_id - 1
+
+    def unreferenced(self) -> set[Backend]:
+        return self._unreferenced
+
+    def commit(self, plan: Plan) -> None:
+        """Fold in a plan rendered from this state, once its ops have all run."""
+        if plan.base != self.generation:
+            raise ValueError(f"plan made for generation {plan.base}, applied is at {self.generation}")
+        freed = []
+        for key in plan.removed:
+            fe = self.frontends.pop(key)
+            self._unindex(key, fe)
+            freed.append(fe.svc_id)
+        allocated = []
+        for key, fe in plan.upserts.items():
+            old = self.frontends.get(key)
+            if old is None:
+                allocated.append(fe.svc_id)
+            else:
+                self._unindex(key, old)
+            self.frontends[key] = fe
+            self.by_service.setdefault(fe.service, {})[key] = None
+            self.slots += len(fe.backends)
+        if allocated:
+            # They are new_ids(len(allocated)): the lowest free ids, then ids from _next_id up.
+            del self._free[: len(allocated)]
+            self._next_id = max(self._next_id, max(allocated) + 1)
+        for svc_id in freed:
+            bisect.insort(self._free, svc_id)
+        # Keep _next_id one past the largest id in use, so max_id() stays exact.
+        while self._free and self._free[-1] == self._next_id - 1:
+            self._free.pop()
+            self._next_id -= 1
+        self.backend_refs.update(plan.refs)
+        for b in plan.released:
+            del self.backend_refs[b]
+        if self._unreferenced:
+            self._unreferenced.difference_update(plan.refs)
+        self.generation += 1
+
+    def _unindex(self, key: FrontendKey, fe: AppliedFrontend) -> None:
+        keys = self.by_service[fe.service]
+        del keys[key]
+        if not keys:
+            del self.by_service[fe.service]
+        self.slots -= len(fe.backends)
 
 
 class CapacityError(RuntimeError):
@@ -68,122 +201,168 @@ def frontend_key(fe: Frontend) -> FrontendKey:
     return (fe.ip, fe.port, fe.protocol.value)
 
 
-def _slot_ops(svc_id: int, old: tuple[Backend, ...], new: tuple[Backend, ...]) -> tuple[list[Op], list[Op]]:
-    """Slot writes to run before the count changes, and slot deletes to run after."""
-    writes = [
-        Op("put", abi.MAP_SLOTS, (svc_id, i), (b.ip, b.port))
-        for i, b in enumerate(new)
-        if i >= len(old) or old[i] != b
-    ]
-    deletes = [Op("del", abi.MAP_SLOTS, (svc_id, i)) for i in range(len(new), len(old))]
-    return writes, deletes
-
-
 def render(
     applied: Applied,
     desired: Mapping[str, Iterable[ServicePortState]],
     capacity: Mapping[str, int],
 ) -> Plan:
     """Plan the changes for the Services in `desired` (Service key -> its frontends; an empty iterable
-    means the Service is gone). Services not in `desired` are untouched."""
-    frontends = dict(applied.frontends)
-    refs: Counter[Backend] = Counter(applied.backend_refs)
-    used_ids = {f.svc_id for f in frontends.values()}
-    next_id = 0
-    early: list[Op] = []
-    middle: list[Op] = []
-    removals: list[Op] = []
+    means the Service is gone). Services not in `desired` are untouched. `applied` is only read."""
+    current = applied.frontends
+    applied_refs = applied.backend_refs
+    refs: dict[Backend, int] = {}
+    """Backends whose count this plan changes (or that had none): their count once the plan has run."""
+    for b in applied.unreferenced():
+        refs[b] = 0
     skipped: list[str] = []
-
-    def alloc_id() -> int:
-        nonlocal next_id
-        while next_id in used_ids:
-            next_id += 1
-        used_ids.add(next_id)
-        return next_id
 
     # Claim frontends first: a frontend can move between Services (a ClusterIP freed and reused, or a
     # restart that restored frontends under placeholder names), and must then be updated in place, never
     # deleted after its new owner wrote it. A frontend held by a Service outside this plan stays there.
-    changing = set(desired)
     claims: dict[FrontendKey, tuple[str, ServicePortState]] = {}
     for service in sorted(desired):
         for st in desired[service]:
             key = frontend_key(st.frontend)
-            if st.frontend.protocol.value not in abi.IPPROTO:
+            if key[2] not in abi.IPPROTO:
                 skipped.append(f"{st.display_name} {st.frontend}: protocol not served by the bpf dataplane")
                 continue
             holder = claims[key][0] if key in claims else None
-            cur = applied.frontends.get(key)
-            if holder is None and cur is not None and cur.service not in changing:
+            cur = current.get(key)
+            if holder is None and cur is not None and cur.service not in desired:
                 holder = cur.service
             if holder is not None and holder != service:
                 skipped.append(f"{st.display_name} {st.frontend}: frontend already served by {holder}")
                 continue
             claims[key] = (service, st)
 
-    for key, cur in applied.frontends.items():
-        if cur.service not in changing or key in claims:
-            continue
-        removals.append(Op("del", abi.MAP_SERVICES, key))
-        removals.extend(Op("del", abi.MAP_SLOTS, (cur.svc_id, i)) for i in range(len(cur.backends)))
-        removals.append(Op("del", abi.MAP_NAMES, (cur.svc_id,)))
-        refs.subtract(cur.known)
-        # Its id stays taken until the next plan: its slots are deleted after this plan's writes, which
-        # would otherwise hit a new frontend given the same id.
-        del frontends[key]
+    removed: list[FrontendKey] = []
+    for service in desired:
+        for key in applied.by_service.get(service, ()):
+            if key in claims:
+                continue
+            removed.append(key)
+            for b in current[key].known:
+                refs[b] = refs.get(b, applied_refs.get(b, 0)) - 1
 
+    # New frontends never take the id of one removed by this plan: its slots are deleted after this plan's
+    # writes, which would otherwise hit the new frontend. So the ids are those free before the plan.
+    new_ids = iter(applied.new_ids(sum(1 for key in claims if key not in current)))
+    upserts: dict[FrontendKey, AppliedFrontend] = {}
+    # The keys (and values) of each batch of the plan, in the order the batches run.
+    backend_puts: list[Backend] = []
+    resets: list[tuple[int]] = []
+    slot_keys: list[tuple[int, int]] = []
+    slot_values: list[Backend] = []
+    entry_keys: list[FrontendKey] = []
+    entry_values: list[tuple[int, int, int, int]] = []
+    slot_deletes: list[tuple[int, int]] = []
+    name_keys: list[tuple[int]] = []
+    name_values: list[tuple[str]] = []
     for key, (service, st) in claims.items():
-        cur_fe = applied.frontends.get(key)
+        cur_fe = current.get(key)
         affinity = st.session_affinity_seconds
+        known = st.known_backends
+        if known != st.backends and not set(st.backends).issubset(known):
+            known = tuple(sorted(set(known) | set(st.backends)))
         nxt = AppliedFrontend(
-            svc_id=cur_fe.svc_id if cur_fe else alloc_id(),
+            svc_id=cur_fe.svc_id if cur_fe else next(new_ids),
             name=st.display_name,
             service=service,
             backends=st.backends,
-            known=tuple(sorted(set(st.known_backends) | set(st.backends))),
+            known=known,
             affinity_sec=affinity,
         )
         if cur_fe == nxt:
             continue
+        svc_id = nxt.svc_id
         for b in nxt.known:
-            if refs[b] == 0:
-                early.append(Op("put", abi.MAP_BACKENDS, (b.ip, b.port), (0,)))
-        refs.update(nxt.known)
+            n = refs.get(b)
+            if n is None:
+                n = applied_refs.get(b, 0)
+            if n <= 0:
+                backend_puts.append(b)
+            refs[b] = n + 1
+        new = nxt.backends
         if cur_fe:
-            refs.subtract(cur_fe.known)
+            old = cur_fe.backends
+            for b in cur_fe.known:
+                refs[b] = refs.get(b, applied_refs.get(b, 0)) - 1
+            for i, b in enumerate(new):
+                if i >= len(old) or old[i] != b:
+                    slot_keys.append((svc_id, i))
+                    slot_values.append(b)
+            slot_deletes.extend((svc_id, i) for i in range(len(new), len(old)))
         else:
-            middle.append(Op("reset", abi.MAP_STATS, (nxt.svc_id,)))
-        writes, deletes = _slot_ops(nxt.svc_id, cur_fe.backends if cur_fe else (), nxt.backends)
-        middle.extend(writes)
-        flags = abi.SVC_F_AFFINITY if affinity else 0
-        middle.append(Op("put", abi.MAP_SERVICES, key, (nxt.svc_id, len(nxt.backends), flags, affinity)))
-        middle.extend(deletes)
+            resets.append((svc_id,))
+            slot_keys.extend((svc_id, i) for i in range(len(new)))
+            slot_values.extend(new)
+        entry_keys.append(key)
+        entry_values.append((svc_id, len(new), abi.SVC_F_AFFINITY if affinity else 0, affinity))
         if not cur_fe or cur_fe.name != nxt.name:
-            middle.append(Op("put", abi.MAP_NAMES, (nxt.svc_id,), (nxt.name,)))
-        frontends[key] = nxt
+            name_keys.append((svc_id,))
+            name_values.append((nxt.name,))
+        upserts[key] = nxt
 
-    late = [Op("del", abi.MAP_BACKENDS, (b.ip, b.port)) for b, n in refs.items() if n <= 0]
-    new_refs = {b: n for b, n in refs.items() if n > 0}
-    _check_capacity(frontends, new_refs, capacity)
+    _check_capacity(applied, upserts, removed, refs, capacity)
+    gone = [current[key] for key in removed]
+    released = [b for b, n in refs.items() if n <= 0]
+    batches = (
+        Batch("put", abi.MAP_BACKENDS, backend_puts, [_BACKEND_INFO] * len(backend_puts)),
+        Batch("reset", abi.MAP_STATS, resets),
+        Batch("put", abi.MAP_SLOTS, slot_keys, slot_values),
+        Batch("put", abi.MAP_SERVICES, entry_keys, entry_values),
+        Batch("del", abi.MAP_SLOTS, slot_deletes),
+        Batch("put", abi.MAP_NAMES, name_keys, name_values),
+        Batch("del", abi.MAP_SERVICES, removed),
+        Batch("del", abi.MAP_SLOTS, [(fe.svc_id, i) for fe in gone for i in range(len(fe.backends))]),
+        Batch("del", abi.MAP_NAMES, [(fe.svc_id,) for fe in gone]),
+        Batch("del", abi.MAP_BACKENDS, released),
+    )
     return Plan(
-        ops=tuple(early + middle + removals + late),
-        applied=replace(applied, frontends=frontends, backend_refs=new_refs),
+        batches=tuple(b for b in batches if b.keys),
+        upserts=upserts,
+        removed=tuple(removed),
+        refs=refs,
+        released=released,
+        base=applied.generation,
         skipped=tuple(skipped),
     )
 
 
 def _check_capacity(
-    frontends: Mapping[FrontendKey, AppliedFrontend], refs: Mapping[Backend, int], capacity: Mapping[str, int]
+    applied: Applied,
+    upserts: Mapping[FrontendKey, AppliedFrontend],
+    removed: list[FrontendKey],
+    refs: Mapping[Backend, int],
+    capacity: Mapping[str, int],
 ) -> None:
+    """What the maps hold once the plan has run, from the applied counts and the plan's changes."""
+    current = applied.frontends
+    slots = applied.slots - sum(len(current[key].backends) for key in removed)
+    added = 0
+    top = applied.max_id()
+    for key, fe in upserts.items():
+        old = current.get(key)
+        slots += len(fe.backends) - (len(old.backends) if old else 0)
+        if old is None:
+            added += 1
+            top = max(top, fe.svc_id)
+    # The backends this plan touches leave the map unless still referenced; C-level loops, as a cold start
+    # touches 100,000.
+    held = applied.backend_refs
+    backends = len(held) - len(refs.keys() & held.keys()) + sum(map((0).__lt__, refs.values()))
     need = {
-        abi.MAP_SERVICES: len(frontends),
-        abi.MAP_SLOTS: sum(len(f.backends) for f in frontends.values()),
-        abi.MAP_BACKENDS: len(refs),
+        abi.MAP_SERVICES: len(current) + added - len(removed),
+        abi.MAP_SLOTS: slots,
+        abi.MAP_BACKENDS: backends,
     }
-    if frontends:
-        # Service ids index the per-CPU stats array: the largest id must fit too.
-        need[abi.MAP_STATS] = max(f.svc_id for f in frontends.values()) + 1
+    stats_cap = capacity.get(abi.MAP_STATS)
+    if stats_cap is not None and top + 1 > stats_cap:
+        # Service ids index the per-CPU stats array: the largest id must fit too. `top` still counts the
+        # frontends this plan removes; only this rare case pays for the exact answer.
+        gone = set(removed)
+        ids = [fe.svc_id for key, fe in current.items() if key not in gone and key not in upserts]
+        need[abi.MAP_STATS] = max([*ids, *(fe.svc_id for fe in upserts.values())], default=-1) + 1
     for name, n in need.items():
         if name in capacity and n > capacity[name]:
             raise CapacityError(
