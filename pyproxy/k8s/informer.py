@@ -164,14 +164,22 @@ class Reflector(Generic[T]):
                 log.warning("skipping %s: %s", self.resource.name, e)
             return None
 
-    def _upsert(self, obj: Mapping[str, Any]) -> None:
+    def _read(self, obj: Mapping[str, Any]) -> tuple[str, T | None] | None:
+        """(key, the converted object or None when it cannot be served); None without a name."""
         key = _key(obj, self.resource.namespaced)
         if key is None:
             log.warning("skipping %s without metadata.name", self.resource.name)
-            return
+            return None
         if "apiVersion" not in obj:  # list items carry none; the slice converter reads the version
             obj = {**obj, "apiVersion": self._api_version}
-        converted = self._convert(key, obj)
+        return key, self._convert(key, obj)
+
+    def _upsert(self, obj: Mapping[str, Any]) -> None:
+        read = self._read(obj)
+        if read is not None:
+            self._deliver(*read)
+
+    def _deliver(self, key: str, converted: T | None) -> None:
         if converted is None:
             self._remove(key)
             return
@@ -190,7 +198,10 @@ class Reflector(Generic[T]):
         """List everything, reconcile the sink with it, and return the list's resourceVersion."""
         path, self._api_version = self.resource.locate(self.api)
         self._collection = path
-        items: list[Mapping[str, Any]] = []
+        # Each page is converted as it arrives, so only one page of decoded JSON is held at a time: at 10,000
+        # Services the decoded items of a whole list weigh more than everything pyproxy keeps of them.
+        listed: dict[str, T | None] = {}
+        count = 0
         query: dict[str, Any] = {**self.resource.query, "limit": str(LIST_PAGE_SIZE)}
         while True:
             try:
@@ -200,29 +211,30 @@ class Reflector(Generic[T]):
                     raise
                 # The continue token expired between pages (etcd compacted): one unpaged, consistent list.
                 log.info("%s: list continuation expired; listing again in one request", self.resource.name)
-                items, query = [], dict(self.resource.query)
+                listed, count, query = {}, 0, dict(self.resource.query)
                 page = self.api.request("GET", path, query)
-            items.extend(i for i in page.get("items") or () if isinstance(i, Mapping))
+            for obj in page.get("items") or ():
+                if isinstance(obj, Mapping):
+                    count += 1
+                    read = self._read(obj)
+                    if read is not None:
+                        listed[read[0]] = read[1]
             meta = page.get("metadata") or {}
+            del page
             if not meta.get("continue"):
                 break
             query["continue"] = meta["continue"]
-        listed: set[str] = set()
-        for obj in items:
-            key = _key(obj, self.resource.namespaced)
-            if key is not None:
-                listed.add(key)
-        for key in sorted(self._known - listed):
+        for key in sorted(self._known - listed.keys()):
             self._remove(key)
-        for key in list(self._warned.keys() - listed):
+        for key in list(self._warned.keys() - listed.keys()):
             del self._warned[key]
-        for obj in items:
-            self._upsert(obj)
+        for key, converted in listed.items():
+            self._deliver(key, converted)
         self.stats.lists += 1
         self.resource_version = str(meta.get("resourceVersion") or "")
         log.info(
             "%s: listed %d at resourceVersion %s (%s)",
-            self.resource.name, len(items), self.resource_version, self._api_version,
+            self.resource.name, count, self.resource_version, self._api_version,
         )
         return self.resource_version
 

@@ -15,8 +15,14 @@ from pyproxy.model.state import Backend, DesiredState, Frontend, ServicePortStat
 _PROXIED_TYPES = frozenset({"ClusterIP", "NodePort", "LoadBalancer"})
 
 
-def _backends(port: ServicePort, slices: Iterable[EndpointSlice]) -> tuple[list[Backend], list[Backend]]:
-    """(ready, known) backends of one service port, deduplicated and sorted."""
+# Backend(ip, port) without the Python-level __new__ a NamedTuple has: this loop makes one per endpoint, and a
+# cold start at 10,000 Services x 10 endpoints makes 100,000.
+_new_backend = tuple.__new__
+
+
+def _backends(port: ServicePort, slices: Iterable[EndpointSlice]) -> tuple[tuple[Backend, ...], tuple[Backend, ...]]:
+    """(ready, known) backends of one service port, deduplicated and sorted; one tuple for both when every
+    known backend is ready (the common case)."""
     ready: set[Backend] = set()
     known: set[Backend] = set()
     for eps in slices:
@@ -26,16 +32,19 @@ def _backends(port: ServicePort, slices: Iterable[EndpointSlice]) -> tuple[list[
         # (named ones included) into the slice ports' numbers, and names the slice ports after the
         # service ports.
         for ep_port in eps.ports:
-            if (ep_port.name, ep_port.protocol) != (port.name, port.protocol):
+            if ep_port.name != port.name or ep_port.protocol != port.protocol:
                 continue
+            number = ep_port.port
             for ep in eps.endpoints:
                 # Like upstream, only the first address counts: the API says they are fungible.
-                for address in ep.addresses[:1]:
-                    backend = Backend(address, ep_port.port)
-                    known.add(backend)
-                    if ep.ready:
-                        ready.add(backend)
-    return sorted(ready), sorted(known)
+                if not ep.addresses:
+                    continue
+                backend: Backend = _new_backend(Backend, (ep.addresses[0], number))
+                known.add(backend)
+                if ep.ready:
+                    ready.add(backend)
+    all_known = tuple(sorted(known))
+    return (all_known if len(ready) == len(known) else tuple(sorted(ready))), all_known
 
 
 def compute_service_state(
@@ -55,8 +64,8 @@ def compute_service_state(
                 service=svc.key,
                 port_name=port.name,
                 frontend=Frontend(ip, port.port, port.protocol),
-                backends=tuple(ready),
-                known_backends=tuple(known),
+                backends=ready,
+                known_backends=known,
                 session_affinity_seconds=affinity,
             )
             for ip in svc.cluster_ips

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import yaml
 
+from pyproxy.k8s import manifest
 from pyproxy.k8s.manifest import ManifestSource
 from pyproxy.k8s.sink import RecordingSink
 
@@ -233,3 +234,56 @@ def test_a_manifest_change_is_seen_within_a_second(tmp_path: Path, sink: Recordi
     finally:
         source.stop()
     assert not thread.is_alive()
+
+
+def _whole(text: str) -> list[tuple[str, Any]] | str:
+    """What a JSON document's objects become when it is decoded whole (or json.loads' error)."""
+    try:
+        return _normal([manifest._convert(doc) for doc in manifest._flatten([json.loads(text)])])
+    except ValueError as e:
+        return str(e)
+
+
+def _normal(outcomes: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    return [(what, str(o) if what == "invalid" else o) for what, o in outcomes]
+
+
+def _listed(items: list[Any], **extra: Any) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "List", "items": items, **extra}
+
+
+GOOD = [service("web"), endpoint_slice("web-1", "web"), {"kind": "ConfigMap"}, service("bad", port="http"), 7]
+JSON_DOCUMENTS = [
+    json.dumps(_listed(GOOD)),
+    json.dumps(_listed(GOOD), indent=2),
+    json.dumps(_listed([])),
+    json.dumps(_listed([_listed([service("nested")]), service("after")])),
+    json.dumps({"items": GOOD, "kind": "List"}),  # kind after items: decoded whole
+    json.dumps(_listed(GOOD, metadata={"resourceVersion": "1"})),
+    '{"kind": "List", "items": [], "kind": "Service"}',  # duplicate keys: the last one wins
+    '{"kind": "List", "items": [1], "items": [2]}',
+    json.dumps(service("single")),
+    json.dumps([service("array")]),
+    json.dumps(_listed(GOOD))[:-30],  # truncated
+    json.dumps(_listed(GOOD)) + " {}",  # trailing data
+    json.dumps(_listed(GOOD)).replace('"items": [', '"items": [,'),
+    ' \n{ "kind" : "ServiceList" ,\n "items" : [ ' + json.dumps(service("spaced")) + " ] } \n",
+    '{"kind": "List", "items": {"not": "a list"}}',
+    "",
+]
+
+
+@pytest.mark.parametrize("text", JSON_DOCUMENTS)
+def test_a_json_list_decoded_item_by_item_reads_as_when_decoded_whole(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "objects.json"
+    path.write_text(text)
+    try:
+        streamed: list[tuple[str, Any]] | str = _normal(manifest._parse(path))
+    except ValueError as e:
+        streamed = str(e)
+    assert streamed == _whole(text)
+
+
+def test_the_usual_json_list_is_decoded_item_by_item() -> None:
+    assert manifest._json_list(JSON_DOCUMENTS[0]) is not None
+    assert manifest._json_list(JSON_DOCUMENTS[4]) is None  # kind after items: the caller decodes it whole
