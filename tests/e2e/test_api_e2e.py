@@ -102,7 +102,9 @@ class Traffic:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            r = self.env.probe("tcp", self.ip, self.port, 20, timeout=1.0, interval=0.05)
+            # 3 s per flow covers one SYN retransmission: a busy 2-core machine may lose a packet to load, while
+            # a dataplane that stopped serving fails every flow, whatever the timeout.
+            r = self.env.probe("tcp", self.ip, self.port, 20, timeout=3.0, interval=0.05)
             self.replies += sum(r["replies"].values())
             if r["failures"]:
                 self.failures.append(describe(r))
