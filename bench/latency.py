@@ -38,11 +38,12 @@ core at 1,000 conn/s" (that excess x 1,000/s), the unit of the anchor figure "ku
 of a core at 1,000 new connections/s at 10,000 Services". Not measured by that: the proxy process itself
 (user space), recorded apart (its CPU over the window, ~0 once its rules are set).
 
-The generator is not the bottleneck: its user-space time is well under 1% of a connection's CPU (recorded
-per run as client_user_us_per_conn); its threads block in the kernel. At 4 threads both cores are busy and
-the rate no longer rises with more threads (measured: 22.8k conn/s at 4 threads, 23.0k at 8, with no proxy),
-so the closed-loop rate is near the lab's capacity; it is also bounded by the other work on a shared
-machine, which the CPU per connection (counted on the lab's own tasks) is not.
+The generator is not the bottleneck: its user-space time is about 1% of a connection's CPU (~1 of ~100 us,
+recorded per run as client_user_us_per_conn); its threads block in the kernel. At 4 threads both cores are
+busy (the lab's tasks use 1.8-1.9 of the 2 cores in the closed loop, recorded as lab_cores_busy) and the rate
+no longer rises with more threads (measured: 22.8k conn/s at 4 threads, 23.0k at 8, with no proxy), so the
+closed-loop rate is the lab's capacity; it is also bounded by other work on a shared machine, which the CPU
+per connection (counted on the lab's own tasks) is not.
 """
 
 from __future__ import annotations
