@@ -21,17 +21,17 @@ import pytest
 from scenarios import (
     DNS_IP,
     DNS_PORTS,
-    MULTI_IP,
-    MULTI_PORTS,
     WEB_IP,
     WEB_PORTS,
     all_ready,
+    assert_core_traffic,
     dns,
     names,
     remove_b3,
     remove_web,
     start_web_and_dns,
     web,
+    write_core_manifests,
 )
 
 from pyproxy.lab import describe
@@ -59,18 +59,9 @@ def kube_rules(env, backend: str) -> list[str]:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_clusterip_reaches_ready_backends_only(make_env, backend: str, record_property) -> None:
     env = make_env(3)
-    b1, b2, b3 = env.lab.backends
-    some_ready = {b1.ip: True, b2.ip: None, b3.ip: False}  # None: no conditions, which means ready
-    env.write("web.yaml", *web(some_ready))
-    env.write("dns.yaml", *dns(some_ready))
-    env.write("multi.yaml", service("multi", MULTI_IP, MULTI_PORTS),
-              endpoint_slice("multi", all_ready(env), MULTI_PORTS))
+    write_core_manifests(env)
     start(env, backend)
-    env.assert_reaches("tcp", WEB_IP, 80, {"b1:8080", "b2:8080"})  # b3 is not ready: it gets nothing
-    env.assert_reaches("udp", DNS_IP, 53, {"b1:5353", "b2:5353"})
-    env.assert_reaches("tcp", MULTI_IP, 80, names(env, 8080))  # each named port to its own target port
-    env.assert_reaches("tcp", MULTI_IP, 90, names(env, 9090))
-    env.assert_no_checksum_errors()
+    assert_core_traffic(env)
     rules = kube_rules(env, backend)
     record_property("kube_rules", len(rules))
     assert any(line.startswith("-A KUBE-SVC-") for line in rules), rules

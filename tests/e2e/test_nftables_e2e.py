@@ -16,9 +16,9 @@ import pytest
 from scenarios import (
     DNS_IP,
     MULTI_IP,
-    MULTI_PORTS,
     WEB_IP,
     WEB_PORTS,
+    assert_core_traffic,
     dns,
     names,
     remove_b3,
@@ -26,6 +26,7 @@ from scenarios import (
     start_web_and_dns,
     wait_gone,
     web,
+    write_core_manifests,
 )
 
 from pyproxy.lab import describe
@@ -67,19 +68,10 @@ def udp_flows_to(env, vip: str, endpoint_ip: str) -> int:
 @pytest.mark.parametrize("distro", [False, True], ids=["plain", "distro"])
 def test_clusterip_reaches_ready_backends_only(make_env, distro: bool, record_property) -> None:
     env = make_env(3, distro=distro)
-    b1, b2, b3 = env.lab.backends
-    some_ready = {b1.ip: True, b2.ip: None, b3.ip: False}  # None: no conditions, which means ready
-    env.write("web.yaml", *web(some_ready))
-    env.write("dns.yaml", *dns(some_ready))
-    env.write("multi.yaml", service("multi", MULTI_IP, MULTI_PORTS),
-              endpoint_slice("multi", all_ready(env), MULTI_PORTS))
+    write_core_manifests(env)
     env.start(mode=MODE)
     record_property("nft_rules", rule_count(env))
-    env.assert_reaches("tcp", WEB_IP, 80, {"b1:8080", "b2:8080"})  # b3 is not ready: it gets nothing
-    env.assert_reaches("udp", DNS_IP, 53, {"b1:5353", "b2:5353"})
-    env.assert_reaches("tcp", MULTI_IP, 80, names(env, 8080))  # each named port to its own target port
-    env.assert_reaches("tcp", MULTI_IP, 90, names(env, 9090))
-    env.assert_no_checksum_errors()
+    assert_core_traffic(env)
     # Traffic that is not to a frontend stays untouched: another port of a ClusterIP is not translated.
     other = env.probe("tcp", MULTI_IP, 91, 3, timeout=0.5)
     assert not other["replies"], describe(other)
