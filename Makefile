@@ -10,6 +10,7 @@ CLANG    ?= clang
 BPF_OBJS := bpf/build/pyproxy.bpf.o bpf/build/verdict.bpf.o
 BPF_HDRS := $(wildcard bpf/include/pyproxy/*.h)
 ARCH_INC := /usr/include/$(shell uname -m)-linux-gnu
+BPF_CC   = $(CLANG) -g -O2 -Wall -Werror -target bpf -D__TARGET_ARCH_x86 -I bpf/include -I $(ARCH_INC)
 
 # Debian packages, checked by the binary or file each one provides.
 APT_PKGS := clang llvm libbpf-dev libbpf1 bpftool iproute2 iptables nftables ipset conntrack socat \
@@ -50,7 +51,7 @@ bpf: $(BPF_OBJS)
 
 bpf/build/%.bpf.o: bpf/%.bpf.c $(BPF_HDRS)
 	@mkdir -p bpf/build
-	$(CLANG) -g -O2 -Wall -Werror -target bpf -D__TARGET_ARCH_x86 -I bpf/include -I $(ARCH_INC) -c $< -o $@
+	$(BPF_CC) -c $< -o $@
 
 demo: install
 	$(VENV)/bin/pyproxy demo
@@ -90,12 +91,17 @@ $(VENV)/.bench-stamp: pyproject.toml $(VENV)/.stamp
 	$(VPY) -m pip install -q -e '.[dev,bench]'
 	touch $@
 
-# The latency part's load generator and backend server (bench/connload.c).
-BENCH_TOOLS := bench/build/connload
+# The latency part's load generator and backend server (bench/connload.c), and the packet part's
+# established path cut into steps (bench/steps.bpf.c, built on pyproxy's own headers).
+BENCH_TOOLS := bench/build/connload bench/build/steps.bpf.o
 
 bench/build/connload: bench/connload.c
 	@mkdir -p bench/build
 	$(CLANG) -O2 -g -Wall -Wextra -Werror -pthread $< -o $@
+
+bench/build/steps.bpf.o: bench/steps.bpf.c $(BPF_HDRS)
+	@mkdir -p bench/build
+	$(BPF_CC) -c $< -o $@
 
 bench-tools: $(BENCH_TOOLS)
 

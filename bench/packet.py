@@ -53,6 +53,7 @@ from packets import TCP, TCP_ACK, TCP_SYN, Flow, decode, frame, pseudo_header_su
 
 PYPROXY_OBJECT = core.REPO / "bpf" / "build" / "pyproxy.bpf.o"
 VERDICT_OBJECT = core.REPO / "bpf" / "build" / "verdict.bpf.o"
+STEPS_OBJECT = core.REPO / "bench" / "build" / "steps.bpf.o"
 VERDICT_PROG = "pyproxy_verdict"
 XDP_PASS, TC_ACT_OK = 2, 0
 CLIENT = "192.168.1.10"
@@ -198,6 +199,17 @@ SERIES_REPEAT = {  # key -> (series, mode)
     "xdp_miss": ("XDP not a Service", "bpf"),
     "tc_miss": ("TC not a Service", "bpf"),
 }
+# The profile of the established XDP path: bench/steps.bpf.c's cumulative programs (each one step more than
+# the one before), between the floor and the production program.
+STEPS = {
+    "floor": "0 verdict only (floor)",
+    "step1_parse": "1 parse Ethernet/IPv4/TCP, checksum form",
+    "step2_frontend": "2 + frontend lookup (hash)",
+    "step3_flow": "3 + clock, flow lookup (LRU hash)",
+    "step4_backend": "4 + backend still an endpoint (hash)",
+    "step5_decision": "5 + last_seen, two per-CPU counters",
+    "xdp_est": "6 + rewrite, checksums (= XDP established flow)",
+}
 SERIES_SINGLE = {
     "floor": ("XDP verdict only (floor)", "floor"),
     "xdp_new": ("XDP new flow, any Service", "bpf"),
@@ -212,6 +224,7 @@ SERIES_SINGLE = {
 def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.LoadedObject) -> None:
     rec.step(f"{core.plural(n, 'service')}: loading the object and filling the maps through render() -> Maps.run")
     dp = Loaded.load(PYPROXY_OBJECT)
+    steps = loader.LoadedObject(None)
     try:
         pop = populate(dp, n)
         rec.add(Measurement("populate_s", "render() + Maps.run, one bpf(2) call per key", "bpf", n,
@@ -228,9 +241,11 @@ def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.Lo
             "xdp_miss": TestRun(progs[abi.PROG_XDP], miss_pkt),
             "tc_miss": TestRun(progs[abi.PROG_TC_INGRESS], miss_pkt),
         }
+        steps = loader.load(STEPS_OBJECT, None, adopt=dp.obj.maps)
+        runs.update((name, TestRun(steps.progs[name], est_pkt)) for name in STEPS if name in steps.progs)
         tries = pin_to_self(dp, runs["xdp_est"], est_flow)
         verdict_ok = {"floor": XDP_PASS, "xdp_est": XDP_PASS, "xdp_miss": XDP_PASS, "tc_est": TC_ACT_OK,
-                      "tc_miss": TC_ACT_OK}
+                      "tc_miss": TC_ACT_OK, **{name: XDP_PASS for name in steps.progs}}
 
         rec.step(f"{core.plural(n, 'service')}: {p['rounds']} rounds of repeat={p['repeat']:,}")
         repeat = int(p["repeat"])
@@ -240,7 +255,7 @@ def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.Lo
                 before = dp.counters()
                 retval, ns = run(repeat)
                 got = _delta(before, dp.counters())
-                want = {"established": repeat} if key.endswith("_est") else {}
+                want = {"established": repeat} if key.endswith("_est") or key == "step5_decision" else {}
                 _expect(f"{key} x{repeat}", got, want)
                 if retval != verdict_ok[key]:
                     raise RuntimeError(f"{key}: verdict {retval}, expected {verdict_ok[key]}")
@@ -249,11 +264,20 @@ def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.Lo
             raise RuntimeError("the self-DNAT was not idempotent: repeats would not see the same packet")
         floor = statistics.median(per_round["floor"])
         for key, values in per_round.items():
+            if key not in SERIES_REPEAT:
+                continue
             series, mode = SERIES_REPEAT[key]
             value = statistics.median(values)
             rec.add(Measurement("ns_per_packet", series, mode, n, value, "ns",
                                 "" if key == "floor" else f"{value / floor:.1f}x floor",
                                 {**summary(values), "repeat": repeat, "pin_packets": tries}))
+        previous = None
+        for key, series in STEPS.items():
+            value = statistics.median(per_round[key])
+            note = "" if previous is None else f"{value - previous:+.0f} ns"
+            rec.add(Measurement("ns_per_packet_steps", series, "floor" if key == "floor" else "bpf", n, value, "ns",
+                                note, summary(per_round[key])))
+            previous = value
 
         singles = int(p["single_runs"])
         rec.step(f"{core.plural(n, 'service')}: {singles:,} single runs each of new flows, established flow and floor")
@@ -290,6 +314,7 @@ def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.Lo
             note = "" if key == "floor" else f"{s['median'] / floor1:.1f}x floor, +{s['median'] - floor1:.0f} ns"
             rec.add(Measurement("ns_per_packet_single", series, mode, n, s["median"], "ns", note, s))
     finally:
+        steps.close()
         dp.close()
 
 
@@ -302,9 +327,9 @@ def params(quick: bool) -> dict[str, Any]:
 def run(p: Mapping[str, Any], rec: Recorder, deadline: Deadline) -> None:
     if os.geteuid() != 0:
         raise PermissionError("BPF_PROG_TEST_RUN and map creation need root")
-    for path in (PYPROXY_OBJECT, VERDICT_OBJECT):
+    for path in (PYPROXY_OBJECT, VERDICT_OBJECT, STEPS_OBJECT):
         if not path.exists():
-            raise FileNotFoundError(f"{path} missing: run `make bpf`")
+            raise FileNotFoundError(f"{path} missing: run `make bpf bench-tools`")
     rec.note("Established flow: repeat N on one packet whose flow is pinned (through the datapath) to a "
              "backend equal to its own ClusterIP:port, so DNAT leaves the packet as it was and every repeat is "
              "a CT hit; counters verified. New flow: one run per bpf(2) call over distinct flows spread over "
@@ -328,11 +353,14 @@ PART = Part(
         Figure("ns_per_packet", "BPF per-packet cost vs Services (BPF_PROG_TEST_RUN)", (
             Panel("ns_per_packet", "ns per packet", "repeat N on one packet: established flow, not a Service"),
             Panel("ns_per_packet_single", "ns per packet (median)", "one run per call: new flows, established"),
+            Panel("ns_per_packet_steps", "ns per packet", "established XDP path, cumulative steps (profile)"),
         )),
     ),
     metrics={
         "ns_per_packet": "ns per packet, BPF_PROG_TEST_RUN repeat N (median of rounds)",
         "ns_per_packet_single": "ns per packet, one run per call (median): new flows vs established vs floor",
+        "ns_per_packet_steps": "profile of the XDP established flow: cumulative steps (bench/steps.bpf.c), "
+                               "ns per packet, repeat N, and what each step adds",
         "populate_s": "seconds to fill the maps through render() -> Maps.run (packet test setup)",
     },
 )

@@ -100,7 +100,7 @@ struct pyproxy_ct_value {
 	__u16 pad;         /* zero */
 	__u32 svc_id;      /* host order; the frontend this flow belongs to */
 	__u32 pad2;        /* zero */
-	__u64 last_seen;   /* host order; bpf_ktime_get_ns() of the last packet that used it */
+	__u64 last_seen;   /* host order; CLOCK_MONOTONIC ns, to a tick (bpf_ktime_get_coarse_ns), of its last packet */
 };
 
 /* Value of PYPROXY_MAP_STATS (per-CPU): traffic from clients to one frontend. */

@@ -17,6 +17,23 @@ static __always_inline void pyproxy_ct_key_of(const struct pyproxy_pkt *p, __u8 
 	k->pad = 0;
 }
 
+/* The clock of last_seen and of ClientIP affinity: CLOCK_MONOTONIC at the last tick. The coarse clock is
+ * a load of the timekeeper's base, where bpf_ktime_get_ns() reads the clock source: measured here that was
+ * about a fifth of an established flow's cost (bench/packet.py), and a tick is resolution enough for
+ * idle ages and affinity timeouts in seconds. */
+static __always_inline __u64 pyproxy_now(void)
+{
+	return bpf_ktime_get_coarse_ns();
+}
+
+static __always_inline struct pyproxy_ct_value *pyproxy_ct_lookup(const struct pyproxy_pkt *p, __u8 dir)
+{
+	struct pyproxy_ct_key k;
+
+	pyproxy_ct_key_of(p, dir, &k);
+	return bpf_map_lookup_elem(&PYPROXY_MAP_CT, &k);
+}
+
 /* Records both directions of a new flow: the forward entry for the client's later packets and the
  * reverse entry, keyed as the backend's replies will look, for reverse NAT. Returns non-zero when the
  * table refused (only possible under memory pressure: the LRU evicts rather than fills). */

@@ -63,28 +63,41 @@ static __always_inline int pyproxy_pick_backend(const struct pyproxy_svc_value *
 	return 1;
 }
 
+/* The frontend a packet is addressed to, if it is one: the first lookup of every packet. */
+static __always_inline struct pyproxy_svc_value *pyproxy_frontend_of(const struct pyproxy_pkt *p)
+{
+	struct pyproxy_svc_key sk = { .vip = p->daddr, .port = p->dport, .proto = p->proto };
+
+	return bpf_map_lookup_elem(&PYPROXY_MAP_SERVICES, &sk);
+}
+
+/* An established flow keeps its backend while the flow still belongs to this frontend and the backend is
+ * still an endpoint; fills *be with it either way. */
+static __always_inline int pyproxy_ct_follow(const struct pyproxy_ct_value *ct, const struct pyproxy_svc_value *svc,
+					     struct pyproxy_backend *be)
+{
+	be->addr = ct->nat_addr;
+	be->port = ct->nat_port;
+	be->pad = 0;
+	return ct->svc_id == svc->svc_id && pyproxy_backend_alive(be);
+}
+
 /* The forward decision for a packet entering the node. Cost for packets that are not ours: one hash
  * lookup. For an established flow: three (frontend, flow, backend still alive). */
 static __always_inline int pyproxy_lb_forward(const struct pyproxy_pkt *p, __u64 pkt_len, struct pyproxy_backend *be)
 {
-	struct pyproxy_svc_key sk = { .vip = p->daddr, .port = p->dport, .proto = p->proto };
 	struct pyproxy_svc_value *svc;
-	struct pyproxy_ct_key ck;
 	struct pyproxy_ct_value *ct;
 	__u64 now;
 
-	svc = bpf_map_lookup_elem(&PYPROXY_MAP_SERVICES, &sk);
+	svc = pyproxy_frontend_of(p);
 	if (!svc)
 		return PYPROXY_PASS;
-	now = bpf_ktime_get_ns();
+	now = pyproxy_now();
 
-	pyproxy_ct_key_of(p, PYPROXY_CT_FORWARD, &ck);
-	ct = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &ck);
+	ct = pyproxy_ct_lookup(p, PYPROXY_CT_FORWARD);
 	if (ct) {
-		be->addr = ct->nat_addr;
-		be->port = ct->nat_port;
-		be->pad = 0;
-		if (ct->svc_id == svc->svc_id && pyproxy_backend_alive(be)) {
+		if (pyproxy_ct_follow(ct, svc, be)) {
 			ct->last_seen = now;
 			pyproxy_count(PYPROXY_CNT_ESTABLISHED);
 			pyproxy_count_svc(svc->svc_id, pkt_len);
@@ -115,11 +128,8 @@ static __always_inline int pyproxy_lb_forward(const struct pyproxy_pkt *p, __u64
 /* The reverse decision for a packet leaving the node: a backend's reply gets its frontend back. */
 static __always_inline int pyproxy_lb_reverse(const struct pyproxy_pkt *p, struct pyproxy_backend *fe)
 {
-	struct pyproxy_ct_key ck;
-	struct pyproxy_ct_value *ct;
+	struct pyproxy_ct_value *ct = pyproxy_ct_lookup(p, PYPROXY_CT_REVERSE);
 
-	pyproxy_ct_key_of(p, PYPROXY_CT_REVERSE, &ck);
-	ct = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &ck);
 	if (!ct)
 		return PYPROXY_PASS;
 	fe->addr = ct->nat_addr;

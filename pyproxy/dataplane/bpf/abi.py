@@ -141,7 +141,7 @@ class CtValue(ctypes.Structure):
         ("pad", ctypes.c_uint16),
         ("svc_id", ctypes.c_uint32),  # host order
         ("pad2", ctypes.c_uint32),
-        ("last_seen", ctypes.c_uint64),  # host order, bpf_ktime_get_ns()
+        ("last_seen", ctypes.c_uint64),  # host order, CLOCK_MONOTONIC ns to a tick (bpf_ktime_get_coarse_ns)
     ]
 
 

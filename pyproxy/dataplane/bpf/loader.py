@@ -198,6 +198,16 @@ def _compatible(m: Any, fd: int) -> bool:
     )
 
 
+def _adopt(m: Any, name: str, adopt: dict[str, int] | None) -> None:
+    if not adopt or name not in adopt:
+        return
+    if _compatible(m, adopt[name]):
+        libbpf.check(libbpf.lib().bpf_map__reuse_fd(m, adopt[name]), f"reuse map {name}")
+        log.info("reusing map %s of the programs already attached", name)
+    else:
+        log.warning("attached programs use map %s of another shape: not reusing it", name)
+
+
 def load(
     obj_path: Path,
     pin_dir: Path | None,
@@ -223,6 +233,7 @@ def load(
                 # LIBBPF_PIN_BY_NAME gave every map a default pin under /sys/fs/bpf at open: unpinned
                 # means no pin at all (tests, benchmarks).
                 libbpf.check(lib.bpf_map__set_pin_path(m, ffi.NULL), f"unpin {name}")
+                _adopt(m, name, adopt)
                 continue
             pin = pin_dir / name
             if pin.exists():
@@ -233,12 +244,8 @@ def load(
                 if not ok:
                     log.warning("pinned map %s has another shape or size: replacing it (its entries are lost)", pin)
                     pin.unlink()
-            elif adopt and name in adopt:
-                if _compatible(m, adopt[name]):
-                    libbpf.check(lib.bpf_map__reuse_fd(m, adopt[name]), f"reuse map {name}")
-                    log.info("reusing map %s of the programs already attached", name)
-                else:
-                    log.warning("attached programs use map %s of another shape: not reusing it", name)
+            else:
+                _adopt(m, name, adopt)
             libbpf.check(lib.bpf_map__set_pin_path(m, str(pin).encode()), f"pin path for {name}")
         ret = lib.bpf_object__load(obj)
         if ret < 0:
