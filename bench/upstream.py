@@ -83,12 +83,14 @@ def iptables_shim(folder: Path, backend: str) -> Path:
 
 
 class KubeProxy:
-    """`kube-proxy --proxy-mode=iptables` in `lab.node`, logging to `log_path`; iptables `backend` legacy or nft."""
+    """`kube-proxy --proxy-mode=<mode>` (iptables; ipvs in the guest, bench/guest.py) in `lab.node`, logging to
+    `log_path`; iptables `backend` legacy or nft (ipvs mode writes a few iptables rules too)."""
 
     def __init__(self, lab: Lab, kubeconfig: Path, *, backend: str, log_path: Path | None = None,
-                 extra_args: Sequence[str] = (), hostname: str = HOSTNAME) -> None:
+                 extra_args: Sequence[str] = (), hostname: str = HOSTNAME, mode: str = "iptables") -> None:
         self.lab = lab
         self.backend = backend
+        self.mode = mode
         self.kubeconfig = kubeconfig
         self.log_path = log_path or lab.workdir / f"kube-proxy-{backend}.log"
         self.extra_args = tuple(extra_args)
@@ -104,7 +106,7 @@ class KubeProxy:
         return env
 
     def command(self) -> list[str]:
-        return [str(binary()), "--proxy-mode=iptables", f"--kubeconfig={self.kubeconfig}",
+        return [str(binary()), f"--proxy-mode={self.mode}", f"--kubeconfig={self.kubeconfig}",
                 f"--hostname-override={self.hostname}", "--conntrack-max-per-core=0",
                 "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0",
                 f"--metrics-bind-address=127.0.0.1:{METRICS_PORT}",

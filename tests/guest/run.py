@@ -91,7 +91,8 @@ def guest_script(command: str, repo: Path, env: dict[str, str]) -> str:
     ])
 
 
-def qemu_argv(image: Path, repo: Path, out: Path, smp: int, memory_mb: int) -> list[str]:
+def qemu_argv(image: Path, repo: Path, out: Path, smp: int, memory_mb: int, extra: Sequence[str] = ()) -> list[str]:
+    """qemu's command line; `extra` is appended (more devices: a restricted user-mode network, a share)."""
     append = " ".join([
         "console=ttyS0", "quiet", "loglevel=3", "panic=-1", "mitigations=off", "8250.nr_uarts=1",
         f"pyproxy.repo={repo}",
@@ -106,6 +107,7 @@ def qemu_argv(image: Path, repo: Path, out: Path, smp: int, memory_mb: int) -> l
         "-device", "virtio-9p-pci,fsdev=repo,mount_tag=repo",
         "-fsdev", f"local,id=out,path={out},security_model=none",
         "-device", "virtio-9p-pci,fsdev=out,mount_tag=out",
+        *extra,
     ]
 
 
@@ -119,9 +121,12 @@ def _pump(stream: TextIO, sink: list[str], echo: TextIO | None) -> None:
 
 def run_in_guest(command: str, *, repo: Path = REPO, timeout: float = DEFAULT_TIMEOUT, smp: int = 2,
                  memory_mb: int = 2048, env: dict[str, str] | None = None, echo: TextIO | None = sys.stdout,
-                 image: Path | None = None) -> GuestResult:
+                 image: Path | None = None, qemu_args: Sequence[str] = ()) -> GuestResult:
     """Boot the guest, run `command` (a shell line) as root in the checkout, power off; never raises for a
-    failing command, only when qemu cannot start at all. `echo` gets the console as it arrives."""
+    failing command, only when qemu cannot start at all. `echo` gets the console as it arrives (from another
+    thread). `qemu_args` are added to qemu's command line (e.g. bench/guest.py's network to the API server
+    and its share). qemu never outlives the call: it is killed at `timeout` and when the wait is interrupted
+    (an exception in the calling thread, e.g. a signal handler's)."""
     if shutil.which("qemu-system-x86_64") is None and image is None:
         build_image()  # installs qemu too
     image = image or build_image()
@@ -129,7 +134,7 @@ def run_in_guest(command: str, *, repo: Path = REPO, timeout: float = DEFAULT_TI
     out = Path(tempfile.mkdtemp(prefix="pyproxy-guest-"))
     try:
         (out / "run.sh").write_text(guest_script(command, repo.resolve(), env or {}))
-        argv = qemu_argv(image, repo.resolve(), out, smp, memory_mb)
+        argv = qemu_argv(image, repo.resolve(), out, smp, memory_mb, qemu_args)
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, errors="replace")
@@ -146,6 +151,10 @@ def run_in_guest(command: str, *, repo: Path = REPO, timeout: float = DEFAULT_TI
             timed_out = True
             proc.kill()
             proc.wait(timeout=30)
+        except BaseException:
+            proc.kill()
+            proc.wait(timeout=30)
+            raise
         pump.join(timeout=10)
         rc_file = out / "rc"
         output = (out / "output.log").read_text(errors="replace") if (out / "output.log").exists() else ""
