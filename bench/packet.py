@@ -205,8 +205,8 @@ STEPS = {
     "floor": "0 verdict only (floor)",
     "step1_parse": "1 parse Ethernet/IPv4/TCP, checksum form",
     "step2_frontend": "2 + frontend lookup (hash)",
-    "step3_flow": "3 + clock, flow lookup (LRU hash)",
-    "step4_backend": "4 + backend still an endpoint (hash)",
+    "step3_flow": "3 + clock, backends epoch, flow lookup (LRU hash)",
+    "step4_backend": "4 + follow the flow (epoch compare)",
     "step5_decision": "5 + last_seen, two per-CPU counters",
     "xdp_est": "6 + rewrite, checksums (= XDP established flow)",
 }

@@ -39,17 +39,18 @@ int step2_frontend(struct xdp_md *ctx)
 	return step_parse(ctx, &p) && pyproxy_frontend_of(&p) ? XDP_PASS : XDP_DROP;
 }
 
-/* + the clock and the flow's connection-tracking lookup. */
+/* + the clock, the backends epoch and the flow's connection-tracking lookup. */
 SEC("xdp")
 int step3_flow(struct xdp_md *ctx)
 {
 	struct pyproxy_pkt p;
 
-	return step_parse(ctx, &p) && pyproxy_frontend_of(&p) && pyproxy_now() &&
+	return step_parse(ctx, &p) && pyproxy_frontend_of(&p) && pyproxy_now() && pyproxy_backends_epoch() != ~0U &&
 	       pyproxy_ct_lookup(&p, PYPROXY_CT_FORWARD) ? XDP_PASS : XDP_DROP;
 }
 
-/* + the check that the flow's backend is still an endpoint. */
+/* + following the flow: same frontend, and its backend still an endpoint (an epoch compare; the lookup only
+ * after backends were removed). */
 SEC("xdp")
 int step4_backend(struct xdp_md *ctx)
 {
@@ -57,11 +58,13 @@ int step4_backend(struct xdp_md *ctx)
 	struct pyproxy_ct_value *ct;
 	struct pyproxy_backend be;
 	struct pyproxy_pkt p;
+	__u32 epoch;
 
 	if (!step_parse(ctx, &p) || !(svc = pyproxy_frontend_of(&p)) || !pyproxy_now())
 		return XDP_DROP;
+	epoch = pyproxy_backends_epoch();
 	ct = pyproxy_ct_lookup(&p, PYPROXY_CT_FORWARD);
-	return ct && pyproxy_ct_follow(ct, svc, &be) ? XDP_PASS : XDP_DROP;
+	return ct && pyproxy_ct_follow(ct, svc, epoch, &be) ? XDP_PASS : XDP_DROP;
 }
 
 /* + last_seen and the two per-CPU counters: the whole load-balancing decision, without the rewrite. */

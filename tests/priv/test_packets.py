@@ -257,6 +257,34 @@ def test_established_flow_keeps_its_backend_until_the_backend_is_gone(dp: Datapl
 
 
 @pytest.mark.parametrize("prog", INGRESS)
+def test_an_established_flow_checks_its_backend_again_only_in_a_new_backends_epoch(dp: Dataplane, prog: Prog) -> None:
+    """The contract with the control plane: while the backends epoch is the one a flow was confirmed at, its
+    packets skip the endpoint lookup; once it changes, the next packet checks the backend (and keeps it
+    when it is still an endpoint). The control plane bumps the epoch only after deleting backends."""
+    dp.apply(port_state(TCP))
+    flow = Flow(CLIENT, VIP, 41100, PORT)
+    first = dnat(dp, prog, flow)
+    fwd = abi.CtKey(abi.be32(CLIENT), abi.be32(VIP), abi.be16(41100), abi.be16(PORT), TCP, abi.CT_FORWARD)
+    assert dp.maps.ct[fwd].epoch == dp.applied.epoch == 0
+
+    # Not ready (no slot, still an endpoint: no new epoch), then gone behind the control plane's back: with
+    # no new epoch the flow still trusts it.
+    rest = tuple(b for b in READY if b != first)
+    assert all(op.map != abi.MAP_EPOCH for op in dp.apply(port_state(TCP, rest, (first, NOT_READY))).ops)
+    del dp.maps.backends[abi.Backend(abi.be32(first.ip), abi.be16(first.port))]
+    assert dnat(dp, prog, flow, b"data", tcp_flags=TCP_ACK) == first
+    # A new epoch: the next packet checks, finds it gone and moves the flow.
+    dp.maps.bump_epoch(dp.applied)
+    moved = dnat(dp, prog, flow, b"data", tcp_flags=TCP_ACK)
+    assert moved in rest and dp.counter("rebalanced") == 1
+
+    # A still-alive backend keeps its flow across a new epoch, and the entry is confirmed at it.
+    dp.maps.bump_epoch(dp.applied)
+    assert dnat(dp, prog, flow, b"data", tcp_flags=TCP_ACK) == moved
+    assert dp.maps.ct[fwd].epoch == dp.applied.epoch == 2 and dp.counter("rebalanced") == 1
+
+
+@pytest.mark.parametrize("prog", INGRESS)
 def test_client_ip_affinity_keeps_a_client_on_one_backend(dp: Dataplane, prog: Prog) -> None:
     dp.apply(port_state(TCP, affinity=10800))
     for client in ("192.168.1.10", "192.168.1.11", "192.168.1.12", "192.168.1.13"):

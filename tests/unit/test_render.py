@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 import pytest
 
 from pyproxy.dataplane.bpf import abi
-from pyproxy.dataplane.bpf.render import Applied, CapacityError, Op, Plan, render
+from pyproxy.dataplane.bpf.render import Applied, CapacityError, Op, Plan, next_epoch, render
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, ServicePortState
 
@@ -61,8 +61,10 @@ class MapModel:
     """The maps render() writes, as dictionaries keyed and valued by the ops' tuples."""
 
     def __init__(self) -> None:
-        self.maps: MapContents = {m: {} for m in (abi.MAP_SERVICES, abi.MAP_SLOTS, abi.MAP_BACKENDS, abi.MAP_NAMES)}
+        self.maps: MapContents = {m: {} for m in (abi.MAP_SERVICES, abi.MAP_SLOTS, abi.MAP_BACKENDS, abi.MAP_NAMES,
+                                                  abi.MAP_EPOCH)}
         self.resets: list[int] = []
+        self.epochs_seen: set[tuple] = set()
 
     def run(self, op: Op) -> None:
         if op.verb == "reset":
@@ -74,6 +76,21 @@ class MapModel:
         else:
             assert op.verb == "del", op
             self.maps[op.map].pop(op.key, None)
+
+    def check_epoch(self, plan: Plan) -> None:
+        """The datapath trusts a flow's backend while the backends epoch is the one it was confirmed at, so a
+        plan that deletes backends must make a never-seen epoch current after its last deletion, and a plan
+        that deletes none leaves the epoch (and every flow's check) alone."""
+        ops = plan.ops
+        deletions = [i for i, op in enumerate(ops) if op.verb == "del" and op.map == abi.MAP_BACKENDS]
+        bumps = [i for i, op in enumerate(ops) if op.map == abi.MAP_EPOCH]
+        if not deletions:
+            assert bumps == []
+            return
+        assert bumps == [len(ops) - 1] and bumps[0] > deletions[-1]
+        epoch = self.maps[abi.MAP_EPOCH][0,]
+        assert epoch not in self.epochs_seen and epoch != (0,)
+        self.epochs_seen.add(epoch)
 
     def check_servable(self) -> None:
         services, slots, backends = (self.maps[m] for m in (abi.MAP_SERVICES, abi.MAP_SLOTS, abi.MAP_BACKENDS))
@@ -96,6 +113,7 @@ def contents(applied: Applied) -> MapContents:
         abi.MAP_SLOTS: {(f.svc_id, i): (b.ip, b.port) for f in fes.values() for i, b in enumerate(f.backends)},
         abi.MAP_BACKENDS: {(b.ip, b.port): (0,) for b in applied.backend_refs},
         abi.MAP_NAMES: {(f.svc_id,): (f.name,) for f in fes.values()},
+        abi.MAP_EPOCH: {(0,): (applied.epoch,)} if applied.epoch else {},
     }
 
 
@@ -122,6 +140,7 @@ class Cluster:
         for op in plan.ops:
             self.model.run(op)
             self.model.check_servable()
+        self.model.check_epoch(plan)
         self.applied.commit(plan)
         assert self.model.maps == contents(self.applied)
         check_indexes(self.applied)
@@ -159,8 +178,10 @@ def test_shrinking_deletes_slots_after_the_count_shrinks() -> None:
         ("del", abi.MAP_SLOTS, (svc_id, 2)),
         ("del", abi.MAP_BACKENDS, (B.ip, B.port)),
         ("del", abi.MAP_BACKENDS, (C.ip, C.port)),
+        ("put", abi.MAP_EPOCH, (0,)),
     ]
     assert plan.ops[0].value == (svc_id, 1, 0, 0)
+    assert plan.ops[-1].value == (1,) and c.applied.epoch == 1
 
 
 def test_growing_and_reordering_writes_slots_before_the_count_grows() -> None:
@@ -185,6 +206,7 @@ def test_removing_a_service_deletes_its_entry_then_slots_then_backends() -> None
         ("del", abi.MAP_BACKENDS, (A.ip, A.port)),
         ("del", abi.MAP_BACKENDS, (B.ip, B.port)),
         ("del", abi.MAP_BACKENDS, (C.ip, C.port)),
+        ("put", abi.MAP_EPOCH, (0,)),
     ]
     assert c.applied == Applied()
 
@@ -302,6 +324,24 @@ def test_unreferenced_backends_read_back_after_a_restart_go_with_the_next_plan()
     assert D not in c.applied.backend_refs
 
 
+def test_a_not_ready_endpoint_keeps_the_epoch_and_a_removed_one_bumps_it_once() -> None:
+    """Flows re-check their backend only after backends left the maps: a backend that turns not ready is
+    still an endpoint (its connections stay), so nothing is bumped; removing two in one plan bumps once."""
+    c = Cluster()
+    c.sync({WEB: [web(A, B, C)]})
+    assert c.applied.epoch == 0
+    assert [op.map for op in c.sync({WEB: [web(A, not_ready=[B, C])]}).ops if op.map == abi.MAP_EPOCH] == []
+    plan = c.sync({WEB: [web(A)]})
+    assert [op for op in plan.ops if op.map == abi.MAP_EPOCH] == [Op("put", abi.MAP_EPOCH, (0,), (1,))]
+    c.sync({DNS: [dns(X)]})
+    c.sync({DNS: []})
+    assert c.applied.epoch == 2
+
+
+def test_epochs_skip_zero_when_they_wrap() -> None:
+    assert next_epoch(0) == 1 and next_epoch(5) == 6 and next_epoch(0xFFFFFFFF) == 1
+
+
 def test_a_plan_commits_only_onto_the_state_it_was_made_from() -> None:
     applied = Applied()
     plan = render(applied, {WEB: [web(A)]}, {})
@@ -336,7 +376,7 @@ def test_a_cold_start_comes_in_few_batches() -> None:
     plan = c.sync({k: [] for k in desired})
     assert [(b.verb, b.map, len(b.keys)) for b in plan.batches] == [
         ("del", abi.MAP_SERVICES, 50), ("del", abi.MAP_SLOTS, 150), ("del", abi.MAP_NAMES, 50),
-        ("del", abi.MAP_BACKENDS, 150)]
+        ("del", abi.MAP_BACKENDS, 150), ("put", abi.MAP_EPOCH, 1)]
 
 
 @pytest.mark.parametrize("seed", range(5))

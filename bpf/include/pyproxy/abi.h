@@ -21,6 +21,7 @@
 #define PYPROXY_MAP_STATS     pyproxy_stat_v1
 #define PYPROXY_MAP_COUNTERS  pyproxy_cnt_v1
 #define PYPROXY_MAP_NAMES     pyproxy_name_v1
+#define PYPROXY_MAP_EPOCH     pyproxy_epoch_v1
 
 /* Default capacities; the loader may resize before load (bpf_map__set_max_entries). */
 #define PYPROXY_MAX_SERVICES  131072   /* frontends: ClusterIP x port x protocol */
@@ -99,7 +100,10 @@ struct pyproxy_ct_value {
 	__be16 nat_port;   /* network order */
 	__u16 pad;         /* zero */
 	__u32 svc_id;      /* host order; the frontend this flow belongs to */
-	__u32 pad2;        /* zero */
+	/* host order; FORWARD: the backends epoch (PYPROXY_MAP_EPOCH) at which the backend was last seen to be an
+	 * endpoint. It took the place of a zero pad with no version bump: entries of older versions read as 0,
+	 * an epoch the control plane never makes current, so they are checked once and connections survive. */
+	__u32 epoch;
 	__u64 last_seen;   /* host order; CLOCK_MONOTONIC ns, to a tick (bpf_ktime_get_coarse_ns), of its last packet */
 };
 

@@ -26,6 +26,14 @@ static __always_inline __u64 pyproxy_now(void)
 	return bpf_ktime_get_coarse_ns();
 }
 
+static __always_inline __u32 pyproxy_backends_epoch(void)
+{
+	__u32 zero = 0;
+	__u32 *epoch = bpf_map_lookup_elem(&PYPROXY_MAP_EPOCH, &zero);
+
+	return epoch ? *epoch : 0;
+}
+
 static __always_inline struct pyproxy_ct_value *pyproxy_ct_lookup(const struct pyproxy_pkt *p, __u8 dir)
 {
 	struct pyproxy_ct_key k;
@@ -38,7 +46,7 @@ static __always_inline struct pyproxy_ct_value *pyproxy_ct_lookup(const struct p
  * reverse entry, keyed as the backend's replies will look, for reverse NAT. Returns non-zero when the
  * table refused (only possible under memory pressure: the LRU evicts rather than fills). */
 static __always_inline int pyproxy_ct_create(const struct pyproxy_pkt *p, const struct pyproxy_backend *be,
-					     __u32 svc_id, __u64 now)
+					     __u32 svc_id, __u64 now, __u32 epoch)
 {
 	struct pyproxy_ct_key fwd, rev;
 	struct pyproxy_ct_value fv = {}, rv = {};
@@ -47,6 +55,7 @@ static __always_inline int pyproxy_ct_create(const struct pyproxy_pkt *p, const 
 	fv.nat_addr = be->addr;
 	fv.nat_port = be->port;
 	fv.svc_id = svc_id;
+	fv.epoch = epoch;
 	fv.last_seen = now;
 
 	rev.saddr = be->addr;

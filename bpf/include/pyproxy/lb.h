@@ -72,32 +72,45 @@ static __always_inline struct pyproxy_svc_value *pyproxy_frontend_of(const struc
 }
 
 /* An established flow keeps its backend while the flow still belongs to this frontend and the backend is
- * still an endpoint; fills *be with it either way. */
-static __always_inline int pyproxy_ct_follow(const struct pyproxy_ct_value *ct, const struct pyproxy_svc_value *svc,
-					     struct pyproxy_backend *be)
+ * still an endpoint; fills *be with it either way. The endpoint check is a lookup only when backends were
+ * removed since the flow last passed it (`epoch` is the current backends epoch, read before any lookup). */
+static __always_inline int pyproxy_ct_follow(struct pyproxy_ct_value *ct, const struct pyproxy_svc_value *svc,
+					     __u32 epoch, struct pyproxy_backend *be)
 {
 	be->addr = ct->nat_addr;
 	be->port = ct->nat_port;
 	be->pad = 0;
-	return ct->svc_id == svc->svc_id && pyproxy_backend_alive(be);
+	if (ct->svc_id != svc->svc_id)
+		return 0;
+	if (ct->epoch == epoch)
+		return 1;
+	if (!pyproxy_backend_alive(be))
+		return 0;
+	ct->epoch = epoch;
+	return 1;
 }
 
 /* The forward decision for a packet entering the node. Cost for packets that are not ours: one hash
- * lookup. For an established flow: three (frontend, flow, backend still alive). */
+ * lookup. For an established flow: two (frontend, flow) and an array read (the epoch); a third (backend
+ * still an endpoint) once per flow after backends were removed. */
 static __always_inline int pyproxy_lb_forward(const struct pyproxy_pkt *p, __u64 pkt_len, struct pyproxy_backend *be)
 {
 	struct pyproxy_svc_value *svc;
 	struct pyproxy_ct_value *ct;
+	__u32 epoch;
 	__u64 now;
 
 	svc = pyproxy_frontend_of(p);
 	if (!svc)
 		return PYPROXY_PASS;
 	now = pyproxy_now();
+	/* Before the backend is looked up or chosen: an epoch read after a concurrent removal could otherwise
+	 * vouch for the removed backend. */
+	epoch = pyproxy_backends_epoch();
 
 	ct = pyproxy_ct_lookup(p, PYPROXY_CT_FORWARD);
 	if (ct) {
-		if (pyproxy_ct_follow(ct, svc, be)) {
+		if (pyproxy_ct_follow(ct, svc, epoch, be)) {
 			ct->last_seen = now;
 			pyproxy_count(PYPROXY_CNT_ESTABLISHED);
 			pyproxy_count_svc(svc->svc_id, pkt_len);
@@ -118,7 +131,7 @@ static __always_inline int pyproxy_lb_forward(const struct pyproxy_pkt *p, __u64
 	}
 	if (svc->flags & PYPROXY_SVC_F_AFFINITY)
 		pyproxy_affinity_record(p, be, svc->svc_id, now);
-	if (pyproxy_ct_create(p, be, svc->svc_id, now))
+	if (pyproxy_ct_create(p, be, svc->svc_id, now, epoch))
 		pyproxy_count(PYPROXY_CNT_CT_FULL);
 	pyproxy_count(PYPROXY_CNT_NEW_FLOW);
 	pyproxy_count_svc(svc->svc_id, pkt_len);

@@ -51,6 +51,18 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_CT SEC(".maps");
 
+/* The backends epoch, one __u32 at index 0: the control plane bumps it after every change that removed
+ * backends from PYPROXY_MAP_BACKENDS (and at start). An established flow re-checks that its backend is
+ * still an endpoint only when its entry's epoch is not the current one, so the common packet skips that
+ * hash lookup; the bump comes after the deletions, so no flow can confirm a removed backend again. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_EPOCH SEC(".maps");
+
 /* Per-service traffic counters, indexed by service id; per-CPU so counting needs no atomics. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);

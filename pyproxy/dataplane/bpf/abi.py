@@ -19,7 +19,8 @@ MAP_CT = "pyproxy_ct_v1"
 MAP_STATS = "pyproxy_stat_v1"
 MAP_COUNTERS = "pyproxy_cnt_v1"
 MAP_NAMES = "pyproxy_name_v1"
-ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES)
+MAP_EPOCH = "pyproxy_epoch_v1"
+ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES, MAP_EPOCH)
 NAME_LEN = 128  # PYPROXY_NAME_LEN
 
 # Program names in bpf/pyproxy.bpf.c; the "pyproxy_" prefix is how cleanup recognises ours.
@@ -140,7 +141,7 @@ class CtValue(ctypes.Structure):
         ("nat_port", ctypes.c_uint16),  # network order
         ("pad", ctypes.c_uint16),
         ("svc_id", ctypes.c_uint32),  # host order
-        ("pad2", ctypes.c_uint32),
+        ("epoch", ctypes.c_uint32),  # host order; backends epoch the backend was last confirmed at (FORWARD)
         ("last_seen", ctypes.c_uint64),  # host order, CLOCK_MONOTONIC ns to a tick (bpf_ktime_get_coarse_ns)
     ]
 

@@ -19,7 +19,17 @@ from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import DataplaneError
 from pyproxy.dataplane.bpf import abi, attach, loader
 from pyproxy.dataplane.bpf.maps import BpfMap, PerCpuArray
-from pyproxy.dataplane.bpf.render import Applied, AppliedFrontend, Batch, CapacityError, FrontendKey, Op, render
+from pyproxy.dataplane.bpf.render import (
+    Applied,
+    AppliedFrontend,
+    Batch,
+    CapacityError,
+    FrontendKey,
+    Op,
+    epoch_batch,
+    next_epoch,
+    render,
+)
 from pyproxy.model.state import Backend, DesiredState
 
 log = logging.getLogger(__name__)
@@ -82,12 +92,14 @@ KEY_CODECS: dict[str, Codec] = {
     abi.MAP_SLOTS: lambda keys: _u32s(itertools.chain.from_iterable(keys)),  # (svc_id, slot)
     abi.MAP_BACKENDS: _endpoints,
     abi.MAP_NAMES: lambda keys: _u32s(map(_ip, keys)),  # (svc_id,)
+    abi.MAP_EPOCH: lambda keys: _u32s(map(_ip, keys)),  # (0,)
 }
 VALUE_CODECS: dict[str, Codec] = {
     abi.MAP_SERVICES: lambda values: b"".join(itertools.starmap(_SVC_VALUE.pack, values)),
     abi.MAP_SLOTS: _endpoints,
     abi.MAP_BACKENDS: lambda values: b"".join(map(_BACKEND_INFO.pack, map(_ip, values))),  # (flags,)
     abi.MAP_NAMES: _names,
+    abi.MAP_EPOCH: lambda values: _u32s(map(_ip, values)),  # (epoch,)
 }
 
 
@@ -100,10 +112,11 @@ class Maps:
         self.backends: BpfMap = BpfMap(fds[abi.MAP_BACKENDS], abi.MAP_BACKENDS, abi.Backend, abi.BackendInfo)
         self.ct: BpfMap = BpfMap(fds[abi.MAP_CT], abi.MAP_CT, abi.CtKey, abi.CtValue)
         self.names: BpfMap = BpfMap(fds[abi.MAP_NAMES], abi.MAP_NAMES, ctypes.c_uint32, abi.SvcName)
+        self.epoch: BpfMap = BpfMap(fds[abi.MAP_EPOCH], abi.MAP_EPOCH, ctypes.c_uint32, ctypes.c_uint32)
         self.stats: PerCpuArray = PerCpuArray(fds[abi.MAP_STATS], abi.MAP_STATS, abi.SvcStats)
         self.counters: PerCpuArray = PerCpuArray(fds[abi.MAP_COUNTERS], abi.MAP_COUNTERS, ctypes.c_uint64)
         self.by_name: dict[str, BpfMap] = {
-            m.name: m for m in (self.services, self.slots, self.backends, self.ct, self.names)
+            m.name: m for m in (self.services, self.slots, self.backends, self.ct, self.names, self.epoch)
         }
 
     def close(self) -> None:
@@ -181,7 +194,15 @@ class Maps:
         # first full sync either re-references them or removes them.
         for addr, port in _BACKEND.iter_unpack(self.backends.items_raw()[0]):
             refs.setdefault(Backend(socket.inet_ntoa(addr), port), 0)
-        return Applied(frontends=frontends, backend_refs=refs)
+        epoch = self.epoch.get(ctypes.c_uint32(0))
+        return Applied(frontends=frontends, backend_refs=refs, epoch=int(epoch.value) if epoch is not None else 0)
+
+    def bump_epoch(self, applied: Applied) -> None:
+        """A new backends epoch, for when the maps may have lost backends without one (a previous run or a
+        plan that stopped between its deletions and its bump): every flow checks its backend once more."""
+        epoch = next_epoch(applied.epoch)
+        self.run_batches([epoch_batch(epoch)])
+        applied.epoch = epoch
 
 
 class BpfDataplane:
@@ -213,6 +234,7 @@ class BpfDataplane:
         self.maps = Maps({n: os.dup(fd) for n, fd in self._obj.maps.items()})
         self._capacity = {n: loader.map_info(fd).max_entries for n, fd in self._obj.maps.items()}
         self.applied = self.maps.read_applied()
+        self.maps.bump_epoch(self.applied)
         if self.applied.frontends:
             log.info("kept %d frontends from the previous run", len(self.applied.frontends))
         # Subscribe before listing so a device created in between is not missed.
@@ -289,8 +311,10 @@ class BpfDataplane:
         try:
             self.maps.run_batches(plan.batches)
         except OSError as e:
-            # Re-read the truth so the next sync plans from what the kernel really holds.
+            # Re-read the truth so the next sync plans from what the kernel really holds; the plan may have
+            # removed backends without its epoch bump.
             self.applied = self.maps.read_applied()
+            self.maps.bump_epoch(self.applied)
             raise DataplaneError(f"programming the BPF maps failed: {e}") from e
         self.applied.commit(plan)
 

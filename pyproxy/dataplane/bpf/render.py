@@ -7,7 +7,10 @@ and returns a `Plan`: ordered map operations plus the change to `Applied` that h
 1. backends that become known are added before any slot can point at them;
 2. a frontend's slots are written before its count grows, and its count shrinks before slots go;
 3. a frontend's service entry is removed before its slots;
-4. backends no frontend knows any more go last.
+4. backends no frontend knows any more go last;
+5. after them, a plan that removed backends bumps the backends epoch (`MAP_EPOCH`): established flows trust
+   their backend while their epoch is current and check it again once it is not (bpf/include/pyproxy/lb.h),
+   so the bump must follow the deletions, and an epoch is never made current twice.
 
 The ops come grouped by kind (every slot write of the plan, then every service entry, ...), which keeps
 each rule above for every frontend and lets the backend write each group with one batched syscall.
@@ -85,6 +88,8 @@ class Plan:
     """The backends the plan removes from the map (those of `refs` left with no reference)."""
     base: int
     """The `Applied.generation` it was planned from: it commits onto that state and no other."""
+    epoch: int
+    """The backends epoch once the plan has run: the applied one, or one more when it removes backends."""
     skipped: tuple[str, ...] = ()
     """Frontends the BPF dataplane cannot serve (e.g. SCTP), with the reason, for a log line."""
 
@@ -102,16 +107,20 @@ class Applied:
     reference (read back from the maps after a restart): the next plan removes them unless it uses them.
     """
 
-    __slots__ = ("frontends", "backend_refs", "by_service", "slots", "generation", "_unreferenced", "_free",
-                 "_next_id")
+    __slots__ = ("frontends", "backend_refs", "epoch", "by_service", "slots", "generation", "_unreferenced",
+                 "_free", "_next_id")
 
     def __init__(
         self,
         frontends: Mapping[FrontendKey, AppliedFrontend] | None = None,
         backend_refs: Mapping[Backend, int] | None = None,
+        epoch: int = 0,
     ) -> None:
         self.frontends: dict[FrontendKey, AppliedFrontend] = dict(frontends or {})
         self.backend_refs: dict[Backend, int] = dict(backend_refs or {})
+        self.epoch = epoch
+        """The backends epoch in MAP_EPOCH: which flows' backend checks are still valid, not what is served
+        (so not part of equality)."""
         self.by_service: dict[str, dict[FrontendKey, None]] = {}
         """Service -> its frontends (a dict for a stable order)."""
         self.slots = 0
@@ -183,6 +192,7 @@ class Applied:
             del self.backend_refs[b]
         if self._unreferenced:
             self._unreferenced.difference_update(plan.refs)
+        self.epoch = plan.epoch
         self.generation += 1
 
     def _unindex(self, key: FrontendKey, fe: AppliedFrontend) -> None:
@@ -306,6 +316,7 @@ def render(
     _check_capacity(applied, upserts, removed, refs, capacity)
     gone = [current[key] for key in removed]
     released = [b for b, n in refs.items() if n <= 0]
+    epoch = next_epoch(applied.epoch) if released else applied.epoch
     batches = (
         Batch("put", abi.MAP_BACKENDS, backend_puts, [_BACKEND_INFO] * len(backend_puts)),
         Batch("reset", abi.MAP_STATS, resets),
@@ -317,6 +328,7 @@ def render(
         Batch("del", abi.MAP_SLOTS, [(fe.svc_id, i) for fe in gone for i in range(len(fe.backends))]),
         Batch("del", abi.MAP_NAMES, [(fe.svc_id,) for fe in gone]),
         Batch("del", abi.MAP_BACKENDS, released),
+        epoch_batch(epoch) if released else Batch("put", abi.MAP_EPOCH, ()),
     )
     return Plan(
         batches=tuple(b for b in batches if b.keys),
@@ -325,8 +337,19 @@ def render(
         refs=refs,
         released=released,
         base=applied.generation,
+        epoch=epoch,
         skipped=tuple(skipped),
     )
+
+
+def next_epoch(epoch: int) -> int:
+    """The epoch after `epoch`: never 0, the epoch of flows recorded before epochs existed (abi.h)."""
+    return epoch % 0xFFFFFFFF + 1
+
+
+def epoch_batch(epoch: int) -> Batch:
+    """The write that makes `epoch` the current backends epoch."""
+    return Batch("put", abi.MAP_EPOCH, [(0,)], [(epoch,)])
 
 
 def _check_capacity(
