@@ -106,11 +106,11 @@ bench/build/steps.bpf.o: bench/steps.bpf.c $(BPF_HDRS)
 bench-tools: $(BENCH_TOOLS)
 
 # The full run: under 25 minutes on 2 cores.
-bench: install apiserver kube-proxy bench-tools $(VENV)/.bench-stamp
+bench: install apiserver kube-proxy guest-image bench-tools $(VENV)/.bench-stamp
 	$(VPY) -m bench.run
 
 # Small sizes, under 3 minutes.
-bench-quick: install apiserver kube-proxy bench-tools $(VENV)/.bench-stamp
+bench-quick: install apiserver kube-proxy guest-image bench-tools $(VENV)/.bench-stamp
 	$(VPY) -m bench.run --quick
 
 # Upstream kube-proxy v1.20.2, built once (about 4-5 minutes on 2 cores) into ~/.cache/pyproxy, like `make apiserver`.
