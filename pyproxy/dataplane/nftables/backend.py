@@ -69,14 +69,17 @@ def run_nft(args: Sequence[str], script: str | None = None) -> str:
 
 
 def read_table() -> TableState:
-    """The table as the kernel holds it; an empty state when there is none."""
-    try:
-        out = run_nft(["-j", "list", "table", FAMILY, TABLE])
-    except DataplaneError as e:
-        if _MISSING in str(e):
-            return TableState()
-        raise
-    return parse_listing(json.loads(out))
+    """The table as the kernel holds it; an empty state when there is none.
+
+    Its chains, sets and maps (with elements), listed kind by kind for the whole family and kept to our table
+    by parse_listing: `list table` (and even `list tables`) would list every rule too, which the state has no
+    use for and which took 35 s at 10,000 Services (110,000 chains); these listings take about 3 s there.
+    A table holding none of these counts as absent: a full sync adds it anyway."""
+    items = [item for kind in ("chains", "sets", "maps")
+             for item in json.loads(run_nft(["-j", "list", kind, FAMILY])).get("nftables", [])]
+    if not any(obj.get("table") == TABLE for item in items for obj in item.values() if isinstance(obj, dict)):
+        return TableState()
+    return parse_listing({"nftables": [{"table": {"family": FAMILY, "name": TABLE}}, *items]})
 
 
 def _frontend_count(state: TableState) -> int:

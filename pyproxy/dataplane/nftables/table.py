@@ -118,14 +118,20 @@ def endpoint_of(chain: str) -> Backend | None:
 
 
 def parse_listing(doc: Mapping[str, Any]) -> TableState:
-    """The state of the table from `nft -j list table ip pyproxy`'s output (parsed JSON)."""
+    """The state of the table from `nft -j list table ip pyproxy`'s output (parsed JSON), or from listings of
+    a whole family's chains, sets and maps, of which only our table's count."""
     chains: dict[str, Hook | None] = {}
     sets: dict[str, int | None] = {}
     maps: set[str] = set()
     elements: dict[str, dict[ElemKey, Elem]] = {}
     present = False
     for item in doc.get("nftables", []):
+        obj = next(iter(item.values()), None)
+        if not isinstance(obj, dict) or obj.get("table", TABLE) != TABLE or obj.get("family", FAMILY) != FAMILY:
+            continue
         if "table" in item:
+            if obj.get("name", TABLE) != TABLE:
+                continue
             present = True
         elif "chain" in item:
             c = item["chain"]
