@@ -530,7 +530,10 @@ def params(quick: bool) -> dict[str, Any]:
                 "netfilter_timeout_s": 30}
     return {"manifests": {"bpf": [1000, 10000, 50000], **{m: [1000, 10000] for m in NETFILTER}},
             "api": {"kube-proxy iptables-legacy": [1000, 10000], "kube-proxy iptables-nft": [1000, 10000],
-                    "bpf": [1000, 10000, 50000], **{m: [1000, 10000] for m in NETFILTER}},
+                    # 50,000 in bpf mode from manifests only: creating 100,000 objects through this API
+                    # server takes about 4 minutes (420/s), which the run's 25-minute bound cannot spare
+                    # beside the IPVS guest part.
+                    "bpf": [1000, 10000], **{m: [1000, 10000] for m in NETFILTER}},
             "change_at": 10000, "change_rounds": 10, "change_cap_s": 30, "change_timeout_s": 60,
             "repeats": {"1000": 3, "10000": 3}, "netfilter_repeats": {"1000": 2}, "programmed_timeout_s": 240,
             "netfilter_timeout_s": 40}
