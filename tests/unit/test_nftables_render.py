@@ -393,3 +393,19 @@ def test_family_wide_listings_count_only_pyproxys_table() -> None:
                {"map": {"family": "ip", "table": "nat", "name": SERVICE_IPS, "elem": []}}]
     parsed = parse_listing({"nftables": [*foreign, *ours]})
     assert parsed == plan.state
+
+
+def test_lazy_deletes_keep_a_sync_that_only_adds_free_of_deletes() -> None:
+    """Any delete makes nft list every chain first (seconds at 100,000 chains): a partial sync that deletes
+    nothing else flushes the endpoint chain it no longer wants and leaves deleting it for later."""
+    first = full(TableState(), {**web(B1, B2), **dns(B1)})
+    gone = endpoint_chain(sp(), B2)
+    plan = partial(first.state, web(B1), lazy_deletes=True)
+    assert not lines_with(plan, "delete ") and f"flush chain ip pyproxy {gone}" in plan.commands
+    assert plan.deferred == {gone}
+    # Still deferred on the next small sync, even when old enough; gone with the next sync that deletes anyway.
+    small = partial(plan.state, dns(B1, B2), pending={gone: True}, lazy_deletes=True)
+    assert not lines_with(small, "delete ") and small.deferred == {gone}
+    removal = partial(small.state, {"default/dns": ()}, pending={gone: True}, lazy_deletes=True)
+    assert f"delete chain ip pyproxy {gone}" in removal.commands and removal.deferred == frozenset()
+    assert f"delete chain ip pyproxy {gone}" in full(plan.state, web(B1), pending={gone: True}).commands

@@ -131,8 +131,11 @@ class NftablesDataplane:
             services = {k: desired.services.get(k, ()) for k in changed}
         now = time.monotonic()
         pending = {c: now - t >= DEFERRED_DELETE_SECONDS for c, t in self._pending.items()}
+        # A partial sync that only adds and flushes leaves deleting the chains it no longer wants to a later
+        # sync: any `delete` makes nft list every chain of the table first (4.7 s for one Service at 10,000
+        # Services, 0.2 s without). A flushed chain nothing points to is harmless meanwhile.
         plan = render(self.state, services, self.settings.masquerade, full=full, pending=pending,
-                      defer_deletes=self._defer_deletes)
+                      defer_deletes=self._defer_deletes, lazy_deletes=not full)
         for line in plan.skipped:
             log.warning("not served: %s", line)
         try:
