@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench import controlplane, latency, packet
+from bench import controlplane, guest, latency, packet
 from bench.core import (
     REPO,
     BudgetExceeded,
@@ -48,9 +48,9 @@ from bench.core import (
 )
 
 # The order they run in: the run's bound (TOTAL_S) cuts the last one short first.
-PARTS: dict[str, Part] = {p.name: p for p in (packet.PART, latency.PART, controlplane.PART)}
+PARTS: dict[str, Part] = {p.name: p for p in (packet.PART, latency.PART, controlplane.PART, guest.PART)}
 # Series every other series of the same part is divided by, in an extra table per metric.
-ANCHORS = {"latency": controlplane.ANCHOR, "controlplane": f"{controlplane.ANCHOR} (API server)"}
+ANCHORS = {"latency": controlplane.ANCHOR, "controlplane": f"{controlplane.ANCHOR} (API server)", "guest": guest.ANCHOR}
 RESULTS = REPO / "bench" / "results"
 PLOTS = REPO / "bench" / "plots"
 # Seconds a part gets after SIGTERM to tear down before SIGKILL; counted in the run's bound.
