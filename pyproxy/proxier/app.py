@@ -54,6 +54,7 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
         dataplane,
         min_sync_period=settings.min_sync_period,
         sync_period=settings.sync_period,
+        full_sync_period=settings.full_sync_period,
         metrics=metrics,
         health=health,
     )

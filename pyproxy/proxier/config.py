@@ -33,7 +33,11 @@ class ProxySettings:
     min_sync_period: float = 1.0
     """--min-sync-period: seconds between two syncs at the least; bursts coalesce into one."""
     sync_period: float = 30.0
-    """--sync-period: seconds between full resyncs at the most."""
+    """--sync-period: seconds between syncs at the most; such a periodic sync applies what changed."""
+    full_sync_period: float = 3600.0
+    """Seconds between full syncs, which rewrite every Service and reconcile with the kernel (upstream's
+    FullSyncPeriod, one hour; also after a failed sync). At 10,000 Services a full sync costs the netfilter
+    modes seconds of CPU, too much for every --sync-period."""
     bpf: BpfSettings = field(default_factory=BpfSettings)
     """The BPF dataplane's own settings."""
     masquerade: MasqueradeSettings = field(default_factory=MasqueradeSettings)

@@ -51,6 +51,7 @@ class Proxier:
         *,
         min_sync_period: float,
         sync_period: float,
+        full_sync_period: float = 3600.0,
         metrics: ProxyMetrics,
         health: ProxyHealth,
     ) -> None:
@@ -63,10 +64,12 @@ class Proxier:
         metrics.service_changes_pending.set_function(self.cluster.services.pending)
         metrics.endpoint_changes_pending.set_function(self.cluster.slices.pending)
         self.health = health
-        self.sync_period = sync_period
+        self.full_sync_period = full_sync_period
         self.runner = BoundedFrequencyRunner(self.sync, min_sync_period, sync_period)
         self._synced = False
         self._last_full = float("-inf")
+        self._need_full = True
+        """The next sync rewrites everything: the first one, and the one after a failure."""
         self._retry: set[str] = set()
         self.node: Node | None = None
         """The own Node as last seen (None until the API source delivers it)."""
@@ -125,7 +128,7 @@ class Proxier:
         with self._lock:
             changed = self.cluster.drain_changed_services() | self._retry
             triggers, self._triggers = self._triggers, {}
-        full = start - self._last_full >= self.sync_period
+        full = self._need_full or start - self._last_full >= self.full_sync_period
         self.desired = update_desired_state(
             self.desired, self.cluster.services.current, self.cluster.slices_for, changed
         )
@@ -135,6 +138,7 @@ class Proxier:
             self.dataplane.apply(self.desired, None if full else changed)
         except Exception:
             self._retry = changed
+            self._need_full = True
             with self._lock:
                 for svc, times in triggers.items():
                     self._triggers.setdefault(svc, []).extend(times)
@@ -146,7 +150,7 @@ class Proxier:
             for triggered in times:
                 self.metrics.network_programming.observe(max(0.0, applied - triggered))
         if full:
-            self._last_full = start
+            self._last_full, self._need_full = start, False
         elapsed = time.monotonic() - start
         self.metrics.sync_duration.observe(elapsed)
         self.metrics.last_sync.set_to_current_time()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pyproxy.dataplane.fake import FakeDataplane
 from pyproxy.model.objects import Endpoint, EndpointPort, EndpointSlice, Protocol, Service, ServicePort
 from pyproxy.proxier.metrics import ProxyMetrics
@@ -62,6 +64,8 @@ def test_a_no_op_update_does_not_sync() -> None:
 
 
 def test_a_failed_apply_is_retried_with_the_same_services() -> None:
+    """The retry is a full sync, as upstream's after an error: a failed apply may have left the kernel
+    anywhere between the two states, and only a full sync reconciles with it."""
     p, dp, _ = _proxier()
     p.set_service("default/a", _svc("a", "10.96.0.1"))
     p.mark_synced()
@@ -74,5 +78,30 @@ def test_a_failed_apply_is_retried_with_the_same_services() -> None:
     except Exception as e:  # noqa: BLE001
         assert "injected" in str(e)
     p.sync()
-    assert dp.applies[-1][1] == {"default/a"}
+    assert dp.applies[-1][1] is None
     assert [str(b) for b in dp.state.services["default/a"][0].backends] == ["10.0.0.9:8080"]
+    p.set_endpoint_slice("default/a-1", _slice("a-1", "a", "10.0.0.8"))
+    p.sync()
+    assert dp.applies[-1][1] == {"default/a"}, "once a sync succeeded, syncs are partial again"
+
+
+def test_periodic_syncs_apply_only_changes_and_a_full_one_comes_hourly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Upstream's rhythm: every --sync-period a sync applies what changed (nothing, when nothing did); the
+    whole rule set is rewritten only once per full_sync_period (an hour)."""
+    clock = [1000.0]
+    monkeypatch.setattr("pyproxy.proxier.proxier.time.monotonic", lambda: clock[0])
+    p, dp, _ = _proxier()
+    p.set_service("default/a", _svc("a", "10.96.0.1"))
+    p.mark_synced()
+    p.sync()
+    for _ in range(100):  # 100 periodic wake-ups, 30 s apart, nothing changed
+        clock[0] += 30
+        p.sync()
+    assert len(dp.applies) == 1
+    p.set_service("default/b", _svc("b", "10.96.0.2"))
+    clock[0] += 30
+    p.sync()
+    assert dp.applies[-1][1] == {"default/b"}
+    clock[0] = 1000.0 + 3600
+    p.sync()
+    assert len(dp.applies) == 3 and dp.applies[-1][1] is None
