@@ -29,5 +29,10 @@ class Dataplane(Protocol):
         """Program the kernel: only the Services in `changed`, or everything when it is None. Raises
         DataplaneError, leaving every Service either as before or as desired, never in between."""
 
+    def housekeeping_due(self) -> bool:
+        """True while the backend has work of its own that comes due with time rather than with a change
+        (IPVS real servers draining, nftables chains whose delete was put off): a periodic sync then calls
+        `apply` with no changed Service, which does that work."""
+
     def stop(self) -> None:
         """Release pyproxy's handles; what is programmed stays, so traffic keeps flowing."""

@@ -18,6 +18,8 @@ class FakeDataplane:
         """How many coming applies raise DataplaneError (and change nothing)."""
         self.state = DesiredState()
         self.started = self.stopped = False
+        self.housekeeping = False
+        """What housekeeping_due() answers."""
 
     def start(self) -> None:
         self.started = True
@@ -28,6 +30,9 @@ class FakeDataplane:
             raise DataplaneError("injected failure")
         self.applies.append((desired, frozenset(changed) if changed is not None else None))
         self.state = desired
+
+    def housekeeping_due(self) -> bool:
+        return self.housekeeping
 
     def stop(self) -> None:
         self.stopped = True

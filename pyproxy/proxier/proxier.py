@@ -132,7 +132,7 @@ class Proxier:
         self.desired = update_desired_state(
             self.desired, self.cluster.services.current, self.cluster.slices_for, changed
         )
-        if not changed and not full:
+        if not changed and not full and not self.dataplane.housekeeping_due():
             return True
         try:
             self.dataplane.apply(self.desired, None if full else changed)

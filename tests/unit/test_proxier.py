@@ -105,3 +105,23 @@ def test_periodic_syncs_apply_only_changes_and_a_full_one_comes_hourly(monkeypat
     clock[0] = 1000.0 + 3600
     p.sync()
     assert len(dp.applies) == 3 and dp.applies[-1][1] is None
+
+
+def test_a_periodic_sync_applies_nothing_changed_while_the_dataplane_has_housekeeping_due(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """IPVS deletes a drained real server on a later sync, not on a change: with housekeeping due, a periodic
+    sync calls apply with no changed Service; once it is done, quiet periods apply nothing again."""
+    clock = [1000.0]
+    monkeypatch.setattr("pyproxy.proxier.proxier.time.monotonic", lambda: clock[0])
+    p, dp, _ = _proxier()
+    p.set_service("default/a", _svc("a", "10.96.0.1"))
+    p.mark_synced()
+    p.sync()
+    dp.housekeeping = True
+    clock[0] += 30
+    p.sync()
+    assert len(dp.applies) == 2 and dp.applies[-1][1] == frozenset()
+    dp.housekeeping = False
+    clock[0] += 30
+    p.sync()
+    assert len(dp.applies) == 2

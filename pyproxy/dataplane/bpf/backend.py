@@ -299,6 +299,9 @@ class BpfDataplane:
 
     # -- sync ------------------------------------------------------------------------------------
 
+    def housekeeping_due(self) -> bool:
+        return False  # nothing here waits for time: the kernel expires flows itself
+
     def apply(self, desired: DesiredState, changed: Set[str] | None) -> None:
         assert self.maps is not None
         keys = set(changed) if changed is not None else set(desired.services) | self.applied.by_service.keys()

@@ -62,6 +62,9 @@ class IptablesDataplane:
     def stop(self) -> None:
         """Nothing to release: the rules stay, so traffic keeps flowing."""
 
+    def housekeeping_due(self) -> bool:
+        return False
+
     def apply(self, desired: DesiredState, changed: Set[str] | None) -> None:
         assert self.tools is not None, "start() first"
         full = changed is None or not self._reconciled

@@ -168,6 +168,9 @@ class IpvsDataplane:
         """Nothing to release (sockets live for one sync); virtual servers, addresses, sets and rules stay, so
         traffic flows on."""
 
+    def housekeeping_due(self) -> bool:
+        return bool(self.memory.draining_since)  # deleted once drained, or after the grace period
+
     def apply(self, desired: DesiredState, changed: Set[str] | None) -> None:
         assert self.tools is not None, "start() first"
         full = changed is None

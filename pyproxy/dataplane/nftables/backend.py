@@ -121,6 +121,11 @@ class NftablesDataplane:
     def stop(self) -> None:
         """Nothing to release: the table stays, and with it the traffic."""
 
+    def housekeeping_due(self) -> bool:
+        # Chains a partial sync flushed wait for the next transaction that deletes anyway (or a full sync):
+        # a delete on its own costs nft a listing of every chain, and a flushed chain is harmless.
+        return False
+
     def apply(self, desired: DesiredState, changed: Set[str] | None) -> None:
         full = changed is None or self._need_full
         if full:
