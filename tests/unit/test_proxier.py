@@ -28,6 +28,16 @@ def _proxier() -> tuple[Proxier, FakeDataplane, ProxyHealth]:
     return p, dp, health
 
 
+def _synced_on_a_clock(monkeypatch: pytest.MonkeyPatch, clock: list[float]) -> tuple[Proxier, FakeDataplane]:
+    """A proxier on the clock `clock[0]`, past its first (full) sync of one Service."""
+    monkeypatch.setattr("pyproxy.proxier.proxier.time.monotonic", lambda: clock[0])
+    p, dp, _ = _proxier()
+    p.set_service("default/a", _svc("a", "10.96.0.1"))
+    p.mark_synced()
+    p.sync()
+    return p, dp
+
+
 def test_nothing_is_applied_before_the_source_has_listed_everything() -> None:
     p, dp, health = _proxier()
     p.set_service("default/a", _svc("a", "10.96.0.1"))
@@ -89,11 +99,7 @@ def test_periodic_syncs_apply_only_changes_and_a_full_one_comes_hourly(monkeypat
     """Upstream's rhythm: every --sync-period a sync applies what changed (nothing, when nothing did); the
     whole rule set is rewritten only once per full_sync_period (an hour)."""
     clock = [1000.0]
-    monkeypatch.setattr("pyproxy.proxier.proxier.time.monotonic", lambda: clock[0])
-    p, dp, _ = _proxier()
-    p.set_service("default/a", _svc("a", "10.96.0.1"))
-    p.mark_synced()
-    p.sync()
+    p, dp = _synced_on_a_clock(monkeypatch, clock)
     for _ in range(100):  # 100 periodic wake-ups, 30 s apart, nothing changed
         clock[0] += 30
         p.sync()
@@ -112,11 +118,7 @@ def test_a_periodic_sync_applies_nothing_changed_while_the_dataplane_has_houseke
     """IPVS deletes a drained real server on a later sync, not on a change: with housekeeping due, a periodic
     sync calls apply with no changed Service; once it is done, quiet periods apply nothing again."""
     clock = [1000.0]
-    monkeypatch.setattr("pyproxy.proxier.proxier.time.monotonic", lambda: clock[0])
-    p, dp, _ = _proxier()
-    p.set_service("default/a", _svc("a", "10.96.0.1"))
-    p.mark_synced()
-    p.sync()
+    p, dp = _synced_on_a_clock(monkeypatch, clock)
     dp.housekeeping = True
     clock[0] += 30
     p.sync()
