@@ -205,10 +205,11 @@ STEPS = {
     "floor": "0 verdict only (floor)",
     "step1_parse": "1 parse Ethernet/IPv4/TCP, checksum form",
     "step2_frontend": "2 + frontend lookup (hash)",
-    "step3_flow": "3 + clock, backends epoch, flow lookup (LRU hash)",
-    "step4_backend": "4 + follow the flow (epoch compare)",
-    "step5_decision": "5 + last_seen, two per-CPU counters",
-    "xdp_est": "6 + rewrite, checksums (= XDP established flow)",
+    "step3_clock": "3 + clock (jiffies), backends epoch (array)",
+    "step4_flow": "4 + flow lookup (LRU hash)",
+    "step5_backend": "5 + follow the flow (epoch compare)",
+    "step6_decision": "6 + last_seen, two per-CPU counters",
+    "xdp_est": "7 + rewrite, checksums (= XDP established flow)",
 }
 SERIES_SINGLE = {
     "floor": ("XDP verdict only (floor)", "floor"),
@@ -255,7 +256,7 @@ def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.Lo
                 before = dp.counters()
                 retval, ns = run(repeat)
                 got = _delta(before, dp.counters())
-                want = {"established": repeat} if key.endswith("_est") or key == "step5_decision" else {}
+                want = {"established": repeat} if key.endswith("_est") or key == "step6_decision" else {}
                 _expect(f"{key} x{repeat}", got, want)
                 if retval != verdict_ok[key]:
                     raise RuntimeError(f"{key}: verdict {retval}, expected {verdict_ok[key]}")

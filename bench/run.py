@@ -324,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.results / f"{run_id}.md").write_text(table + "\n")
     plots_written = write_plots(result, stable=not args.quick)
     print(table)
-    print(f"results: {path.relative_to(REPO)}; plots: {', '.join(str(p.relative_to(REPO)) for p in plots_written)}")
+    print(f"results: {os.path.relpath(path, REPO)}; plots: {', '.join(os.path.relpath(p, REPO) for p in plots_written)}")
     print(f"total {result['seconds']:.0f} s")
     return 0 if all(pr["status"] == "ok" for pr in result["parts"].values()) else 1
 

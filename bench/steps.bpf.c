@@ -39,9 +39,19 @@ int step2_frontend(struct xdp_md *ctx)
 	return step_parse(ctx, &p) && pyproxy_frontend_of(&p) ? XDP_PASS : XDP_DROP;
 }
 
-/* + the clock, the backends epoch and the flow's connection-tracking lookup. */
+/* + the clock (jiffies: an inlined load) and the backends epoch (an array read). */
 SEC("xdp")
-int step3_flow(struct xdp_md *ctx)
+int step3_clock(struct xdp_md *ctx)
+{
+	struct pyproxy_pkt p;
+
+	return step_parse(ctx, &p) && pyproxy_frontend_of(&p) && pyproxy_now() && pyproxy_backends_epoch() != ~0U
+	       ? XDP_PASS : XDP_DROP;
+}
+
+/* + the flow's connection-tracking lookup. */
+SEC("xdp")
+int step4_flow(struct xdp_md *ctx)
 {
 	struct pyproxy_pkt p;
 
@@ -52,7 +62,7 @@ int step3_flow(struct xdp_md *ctx)
 /* + following the flow: same frontend, and its backend still an endpoint (an epoch compare; the lookup only
  * after backends were removed). */
 SEC("xdp")
-int step4_backend(struct xdp_md *ctx)
+int step5_backend(struct xdp_md *ctx)
 {
 	struct pyproxy_svc_value *svc;
 	struct pyproxy_ct_value *ct;
@@ -69,7 +79,7 @@ int step4_backend(struct xdp_md *ctx)
 
 /* + last_seen and the two per-CPU counters: the whole load-balancing decision, without the rewrite. */
 SEC("xdp")
-int step5_decision(struct xdp_md *ctx)
+int step6_decision(struct xdp_md *ctx)
 {
 	struct pyproxy_backend be;
 	struct pyproxy_pkt p;

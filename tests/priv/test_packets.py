@@ -45,7 +45,7 @@ from packets import (
     pseudo_header_sum,
 )
 
-from pyproxy.dataplane.bpf import abi, libbpf, loader
+from pyproxy.dataplane.bpf import abi, clock, libbpf, loader
 from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.libbpf import ffi
 from pyproxy.dataplane.bpf.render import Applied, Plan, frontend_key, render
@@ -293,6 +293,29 @@ def test_client_ip_affinity_keeps_a_client_on_one_backend(dp: Dataplane, prog: P
         assert chosen <= set(READY)
 
 
+@pytest.mark.parametrize("prog", INGRESS)
+def test_client_ip_affinity_lasts_its_timeout_in_the_kernels_ticks(dp: Dataplane, prog: Prog) -> None:
+    """The timeout reaches the map in ticks (jiffies, HZ per second) and the datapath compares it with its own
+    clock: a client's affinity entry 9 s old (of 10) still decides its new connection, one 11 s old does not;
+    flow entries are stamped on the same timeline that `pyproxy inspect` reads idle ages from."""
+    hz = clock.kernel_hz()
+    state = port_state(TCP, affinity=10)
+    dp.apply(state)
+    assert dp.maps.services[abi.SvcKey(abi.be32(VIP), abi.be16(PORT), TCP)].affinity_ticks == 10 * hz
+    key = abi.CtKey(abi.be32(CLIENT), abi.be32(VIP), 0, abi.be16(PORT), TCP, abi.CT_AFFINITY)
+    # The remembered backend is an endpoint that is not ready: no slot holds it, only affinity can choose it.
+    for age, want in ((9, {NOT_READY}), (11, set(READY))):
+        dp.maps.ct[key] = abi.CtValue(abi.be32(NOT_READY.ip), abi.be16(NOT_READY.port), 0, dp.svc_id(state), 0,
+                                      clock.ticks_now() - age * hz)
+        got = dnat(dp, prog, Flow(CLIENT, VIP, 45000 + age, PORT))
+        assert got in want, f"affinity {age} s old: went to {got}"
+    renewed = dp.maps.ct[key]
+    assert Backend(abi.ip_of(renewed.nat_addr), abi.port_of(renewed.nat_port)) == got
+    fwd = dp.maps.ct[abi.CtKey(abi.be32(CLIENT), abi.be32(VIP), abi.be16(45011), abi.be16(PORT), TCP, abi.CT_FORWARD)]
+    for v in (renewed, fwd):
+        assert abs(v.last_seen - clock.ticks_now()) <= hz // 2, "stamped on another clock than ticks_now()"
+
+
 @pytest.mark.parametrize("proto", BOTH_PROTOS)
 @pytest.mark.parametrize("prog", INGRESS)
 def test_frontend_without_ready_endpoints_drops_and_counts(dp: Dataplane, prog: Prog, proto: int) -> None:
@@ -508,3 +531,32 @@ def test_load_without_pin_dir_pins_nothing(bpf_object: Path) -> None:
                 obj.close()
         for pin in set(root.glob(f"{abi.PROG_PREFIX}*")) - before:  # only what this test created
             pin.unlink()
+
+
+def test_a_pinned_load_keeps_its_maps_and_drops_an_older_layouts_pins(bpf_object: Path) -> None:
+    """A restart reuses the pinned maps (connections survive); pins of a layout the object no longer has
+    (pyproxy_ct_v1 beside pyproxy_ct_v2) are removed rather than left holding kernel memory forever."""
+    pins = Path(f"/run/pyproxy-test-pins-{os.getpid()}")
+    first = second = None
+    try:
+        loader.ensure_bpffs(pins)
+        first = loader.load(bpf_object, pins, max_entries=CAPACITY)
+        stale = pins / abi.MAP_CT.replace("_v2", "_v1")
+        libbpf.check(libbpf.lib().bpf_obj_pin(first.maps[abi.MAP_CT], str(stale).encode()), "pin")
+        ct_id = loader.map_info(first.maps[abi.MAP_CT]).id
+        first.close()
+        first = None
+        second = loader.load(bpf_object, pins, max_entries=CAPACITY)
+        assert loader.map_info(second.maps[abi.MAP_CT]).id == ct_id, "the pinned CT map was not reused"
+        assert not stale.exists()
+        assert sorted(p.name for p in pins.glob(f"{abi.MAP_PREFIX}*")) == sorted(second.maps)
+    finally:
+        for obj in (first, second):
+            if obj is not None:
+                obj.close()
+        if pins.exists():
+            for pin in pins.glob(f"{abi.MAP_PREFIX}*"):
+                pin.unlink()
+            if loader.is_mountpoint(pins):
+                loader.unmount(pins)
+            pins.rmdir()

@@ -14,10 +14,10 @@
 #include <linux/types.h>
 
 /* Map names (also the pin file names). Kernel object names hold 15 characters. */
-#define PYPROXY_MAP_SERVICES  pyproxy_svc_v1
+#define PYPROXY_MAP_SERVICES  pyproxy_svc_v2   /* v2: affinity in ticks, not seconds */
 #define PYPROXY_MAP_SLOTS     pyproxy_slot_v1
 #define PYPROXY_MAP_BACKENDS  pyproxy_be_v1
-#define PYPROXY_MAP_CT        pyproxy_ct_v1
+#define PYPROXY_MAP_CT        pyproxy_ct_v2    /* v2: last_seen in ticks, not ns */
 #define PYPROXY_MAP_STATS     pyproxy_stat_v1
 #define PYPROXY_MAP_COUNTERS  pyproxy_cnt_v1
 #define PYPROXY_MAP_NAMES     pyproxy_name_v1
@@ -61,7 +61,7 @@ struct pyproxy_svc_value {
 	__u32 svc_id;          /* host order; index into PYPROXY_MAP_STATS and key part of slots */
 	__u16 backend_count;   /* host order; ready backends in slots 0..count-1; 0 = drop */
 	__u16 flags;           /* host order; PYPROXY_SVC_F_* */
-	__u32 affinity_sec;    /* host order; ClientIP affinity timeout when PYPROXY_SVC_F_AFFINITY */
+	__u32 affinity_ticks;  /* host order; ClientIP affinity timeout in ticks (jiffies) when PYPROXY_SVC_F_AFFINITY */
 	__u32 pad;             /* zero */
 };
 
@@ -104,7 +104,7 @@ struct pyproxy_ct_value {
 	 * endpoint. It took the place of a zero pad with no version bump: entries of older versions read as 0,
 	 * an epoch the control plane never makes current, so they are checked once and connections survive. */
 	__u32 epoch;
-	__u64 last_seen;   /* host order; CLOCK_MONOTONIC ns, to a tick (bpf_ktime_get_coarse_ns), of its last packet */
+	__u64 last_seen;   /* host order; jiffies (bpf_jiffies64) of its last packet */
 };
 
 /* Value of PYPROXY_MAP_STATS (per-CPU): traffic from clients to one frontend. */

@@ -17,13 +17,14 @@ static __always_inline void pyproxy_ct_key_of(const struct pyproxy_pkt *p, __u8 
 	k->pad = 0;
 }
 
-/* The clock of last_seen and of ClientIP affinity: CLOCK_MONOTONIC at the last tick. The coarse clock is
- * a load of the timekeeper's base, where bpf_ktime_get_ns() reads the clock source: measured here that was
- * about a fifth of an established flow's cost (bench/packet.py), and a tick is resolution enough for
- * idle ages and affinity timeouts in seconds. */
+/* The clock of last_seen and of ClientIP affinity, in ticks (jiffies; HZ per second, which the control plane
+ * finds out and converts with). The verifier inlines bpf_jiffies64() into one load; measured here
+ * (bench/steps.bpf.c), bpf_ktime_get_coarse_ns() cost 17-22 ns a packet and bpf_ktime_get_ns() 30 ns, a
+ * sixth and a quarter of an established flow, for a resolution that idle ages and affinity timeouts in
+ * seconds do not need. (Cilium keeps its conntrack clock in jiffies for the same reason.) */
 static __always_inline __u64 pyproxy_now(void)
 {
-	return bpf_ktime_get_coarse_ns();
+	return bpf_jiffies64();
 }
 
 static __always_inline __u32 pyproxy_backends_epoch(void)

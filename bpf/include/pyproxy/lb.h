@@ -29,7 +29,7 @@ static __always_inline int pyproxy_affinity_lookup(const struct pyproxy_pkt *p,
 	};
 	struct pyproxy_ct_value *v = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &k);
 
-	if (!v || now - v->last_seen > (__u64)svc->affinity_sec * 1000000000ULL)
+	if (!v || now - v->last_seen > svc->affinity_ticks)
 		return 0;
 	be->addr = v->nat_addr;
 	be->port = v->nat_port;

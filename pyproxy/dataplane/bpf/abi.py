@@ -12,14 +12,16 @@ import socket
 import struct
 
 # Map names: abi.h PYPROXY_MAP_*.
-MAP_SERVICES = "pyproxy_svc_v1"
+MAP_SERVICES = "pyproxy_svc_v2"
 MAP_SLOTS = "pyproxy_slot_v1"
 MAP_BACKENDS = "pyproxy_be_v1"
-MAP_CT = "pyproxy_ct_v1"
+MAP_CT = "pyproxy_ct_v2"
 MAP_STATS = "pyproxy_stat_v1"
 MAP_COUNTERS = "pyproxy_cnt_v1"
 MAP_NAMES = "pyproxy_name_v1"
 MAP_EPOCH = "pyproxy_epoch_v1"
+MAP_PREFIX = "pyproxy_"
+"""Every map name (and so every pin) starts with it: how cleanup and a newer layout find ours."""
 ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES, MAP_EPOCH)
 NAME_LEN = 128  # PYPROXY_NAME_LEN
 
@@ -86,7 +88,7 @@ class SvcValue(ctypes.Structure):
         ("svc_id", ctypes.c_uint32),  # host order
         ("backend_count", ctypes.c_uint16),  # host order
         ("flags", ctypes.c_uint16),  # host order
-        ("affinity_sec", ctypes.c_uint32),  # host order
+        ("affinity_ticks", ctypes.c_uint32),  # host order; jiffies (clock.py)
         ("pad", ctypes.c_uint32),
     ]
 
@@ -142,7 +144,7 @@ class CtValue(ctypes.Structure):
         ("pad", ctypes.c_uint16),
         ("svc_id", ctypes.c_uint32),  # host order
         ("epoch", ctypes.c_uint32),  # host order; backends epoch the backend was last confirmed at (FORWARD)
-        ("last_seen", ctypes.c_uint64),  # host order, CLOCK_MONOTONIC ns to a tick (bpf_ktime_get_coarse_ns)
+        ("last_seen", ctypes.c_uint64),  # host order; jiffies (bpf_jiffies64, clock.py)
     ]
 
 

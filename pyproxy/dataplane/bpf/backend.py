@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import DataplaneError
-from pyproxy.dataplane.bpf import abi, attach, loader
+from pyproxy.dataplane.bpf import abi, attach, clock, loader
 from pyproxy.dataplane.bpf.maps import BpfMap, PerCpuArray
 from pyproxy.dataplane.bpf.render import (
     Applied,
@@ -56,7 +56,7 @@ class BpfSettings:
 # ctypes structure per entry cost more than the kernel's work at a quarter million entries. "!" fields are in
 # network order, "=" in host order; "x" is padding.
 _SVC_KEY = struct.Struct("!4sHBx")  # pyproxy_svc_key: vip, port, proto
-_SVC_VALUE = struct.Struct("=IHHIxxxx")  # pyproxy_svc_value: svc_id, backend_count, flags, affinity_sec
+_SVC_VALUE = struct.Struct("=IHHIxxxx")  # pyproxy_svc_value: svc_id, backend_count, flags, affinity_ticks
 _BACKEND = struct.Struct("!4sHxx")  # pyproxy_backend: addr, port
 _BACKEND_INFO = struct.Struct("=Ixxxx")  # pyproxy_backend_info: flags
 _NAME = struct.Struct(f"{abi.NAME_LEN}s")  # pyproxy_svc_name, NUL-padded
@@ -104,9 +104,12 @@ VALUE_CODECS: dict[str, Codec] = {
 
 
 class Maps:
-    """The program's maps as mappings (also used read-only by `pyproxy inspect`)."""
+    """The program's maps as mappings (also used read-only by `pyproxy inspect`). Plans give affinity timeouts
+    in seconds; the services map holds them in ticks of the kernel's clock (`hz` per second, clock.py)."""
 
-    def __init__(self, fds: dict[str, int]) -> None:
+    def __init__(self, fds: dict[str, int], hz: int | None = None) -> None:
+        self.hz = hz if hz is not None else clock.kernel_hz()
+        self._values: dict[str, Codec] = {**VALUE_CODECS, abi.MAP_SERVICES: self._svc_values}
         self.services: BpfMap = BpfMap(fds[abi.MAP_SERVICES], abi.MAP_SERVICES, abi.SvcKey, abi.SvcValue)
         self.slots: BpfMap = BpfMap(fds[abi.MAP_SLOTS], abi.MAP_SLOTS, abi.SlotKey, abi.Backend)
         self.backends: BpfMap = BpfMap(fds[abi.MAP_BACKENDS], abi.MAP_BACKENDS, abi.Backend, abi.BackendInfo)
@@ -118,6 +121,10 @@ class Maps:
         self.by_name: dict[str, BpfMap] = {
             m.name: m for m in (self.services, self.slots, self.backends, self.ct, self.names, self.epoch)
         }
+
+    def _svc_values(self, values: Sequence[tuple]) -> bytes:
+        """(svc_id, count, flags, affinity seconds) -> pyproxy_svc_value with the affinity in ticks."""
+        return VALUE_CODECS[abi.MAP_SERVICES]([(i, n, f, sec * self.hz) for i, n, f, sec in values])
 
     def close(self) -> None:
         for m in self.by_name.values():
@@ -134,7 +141,7 @@ class Maps:
         key = KEY_CODECS[op.map]((op.key,))
         if op.verb == "put":
             assert op.value is not None
-            m.put_raw(key, VALUE_CODECS[op.map]((op.value,)))
+            m.put_raw(key, self._values[op.map]((op.value,)))
         else:
             m.delete_raw(key)
 
@@ -149,7 +156,7 @@ class Maps:
             packed = KEY_CODECS[name](keys)
             if verb == "put":
                 assert values is not None
-                m.update_batch(packed, VALUE_CODECS[name](values), len(keys))
+                m.update_batch(packed, self._values[name](values), len(keys))
             else:
                 m.delete_batch(packed, len(keys))
 
@@ -166,7 +173,7 @@ class Maps:
         slots = dict(zip(_SLOT_KEY.iter_unpack(keys), _BACKEND.iter_unpack(values), strict=True))
         frontends: dict[FrontendKey, AppliedFrontend] = {}
         keys, values = self.services.items_raw()
-        for (vip, port, proto), (svc_id, count, flags, affinity) in zip(
+        for (vip, port, proto), (svc_id, count, flags, ticks) in zip(
             _SVC_KEY.iter_unpack(keys), _SVC_VALUE.iter_unpack(values), strict=True
         ):
             raw_name = names.get(svc_id)
@@ -184,7 +191,7 @@ class Maps:
                 service=name.split(":", 1)[0],
                 backends=backends,
                 known=backends,
-                affinity_sec=affinity if flags & abi.SVC_F_AFFINITY else 0,
+                affinity_sec=ticks // self.hz if flags & abi.SVC_F_AFFINITY else 0,
             )
         refs: dict[Backend, int] = {}
         for f in frontends.values():
@@ -223,6 +230,7 @@ class BpfDataplane:
 
     def start(self) -> None:
         s = self.settings
+        clock.kernel_hz()  # before anything is changed: raises ClockError where the tick rate cannot be told
         loader.ensure_bpffs(s.pin_path)
         adopt = self._previous_maps()
         try:
@@ -342,7 +350,7 @@ def cleanup(pin_path: Path) -> list[str]:
     done = [f"programs on {lk.name}" for lk in netlink.list_links() if detach_device(lk)]
     if pin_path.exists():
         for pin in sorted(pin_path.iterdir()):
-            if pin.name.startswith("pyproxy_"):
+            if pin.name.startswith(abi.MAP_PREFIX):
                 pin.unlink()
                 done.append(f"pin {pin}")
         if loader.is_mountpoint(pin_path):

@@ -4,11 +4,10 @@ read straight from the maps (pinned ones, or those of the programs attached in t
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 from pyproxy.dataplane import netlink
-from pyproxy.dataplane.bpf import abi, attach, libbpf, loader
+from pyproxy.dataplane.bpf import abi, attach, clock, libbpf, loader
 from pyproxy.dataplane.bpf.backend import Maps
 
 
@@ -42,7 +41,7 @@ def report(maps: Maps, flows: bool = True) -> str:
     if flows:
         lines.append("")
         lines.append(f"{'FLOW (client -> frontend)':48} {'BACKEND':22} {'SERVICE':30} IDLE")
-        now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        now, hz = clock.ticks_now(), clock.kernel_hz()
         names = {fe.svc_id: fe.name for fe in applied.frontends.values()}
         for k in maps.ct.keys_list():
             if k.dir != abi.CT_FORWARD:
@@ -53,7 +52,7 @@ def report(maps: Maps, flows: bool = True) -> str:
             proto = abi.PROTO_NAME.get(k.proto, str(k.proto))
             flow = (f"{proto} {abi.ip_of(k.saddr)}:{abi.port_of(k.sport)} -> "
                     f"{abi.ip_of(k.daddr)}:{abi.port_of(k.dport)}")
-            idle = max(0, now - v.last_seen) / 1e9
+            idle = max(0, now - v.last_seen) / hz
             backend = f"{abi.ip_of(v.nat_addr)}:{abi.port_of(v.nat_port)}"
             lines.append(f"{flow:48} {backend:22} {names.get(v.svc_id, '?'):30} {idle:.1f}s")
     return "\n".join(lines)

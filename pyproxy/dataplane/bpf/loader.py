@@ -208,6 +208,15 @@ def _adopt(m: Any, name: str, adopt: dict[str, int] | None) -> None:
         log.warning("attached programs use map %s of another shape: not reusing it", name)
 
 
+def _unpin_other_layouts(pin_dir: Path, ours: set[str]) -> None:
+    """Remove the pins of pyproxy maps this object does not have: an older layout's (pyproxy_ct_v1 once
+    pyproxy_ct_v2 exists), which nothing will read again and which would otherwise hold their memory."""
+    for pin in pin_dir.glob(f"{abi.MAP_PREFIX}*"):
+        if pin.name not in ours:
+            pin.unlink()
+            log.info("removed %s: a map of another layout version, replaced by this one", pin)
+
+
 def load(
     obj_path: Path,
     pin_dir: Path | None,
@@ -254,6 +263,8 @@ def load(
             raise BpfUnavailable(f"the kernel refused to load {obj_path}: {os.strerror(code)}{hint}")
         for m in _iter_maps(obj):
             loaded.maps[ffi.string(lib.bpf_map__name(m)).decode()] = lib.bpf_map__fd(m)
+        if pin_dir is not None:
+            _unpin_other_layouts(pin_dir, set(loaded.maps))
         p = ffi.NULL
         while True:
             p = lib.bpf_object__next_program(obj, p)
