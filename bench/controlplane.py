@@ -250,8 +250,9 @@ class BpfProgress:
 
 
 def _sync_progress(v: Variant) -> Callable[[Lab, int], Progress]:
-    return lambda lab, count: rules.SyncProgress(lab, [core.vip(i) for i in range(count)],
-                                                 rules.lister_for(lab, v.mode, v.backend), METRICS_PORT)
+    return lambda lab, count: rules.SyncProgress(
+        lab, [core.vip(i) for i in range(count)], rules.lister_for(lab, v.mode, v.backend), METRICS_PORT,
+        rules.nftables_one(lab) if v.mode == "nftables" else None)
 
 
 PROGRESS: dict[str, Callable[[Lab, int], Progress]] = {
@@ -437,26 +438,31 @@ def change_latency(run: Run, kube: Kube, namespace: str, p: Mapping[str, Any], r
     n, index = run.n, run.n - 1
     latencies = []
     path = f"{kube.slice_path.replace('/endpointslices', f'/namespaces/{namespace}/endpointslices')}/svc-{index}-1"
+
+    def put(endpoints: int) -> None:
+        body = slice_of(index, namespace, kube.slice_api_version, endpoints)
+        body["metadata"]["resourceVersion"] = kube.api.request("GET", path)["metadata"]["resourceVersion"]
+        kube.api.request("PUT", path, body=body)
+
     begun = time.monotonic()
-    for r in range(int(p["change_rounds"])):
-        if r and time.monotonic() - begun > float(p["change_cap_s"]):
-            break
-        want = core.ENDPOINTS - 1 if r % 2 == 0 else core.ENDPOINTS
-        time.sleep(1.2)  # past --min-sync-period (1 s): each change is one on its own
-        body = slice_of(index, namespace, kube.slice_api_version, want)
-        body["metadata"]["resourceVersion"] = kube.api.request("GET", path)["metadata"]["resourceVersion"]
-        t0 = time.time()
-        kube.api.request("PUT", path, body=body)
-        at = run.progress.applied(index, want, t0, float(p["change_timeout_s"]))
-        if at is None:
-            rec.add(Measurement("endpoint_change_ms", series, run.mode, n, None, "ms",
-                                f"change {r + 1} not applied within {p['change_timeout_s']} s"))
-            return
-        latencies.append((at - t0) * 1000)
-    if want != core.ENDPOINTS:  # leave the Service as the next dataplane expects it
-        body = slice_of(index, namespace, kube.slice_api_version)
-        body["metadata"]["resourceVersion"] = kube.api.request("GET", path)["metadata"]["resourceVersion"]
-        kube.api.request("PUT", path, body=body)
+    want = core.ENDPOINTS
+    try:
+        for r in range(int(p["change_rounds"])):
+            if r and time.monotonic() - begun > float(p["change_cap_s"]):
+                break
+            want = core.ENDPOINTS - 1 if r % 2 == 0 else core.ENDPOINTS
+            time.sleep(1.2)  # past --min-sync-period (1 s): each change is one on its own
+            t0 = time.time()
+            put(want)
+            at = run.progress.applied(index, want, t0, float(p["change_timeout_s"]))
+            if at is None:
+                rec.add(Measurement("endpoint_change_ms", series, run.mode, n, None, "ms",
+                                    f"change {r + 1} not applied within {p['change_timeout_s']} s"))
+                return
+            latencies.append((at - t0) * 1000)
+    finally:
+        if want != core.ENDPOINTS:  # leave the Service as the next dataplane expects it, also after a failure
+            put(core.ENDPOINTS)
     s = sorted(latencies)
     rec.add(Measurement("endpoint_change_ms", series, run.mode, n, statistics.median(s), "ms",
                         f"max {s[-1]:.0f} ms, {len(s)} change{'s' if len(s) > 1 else ''}",

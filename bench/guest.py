@@ -551,7 +551,7 @@ def inside(ctl: Path) -> int:
 PART = Part(
     name="guest",
     title="IPVS side by side: every mode and upstream kube-proxy ipvs in one qemu guest (TCG emulation)",
-    budget_s={True: 130.0, False: 360.0},
+    budget_s={True: 130.0, False: 480.0},
     params=params,
     run=run,
     figures=(

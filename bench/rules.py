@@ -15,6 +15,9 @@ What is counted as one frontend fully programmed (all expected ClusterIPs 10.100
 - nftables (pyproxy's `ip pyproxy` table): the VIP's element of the `service-ips` verdict map and its
   endpoint chains (`endpoint-HASH-ns/name/tcp/__ip/port`, one per ready endpoint): `nft list map` plus
   `nft list chains` (names only, no rules); a transaction is atomic, so they exist only with their rules.
+  That count holds while Services are only added (programming from empty). One Service after a change is
+  read from its own chain instead, the endpoints its rules `goto`: a partial sync that removes an endpoint
+  leaves the endpoint's chain flushed, and deletes it later (pyproxy/dataplane/nftables/backend.py).
 """
 
 from __future__ import annotations
@@ -87,6 +90,8 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 Lister = Callable[[], dict[str, int]]
 """Lists the kernel's rules: {ClusterIP: ready endpoints programmed} for every frontend on port 80/TCP."""
+OneLister = Callable[[str], "int | None"]
+"""The ready endpoints programmed for one ClusterIP (None: no frontend)."""
 
 _KUBE_SERVICES = re.compile(r"^-A KUBE-SERVICES -d (\S+)/32 .*--dport 80 -j (KUBE-SVC-\S+)$")
 _KUBE_SVC = re.compile(r"^-A (KUBE-SVC-\S+) .*-j KUBE-SEP-")
@@ -140,17 +145,36 @@ def nftables_lister(lab: Lab) -> Lister:
     return lister
 
 
+_GOTO_ENDPOINT = re.compile(r"goto (endpoint-[^\s,}]+)")
+
+
+def nftables_one(lab: Lab) -> OneLister:
+    """The endpoints one VIP's service chain sends packets to (None: the VIP is no frontend)."""
+    def one(vip: str) -> int | None:
+        cp = lab.exec(lab.node, "nft", "list", "map", "ip", "pyproxy", "service-ips", check=False, timeout=120)
+        chain = dict(_MAP_ELEM.findall(cp.stdout)).get(vip) if cp.returncode == 0 else None
+        if chain is None:
+            return None
+        return len(set(_GOTO_ENDPOINT.findall(run_in(lab, ["nft", "list", "chain", "ip", "pyproxy", chain]))))
+    return one
+
+
 def lister_for(lab: Lab, mode: str, backend: str | None) -> Lister:
     return nftables_lister(lab) if mode == "nftables" else iptables_lister(lab, backend or "legacy")
+
+
 
 
 class SyncProgress:
     """The `Progress` of a netfilter dataplane (see bench/controlplane.py): programmed frontends counted once
     per sync, the sync's end read from the proxy's metric."""
 
-    def __init__(self, lab: Lab, vips: list[str], lister: Lister, metrics_port: int) -> None:
+    def __init__(self, lab: Lab, vips: list[str], lister: Lister, metrics_port: int,
+                 one: OneLister | None = None) -> None:
         self.vips = vips
         self.lister = lister
+        self.one = one
+        """Reads one frontend after a change, where the whole listing would not show it (nftables)."""
         self.metrics_port = metrics_port
         self.http = NetnsHttp(lab.node)
         self.synced_at: float | None = None
@@ -187,6 +211,8 @@ class SyncProgress:
         return self.done
 
     def backends(self, index: int) -> int | None:
+        if self.one is not None:
+            return self.one(self.vips[index])
         self._recount()
         return self.counts.get(self.vips[index])
 

@@ -241,7 +241,8 @@ def ratio_table(rows: Sequence[Mapping[str, Any]], anchor: str | None, sizes: Se
     return [*out, *lines, ""] if lines else []
 
 
-def write_plots(result: Mapping[str, Any], stable: bool) -> list[Path]:
+def write_plots(result: Mapping[str, Any], folder: Path, stable: bool) -> list[Path]:
+    """A PNG per figure beside the run's JSON in `folder`; with `stable`, also copied to bench/plots/."""
     try:
         from bench import plots
     except ImportError as exc:  # matplotlib is in the `bench` extra
@@ -251,7 +252,7 @@ def write_plots(result: Mapping[str, Any], stable: bool) -> list[Path]:
     for name, pr in result["parts"].items():
         ms = [Measurement(**m) for m in pr["measurements"]]
         for fig in PARTS[name].figures:
-            path = RESULTS / f"{result['run']}-{fig.name}.png"
+            path = folder / f"{result['run']}-{fig.name}.png"
             if plots.render(fig, ms, result["machine_line"], path):
                 written.append(path)
                 stable_path = PLOTS / f"{fig.name}.png"
@@ -286,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         done = json.loads(args.replot.read_text())
         args.replot.with_suffix(".md").write_text(markdown(done) + "\n")
         print(markdown(done))
-        print("plots: " + ", ".join(str(p) for p in write_plots(done, stable=not done["quick"])))
+        print("plots: " + ", ".join(str(p) for p in write_plots(done, args.replot.parent, stable=not done["quick"])))
         return 0
     names = [n.strip() for n in args.parts.split(",") if n.strip()]
     unknown = [n for n in names if n not in PARTS]
@@ -322,9 +323,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     table = markdown(result)
     (args.results / f"{run_id}.md").write_text(table + "\n")
-    plots_written = write_plots(result, stable=not args.quick)
+    # The README's plots come from full runs kept in bench/results/, not from a scratch folder's.
+    plots_written = write_plots(result, args.results, stable=not args.quick and args.results.resolve() == RESULTS)
     print(table)
-    print(f"results: {os.path.relpath(path, REPO)}; plots: {', '.join(os.path.relpath(p, REPO) for p in plots_written)}")
+    plots_named = ", ".join(os.path.relpath(p, REPO) for p in plots_written)
+    print(f"results: {os.path.relpath(path, REPO)}; plots: {plots_named}")
     print(f"total {result['seconds']:.0f} s")
     return 0 if all(pr["status"] == "ok" for pr in result["parts"].values()) else 1
 
