@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -469,6 +470,31 @@ def change_latency(run: Run, kube: Kube, namespace: str, p: Mapping[str, Any], r
                         {"samples_ms": latencies, "p90_ms": core.percentile(s, 0.9)}))
 
 
+API_ALONE = "API server alone: both lists, JSON decoded"
+"""The floor of every "(API server)" figure: the two paged lists a proxy makes at start (Services and
+EndpointSlices, 500 a page, in parallel), read and JSON-decoded by this process with nothing converted or
+programmed, against the same API server on the same 2 cores."""
+
+
+def time_lists(kube: Kube, rounds: int = 3) -> list[float]:
+    """Seconds for both paged lists, `rounds` times."""
+    def paged(path: str) -> None:
+        query = {"limit": "500"}
+        while True:
+            token = (kube.api.request("GET", path, query).get("metadata") or {}).get("continue")
+            if not token:
+                return
+            query["continue"] = token
+
+    out = []
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(rounds):
+            t0 = time.monotonic()
+            list(pool.map(paged, ("/api/v1/services", kube.slice_path)))
+            out.append(time.monotonic() - t0)
+    return out
+
+
 def api_runs(p: Mapping[str, Any], rec: Recorder, deadline: Deadline, lab: Lab, variants: Sequence[Variant],
              unfinished: Mapping[str, set[int]]) -> None:
     """All `variants` against one API server: objects created once per size, each variant started on them
@@ -500,6 +526,9 @@ def api_runs(p: Mapping[str, Any], rec: Recorder, deadline: Deadline, lab: Lab, 
                 rate = todo / (time.monotonic() - t0)
                 rec.param(f"api_creates_per_s_to_{n}", round(rate))
                 created = n
+                lists = time_lists(kube)
+                rec.add(Measurement("programmed_s", API_ALONE, "floor", n, statistics.median(lists), "s",
+                                    f"{len(lists)} rounds {min(lists):.2f}-{max(lists):.2f} s", {"rounds_s": lists}))
                 for v in variants:
                     if n not in p["api"].get(v.name, []):
                         continue
