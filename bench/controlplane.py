@@ -440,10 +440,13 @@ def change_latency(run: Run, kube: Kube, namespace: str, p: Mapping[str, Any], r
     latencies = []
     path = f"{kube.slice_path.replace('/endpointslices', f'/namespaces/{namespace}/endpointslices')}/svc-{index}-1"
 
-    def put(endpoints: int) -> None:
+    def put(endpoints: int) -> float:
+        """Write the slice with `endpoints`; the wall-clock time the PUT was sent (after the GET it needs)."""
         body = slice_of(index, namespace, kube.slice_api_version, endpoints)
         body["metadata"]["resourceVersion"] = kube.api.request("GET", path)["metadata"]["resourceVersion"]
+        sent = time.time()
         kube.api.request("PUT", path, body=body)
+        return sent
 
     begun = time.monotonic()
     want = core.ENDPOINTS
@@ -453,8 +456,7 @@ def change_latency(run: Run, kube: Kube, namespace: str, p: Mapping[str, Any], r
                 break
             want = core.ENDPOINTS - 1 if r % 2 == 0 else core.ENDPOINTS
             time.sleep(1.2)  # past --min-sync-period (1 s): each change is one on its own
-            t0 = time.time()
-            put(want)
+            t0 = put(want)
             at = run.progress.applied(index, want, t0, float(p["change_timeout_s"]))
             if at is None:
                 rec.add(Measurement("endpoint_change_ms", series, run.mode, n, None, "ms",

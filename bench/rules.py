@@ -163,8 +163,6 @@ def lister_for(lab: Lab, mode: str, backend: str | None) -> Lister:
     return nftables_lister(lab) if mode == "nftables" else iptables_lister(lab, backend or "legacy")
 
 
-
-
 class SyncProgress:
     """The `Progress` of a netfilter dataplane (see bench/controlplane.py): programmed frontends counted once
     per sync, the sync's end read from the proxy's metric."""

@@ -107,8 +107,8 @@ class Maps:
     """The program's maps as mappings (also used read-only by `pyproxy inspect`). Plans give affinity timeouts
     in seconds; the services map holds them in ticks of the kernel's clock (`hz` per second, clock.py)."""
 
-    def __init__(self, fds: dict[str, int], hz: int | None = None) -> None:
-        self.hz = hz if hz is not None else clock.kernel_hz()
+    def __init__(self, fds: dict[str, int]) -> None:
+        self.hz = clock.kernel_hz()
         self._values: dict[str, Codec] = {**VALUE_CODECS, abi.MAP_SERVICES: self._svc_values}
         self.services: BpfMap = BpfMap(fds[abi.MAP_SERVICES], abi.MAP_SERVICES, abi.SvcKey, abi.SvcValue)
         self.slots: BpfMap = BpfMap(fds[abi.MAP_SLOTS], abi.MAP_SLOTS, abi.SlotKey, abi.Backend)
