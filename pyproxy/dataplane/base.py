@@ -31,7 +31,7 @@ class Dataplane(Protocol):
 
     def housekeeping_due(self) -> bool:
         """True while the backend has work of its own that comes due with time rather than with a change
-        (IPVS real servers draining, nftables chains whose delete was put off): a periodic sync then calls
+        (IPVS: real servers draining, deleted once their connections are gone): a periodic sync then calls
         `apply` with no changed Service, which does that work."""
 
     def stop(self) -> None:
