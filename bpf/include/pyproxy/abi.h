@@ -19,15 +19,19 @@
 #define PYPROXY_MAP_BACKENDS  pyproxy_be_v1
 #define PYPROXY_MAP_CT        pyproxy_ct_v2    /* v2: last_seen in ticks, not ns */
 #define PYPROXY_MAP_STATS     pyproxy_stat_v1
-#define PYPROXY_MAP_COUNTERS  pyproxy_cnt_v1
+#define PYPROXY_MAP_COUNTERS  pyproxy_cnt_v2   /* v2: connection-tracking, ICMP and fragment counters */
 #define PYPROXY_MAP_NAMES     pyproxy_name_v1
 #define PYPROXY_MAP_EPOCH     pyproxy_epoch_v1
+#define PYPROXY_MAP_FRAGS     pyproxy_frag_v1
+#define PYPROXY_MAP_PORTS     pyproxy_port_v1
 
 /* Default capacities; the loader may resize before load (bpf_map__set_max_entries). */
 #define PYPROXY_MAX_SERVICES  131072   /* frontends: ClusterIP x port x protocol */
 #define PYPROXY_MAX_SLOTS     2097152  /* sum over frontends of ready backends */
 #define PYPROXY_MAX_BACKENDS  1048576  /* distinct backend ip:port */
 #define PYPROXY_MAX_FLOWS     262144   /* connection-tracking entries, two per flow */
+#define PYPROXY_MAX_FRAGS     8192     /* datagrams being fragmented through a translation at once */
+#define PYPROXY_PORT_WORDS    1024     /* 65536 ports, a bit each */
 
 /* struct pyproxy_svc_value.flags */
 #define PYPROXY_SVC_F_AFFINITY  0x1    /* ClientIP session affinity: a client keeps its backend */
@@ -36,6 +40,18 @@
 #define PYPROXY_CT_FORWARD  0          /* client -> frontend, value holds the backend */
 #define PYPROXY_CT_REVERSE  1          /* backend -> client, value holds the frontend to restore */
 #define PYPROXY_CT_AFFINITY 2          /* client -> frontend with ports zeroed: ClientIP affinity */
+
+/* struct pyproxy_ct_value.state: where a flow is in its life, which picks its idle timeout. Both entries of
+ * a flow (FORWARD and REVERSE) carry it; a packet that changes it writes both. Zero is "established" so
+ * that entries written before states existed (a zero pad) stay valid through an upgrade. */
+#define PYPROXY_CT_ST_ESTABLISHED 0    /* a reply was seen */
+#define PYPROXY_CT_ST_NEW         1    /* no reply yet (TCP: SYN sent) */
+#define PYPROXY_CT_ST_CLOSING     2    /* TCP: a FIN in one direction (half-closed) */
+#define PYPROXY_CT_ST_CLOSED      3    /* TCP: FINs in both directions, or a RST: lingers for late segments */
+
+/* struct pyproxy_ct_value.flags: the FINs seen, so the second one closes the flow. */
+#define PYPROXY_CT_F_FIN_FWD 0x1       /* client -> frontend */
+#define PYPROXY_CT_F_FIN_REV 0x2       /* backend -> client */
 
 /* Indices of PYPROXY_MAP_COUNTERS (per-CPU __u64 each). */
 enum pyproxy_counter {
@@ -46,6 +62,11 @@ enum pyproxy_counter {
 	PYPROXY_CNT_REBALANCED,        /* a flow's backend was gone, a new one was chosen */
 	PYPROXY_CNT_SLOT_MISS,         /* dropped: slot missing (control plane mid-update) */
 	PYPROXY_CNT_CT_FULL,           /* a flow could not be recorded (map update failed) */
+	PYPROXY_CNT_CT_EXPIRED,        /* a packet found its flow's entry expired and was treated as new */
+	PYPROXY_CNT_CT_REOPENED,       /* a SYN on a flow past its handshake started a new connection */
+	PYPROXY_CNT_CT_UNTRACKED,      /* a packet that is no Service's removed an old flow's reverse entry */
+	PYPROXY_CNT_ICMP_NAT,          /* an ICMP error about a translated flow was translated */
+	PYPROXY_CNT_FRAG_NAT,          /* a non-first fragment followed its datagram's translation */
 	PYPROXY_CNT_MAX,
 };
 
@@ -98,13 +119,42 @@ struct pyproxy_ct_key {
 struct pyproxy_ct_value {
 	__be32 nat_addr;   /* network order; FORWARD: backend, REVERSE: frontend VIP */
 	__be16 nat_port;   /* network order */
-	__u16 pad;         /* zero */
+	__u8 state;        /* PYPROXY_CT_ST_*; took the place of a zero pad (see above) */
+	__u8 flags;        /* PYPROXY_CT_F_* */
 	__u32 svc_id;      /* host order; the frontend this flow belongs to */
 	/* host order; FORWARD: the backends epoch (PYPROXY_MAP_EPOCH) at which the backend was last seen to be an
 	 * endpoint. It took the place of a zero pad with no version bump: entries of older versions read as 0,
 	 * an epoch the control plane never makes current, so they are checked once and connections survive. */
 	__u32 epoch;
 	__u64 last_seen;   /* host order; jiffies (bpf_jiffies64) of its last packet */
+};
+
+/* Idle timeouts of connection-tracking entries, in ticks, by state. A constant of the loaded programs
+ * (.rodata, set by the loader from the settings in seconds and the kernel's HZ), so the verifier folds it
+ * into the code and no packet pays a lookup for it. AFFINITY entries use their Service's timeout. */
+struct pyproxy_ct_timeouts {
+	__u32 tcp_new;           /* TCP, no reply yet */
+	__u32 tcp_established;   /* TCP, replied */
+	__u32 tcp_closing;       /* TCP, a FIN in one direction */
+	__u32 tcp_closed;        /* TCP, FINs both ways or a RST */
+	__u32 udp_new;           /* UDP, no reply yet */
+	__u32 udp_established;   /* UDP, replied */
+};
+
+/* Key of PYPROXY_MAP_FRAGS: one IPv4 datagram in fragments, as its fragments carry it (before translation). */
+struct pyproxy_frag_key {
+	__be32 saddr;  /* network byte order */
+	__be32 daddr;  /* network byte order */
+	__be16 id;     /* network byte order; the IPv4 identification */
+	__u8 proto;    /* IPPROTO_* */
+	__u8 pad;      /* zero */
+};
+
+/* Value of PYPROXY_MAP_FRAGS: the ports of the first fragment, which later fragments do not carry. */
+struct pyproxy_frag_value {
+	__be16 sport;  /* network byte order */
+	__be16 dport;  /* network byte order */
+	__u32 pad;     /* zero */
 };
 
 /* Value of PYPROXY_MAP_STATS (per-CPU): traffic from clients to one frontend. */

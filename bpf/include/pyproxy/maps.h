@@ -63,6 +63,29 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_EPOCH SEC(".maps");
 
+/* Datagrams in fragments whose first fragment was translated: later fragments carry no ports, so they find
+ * their flow through the ports recorded here (keyed as they arrive, before translation). LRU: a datagram
+ * whose last fragment never came needs no clean-up. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, PYPROXY_MAX_FRAGS);
+	__type(key, struct pyproxy_frag_key);
+	__type(value, struct pyproxy_frag_value);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_FRAGS SEC(".maps");
+
+/* Every port some endpoint listens on, a bit per port (index port / 64, bit port % 64). A packet that is no
+ * Service's but may start a new flow to an endpoint (a TCP SYN, a UDP datagram) looks for an old Service
+ * flow's reverse entry on its tuple only when its destination port is here: an array read, inlined by the
+ * verifier, instead of a hash lookup for all such traffic (overlay tunnels, replies, DNS to other hosts). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, PYPROXY_PORT_WORDS);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_PORTS SEC(".maps");
+
 /* Per-service traffic counters, indexed by service id; per-CPU so counting needs no atomics. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -91,5 +114,16 @@ struct {
 	__type(value, struct pyproxy_svc_name);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_NAMES SEC(".maps");
+
+/* The connection-tracking timeouts (abi.h). The loader always sets them from the settings and the kernel's
+ * HZ; these defaults (at HZ=250) only serve a load that does not. */
+const volatile struct pyproxy_ct_timeouts pyproxy_ct_timeouts = {
+	.tcp_new = 60 * 250,
+	.tcp_established = 86400 * 250,
+	.tcp_closing = 3600 * 250,
+	.tcp_closed = 10 * 250,
+	.udp_new = 30 * 250,
+	.udp_established = 120 * 250,
+};
 
 #endif

@@ -17,13 +17,19 @@ MAP_SLOTS = "pyproxy_slot_v1"
 MAP_BACKENDS = "pyproxy_be_v1"
 MAP_CT = "pyproxy_ct_v2"
 MAP_STATS = "pyproxy_stat_v1"
-MAP_COUNTERS = "pyproxy_cnt_v1"
+MAP_COUNTERS = "pyproxy_cnt_v2"
 MAP_NAMES = "pyproxy_name_v1"
 MAP_EPOCH = "pyproxy_epoch_v1"
+MAP_FRAGS = "pyproxy_frag_v1"
+MAP_PORTS = "pyproxy_port_v1"
 MAP_PREFIX = "pyproxy_"
 """Every map name (and so every pin) starts with it: how cleanup and a newer layout find ours."""
-ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES, MAP_EPOCH)
+ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES, MAP_EPOCH,
+            MAP_FRAGS, MAP_PORTS)
 NAME_LEN = 128  # PYPROXY_NAME_LEN
+PORT_WORDS = 1024  # PYPROXY_PORT_WORDS
+CT_TIMEOUTS_VAR = "pyproxy_ct_timeouts"
+"""The .rodata variable (struct pyproxy_ct_timeouts) the loader sets before load."""
 
 # Program names in bpf/pyproxy.bpf.c; the "pyproxy_" prefix is how cleanup recognises ours.
 PROG_TC_INGRESS = "pyproxy_tc_ingress"
@@ -37,6 +43,17 @@ CT_FORWARD = 0  # PYPROXY_CT_FORWARD
 CT_REVERSE = 1  # PYPROXY_CT_REVERSE
 CT_AFFINITY = 2  # PYPROXY_CT_AFFINITY
 
+# struct pyproxy_ct_value.state (PYPROXY_CT_ST_*)
+CT_ST_ESTABLISHED = 0
+CT_ST_NEW = 1
+CT_ST_CLOSING = 2
+CT_ST_CLOSED = 3
+CT_STATE_NAME = {CT_ST_ESTABLISHED: "established", CT_ST_NEW: "new", CT_ST_CLOSING: "closing",
+                 CT_ST_CLOSED: "closed"}
+# struct pyproxy_ct_value.flags (PYPROXY_CT_F_*)
+CT_F_FIN_FWD = 0x1
+CT_F_FIN_REV = 0x2
+
 # enum pyproxy_counter, in order.
 COUNTERS = (
     "new_flow",
@@ -46,6 +63,11 @@ COUNTERS = (
     "rebalanced",
     "slot_miss",
     "ct_full",
+    "ct_expired",
+    "ct_reopened",
+    "ct_untracked",
+    "icmp_nat",
+    "frag_nat",
 )
 
 IPPROTO = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP}
@@ -141,10 +163,46 @@ class CtValue(ctypes.Structure):
     _fields_ = [
         ("nat_addr", ctypes.c_uint32),  # network order
         ("nat_port", ctypes.c_uint16),  # network order
-        ("pad", ctypes.c_uint16),
+        ("state", ctypes.c_uint8),  # CT_ST_*
+        ("flags", ctypes.c_uint8),  # CT_F_*
         ("svc_id", ctypes.c_uint32),  # host order
         ("epoch", ctypes.c_uint32),  # host order; backends epoch the backend was last confirmed at (FORWARD)
         ("last_seen", ctypes.c_uint64),  # host order; jiffies (bpf_jiffies64, clock.py)
+    ]
+
+
+class CtTimeoutTicks(ctypes.Structure):
+    """struct pyproxy_ct_timeouts (the .rodata variable CT_TIMEOUTS_VAR), in ticks"""
+
+    _fields_ = [
+        ("tcp_new", ctypes.c_uint32),
+        ("tcp_established", ctypes.c_uint32),
+        ("tcp_closing", ctypes.c_uint32),
+        ("tcp_closed", ctypes.c_uint32),
+        ("udp_new", ctypes.c_uint32),
+        ("udp_established", ctypes.c_uint32),
+    ]
+
+
+class FragKey(ctypes.Structure):
+    """struct pyproxy_frag_key"""
+
+    _fields_ = [
+        ("saddr", ctypes.c_uint32),  # network order
+        ("daddr", ctypes.c_uint32),  # network order
+        ("id", ctypes.c_uint16),  # network order
+        ("proto", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8),
+    ]
+
+
+class FragValue(ctypes.Structure):
+    """struct pyproxy_frag_value"""
+
+    _fields_ = [
+        ("sport", ctypes.c_uint16),  # network order
+        ("dport", ctypes.c_uint16),  # network order
+        ("pad", ctypes.c_uint32),
     ]
 
 
@@ -172,6 +230,9 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "pyproxy_backend_info": BackendInfo,
     "pyproxy_ct_key": CtKey,
     "pyproxy_ct_value": CtValue,
+    "pyproxy_ct_timeouts": CtTimeoutTicks,
+    "pyproxy_frag_key": FragKey,
+    "pyproxy_frag_value": FragValue,
     "pyproxy_svc_stats": SvcStats,
     "pyproxy_svc_name": SvcName,
 }

@@ -18,6 +18,7 @@ from pathlib import Path
 from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import DataplaneError
 from pyproxy.dataplane.bpf import abi, attach, clock, loader
+from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.dataplane.bpf.maps import BpfMap, PerCpuArray
 from pyproxy.dataplane.bpf.render import (
     Applied,
@@ -49,6 +50,8 @@ class BpfSettings:
     """Devices that also get the XDP program (native mode, generic as a fallback)."""
     max_entries: dict[str, int] = field(default_factory=dict)
     """Map capacities overriding abi.h's defaults, by map name."""
+    ct_timeouts: CtTimeouts = field(default_factory=CtTimeouts)
+    """Idle timeouts of tracked flows by protocol and state (constants of the programs loaded at start)."""
 
 
 # The maps' keys and values as bytes, field by field as in abi.h (tests/unit/test_bpf_codec.py checks them
@@ -230,11 +233,12 @@ class BpfDataplane:
 
     def start(self) -> None:
         s = self.settings
-        clock.kernel_hz()  # before anything is changed: raises ClockError where the tick rate cannot be told
+        # Before anything is changed: raises ClockError where the tick rate cannot be told.
+        timeouts = s.ct_timeouts.ticks(clock.kernel_hz())
         loader.ensure_bpffs(s.pin_path)
         adopt = self._previous_maps()
         try:
-            self._obj = loader.load(s.object_path, s.pin_path, s.max_entries, adopt)
+            self._obj = loader.load(s.object_path, s.pin_path, s.max_entries, adopt, timeouts)
         finally:
             for fd in adopt.values():
                 os.close(fd)

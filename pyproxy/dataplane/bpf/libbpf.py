@@ -62,6 +62,9 @@ ffi.cdef(
     int bpf_map__reuse_fd(struct bpf_map *map, int fd);
     int bpf_map__set_max_entries(struct bpf_map *map, uint32_t max_entries);
     int bpf_map__fd(const struct bpf_map *map);
+    void *bpf_map__initial_value(struct bpf_map *map, size_t *psize);
+    _Bool bpf_map__is_internal(const struct bpf_map *map);
+    int bpf_map__set_initial_value(struct bpf_map *map, const void *data, size_t size);
     const char *bpf_program__name(const struct bpf_program *prog);
     int bpf_program__fd(const struct bpf_program *prog);
 

@@ -217,15 +217,33 @@ def _unpin_other_layouts(pin_dir: Path, ours: set[str]) -> None:
             log.info("removed %s: a map of another layout version, replaced by this one", pin)
 
 
+def _set_rodata(m: Any, ct_timeouts: abi.CtTimeoutTicks) -> None:
+    """Write the programs' constants (the .rodata section: the connection-tracking timeouts) before load."""
+    lib = libbpf.lib()
+    size = ffi.new("size_t *")
+    current = lib.bpf_map__initial_value(m, size)
+    if current == ffi.NULL or size[0] != ctypes.sizeof(ct_timeouts):
+        raise BpfUnavailable(f"the object's .rodata holds {size[0]} bytes, not one {abi.CT_TIMEOUTS_VAR} "
+                             f"({ctypes.sizeof(ct_timeouts)} bytes): object and pyproxy do not match")
+    data = bytes(ct_timeouts)
+    libbpf.check(lib.bpf_map__set_initial_value(m, ffi.from_buffer(data), len(data)), "set .rodata")
+
+
 def load(
     obj_path: Path,
     pin_dir: Path | None,
     max_entries: dict[str, int] | None = None,
     adopt: dict[str, int] | None = None,
+    ct_timeouts: abi.CtTimeoutTicks | None = None,
 ) -> LoadedObject:
     """Open and load the object. Maps come, in this order of preference, from their pin under `pin_dir`,
     from `adopt` (name -> fd of a previous run's map), or new (and then pinned). A pinned or adopted map of
-    another shape (e.g. a changed capacity) is not reused: a warning says so and a new one replaces it."""
+    another shape (e.g. a changed capacity) is not reused: a warning says so and a new one replaces it.
+    `ct_timeouts` become the programs' constants (default: conntrack.CtTimeouts() at this kernel's HZ)."""
+    if ct_timeouts is None:
+        from pyproxy.dataplane.bpf import clock, conntrack  # clock imports this module
+
+        ct_timeouts = conntrack.CtTimeouts().ticks(clock.kernel_hz())
     lib = libbpf.lib()
     if not obj_path.exists():
         raise BpfUnavailable(f"BPF object {obj_path} not found (run `make bpf`)")
@@ -236,6 +254,12 @@ def load(
     try:
         for m in _iter_maps(obj):
             name = ffi.string(lib.bpf_map__name(m)).decode()
+            if lib.bpf_map__is_internal(m):
+                # libbpf's own map of a data section ("pyproxy.rodata"): never pinned nor adopted, made anew
+                # at every load; .rodata holds the programs' constants.
+                if name.endswith(".rodata"):
+                    _set_rodata(m, ct_timeouts)
+                continue
             if max_entries and name in max_entries:
                 libbpf.check(lib.bpf_map__set_max_entries(m, max_entries[name]), f"resize map {name}")
             if pin_dir is None:
@@ -262,7 +286,8 @@ def load(
             hint = " (needs root: CAP_BPF and CAP_SYS_ADMIN)" if code in (errno.EPERM, errno.EACCES) else ""
             raise BpfUnavailable(f"the kernel refused to load {obj_path}: {os.strerror(code)}{hint}")
         for m in _iter_maps(obj):
-            loaded.maps[ffi.string(lib.bpf_map__name(m)).decode()] = lib.bpf_map__fd(m)
+            if not lib.bpf_map__is_internal(m):
+                loaded.maps[ffi.string(lib.bpf_map__name(m)).decode()] = lib.bpf_map__fd(m)
         if pin_dir is not None:
             _unpin_other_layouts(pin_dir, set(loaded.maps))
         p = ffi.NULL
