@@ -14,6 +14,7 @@
 #include <linux/pkt_cls.h>
 #include <bpf/bpf_helpers.h>
 
+#include "pyproxy/frag.h"
 #include "pyproxy/lb.h"
 #include "pyproxy/nat.h"
 
@@ -29,7 +30,30 @@ static __always_inline int pyproxy_tc_parse(struct __sk_buff *skb, struct pyprox
 			return PYPROXY_PARSE_SKIP;
 		r = pyproxy_parse((void *)(long)skb->data, (void *)(long)skb->data_end, p);
 	}
+	/* A later fragment of a translated datagram takes its ports from the first fragment's record. */
+	if (r == PYPROXY_PARSE_FRAG)
+		r = pyproxy_frag_ports(p) ? PYPROXY_PARSE_OK : PYPROXY_PARSE_SKIP;
 	return r;
+}
+
+/* An ICMP error about a translated flow gets the quote its receiver knows (icmp.h). `dir`: the CT entry that
+ * holds the translation (REVERSE on egress, toward clients; FORWARD on ingress, toward frontends). */
+static __always_inline int pyproxy_tc_icmp(struct __sk_buff *skb, const struct pyproxy_pkt *p, __u8 dir)
+{
+	struct pyproxy_icmp_err e;
+	struct pyproxy_backend to;
+	__u32 want = skb->len < PYPROXY_ICMP_PULL ? skb->len : PYPROXY_ICMP_PULL;
+
+	if (bpf_skb_pull_data(skb, want))
+		return TC_ACT_OK;
+	if (!pyproxy_icmp_parse((void *)(long)skb->data, (void *)(long)skb->data_end, p, &e))
+		return TC_ACT_OK;
+	if (pyproxy_lb_icmp(&e, dir, &to) != PYPROXY_DNAT)
+		return TC_ACT_OK;
+	if (pyproxy_icmp_nat((void *)(long)skb->data, (void *)(long)skb->data_end, &e,
+			     dir == PYPROXY_CT_REVERSE ? PYPROXY_NAT_DST : PYPROXY_NAT_SRC, to.addr, to.port))
+		return TC_ACT_SHOT;
+	return TC_ACT_OK;
 }
 
 SEC("tc")
@@ -38,10 +62,17 @@ int pyproxy_tc_ingress(struct __sk_buff *skb)
 	struct pyproxy_pkt p;
 	struct pyproxy_backend be;
 
-	if (pyproxy_tc_parse(skb, &p) != PYPROXY_PARSE_OK)
+	switch (pyproxy_tc_parse(skb, &p)) {
+	case PYPROXY_PARSE_OK:
+		break;
+	case PYPROXY_PARSE_ICMP:
+		return pyproxy_tc_icmp(skb, &p, PYPROXY_CT_FORWARD);
+	default:
 		return TC_ACT_OK;
+	}
 	switch (pyproxy_lb_forward(&p, skb->len, &be)) {
 	case PYPROXY_DNAT:
+		pyproxy_frag_record(&p);
 		if (pyproxy_tc_nat(skb, &p, PYPROXY_NAT_DST, be.addr, be.port))
 			return TC_ACT_SHOT;
 		return TC_ACT_OK;
@@ -58,9 +89,18 @@ int pyproxy_tc_egress(struct __sk_buff *skb)
 	struct pyproxy_pkt p;
 	struct pyproxy_backend fe;
 
-	if (pyproxy_tc_parse(skb, &p) != PYPROXY_PARSE_OK)
+	switch (pyproxy_tc_parse(skb, &p)) {
+	case PYPROXY_PARSE_OK:
+		break;
+	case PYPROXY_PARSE_ICMP:
+		return pyproxy_tc_icmp(skb, &p, PYPROXY_CT_REVERSE);
+	default:
 		return TC_ACT_OK;
-	if (pyproxy_lb_reverse(&p, &fe) == PYPROXY_DNAT && pyproxy_tc_nat(skb, &p, PYPROXY_NAT_SRC, fe.addr, fe.port))
+	}
+	if (pyproxy_lb_reverse(&p, &fe) != PYPROXY_DNAT)
+		return TC_ACT_OK;
+	pyproxy_frag_record(&p);
+	if (pyproxy_tc_nat(skb, &p, PYPROXY_NAT_SRC, fe.addr, fe.port))
 		return TC_ACT_SHOT;
 	return TC_ACT_OK;
 }
@@ -73,7 +113,8 @@ int pyproxy_xdp_ingress(struct xdp_md *ctx)
 	struct pyproxy_pkt p;
 	struct pyproxy_backend be;
 
-	if (pyproxy_parse((void *)(long)ctx->data, (void *)(long)ctx->data_end, &p) != PYPROXY_PARSE_OK)
+	/* Fragments and ICMP errors go on to TC, which handles them whole. */
+	if (pyproxy_parse((void *)(long)ctx->data, (void *)(long)ctx->data_end, &p) != PYPROXY_PARSE_OK || p.frag)
 		return XDP_PASS;
 	/* Decided before the load balancer runs: TC ingress then makes the whole decision for this packet. */
 	if (pyproxy_xdp_csum_ambiguous(ctx, &p))

@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from harness import CAPACITY, Dataplane
+
+from pyproxy.dataplane.bpf import loader
 
 REPO = Path(__file__).resolve().parents[2]
 BPF_OBJECT = REPO / "bpf" / "build" / "pyproxy.bpf.o"
@@ -40,3 +43,11 @@ def bpf_object() -> Path:
     if built.returncode != 0:
         pytest.fail(f"make bpf failed:\n{built.stdout}{built.stderr}")
     return BPF_OBJECT
+
+
+@pytest.fixture
+def dp(bpf_object: Path) -> Iterator[Dataplane]:
+    """A fresh, unpinned load of the object: maps of its own, shared with nothing."""
+    dataplane = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY))
+    yield dataplane
+    dataplane.close()

@@ -205,3 +205,47 @@ def decode(data: bytes) -> Decoded:
         l4_csum_ok=not (proto == UDP and l4_csum == 0) and ones_sum(pseudo + seg) == 0xFFFF,
         l4_len=len(seg),
     )
+
+
+ICMP_DEST_UNREACH = 3
+ICMP_FRAG_NEEDED = 4  # code of ICMP_DEST_UNREACH
+ICMP_PORT_UNREACH = 3  # code of ICMP_DEST_UNREACH
+ICMP_TIME_EXCEEDED = 11
+
+
+def icmp_error(src: str, dst: str, icmp_type: int, code: int, quoted: bytes, rest: int = 0) -> bytes:
+    """An Ethernet frame with an ICMP error from `src` to `dst` quoting `quoted` (an IPv4 packet, cut as the
+    sender likes), its ICMP and IPv4 checksums computed from scratch (RFC 792)."""
+    head = struct.pack("!BBHI", icmp_type, code, 0, rest)
+    csum = checksum(head + quoted)
+    body = head[:2] + struct.pack("!H", csum) + head[4:] + quoted
+    return ethernet(ETH_P_IP, ipv4(src, dst, ICMP, body), ETH_ZLEN)
+
+
+def icmp_checksum_ok(data: bytes) -> bool:
+    """Whether the ICMP checksum of an Ethernet/IPv4/ICMP frame verifies (over the IPv4 payload)."""
+    ip = data[ETH_HLEN:]
+    hlen = (ip[0] & 0xF) * 4
+    (tot_len,) = struct.unpack_from("!H", ip, 2)
+    return ones_sum(ip[hlen:tot_len]) == 0xFFFF
+
+
+def ip_packet(data: bytes) -> bytes:
+    """The IPv4 packet of an Ethernet frame, without link padding."""
+    ip = data[ETH_HLEN:]
+    (tot_len,) = struct.unpack_from("!H", ip, 2)
+    return ip[:tot_len]
+
+
+def fragments(flow: Flow, payload: bytes, chunk: int, ident: int = 0x4242) -> list[bytes]:
+    """The Ethernet frames of one TCP/UDP datagram of `flow` cut into IPv4 fragments of `chunk` payload bytes
+    (a multiple of 8), as a sender's stack fragments it: one L4 checksum over the whole datagram."""
+    assert chunk % 8 == 0
+    seg = l4_segment(flow, payload, L4Csum.FULL)
+    out = []
+    for off in range(0, len(seg), chunk):
+        more = IP_MF if off + chunk < len(seg) else 0
+        body = seg[off : off + chunk]
+        out.append(ethernet(ETH_P_IP, ipv4(flow.src, flow.dst, flow.proto, body, frag=more | off // 8, ident=ident),
+                            ETH_ZLEN))
+    return out

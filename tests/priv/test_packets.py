@@ -14,11 +14,31 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from harness import (
+    ALL_PROGS,
+    BOTH_PROTOS,
+    CAPACITY,
+    CLIENT,
+    INGRESS,
+    NOT_READY,
+    PORT,
+    READY,
+    ROOT,
+    TC_ACT_OK,
+    TC_EGRESS,
+    TC_INGRESS,
+    VIP,
+    XDP,
+    XDP_PASS,
+    Dataplane,
+    Prog,
+    assert_checksums_valid,
+    dnat,
+    port_state,
+)
 from packets import (
     ETH_P_8021Q,
     ETH_P_ARP,
@@ -29,7 +49,6 @@ from packets import (
     IP_MF,
     TCP,
     TCP_ACK,
-    TCP_SYN,
     UDP,
     Flow,
     L4Csum,
@@ -46,152 +65,10 @@ from packets import (
 )
 
 from pyproxy.dataplane.bpf import abi, clock, libbpf, loader
-from pyproxy.dataplane.bpf.backend import Maps
-from pyproxy.dataplane.bpf.libbpf import ffi
-from pyproxy.dataplane.bpf.render import Applied, Plan, frontend_key, render
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, ServicePortState
 
-pytestmark = [
-    pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0, reason="BPF_PROG_TEST_RUN and map creation need root"),
-]
-
-TC_ACT_OK, TC_ACT_SHOT = 0, 2
-XDP_DROP, XDP_PASS = 1, 2
-
-SERVICE = "default/web"
-VIP = "10.96.0.10"
-PORT = 80
-CLIENT = "192.168.1.10"
-READY = (Backend("10.0.1.1", 8080), Backend("10.0.1.2", 8080), Backend("10.0.1.3", PORT))  # .3: port kept
-NOT_READY = Backend("10.0.1.9", 8080)
-PROTOS = {TCP: Protocol.TCP, UDP: Protocol.UDP}
-# Small maps: a fresh load per test stays cheap, and the loader's resize path is exercised.
-CAPACITY = {abi.MAP_SERVICES: 64, abi.MAP_SLOTS: 256, abi.MAP_BACKENDS: 256, abi.MAP_CT: 8192,
-            abi.MAP_STATS: 64, abi.MAP_NAMES: 64}
-
-
-def port_state(
-    proto: int = TCP,
-    backends: tuple[Backend, ...] = READY,
-    not_ready: tuple[Backend, ...] = (NOT_READY,),
-    *,
-    port: int = PORT,
-    affinity: int = 0,
-) -> ServicePortState:
-    return ServicePortState(
-        service=SERVICE,
-        port_name=f"p{port}-{proto}",
-        frontend=Frontend(VIP, port, PROTOS[proto]),
-        backends=tuple(sorted(backends)),
-        known_backends=tuple(sorted(set(backends) | set(not_ready))),
-        session_affinity_seconds=affinity,
-    )
-
-
-@dataclass(frozen=True)
-class Prog:
-    name: str
-    ok: int  # verdict for "carry on"
-    drop: int
-
-
-TC_INGRESS = Prog(abi.PROG_TC_INGRESS, TC_ACT_OK, TC_ACT_SHOT)
-TC_EGRESS = Prog(abi.PROG_TC_EGRESS, TC_ACT_OK, TC_ACT_SHOT)
-XDP = Prog(abi.PROG_XDP, XDP_PASS, XDP_DROP)
-INGRESS = [pytest.param(TC_INGRESS, id="tc"), pytest.param(XDP, id="xdp")]
-ALL_PROGS = [*INGRESS, pytest.param(TC_EGRESS, id="tc-egress")]
-BOTH_PROTOS = [pytest.param(TCP, id="tcp"), pytest.param(UDP, id="udp")]
-
-
-class Dataplane:
-    """One loaded copy of the programs and maps, programmed through render() like BpfDataplane.apply."""
-
-    def __init__(self, obj: loader.LoadedObject) -> None:
-        self.obj = obj
-        # Maps owns (closes) its fds, and so does the object: give Maps its own.
-        self.maps = Maps({name: os.dup(fd) for name, fd in obj.maps.items()})
-        self.capacity = {name: loader.map_info(fd).max_entries for name, fd in obj.maps.items()}
-        self.applied = Applied()
-
-    def close(self) -> None:
-        self.maps.close()
-        self.obj.close()
-
-    def apply(self, *states: ServicePortState, service: str = SERVICE) -> Plan:
-        plan = render(self.applied, {service: states}, self.capacity)
-        self.maps.run_batches(plan.batches)
-        self.applied.commit(plan)
-        return plan
-
-    def svc_id(self, state: ServicePortState) -> int:
-        return self.applied.frontends[frontend_key(state.frontend)].svc_id
-
-    def run(self, prog: Prog, data: bytes) -> tuple[int, bytes]:
-        """One BPF_PROG_TEST_RUN: the verdict and the frame as the program left it."""
-        data_in = ffi.new("uint8_t[]", data)
-        out = ffi.new("uint8_t[]", len(data) + 512)
-        opts = ffi.new("struct bpf_test_run_opts *")
-        opts.sz = ffi.sizeof("struct bpf_test_run_opts")
-        opts.data_in = data_in
-        opts.data_size_in = len(data)
-        opts.data_out = out
-        opts.data_size_out = len(out)
-        libbpf.check(libbpf.lib().bpf_prog_test_run_opts(self.obj.progs[prog.name], opts), f"test run {prog.name}")
-        return int(opts.retval), bytes(ffi.buffer(out, opts.data_size_out))
-
-    def counter(self, name: str) -> int:
-        return sum(v.value for v in self.maps.counters.get(abi.COUNTERS.index(name)))
-
-    def counters(self) -> dict[str, int]:
-        return {name: self.counter(name) for name in abi.COUNTERS}
-
-    def stats(self, svc_id: int) -> tuple[int, int]:
-        per_cpu = self.maps.stats.get(svc_id)
-        return sum(s.packets for s in per_cpu), sum(s.bytes for s in per_cpu)
-
-
-@pytest.fixture
-def dp(bpf_object: Path) -> Iterator[Dataplane]:
-    """A fresh, unpinned load of the object: maps of its own, shared with nothing."""
-    dataplane = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY))
-    yield dataplane
-    dataplane.close()
-
-
-def backend_of(out: bytes) -> Backend:
-    d = decode(out).flow
-    return Backend(d.dst, d.dport)
-
-
-def assert_checksums_valid(out: bytes, csum: L4Csum = L4Csum.FULL) -> None:
-    """What a receiver checks: the IPv4 header checksum, and the TCP/UDP one unless it is absent (UDP's 0)
-    or not computed yet (partial)."""
-    d = decode(out)
-    assert d.ip_csum_ok, "IPv4 header checksum"
-    if csum is L4Csum.FULL:
-        assert d.l4_csum_ok, f"{'TCP' if d.flow.proto == TCP else 'UDP'} checksum {d.l4_csum:#06x}"
-
-
-def dnat(
-    dp: Dataplane,
-    prog: Prog,
-    flow: Flow,
-    payload: bytes = b"",
-    *,
-    csum: L4Csum = L4Csum.FULL,
-    tcp_flags: int = TCP_SYN,
-    options: bytes = b"",
-) -> Backend:
-    """Send one client packet to the frontend; assert it left as the very frame the client would have sent
-    to the chosen backend (source, payload and all else untouched), with checksums a receiver accepts."""
-    verdict, out = dp.run(prog, frame(flow, payload, csum=csum, tcp_flags=tcp_flags, options=options))
-    assert verdict == prog.ok
-    be = backend_of(out)
-    assert out == frame(flow.to(be.ip, be.port), payload, csum=csum, tcp_flags=tcp_flags, options=options)
-    assert_checksums_valid(out, csum)
-    return be
+pytestmark = ROOT
 
 
 # -- the test helpers themselves ------------------------------------------------------------------
@@ -305,8 +182,8 @@ def test_client_ip_affinity_lasts_its_timeout_in_the_kernels_ticks(dp: Dataplane
     key = abi.CtKey(abi.be32(CLIENT), abi.be32(VIP), 0, abi.be16(PORT), TCP, abi.CT_AFFINITY)
     # The remembered backend is an endpoint that is not ready: no slot holds it, only affinity can choose it.
     for age, want in ((9, {NOT_READY}), (11, set(READY))):
-        dp.maps.ct[key] = abi.CtValue(abi.be32(NOT_READY.ip), abi.be16(NOT_READY.port), 0, dp.svc_id(state), 0,
-                                      clock.ticks_now() - age * hz)
+        dp.maps.ct[key] = abi.CtValue(nat_addr=abi.be32(NOT_READY.ip), nat_port=abi.be16(NOT_READY.port),
+                                      svc_id=dp.svc_id(state), last_seen=clock.ticks_now() - age * hz)
         got = dnat(dp, prog, Flow(CLIENT, VIP, 45000 + age, PORT))
         assert got in want, f"affinity {age} s old: went to {got}"
     renewed = dp.maps.ct[key]
@@ -464,7 +341,6 @@ OTHER_TRAFFIC = {
     "ipv6": ethernet(ETH_P_IPV6, bytes.fromhex("6000000000140640") + bytes(15) + b"\1" + bytes(15) + b"\2"
                      + _tcp_to_vip()),
     "vlan-tagged": ethernet(ETH_P_8021Q, struct.pack("!HH", 100, ETH_P_IP) + _tcp_packet_to_vip()),
-    "first-fragment": frame(Flow(CLIENT, VIP, 49000, PORT, UDP), b"a" * 16, frag=IP_MF),
     "later-fragment": _ip_to_vip(UDP, struct.pack("!HHHH", 49000, PORT, 24, 0) + b"b" * 16, frag=IP_MF | 3),
     "last-fragment": _ip_to_vip(TCP, _tcp_to_vip(), frag=5),
 }

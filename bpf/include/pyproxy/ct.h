@@ -1,8 +1,25 @@
 /* SPDX-License-Identifier: (GPL-2.0 OR Apache-2.0) */
-/* Connection tracking: keys built from a parsed packet, entries recorded for a new flow. */
+/*
+ * Connection tracking: the flow lifecycle of PYPROXY_MAP_CT.
+ *
+ * A flow has two entries, FORWARD (client -> frontend, holds the backend) and REVERSE (backend -> client,
+ * holds the frontend), each with the flow's state and the tick of the last packet seen in its direction.
+ * As in the kernel's conntrack and Cilium's, the state picks an idle timeout (pyproxy_ct_timeouts):
+ *
+ *   NEW --reply--> ESTABLISHED --FIN--> CLOSING --other FIN--> CLOSED;  RST from any state --> CLOSED
+ *
+ * An entry is live while it, or its peer entry (the other direction of the same flow), saw a packet within
+ * its timeout; anything else is treated as absent: never followed, never used for reverse NAT. The entries
+ * stay until a new flow overwrites them, the LRU evicts them, or the control plane's collector deletes them.
+ *
+ * A connection that ends leaves its entries behind for a while, and a later connection on the same ports must
+ * not be captured by them: a SYN on a flow past its handshake starts a new flow (lb.h), and a SYN or datagram
+ * that is no Service's removes the flow whose reverse entry would rewrite its replies (pyproxy_ct_untrack).
+ */
 #ifndef PYPROXY_CT_H
 #define PYPROXY_CT_H
 
+#include "pyproxy/counters.h"
 #include "pyproxy/maps.h"
 #include "pyproxy/parse.h"
 
@@ -43,6 +60,129 @@ static __always_inline struct pyproxy_ct_value *pyproxy_ct_lookup(const struct p
 	return bpf_map_lookup_elem(&PYPROXY_MAP_CT, &k);
 }
 
+/* The idle timeout of an entry in `state`: constants of the loaded program, folded by the verifier. */
+static __always_inline __u32 pyproxy_ct_timeout(__u8 proto, __u8 state)
+{
+	if (proto == IPPROTO_TCP) {
+		switch (state) {
+		case PYPROXY_CT_ST_NEW:
+			return pyproxy_ct_timeouts.tcp_new;
+		case PYPROXY_CT_ST_CLOSING:
+			return pyproxy_ct_timeouts.tcp_closing;
+		case PYPROXY_CT_ST_CLOSED:
+			return pyproxy_ct_timeouts.tcp_closed;
+		default:
+			return pyproxy_ct_timeouts.tcp_established;
+		}
+	}
+	return state == PYPROXY_CT_ST_NEW ? pyproxy_ct_timeouts.udp_new : pyproxy_ct_timeouts.udp_established;
+}
+
+static __always_inline int pyproxy_ct_expired(const struct pyproxy_ct_value *v, __u8 proto, __u64 now)
+{
+	return now - v->last_seen > pyproxy_ct_timeout(proto, v->state);
+}
+
+/* The key of the other direction's entry of the flow that `v`, found under `k`, belongs to:
+ * FORWARD (client, frontend) -> REVERSE (backend, client) and back. */
+static __always_inline void pyproxy_ct_peer_key(const struct pyproxy_ct_key *k, const struct pyproxy_ct_value *v,
+						struct pyproxy_ct_key *peer)
+{
+	int fwd = k->dir == PYPROXY_CT_FORWARD;
+
+	peer->saddr = fwd ? v->nat_addr : k->daddr;
+	peer->daddr = fwd ? k->saddr : v->nat_addr;
+	peer->sport = fwd ? v->nat_port : k->dport;
+	peer->dport = fwd ? k->sport : v->nat_port;
+	peer->proto = k->proto;
+	peer->dir = fwd ? PYPROXY_CT_REVERSE : PYPROXY_CT_FORWARD;
+	peer->pad = 0;
+}
+
+/* The peer entry of `v`, if it is the other half of the same flow (it points back at `k`'s frontend or
+ * client: an entry under the peer's key may belong to another flow that reached the same backend). */
+static __always_inline struct pyproxy_ct_value *pyproxy_ct_peer(const struct pyproxy_ct_key *k,
+								const struct pyproxy_ct_value *v)
+{
+	struct pyproxy_ct_key pk;
+	struct pyproxy_ct_value *peer;
+
+	pyproxy_ct_peer_key(k, v, &pk);
+	peer = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &pk);
+	if (!peer)
+		return NULL;
+	if (k->dir == PYPROXY_CT_FORWARD ? peer->nat_addr != k->daddr || peer->nat_port != k->dport
+					 : peer->nat_addr != k->saddr || peer->nat_port != k->sport)
+		return NULL;
+	return peer;
+}
+
+/* Whether the flow of entry `v` is live: it saw a packet within its timeout, or its peer did (a one-way
+ * stream refreshes only one direction's entry). Only an entry past its own timeout pays the peer lookup. */
+static __always_inline int pyproxy_ct_live(const struct pyproxy_ct_key *k, const struct pyproxy_ct_value *v,
+					   __u64 now)
+{
+	struct pyproxy_ct_value *peer;
+
+	if (!pyproxy_ct_expired(v, k->proto, now))
+		return 1;
+	peer = pyproxy_ct_peer(k, v);
+	return peer && !pyproxy_ct_expired(peer, k->proto, now);
+}
+
+/* The state after a packet in direction `dir` with TCP flags `tcp_flags` (0 for UDP). */
+static __always_inline void pyproxy_ct_next(__u8 dir, __u8 tcp_flags, __u8 *state, __u8 *flags)
+{
+	if (tcp_flags & PYPROXY_TCP_RST) {
+		*state = PYPROXY_CT_ST_CLOSED;
+		return;
+	}
+	if (tcp_flags & PYPROXY_TCP_FIN) {
+		*flags |= dir == PYPROXY_CT_FORWARD ? PYPROXY_CT_F_FIN_FWD : PYPROXY_CT_F_FIN_REV;
+		*state = (*flags & (PYPROXY_CT_F_FIN_FWD | PYPROXY_CT_F_FIN_REV)) ==
+				 (PYPROXY_CT_F_FIN_FWD | PYPROXY_CT_F_FIN_REV)
+			 ? PYPROXY_CT_ST_CLOSED
+			 : PYPROXY_CT_ST_CLOSING;
+		return;
+	}
+	if (dir == PYPROXY_CT_REVERSE && *state == PYPROXY_CT_ST_NEW)
+		*state = PYPROXY_CT_ST_ESTABLISHED;
+}
+
+/* A packet of a live flow passed in the direction of entry `v` (under key `k`): refresh its clock and move
+ * the flow's state. A state change is written to the peer entry too (one more lookup, a few times per
+ * connection), so both directions expire alike. */
+static __always_inline void pyproxy_ct_seen(const struct pyproxy_ct_key *k, struct pyproxy_ct_value *v,
+					    __u8 tcp_flags, __u64 now)
+{
+	__u8 state = v->state, flags = v->flags;
+	struct pyproxy_ct_value *peer;
+
+	v->last_seen = now;
+	pyproxy_ct_next(k->dir, tcp_flags, &state, &flags);
+	if (state == v->state && flags == v->flags)
+		return;
+	v->state = state;
+	v->flags = flags;
+	peer = pyproxy_ct_peer(k, v);
+	if (peer) {
+		peer->state = state;
+		peer->flags = flags;
+	}
+}
+
+/* Removes the entry `v` under `k` and, when it is the other half of the same flow, its peer (the peer's key
+ * may hold another live flow's entry, which stays). */
+static __always_inline void pyproxy_ct_delete(const struct pyproxy_ct_key *k, const struct pyproxy_ct_value *v)
+{
+	struct pyproxy_ct_key pk;
+
+	pyproxy_ct_peer_key(k, v, &pk);
+	if (pyproxy_ct_peer(k, v))
+		bpf_map_delete_elem(&PYPROXY_MAP_CT, &pk);
+	bpf_map_delete_elem(&PYPROXY_MAP_CT, k);
+}
+
 /* Records both directions of a new flow: the forward entry for the client's later packets and the
  * reverse entry, keyed as the backend's replies will look, for reverse NAT. Returns non-zero when the
  * table refused (only possible under memory pressure: the LRU evicts rather than fills). */
@@ -51,23 +191,23 @@ static __always_inline int pyproxy_ct_create(const struct pyproxy_pkt *p, const 
 {
 	struct pyproxy_ct_key fwd, rev;
 	struct pyproxy_ct_value fv = {}, rv = {};
+	__u8 state = PYPROXY_CT_ST_NEW, flags = 0;
 
+	pyproxy_ct_next(PYPROXY_CT_FORWARD, p->tcp_flags, &state, &flags);
 	pyproxy_ct_key_of(p, PYPROXY_CT_FORWARD, &fwd);
 	fv.nat_addr = be->addr;
 	fv.nat_port = be->port;
+	fv.state = state;
+	fv.flags = flags;
 	fv.svc_id = svc_id;
 	fv.epoch = epoch;
 	fv.last_seen = now;
 
-	rev.saddr = be->addr;
-	rev.daddr = p->saddr;
-	rev.sport = be->port;
-	rev.dport = p->sport;
-	rev.proto = p->proto;
-	rev.dir = PYPROXY_CT_REVERSE;
-	rev.pad = 0;
+	pyproxy_ct_peer_key(&fwd, &fv, &rev);
 	rv.nat_addr = p->daddr;
 	rv.nat_port = p->dport;
+	rv.state = state;
+	rv.flags = flags;
 	rv.svc_id = svc_id;
 	rv.last_seen = now;
 
@@ -75,6 +215,44 @@ static __always_inline int pyproxy_ct_create(const struct pyproxy_pkt *p, const 
 	if (bpf_map_update_elem(&PYPROXY_MAP_CT, &rev, &rv, BPF_ANY))
 		return -1;
 	return bpf_map_update_elem(&PYPROXY_MAP_CT, &fwd, &fv, BPF_ANY);
+}
+
+/* Whether some endpoint listens on `port` (network order): PYPROXY_MAP_PORTS, an inlined array read. */
+static __always_inline int pyproxy_endpoint_port(__be16 port)
+{
+	__u32 p = bpf_ntohs(port), word = p >> 6;
+	__u64 *bits = bpf_map_lookup_elem(&PYPROXY_MAP_PORTS, &word);
+
+	return bits && (*bits >> (p & 63)) & 1;
+}
+
+/* A packet that is no Service's, entering the node. If it may start a new flow to an endpoint (a TCP SYN, a
+ * UDP datagram) and a Service flow's reverse entry has exactly its reply tuple, that entry would rewrite the
+ * endpoint's replies to come from the frontend, and the client would drop them: the client has moved on to
+ * talk to the endpoint directly from the same port (a TCP client only reuses a port after the connection
+ * closed). The old flow goes, both entries, so its next packet to the frontend starts a new one. Non-Service
+ * traffic pays an array read for this; a hash lookup only when its destination port is an endpoint's. */
+static __always_inline void pyproxy_ct_untrack(const struct pyproxy_pkt *p)
+{
+	struct pyproxy_ct_key k;
+	struct pyproxy_ct_value *v;
+
+	if (p->proto == IPPROTO_TCP ? !pyproxy_is_syn(p) : p->proto != IPPROTO_UDP)
+		return;
+	if (!pyproxy_endpoint_port(p->dport))
+		return;
+	k.saddr = p->daddr;
+	k.daddr = p->saddr;
+	k.sport = p->dport;
+	k.dport = p->sport;
+	k.proto = p->proto;
+	k.dir = PYPROXY_CT_REVERSE;
+	k.pad = 0;
+	v = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &k);
+	if (!v)
+		return;
+	pyproxy_ct_delete(&k, v);
+	pyproxy_count(PYPROXY_CNT_CT_UNTRACKED);
 }
 
 #endif

@@ -4,8 +4,8 @@
 #ifndef PYPROXY_LB_H
 #define PYPROXY_LB_H
 
-#include "pyproxy/counters.h"
 #include "pyproxy/ct.h"
+#include "pyproxy/icmp.h"
 
 enum pyproxy_verdict {
 	PYPROXY_PASS = 0,   /* not a frontend: leave the packet alone */
@@ -91,32 +91,52 @@ static __always_inline int pyproxy_ct_follow(struct pyproxy_ct_value *ct, const 
 }
 
 /* The forward decision for a packet entering the node. Cost for packets that are not ours: one hash
- * lookup. For an established flow: two (frontend, flow) and an array read (the epoch); a third (backend
- * still an endpoint) once per flow after backends were removed. */
+ * lookup (plus pyproxy_ct_untrack's array read for a SYN or a UDP datagram). For an established flow: two
+ * (frontend, flow) and an array read (the epoch); a third (backend still an endpoint) once per flow after
+ * backends were removed, and one on each state change (pyproxy_ct_seen). A later fragment (p->frag) only
+ * follows its flow: it never starts one. */
 static __always_inline int pyproxy_lb_forward(const struct pyproxy_pkt *p, __u64 pkt_len, struct pyproxy_backend *be)
 {
 	struct pyproxy_svc_value *svc;
 	struct pyproxy_ct_value *ct;
+	struct pyproxy_ct_key k;
 	__u32 epoch;
 	__u64 now;
 
 	svc = pyproxy_frontend_of(p);
-	if (!svc)
+	if (!svc) {
+		if (p->frag != PYPROXY_FRAG_LATER)
+			pyproxy_ct_untrack(p);
 		return PYPROXY_PASS;
+	}
 	now = pyproxy_now();
 	/* Before the backend is looked up or chosen: an epoch read after a concurrent removal could otherwise
 	 * vouch for the removed backend. */
 	epoch = pyproxy_backends_epoch();
 
-	ct = pyproxy_ct_lookup(p, PYPROXY_CT_FORWARD);
+	pyproxy_ct_key_of(p, PYPROXY_CT_FORWARD, &k);
+	ct = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &k);
 	if (ct) {
-		if (pyproxy_ct_follow(ct, svc, epoch, be)) {
-			ct->last_seen = now;
+		if (!pyproxy_ct_live(&k, ct, now)) {
+			pyproxy_count(PYPROXY_CNT_CT_EXPIRED);
+		} else if (pyproxy_is_syn(p) && ct->state != PYPROXY_CT_ST_NEW) {
+			/* A SYN past the handshake: the client opened a new connection on the same ports. */
+			pyproxy_count(PYPROXY_CNT_CT_REOPENED);
+		} else if (pyproxy_ct_follow(ct, svc, epoch, be)) {
+			pyproxy_ct_seen(&k, ct, p->tcp_flags, now);
 			pyproxy_count(PYPROXY_CNT_ESTABLISHED);
 			pyproxy_count_svc(svc->svc_id, pkt_len);
 			return PYPROXY_DNAT;
+		} else {
+			pyproxy_count(PYPROXY_CNT_REBALANCED);
 		}
-		pyproxy_count(PYPROXY_CNT_REBALANCED);
+		if (p->frag == PYPROXY_FRAG_LATER)
+			return PYPROXY_PASS;
+		/* The old flow goes whole: its reverse entry would otherwise outlive it if the new flow gets
+		 * another backend. */
+		pyproxy_ct_delete(&k, ct);
+	} else if (p->frag == PYPROXY_FRAG_LATER) {
+		return PYPROXY_PASS;
 	}
 
 	if (svc->backend_count == 0) {
@@ -138,17 +158,50 @@ static __always_inline int pyproxy_lb_forward(const struct pyproxy_pkt *p, __u64
 	return PYPROXY_DNAT;
 }
 
-/* The reverse decision for a packet leaving the node: a backend's reply gets its frontend back. */
+/* The reverse decision for a packet leaving the node: a backend's reply gets its frontend back, while its
+ * flow is live. */
 static __always_inline int pyproxy_lb_reverse(const struct pyproxy_pkt *p, struct pyproxy_backend *fe)
 {
-	struct pyproxy_ct_value *ct = pyproxy_ct_lookup(p, PYPROXY_CT_REVERSE);
+	struct pyproxy_ct_value *ct;
+	struct pyproxy_ct_key k;
+	__u64 now;
 
+	pyproxy_ct_key_of(p, PYPROXY_CT_REVERSE, &k);
+	ct = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &k);
 	if (!ct)
 		return PYPROXY_PASS;
+	now = pyproxy_now();
+	if (!pyproxy_ct_live(&k, ct, now)) {
+		pyproxy_count(PYPROXY_CNT_CT_EXPIRED);
+		return PYPROXY_PASS;
+	}
 	fe->addr = ct->nat_addr;
 	fe->port = ct->nat_port;
 	fe->pad = 0;
+	pyproxy_ct_seen(&k, ct, p->tcp_flags, now);
 	pyproxy_count(PYPROXY_CNT_REVNAT);
+	return PYPROXY_DNAT;
+}
+
+/* An ICMP error about a translated flow: the entry of the flow the quoted packet belongs to gives the address
+ * the quote must carry. `dir` is the entry to look in: PYPROXY_CT_REVERSE for an error leaving toward a client
+ * (the quote reads client -> backend, the reply tuple of the entry backend -> client; fills the frontend),
+ * PYPROXY_CT_FORWARD for one entering toward a frontend (the quote reads frontend -> client; fills the
+ * backend). */
+static __always_inline int pyproxy_lb_icmp(const struct pyproxy_icmp_err *e, __u8 dir, struct pyproxy_backend *to)
+{
+	struct pyproxy_ct_key k = {
+		.saddr = e->daddr, .daddr = e->saddr, .sport = e->dport, .dport = e->sport,
+		.proto = e->proto, .dir = dir,
+	};
+	struct pyproxy_ct_value *ct = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &k);
+
+	if (!ct || !pyproxy_ct_live(&k, ct, pyproxy_now()))
+		return PYPROXY_PASS;
+	to->addr = ct->nat_addr;
+	to->port = ct->nat_port;
+	to->pad = 0;
+	pyproxy_count(PYPROXY_CNT_ICMP_NAT);
 	return PYPROXY_DNAT;
 }
 

@@ -37,6 +37,9 @@ static __always_inline int pyproxy_tc_nat(struct __sk_buff *skb, const struct py
 	/* A UDP checksum of 0 means "none": leave it, and never produce 0 for a real one. */
 	__u64 l4f = p->proto == IPPROTO_UDP ? BPF_F_MARK_MANGLED_0 : 0;
 
+	/* A later fragment has no L4 header: the first fragment's checksum covers the whole datagram. */
+	if (p->frag == PYPROXY_FRAG_LATER)
+		goto l3;
 	if (bpf_l4_csum_replace(skb, p->csum_off, old_addr, addr, l4f | BPF_F_PSEUDO_HDR | sizeof(addr)))
 		return -1;
 	if (old_port != port) {
@@ -45,6 +48,7 @@ static __always_inline int pyproxy_tc_nat(struct __sk_buff *skb, const struct py
 		if (bpf_skb_store_bytes(skb, pyproxy_port_off(p, side), &port, sizeof(port), 0))
 			return -1;
 	}
+l3:
 	if (bpf_l3_csum_replace(skb, p->l3_off + __builtin_offsetof(struct iphdr, check), old_addr, addr,
 				sizeof(addr)))
 		return -1;

@@ -13,6 +13,19 @@
 #define PYPROXY_IP_MF     0x2000
 #define PYPROXY_IP_OFFSET 0x1fff
 
+/* TCP header flags (byte 13 of the header). */
+#define PYPROXY_TCP_FIN 0x01
+#define PYPROXY_TCP_SYN 0x02
+#define PYPROXY_TCP_RST 0x04
+#define PYPROXY_TCP_ACK 0x10
+
+/* struct pyproxy_pkt.frag */
+enum pyproxy_frag {
+	PYPROXY_FRAG_NONE = 0,   /* a whole datagram */
+	PYPROXY_FRAG_FIRST,      /* offset 0, more to come: carries the L4 header */
+	PYPROXY_FRAG_LATER,      /* offset > 0: no L4 header; ports come from PYPROXY_MAP_FRAGS */
+};
+
 /* What NAT needs to know about a packet: its 5-tuple and where the headers are. */
 struct pyproxy_pkt {
 	__be32 saddr;
@@ -20,25 +33,36 @@ struct pyproxy_pkt {
 	__be16 sport;
 	__be16 dport;
 	__u8 proto;
+	__u8 tcp_flags;    /* PYPROXY_TCP_*; 0 for UDP */
+	__u8 frag;         /* enum pyproxy_frag */
+	__be16 ip_id;      /* the IPv4 identification, for fragments */
 	__u32 l3_off;      /* offset of the IPv4 header */
-	__u32 l4_off;      /* offset of the TCP/UDP header */
+	__u32 l4_off;      /* offset of the TCP/UDP (or ICMP) header */
 	__u32 l4_len;      /* TCP/UDP header + payload, from the IPv4 total length */
 	__u32 csum_off;    /* offset of the TCP/UDP checksum field */
 };
 
 enum pyproxy_parse_result {
-	PYPROXY_PARSE_OK = 0,
-	PYPROXY_PARSE_SKIP,      /* not IPv4 TCP/UDP, or a fragment: not ours to translate */
+	PYPROXY_PARSE_OK = 0,    /* TCP or UDP: a whole datagram or its first fragment */
+	PYPROXY_PARSE_SKIP,      /* not ours to translate: the stack will judge it */
 	PYPROXY_PARSE_SHORT,     /* headers extend past the linear data (TC may pull and retry) */
+	PYPROXY_PARSE_FRAG,      /* a later fragment of a TCP/UDP datagram: addresses and ip_id only */
+	PYPROXY_PARSE_ICMP,      /* ICMP: l4_off is its header (icmp.h reads errors) */
 };
 
-/* Fills *p for an unfragmented IPv4 TCP or UDP packet. Anything else, including malformed headers,
- * is SKIP so the caller passes it untouched: the stack will judge it. */
+static __always_inline int pyproxy_is_syn(const struct pyproxy_pkt *p)
+{
+	return (p->tcp_flags & (PYPROXY_TCP_SYN | PYPROXY_TCP_ACK)) == PYPROXY_TCP_SYN;
+}
+
+/* Fills *p for an IPv4 TCP or UDP packet. Malformed headers are SKIP so the caller passes the packet
+ * untouched; fragments and ICMP get their own results, for TC (XDP leaves them to TC). */
 static __always_inline int pyproxy_parse(void *data, void *data_end, struct pyproxy_pkt *p)
 {
 	struct ethhdr *eth = data;
 	struct iphdr *ip;
 	__u32 ihl;
+	__u16 frag_off;
 
 	if ((void *)(eth + 1) > data_end)
 		return PYPROXY_PARSE_SHORT;
@@ -48,14 +72,7 @@ static __always_inline int pyproxy_parse(void *data, void *data_end, struct pypr
 	if ((void *)(ip + 1) > data_end)
 		return PYPROXY_PARSE_SHORT;
 	ihl = ip->ihl * 4;
-	if (ip->version != 4 || ihl < sizeof(*ip))
-		return PYPROXY_PARSE_SKIP;
-	/* Later fragments carry no ports; translating only the first would split the datagram. */
-	if (ip->frag_off & bpf_htons(PYPROXY_IP_MF | PYPROXY_IP_OFFSET))
-		return PYPROXY_PARSE_SKIP;
-	if (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP)
-		return PYPROXY_PARSE_SKIP;
-	if (bpf_ntohs(ip->tot_len) < ihl + sizeof(struct udphdr))
+	if (ip->version != 4 || ihl < sizeof(*ip) || bpf_ntohs(ip->tot_len) < ihl)
 		return PYPROXY_PARSE_SKIP;
 
 	p->l3_off = sizeof(*eth);
@@ -64,6 +81,23 @@ static __always_inline int pyproxy_parse(void *data, void *data_end, struct pypr
 	p->saddr = ip->saddr;
 	p->daddr = ip->daddr;
 	p->proto = ip->protocol;
+	p->ip_id = ip->id;
+	p->tcp_flags = 0;
+	p->sport = 0;
+	p->dport = 0;
+	p->csum_off = 0;
+	if (ip->protocol == IPPROTO_ICMP)
+		return ip->frag_off & bpf_htons(PYPROXY_IP_MF | PYPROXY_IP_OFFSET) ? PYPROXY_PARSE_SKIP : PYPROXY_PARSE_ICMP;
+	if (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP)
+		return PYPROXY_PARSE_SKIP;
+	frag_off = bpf_ntohs(ip->frag_off);
+	if (frag_off & PYPROXY_IP_OFFSET) {
+		p->frag = PYPROXY_FRAG_LATER;
+		return PYPROXY_PARSE_FRAG;
+	}
+	p->frag = frag_off & PYPROXY_IP_MF ? PYPROXY_FRAG_FIRST : PYPROXY_FRAG_NONE;
+	if (p->l4_len < sizeof(struct udphdr))
+		return PYPROXY_PARSE_SKIP;
 
 	if (p->proto == IPPROTO_TCP) {
 		struct tcphdr *th = data + p->l4_off;
@@ -74,6 +108,7 @@ static __always_inline int pyproxy_parse(void *data, void *data_end, struct pypr
 			return PYPROXY_PARSE_SKIP;
 		p->sport = th->source;
 		p->dport = th->dest;
+		p->tcp_flags = ((__u8 *)th)[13];
 		p->csum_off = p->l4_off + __builtin_offsetof(struct tcphdr, check);
 	} else {
 		struct udphdr *uh = data + p->l4_off;

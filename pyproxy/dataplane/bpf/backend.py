@@ -119,10 +119,11 @@ class Maps:
         self.ct: BpfMap = BpfMap(fds[abi.MAP_CT], abi.MAP_CT, abi.CtKey, abi.CtValue)
         self.names: BpfMap = BpfMap(fds[abi.MAP_NAMES], abi.MAP_NAMES, ctypes.c_uint32, abi.SvcName)
         self.epoch: BpfMap = BpfMap(fds[abi.MAP_EPOCH], abi.MAP_EPOCH, ctypes.c_uint32, ctypes.c_uint32)
+        self.frags: BpfMap = BpfMap(fds[abi.MAP_FRAGS], abi.MAP_FRAGS, abi.FragKey, abi.FragValue)
         self.stats: PerCpuArray = PerCpuArray(fds[abi.MAP_STATS], abi.MAP_STATS, abi.SvcStats)
         self.counters: PerCpuArray = PerCpuArray(fds[abi.MAP_COUNTERS], abi.MAP_COUNTERS, ctypes.c_uint64)
         self.by_name: dict[str, BpfMap] = {
-            m.name: m for m in (self.services, self.slots, self.backends, self.ct, self.names, self.epoch)
+            m.name: m for m in (self.services, self.slots, self.backends, self.ct, self.names, self.epoch, self.frags)
         }
 
     def _svc_values(self, values: Sequence[tuple]) -> bytes:

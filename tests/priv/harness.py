@@ -1,0 +1,150 @@
+"""The BPF object driven packet by packet with BPF_PROG_TEST_RUN: a fresh load programmed the way pyproxy does
+(render() -> Maps.run_batches), and the checks a receiver makes. Shared by test_packets.py and test_ct.py."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+from packets import TCP, TCP_SYN, UDP, Flow, L4Csum, decode, frame
+
+from pyproxy.dataplane.bpf import abi, libbpf, loader
+from pyproxy.dataplane.bpf.backend import Maps
+from pyproxy.dataplane.bpf.libbpf import ffi
+from pyproxy.dataplane.bpf.render import Applied, Plan, frontend_key, render
+from pyproxy.model.objects import Protocol
+from pyproxy.model.state import Backend, Frontend, ServicePortState
+
+ROOT = [
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="BPF_PROG_TEST_RUN and map creation need root"),
+]
+
+TC_ACT_OK, TC_ACT_SHOT = 0, 2
+XDP_DROP, XDP_PASS = 1, 2
+
+SERVICE = "default/web"
+VIP = "10.96.0.10"
+PORT = 80
+CLIENT = "192.168.1.10"
+READY = (Backend("10.0.1.1", 8080), Backend("10.0.1.2", 8080), Backend("10.0.1.3", PORT))  # .3: port kept
+NOT_READY = Backend("10.0.1.9", 8080)
+PROTOS = {TCP: Protocol.TCP, UDP: Protocol.UDP}
+# Small maps: a fresh load per test stays cheap, and the loader's resize path is exercised.
+CAPACITY = {abi.MAP_SERVICES: 64, abi.MAP_SLOTS: 256, abi.MAP_BACKENDS: 256, abi.MAP_CT: 8192,
+            abi.MAP_STATS: 64, abi.MAP_NAMES: 64}
+
+
+def port_state(
+    proto: int = TCP,
+    backends: tuple[Backend, ...] = READY,
+    not_ready: tuple[Backend, ...] = (NOT_READY,),
+    *,
+    port: int = PORT,
+    affinity: int = 0,
+) -> ServicePortState:
+    return ServicePortState(
+        service=SERVICE,
+        port_name=f"p{port}-{proto}",
+        frontend=Frontend(VIP, port, PROTOS[proto]),
+        backends=tuple(sorted(backends)),
+        known_backends=tuple(sorted(set(backends) | set(not_ready))),
+        session_affinity_seconds=affinity,
+    )
+
+
+@dataclass(frozen=True)
+class Prog:
+    name: str
+    ok: int  # verdict for "carry on"
+    drop: int
+
+
+TC_INGRESS = Prog(abi.PROG_TC_INGRESS, TC_ACT_OK, TC_ACT_SHOT)
+TC_EGRESS = Prog(abi.PROG_TC_EGRESS, TC_ACT_OK, TC_ACT_SHOT)
+XDP = Prog(abi.PROG_XDP, XDP_PASS, XDP_DROP)
+INGRESS = [pytest.param(TC_INGRESS, id="tc"), pytest.param(XDP, id="xdp")]
+ALL_PROGS = [*INGRESS, pytest.param(TC_EGRESS, id="tc-egress")]
+BOTH_PROTOS = [pytest.param(TCP, id="tcp"), pytest.param(UDP, id="udp")]
+
+
+class Dataplane:
+    """One loaded copy of the programs and maps, programmed through render() like BpfDataplane.apply."""
+
+    def __init__(self, obj: loader.LoadedObject) -> None:
+        self.obj = obj
+        # Maps owns (closes) its fds, and so does the object: give Maps its own.
+        self.maps = Maps({name: os.dup(fd) for name, fd in obj.maps.items()})
+        self.capacity = {name: loader.map_info(fd).max_entries for name, fd in obj.maps.items()}
+        self.applied = Applied()
+
+    def close(self) -> None:
+        self.maps.close()
+        self.obj.close()
+
+    def apply(self, *states: ServicePortState, service: str = SERVICE) -> Plan:
+        plan = render(self.applied, {service: states}, self.capacity)
+        self.maps.run_batches(plan.batches)
+        self.applied.commit(plan)
+        return plan
+
+    def svc_id(self, state: ServicePortState) -> int:
+        return self.applied.frontends[frontend_key(state.frontend)].svc_id
+
+    def run(self, prog: Prog, data: bytes) -> tuple[int, bytes]:
+        """One BPF_PROG_TEST_RUN: the verdict and the frame as the program left it."""
+        data_in = ffi.new("uint8_t[]", data)
+        out = ffi.new("uint8_t[]", len(data) + 512)
+        opts = ffi.new("struct bpf_test_run_opts *")
+        opts.sz = ffi.sizeof("struct bpf_test_run_opts")
+        opts.data_in = data_in
+        opts.data_size_in = len(data)
+        opts.data_out = out
+        opts.data_size_out = len(out)
+        libbpf.check(libbpf.lib().bpf_prog_test_run_opts(self.obj.progs[prog.name], opts), f"test run {prog.name}")
+        return int(opts.retval), bytes(ffi.buffer(out, opts.data_size_out))
+
+    def counter(self, name: str) -> int:
+        return sum(v.value for v in self.maps.counters.get(abi.COUNTERS.index(name)))
+
+    def counters(self) -> dict[str, int]:
+        return {name: self.counter(name) for name in abi.COUNTERS}
+
+    def stats(self, svc_id: int) -> tuple[int, int]:
+        per_cpu = self.maps.stats.get(svc_id)
+        return sum(s.packets for s in per_cpu), sum(s.bytes for s in per_cpu)
+
+
+def backend_of(out: bytes) -> Backend:
+    d = decode(out).flow
+    return Backend(d.dst, d.dport)
+
+
+def assert_checksums_valid(out: bytes, csum: L4Csum = L4Csum.FULL) -> None:
+    """What a receiver checks: the IPv4 header checksum, and the TCP/UDP one unless it is absent (UDP's 0)
+    or not computed yet (partial)."""
+    d = decode(out)
+    assert d.ip_csum_ok, "IPv4 header checksum"
+    if csum is L4Csum.FULL:
+        assert d.l4_csum_ok, f"{'TCP' if d.flow.proto == TCP else 'UDP'} checksum {d.l4_csum:#06x}"
+
+
+def dnat(
+    dp: Dataplane,
+    prog: Prog,
+    flow: Flow,
+    payload: bytes = b"",
+    *,
+    csum: L4Csum = L4Csum.FULL,
+    tcp_flags: int = TCP_SYN,
+    options: bytes = b"",
+) -> Backend:
+    """Send one client packet to the frontend; assert it left as the very frame the client would have sent
+    to the chosen backend (source, payload and all else untouched), with checksums a receiver accepts."""
+    verdict, out = dp.run(prog, frame(flow, payload, csum=csum, tcp_flags=tcp_flags, options=options))
+    assert verdict == prog.ok
+    be = backend_of(out)
+    assert out == frame(flow.to(be.ip, be.port), payload, csum=csum, tcp_flags=tcp_flags, options=options)
+    assert_checksums_valid(out, csum)
+    return be
