@@ -198,6 +198,8 @@ SERIES_REPEAT = {  # key -> (series, mode)
     "tc_est": ("TC established flow", "bpf"),
     "xdp_miss": ("XDP not a Service", "bpf"),
     "tc_miss": ("TC not a Service", "bpf"),
+    "xdp_miss_syn": ("XDP not a Service, SYN to an endpoint port", "bpf"),
+    "tc_miss_syn": ("TC not a Service, SYN to an endpoint port", "bpf"),
 }
 # The profile of the established XDP path: bench/steps.bpf.c's cumulative programs (each one step more than
 # the one before), between the floor and the production program.
@@ -207,8 +209,8 @@ STEPS = {
     "step2_frontend": "2 + frontend lookup (hash)",
     "step3_clock": "3 + clock (jiffies), backends epoch (array)",
     "step4_flow": "4 + flow lookup (LRU hash)",
-    "step5_backend": "5 + follow the flow (epoch compare)",
-    "step6_decision": "6 + last_seen, two per-CPU counters",
+    "step5_backend": "5 + follow the flow (expiry, epoch compare)",
+    "step6_decision": "6 + last_seen and state, two per-CPU counters",
     "xdp_est": "7 + rewrite, checksums (= XDP established flow)",
 }
 SERIES_SINGLE = {
@@ -234,19 +236,25 @@ def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.Lo
         progs = dp.obj.progs
         est_flow = Flow(CLIENT, core.vip(n - 1), 40000, core.PORT, TCP)
         est_pkt = frame(est_flow, tcp_flags=TCP_ACK)
-        miss_pkt = frame(Flow(CLIENT, NOT_A_SERVICE, 40001, core.PORT, TCP), tcp_flags=TCP_SYN)
+        # Not a Service: a segment of some other connection, and a SYN to a port endpoints listen on, which also
+        # looks for an old Service flow on its ports (bpf/include/pyproxy/ct.h, pyproxy_ct_untrack).
+        miss_pkt = frame(Flow(CLIENT, NOT_A_SERVICE, 40001, core.PORT, TCP), tcp_flags=TCP_ACK)
+        miss_syn_pkt = frame(Flow(CLIENT, NOT_A_SERVICE, 40001, core.BACKEND_PORT, TCP), tcp_flags=TCP_SYN)
         runs = {
             "floor": TestRun(verdict.progs[VERDICT_PROG], est_pkt),
             "xdp_est": TestRun(progs[abi.PROG_XDP], est_pkt),
             "tc_est": TestRun(progs[abi.PROG_TC_INGRESS], est_pkt),
             "xdp_miss": TestRun(progs[abi.PROG_XDP], miss_pkt),
             "tc_miss": TestRun(progs[abi.PROG_TC_INGRESS], miss_pkt),
+            "xdp_miss_syn": TestRun(progs[abi.PROG_XDP], miss_syn_pkt),
+            "tc_miss_syn": TestRun(progs[abi.PROG_TC_INGRESS], miss_syn_pkt),
         }
         steps = loader.load(STEPS_OBJECT, None, adopt=dp.obj.maps)
         runs.update((name, TestRun(steps.progs[name], est_pkt)) for name in STEPS if name in steps.progs)
         tries = pin_to_self(dp, runs["xdp_est"], est_flow)
         verdict_ok = {"floor": XDP_PASS, "xdp_est": XDP_PASS, "xdp_miss": XDP_PASS, "tc_est": TC_ACT_OK,
-                      "tc_miss": TC_ACT_OK, **{name: XDP_PASS for name in steps.progs}}
+                      "tc_miss": TC_ACT_OK, "xdp_miss_syn": XDP_PASS, "tc_miss_syn": TC_ACT_OK,
+                      **{name: XDP_PASS for name in steps.progs}}
 
         rec.step(f"{core.plural(n, 'service')}: {p['rounds']} rounds of repeat={p['repeat']:,}")
         repeat = int(p["repeat"])

@@ -59,25 +59,29 @@ int step4_flow(struct xdp_md *ctx)
 	       pyproxy_ct_lookup(&p, PYPROXY_CT_FORWARD) ? XDP_PASS : XDP_DROP;
 }
 
-/* + following the flow: same frontend, and its backend still an endpoint (an epoch compare; the lookup only
- * after backends were removed). */
+/* + following the flow: live (idle within its state's timeout), not a new SYN, same frontend, and its backend
+ * still an endpoint (an epoch compare; the lookup only after backends were removed). */
 SEC("xdp")
 int step5_backend(struct xdp_md *ctx)
 {
 	struct pyproxy_svc_value *svc;
 	struct pyproxy_ct_value *ct;
 	struct pyproxy_backend be;
+	struct pyproxy_ct_key k;
 	struct pyproxy_pkt p;
 	__u32 epoch;
+	__u64 now;
 
-	if (!step_parse(ctx, &p) || !(svc = pyproxy_frontend_of(&p)) || !pyproxy_now())
+	if (!step_parse(ctx, &p) || !(svc = pyproxy_frontend_of(&p)) || !(now = pyproxy_now()))
 		return XDP_DROP;
 	epoch = pyproxy_backends_epoch();
-	ct = pyproxy_ct_lookup(&p, PYPROXY_CT_FORWARD);
-	return ct && pyproxy_ct_follow(ct, svc, epoch, &be) ? XDP_PASS : XDP_DROP;
+	pyproxy_ct_key_of(&p, PYPROXY_CT_FORWARD, &k);
+	ct = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &k);
+	return ct && pyproxy_ct_live(&k, ct, now) && !pyproxy_is_syn(&p) && pyproxy_ct_follow(ct, svc, epoch, &be)
+	       ? XDP_PASS : XDP_DROP;
 }
 
-/* + last_seen and the two per-CPU counters: the whole load-balancing decision, without the rewrite. */
+/* + last_seen and state, and the two per-CPU counters: the whole load-balancing decision, without the rewrite. */
 SEC("xdp")
 int step6_decision(struct xdp_md *ctx)
 {
