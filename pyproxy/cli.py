@@ -1,52 +1,128 @@
-"""The `pyproxy` command: flags (named as upstream kube-proxy's) mapped onto settings, nothing more."""
+"""The `pyproxy` command: flags (named as upstream kube-proxy's) mapped onto settings, nothing more.
+
+Every flag that sets a setting defaults to None, "not given": the defaults are the settings dataclasses' own
+(pyproxy/proxier/config.py and each dataplane's), written once there. A value no setting can hold ends the
+command with status 2 and one line per wrong flag, before anything is changed.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
+from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.proxier import app
-from pyproxy.proxier.config import ProxySettings
-from pyproxy.proxier.modes import AUTO, MODES
+from pyproxy.proxier.config import ProxySettings, SettingError, format_duration, parse_duration
+from pyproxy.proxier.modes import MODES
+
+DEFAULTS = ProxySettings()
+
+# The flags that set one setting each: argparse's dest -> the settings attributes (dotted paths) it sets.
+SETTINGS: dict[str, tuple[str, ...]] = {
+    "bpf_pin_path": ("bpf.pin_path",),
+    "proxy_mode": ("mode",),
+    "source": ("source",),
+    "kubeconfig": ("connection.kubeconfig",),
+    "master": ("connection.master",),
+    "hostname_override": ("hostname_override",),
+    "devices": ("bpf.devices",),
+    "xdp_devices": ("bpf.xdp_devices",),
+    "cluster_cidr": ("masquerade.cluster_cidr",),
+    "masquerade_all": ("masquerade.masquerade_all",),
+    "iptables_masquerade_bit": ("masquerade.masquerade_bit",),
+    "iptables_backend": ("iptables.backend", "ipvs.iptables_backend"),
+    "ipvs_scheduler": ("ipvs.scheduler",),
+    "healthz_bind_address": ("healthz_bind_address",),
+    "metrics_bind_address": ("metrics_bind_address",),
+    "min_sync_period": ("min_sync_period",),
+    "sync_period": ("sync_period",),
+}
+
+# Connection-tracking timeout flags: the CtTimeouts field each sets, and whether 0 means "the default".
+# Upstream's --conntrack-* flags take 0 as "leave the kernel's value as it is", which here is the default (the
+# defaults are the kernel's and kube-proxy's); the --bpf-ct-* flags are pyproxy's own and must be positive.
+class CtFlag(NamedTuple):
+    flag: str
+    field: str
+    zero_keeps_default: bool
+    what: str
+
+
+CT_FLAGS = (
+    CtFlag("--conntrack-tcp-timeout-established", "tcp_established", True, "a TCP flow that got a reply"),
+    CtFlag("--conntrack-tcp-timeout-close-wait", "tcp_closing", True, "a TCP flow half-closed by a FIN"),
+    CtFlag("--conntrack-udp-timeout", "udp_new", True, "a UDP flow with no reply yet"),
+    CtFlag("--conntrack-udp-timeout-stream", "udp_established", True, "a UDP flow that got a reply"),
+    CtFlag("--bpf-ct-tcp-syn-timeout", "tcp_new", False, "a TCP flow whose SYN got no answer yet"),
+    CtFlag("--bpf-ct-tcp-close-timeout", "tcp_closed", False, "a TCP flow after FINs both ways or a RST"),
+)
 
 
 def _csv(value: str) -> tuple[str, ...]:
     return tuple(v for v in (x.strip() for x in value.split(",")) if v)
 
 
+def _duration(value: str) -> float:
+    try:
+        return parse_duration(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bpf-pin-path", type=Path, default=Path("/sys/fs/bpf/pyproxy"),
-                   help="where BPF maps are pinned (a bpffs is mounted when none is there)")
+    p.add_argument("--bpf-pin-path", type=Path,
+                   help=f"where BPF maps are pinned, a bpffs mounted there when none is (default: "
+                        f"{DEFAULTS.bpf.pin_path})")
     p.add_argument("-v", "--v", type=int, default=2, help="log verbosity (0 quiet .. 4 debug)")
 
 
 def parser() -> argparse.ArgumentParser:
+    d = DEFAULTS
     ap = argparse.ArgumentParser(prog="pyproxy", description="A Kubernetes service proxy with an eBPF dataplane")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="watch Services and EndpointSlices and program the dataplane")
-    run.add_argument("--proxy-mode", choices=MODES, default=AUTO,
-                     help="the dataplane to program; auto: the first of bpf, ipvs, nftables, iptables that works")
+    run = sub.add_parser("run", help="watch Services and EndpointSlices and program the dataplane",
+                         epilog="Durations take Go's form (24h0m0s, 1h, 30s, 250ms) or plain seconds.")
+    run.add_argument("--proxy-mode", choices=MODES,
+                     help=f"the dataplane to program; auto: the first of bpf, ipvs, nftables, iptables that "
+                          f"works (default: {d.mode})")
     run.add_argument("--source", type=Path,
                      help="read a manifest file or folder (v1 Services, EndpointSlices) instead of the API")
     run.add_argument("--kubeconfig", type=Path, help="kubeconfig file of the API server to follow")
     run.add_argument("--master", help="the API server's URL (overrides the kubeconfig's server)")
     run.add_argument("--hostname-override", help="the name of this node (default: the host name)")
-    run.add_argument("--devices", type=_csv, default=(),
+    run.add_argument("--devices", type=_csv,
                      help="comma-separated devices to attach to (default: every non-loopback Ethernet device)")
-    run.add_argument("--xdp-devices", type=_csv, default=(), help="devices that also get the XDP program")
+    run.add_argument("--xdp-devices", type=_csv, help="devices that also get the XDP program (bpf mode)")
     run.add_argument("--cluster-cidr", help="masquerade ClusterIP traffic from outside this range (netfilter modes)")
-    run.add_argument("--masquerade-all", action="store_true", help="masquerade all ClusterIP traffic (netfilter modes)")
-    run.add_argument("--iptables-masquerade-bit", type=int, default=14, help="fwmark bit marking packets for SNAT")
-    run.add_argument("--iptables-backend", choices=("auto", "legacy", "nft"), default="auto",
-                     help="iptables flavour for the iptables and ipvs modes (auto: whatever `iptables` is here)")
-    run.add_argument("--ipvs-scheduler", default="rr", help="IPVS scheduler: rr, wrr, lc, wlc, sh, dh, ...")
-    run.add_argument("--healthz-bind-address", default="0.0.0.0:10256")
-    run.add_argument("--metrics-bind-address", default="127.0.0.1:10249")
-    run.add_argument("--min-sync-period", type=float, default=1.0, help="seconds between syncs at the least")
-    run.add_argument("--sync-period", type=float, default=30.0, help="seconds between full resyncs at the most")
+    run.add_argument("--masquerade-all", action="store_true", default=None,
+                     help="masquerade all ClusterIP traffic (netfilter modes)")
+    run.add_argument("--iptables-masquerade-bit", type=int,
+                     help=f"fwmark bit marking packets for SNAT (default: {d.masquerade.masquerade_bit})")
+    run.add_argument("--iptables-backend", choices=("auto", "legacy", "nft"),
+                     help="iptables flavour for the iptables and ipvs modes (auto, the default: whatever "
+                          "`iptables` is here)")
+    run.add_argument("--ipvs-scheduler", help=f"IPVS scheduler: rr, wrr, lc, wlc, sh, dh, ... "
+                                              f"(default: {d.ipvs.scheduler})")
+    run.add_argument("--healthz-bind-address", help=f"default: {d.healthz_bind_address}")
+    run.add_argument("--metrics-bind-address", help=f"default: {d.metrics_bind_address}")
+    run.add_argument("--min-sync-period", type=_duration,
+                     help=f"time between syncs at the least; 0: none (default: {format_duration(d.min_sync_period)})")
+    run.add_argument("--sync-period", type=_duration,
+                     help=f"time between syncs at the most, positive (default: {format_duration(d.sync_period)})")
+    for ct in CT_FLAGS:
+        zero = "; 0: the default" if ct.zero_keeps_default else ""
+        run.add_argument(ct.flag, type=_duration, metavar="DURATION",
+                         help=f"bpf mode: idle timeout of {ct.what} (default: "
+                              f"{format_duration(getattr(d.bpf.ct_timeouts, ct.field))}{zero})")
     _add_common(run)
 
     insp = sub.add_parser("inspect", help="show frontends, backends, counters and flows from the BPF maps")
@@ -60,27 +136,39 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _set(settings: object, path: str, value: object) -> None:
+    *parents, name = path.split(".")
+    for parent in parents:
+        settings = getattr(settings, parent)
+    setattr(settings, name, value)
+
+
+def _ct_timeouts(args: argparse.Namespace, timeouts: CtTimeouts) -> tuple[CtTimeouts, list[str]]:
+    problems = []
+    for ct in CT_FLAGS:
+        value = getattr(args, _dest(ct.flag), None)
+        if value is None or (value == 0 and ct.zero_keeps_default):
+            continue
+        if value <= 0:
+            rule = "not be negative" if ct.zero_keeps_default else "be positive"
+            problems.append(f"{ct.flag} must {rule}, not {format_duration(value)}")
+            continue
+        timeouts = dataclasses.replace(timeouts, **{ct.field: value})
+    return timeouts, problems
+
+
 def settings_from(args: argparse.Namespace) -> ProxySettings:
+    """The settings with every given flag applied; SettingError naming each flag whose value cannot work."""
     s = ProxySettings()
-    s.bpf.pin_path = args.bpf_pin_path
-    if args.command == "run":
-        s.mode = args.proxy_mode
-        s.source = args.source
-        s.connection.kubeconfig = args.kubeconfig
-        s.connection.master = args.master
-        s.hostname_override = args.hostname_override
-        s.healthz_bind_address = args.healthz_bind_address
-        s.metrics_bind_address = args.metrics_bind_address
-        s.min_sync_period = args.min_sync_period
-        s.sync_period = args.sync_period
-        s.masquerade.cluster_cidr = args.cluster_cidr
-        s.masquerade.masquerade_all = args.masquerade_all
-        s.masquerade.masquerade_bit = args.iptables_masquerade_bit
-        s.iptables.backend = args.iptables_backend
-        s.ipvs.iptables_backend = args.iptables_backend
-        s.ipvs.scheduler = args.ipvs_scheduler
-        s.bpf.devices = args.devices
-        s.bpf.xdp_devices = args.xdp_devices
+    for dest, paths in SETTINGS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            for path in paths:
+                _set(s, path, value)
+    s.bpf.ct_timeouts, problems = _ct_timeouts(args, s.bpf.ct_timeouts)
+    problems += s.problems()
+    if problems:
+        raise SettingError(problems)
     return s
 
 
@@ -96,7 +184,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo()
     _logging(args.v)
-    settings = settings_from(args)
+    try:
+        settings = settings_from(args)
+    except SettingError as e:
+        for problem in e.problems:
+            print(f"pyproxy {args.command}: error: {problem}", file=sys.stderr)
+        return 2
     try:
         if args.command == "run":
             return app.run(settings)

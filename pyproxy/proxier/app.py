@@ -14,7 +14,7 @@ from pyproxy.k8s.events import record_node_event
 from pyproxy.k8s.informer import ApiSource
 from pyproxy.k8s.manifest import ManifestSource
 from pyproxy.proxier import modes
-from pyproxy.proxier.config import ProxySettings, node_name, parse_address
+from pyproxy.proxier.config import ProxySettings, SettingError, node_name, parse_address
 from pyproxy.proxier.metrics import InformerCollector, ProxyMetrics
 from pyproxy.proxier.proxier import Proxier
 from pyproxy.proxier.server import ProxyHealth, health_server, metrics_server
@@ -42,7 +42,11 @@ def _api_client(settings: ProxySettings) -> ApiClient:
 def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
     """Run until SIGTERM/SIGINT (or `stop`); the dataplane stays programmed after return."""
     stop = stop or threading.Event()
-    # Configuration errors first: a wrong kubeconfig must not leave programs attached.
+    # Configuration errors first: wrong settings or a wrong kubeconfig must not leave programs attached.
+    try:
+        settings.validate()
+    except SettingError as e:
+        raise StartupError(str(e)) from e
     api = None if settings.source is not None else _api_client(settings)
     try:
         dataplane = modes.start_dataplane(settings)

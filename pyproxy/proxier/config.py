@@ -4,6 +4,7 @@ only map onto these dataclasses."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,9 +32,11 @@ class ProxySettings:
     metrics_bind_address: str = "127.0.0.1:10249"
     """--metrics-bind-address: Prometheus /metrics (upstream's port)."""
     min_sync_period: float = 1.0
-    """--min-sync-period: seconds between two syncs at the least; bursts coalesce into one."""
+    """--min-sync-period: seconds between two syncs at the least; bursts coalesce into one. 0: no pause."""
     sync_period: float = 30.0
-    """--sync-period: seconds between syncs at the most; such a periodic sync applies what changed."""
+    """--sync-period: seconds between syncs at the most; such a periodic sync applies what changed. Positive
+    and at least --min-sync-period, as upstream (0 would sync without a pause; a config file's 0s means
+    upstream's default, which a config loader must apply before these settings)."""
     full_sync_period: float = 3600.0
     """Seconds between full syncs, which rewrite every Service and reconcile with the kernel (upstream's
     FullSyncPeriod, one hour; also after a failed sync). At 10,000 Services a full sync costs the netfilter
@@ -50,6 +53,76 @@ class ProxySettings:
         # One masquerade policy for every mode, as upstream's single set of flags.
         for mode in (self.iptables, self.nftables, self.ipvs):
             mode.masquerade = self.masquerade
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings (every mode's), one line each naming its flag; empty when none."""
+        out = []
+        if not self.sync_period > 0:
+            out.append(f"--sync-period must be positive, not {format_duration(self.sync_period)} "
+                       "(0 would sync without a pause, spinning a core)")
+        if not self.min_sync_period >= 0:
+            out.append(f"--min-sync-period must not be negative, not {format_duration(self.min_sync_period)}")
+        elif self.sync_period > 0 and self.sync_period < self.min_sync_period:
+            out.append(f"--sync-period ({format_duration(self.sync_period)}) must not be shorter than "
+                       f"--min-sync-period ({format_duration(self.min_sync_period)})")
+        if not self.full_sync_period > 0:
+            out.append(f"the full sync period must be positive, not {format_duration(self.full_sync_period)}")
+        for flag, address in (("--healthz-bind-address", self.healthz_bind_address),
+                              ("--metrics-bind-address", self.metrics_bind_address)):
+            try:
+                parse_address(address)
+            except ValueError as e:
+                out.append(f"{flag}: {e}")
+        return out + self.masquerade.problems() + self.ipvs.problems() + self.bpf.problems()
+
+    def validate(self) -> None:
+        """SettingError naming every wrong setting: what a start checks before it changes anything."""
+        problems = self.problems()
+        if problems:
+            raise SettingError(problems)
+
+
+class SettingError(ValueError):
+    """Settings no mode can run with; the message names each wrong one by its flag."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
+                   "h": 3600.0}
+_NUMBER = r"(?:\d+\.?\d*|\.\d+)"
+_DURATION_PART = re.compile(rf"({_NUMBER})(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds, from a Go duration as upstream's flags and config file take them ("24h0m0s", "1h30m",
+    "250ms", "-1s", "0") or from plain seconds ("30", "0.5"); ValueError otherwise. The sign is kept: whether
+    a value may be negative or zero is the setting's rule (`ProxySettings.problems`)."""
+    s = text.strip()
+    sign, body = (-1.0, s[1:]) if s[:1] == "-" else (1.0, s[1:] if s[:1] == "+" else s)
+    if re.fullmatch(_NUMBER, body):
+        return sign * float(body)
+    if body and re.fullmatch(rf"(?:{_DURATION_PART.pattern})+", body):
+        return sign * sum(float(n) * _DURATION_UNITS[unit] for n, unit in _DURATION_PART.findall(body))
+    raise ValueError(f"not a duration: {text!r} (want e.g. 30s, 1h0m0s, 250ms, or seconds)")
+
+
+def format_duration(seconds: float) -> str:
+    """A duration as Go prints one ("1h0m0s", "2m0s", "30s", "250ms", "0s"), for messages."""
+    if seconds < 0:
+        return "-" + format_duration(-seconds)
+    if seconds == 0:
+        return "0s"
+    if seconds < 1:
+        return f"{round(seconds * 1000, 6):g}ms"
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    text = f"{round(secs, 6):g}s"
+    if hours or minutes:
+        text = f"{int(minutes)}m{text}"
+    return f"{int(hours)}h{text}" if hours else text
 
 
 def parse_address(addr: str) -> tuple[str, int]:

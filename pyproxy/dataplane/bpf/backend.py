@@ -47,11 +47,26 @@ class BpfSettings:
     devices: tuple[str, ...] = ()
     """Devices to attach to; empty means every non-loopback Ethernet device, including later ones."""
     xdp_devices: tuple[str, ...] = ()
-    """Devices that also get the XDP program (native mode, generic as a fallback)."""
+    """Devices that also get the XDP program (native mode, generic as a fallback); a start removes pyproxy's
+    XDP program from every other device."""
     max_entries: dict[str, int] = field(default_factory=dict)
     """Map capacities overriding abi.h's defaults, by map name."""
     ct_timeouts: CtTimeouts = field(default_factory=CtTimeouts)
     """Idle timeouts of tracked flows by protocol and state (constants of the programs loaded at start)."""
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, one line each naming its flag (ProxySettings.validate). The
+        timeouts check their signs themselves (CtTimeouts); here, that they fit the programs' tick counters
+        at the fastest kernel clock (CONFIG_HZ=1000)."""
+        out = [f"--xdp-devices names {dev}, which --devices leaves out" for dev in self.xdp_devices
+               if self.devices and dev not in self.devices]
+        out += [f"the capacity of map {name} must be 1..{2**32 - 1}, not {n}"
+                for name, n in self.max_entries.items() if not 0 < n < 2**32]
+        try:
+            self.ct_timeouts.ticks(1000)
+        except ValueError as e:
+            out.append(str(e))
+        return out
 
 
 # The maps' keys and values as bytes, field by field as in abi.h (tests/unit/test_bpf_codec.py checks them

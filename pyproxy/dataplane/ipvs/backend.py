@@ -89,6 +89,14 @@ class IpvsSettings:
     """How long a removed TCP real server may drain (weight 0) before it is deleted even with connections
     left; upstream's original bound (rsGracefulDeletePeriod, 15 minutes)."""
 
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, one line each naming its flag (ProxySettings.validate)."""
+        out = [] if self.scheduler else ["--ipvs-scheduler must name a scheduler (rr, wrr, lc, ...)"]
+        if not self.graceful_termination_seconds >= 0:
+            out.append(f"the IPVS graceful termination period must not be negative, not "
+                       f"{self.graceful_termination_seconds}s")
+        return out
+
 
 # --------------------------------------------------------------------------------------------- iptables
 

@@ -1,0 +1,46 @@
+"""What a restart leaves behind and what a setting silently ignores (issue 17), end to end in a namespace lab.
+
+- a start makes the attached programs exactly what its settings say: XDP goes when --xdp-devices no longer
+  names the device, TC when --devices no longer names it, and the log says what went;
+- a duration that cannot work (--sync-period=0 spins a core; --min-sync-period=-1) ends pyproxy at once with
+  status 2 and a message naming the flag, before anything is programmed;
+- `ip netns exec NODE pyproxy inspect` finds the running dataplane though each `ip netns exec` has its own /sys;
+- a setting the running mode does not honour is named in a warning;
+- an iptables-mode restart leaves its own chains alone: the stale-mode cleanup removes only other modes' things.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pyproxy.lab.manifests import Port, endpoint_slice, service
+
+pytestmark = pytest.mark.root
+
+HTTP = Port("http", 80, 8080)
+WEB_IP = "10.96.30.1"
+WEB = (service("web", WEB_IP, [HTTP]), endpoint_slice("web", {"10.201.1.2": True, "10.201.2.2": True}, [HTTP]))
+BOTH = {"b1:8080", "b2:8080"}
+
+
+# ------------------------------------------------------------------------------------------ 2. durations
+
+
+@pytest.mark.parametrize(("flag", "message"), [
+    ("--sync-period=0", "error: --sync-period must be positive"),
+    ("--sync-period=0s", "error: --sync-period must be positive"),  # what kubeadm's ConfigMap holds
+    ("--min-sync-period=-1", "error: --min-sync-period must not be negative"),
+    ("--min-sync-period=2m", "error: --sync-period (30s) must not be shorter than --min-sync-period (2m0s)"),
+    ("--conntrack-tcp-timeout-established=-1s", "error: --conntrack-tcp-timeout-established must not be negative"),
+    ("--bpf-ct-tcp-syn-timeout=0", "error: --bpf-ct-tcp-syn-timeout must be positive"),
+    ("--sync-period=fast", "error: argument --sync-period: not a duration"),
+])
+def test_a_duration_that_cannot_work_ends_pyproxy_at_once_naming_the_flag(make_env, flag: str,
+                                                                          message: str) -> None:
+    env = make_env(1)
+    env.write("web.yaml", *WEB)
+    cp = env.lab.python(env.lab.node, "-m", "pyproxy", "run", "--proxy-mode=bpf", f"--source={env.source}",
+                        f"--bpf-pin-path={env.lab.pin_path}", flag, check=False, timeout=20)
+    assert cp.returncode == 2, cp
+    assert message in cp.stderr, cp.stderr
+    assert not any(env.attached_programs().values()), "programs attached before the settings were checked"
