@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pyproxy.dataplane.base import Dataplane, ModeUnavailable
 from pyproxy.dataplane.bpf import backend as bpf
@@ -22,13 +23,57 @@ from pyproxy.dataplane.bpf.loader import BpfUnavailable
 from pyproxy.dataplane.iptables import backend as iptables
 from pyproxy.dataplane.ipvs import backend as ipvs
 from pyproxy.dataplane.nftables import backend as nftables
-from pyproxy.proxier.config import ProxySettings
+from pyproxy.proxier.config import ProxySettings, format_duration
 
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
 AUTO_ORDER = ("bpf", "ipvs", "nftables", "iptables")
 MODES = (AUTO, *AUTO_ORDER)
+
+
+class Honoured(NamedTuple):
+    flag: str
+    get: Callable[[ProxySettings], object]
+    modes: frozenset[str]
+    """The modes that act on the setting."""
+
+
+_BPF = frozenset({"bpf"})
+_NETFILTER = frozenset({"ipvs", "nftables", "iptables"})
+# Every setting that only some modes act on, and which. A mode started with one of the others away from its
+# default warns, naming it (settings every mode acts on are not listed: the sources, syncs, servers, the pin
+# path, which every mode's start cleans up). The one place to change when a mode learns a setting.
+HONOURED_BY = (
+    Honoured("--devices", lambda s: s.bpf.devices, _BPF),
+    Honoured("--xdp-devices", lambda s: s.bpf.xdp_devices, _BPF),
+    Honoured("--conntrack-tcp-timeout-established", lambda s: s.bpf.ct_timeouts.tcp_established, _BPF),
+    Honoured("--conntrack-tcp-timeout-close-wait", lambda s: s.bpf.ct_timeouts.tcp_closing, _BPF),
+    Honoured("--conntrack-udp-timeout", lambda s: s.bpf.ct_timeouts.udp_new, _BPF),
+    Honoured("--conntrack-udp-timeout-stream", lambda s: s.bpf.ct_timeouts.udp_established, _BPF),
+    Honoured("--bpf-ct-tcp-syn-timeout", lambda s: s.bpf.ct_timeouts.tcp_new, _BPF),
+    Honoured("--bpf-ct-tcp-close-timeout", lambda s: s.bpf.ct_timeouts.tcp_closed, _BPF),
+    Honoured("--cluster-cidr", lambda s: s.masquerade.cluster_cidr, _NETFILTER),
+    Honoured("--masquerade-all", lambda s: s.masquerade.masquerade_all, _NETFILTER),
+    Honoured("--iptables-masquerade-bit", lambda s: s.masquerade.masquerade_bit, _NETFILTER),
+    Honoured("--iptables-backend", lambda s: s.iptables.backend, frozenset({"ipvs", "iptables"})),
+    Honoured("--ipvs-scheduler", lambda s: s.ipvs.scheduler, frozenset({"ipvs"})),
+)
+
+
+def unhonoured(settings: ProxySettings, mode: str) -> list[str]:
+    """One line per setting given (away from its default) that `mode` does not act on."""
+    defaults = ProxySettings()
+    out = []
+    for h in HONOURED_BY:
+        value = h.get(settings)
+        if mode not in h.modes and value != h.get(defaults):
+            shown = ",".join(value) if isinstance(value, tuple) else \
+                format_duration(value) if isinstance(value, float) else value
+            others = ", ".join(m for m in AUTO_ORDER if m in h.modes)
+            out.append(f"{mode} mode does not honour {h.flag} (set to {shown}): only the {others} "
+                       f"mode{'s' if len(h.modes) > 1 else ''} do{'' if len(h.modes) > 1 else 'es'}")
+    return out
 
 
 class NoModeAvailable(RuntimeError):
@@ -77,6 +122,8 @@ def start_dataplane(settings: ProxySettings) -> Dataplane:
                 log.info("proxy mode %s skipped: %s", mode, e)
             continue
         log.info("proxy mode %s%s", mode, " (chosen automatically)" if settings.mode == AUTO else "")
+        for line in unhonoured(settings, mode):
+            log.warning("%s", line)
         for line in cleanup(settings, keep=mode):
             log.info("removed what proxy mode %s left: %s", *line.split(": ", 1))
         return dataplane

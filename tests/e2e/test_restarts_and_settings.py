@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pyproxy.lab.manifests import Port, endpoint_slice, service
@@ -21,6 +23,11 @@ HTTP = Port("http", 80, 8080)
 WEB_IP = "10.96.30.1"
 WEB = (service("web", WEB_IP, [HTTP]), endpoint_slice("web", {"10.201.1.2": True, "10.201.2.2": True}, [HTTP]))
 BOTH = {"b1:8080", "b2:8080"}
+
+
+def last_run_log(proxy) -> str:
+    """The log of the latest start only (every start appends to one file after a `### <command>` line)."""
+    return proxy.log_text().rsplit("### ", 1)[-1]
 
 
 # ------------------------------------------------------------------------------------------ 2. durations
@@ -44,3 +51,17 @@ def test_a_duration_that_cannot_work_ends_pyproxy_at_once_naming_the_flag(make_e
     assert cp.returncode == 2, cp
     assert message in cp.stderr, cp.stderr
     assert not any(env.attached_programs().values()), "programs attached before the settings were checked"
+
+
+# ------------------------------------------------------------------------------------------ 4. settings
+
+
+def test_bpf_mode_warns_about_settings_it_does_not_honour(make_env) -> None:
+    env = make_env(2)
+    env.write("web.yaml", *WEB)
+    proxy = env.start(args=["--masquerade-all", "--cluster-cidr=10.200.0.0/16"])
+    log = last_run_log(proxy)
+    for flag in ("--masquerade-all", "--cluster-cidr"):
+        assert re.search(rf"WARNING .*bpf mode does not honour {flag}\b", log), log
+    assert "--iptables-backend" not in log, log  # a flag left at its default is no setting of the user's
+    env.assert_reaches("tcp", WEB_IP, 80, BOTH)

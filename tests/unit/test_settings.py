@@ -9,7 +9,7 @@ import pytest
 
 from pyproxy import cli
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
-from pyproxy.proxier import app
+from pyproxy.proxier import app, modes
 from pyproxy.proxier.config import ProxySettings, SettingError, format_duration, parse_duration
 
 
@@ -145,3 +145,38 @@ def test_the_command_line_refuses_wrong_settings_with_status_2(monkeypatch, caps
         cli.main(["run", "--sync-period=soon"])
     assert exit_.value.code == 2
     assert "argument --sync-period: not a duration: 'soon'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------- what each mode honours
+
+
+def test_defaults_warn_of_nothing_in_any_mode() -> None:
+    assert all(modes.unhonoured(ProxySettings(), mode) == [] for mode in modes.AUTO_ORDER)
+
+
+def test_a_setting_the_mode_does_not_act_on_is_named() -> None:
+    s = settings("--masquerade-all", "--cluster-cidr=10.244.0.0/16", "--xdp-devices=eth0", "--ipvs-scheduler=lc")
+    assert modes.unhonoured(s, "bpf") == [
+        "bpf mode does not honour --cluster-cidr (set to 10.244.0.0/16): only the ipvs, nftables, iptables modes do",
+        "bpf mode does not honour --masquerade-all (set to True): only the ipvs, nftables, iptables modes do",
+        "bpf mode does not honour --ipvs-scheduler (set to lc): only the ipvs mode does",
+    ]
+    assert [line.split(" (")[0] for line in modes.unhonoured(s, "iptables")] == [
+        "iptables mode does not honour --xdp-devices", "iptables mode does not honour --ipvs-scheduler"]
+    assert [line.split(" (")[0] for line in modes.unhonoured(s, "ipvs")] == ["ipvs mode does not honour --xdp-devices"]
+    ct = settings("--conntrack-udp-timeout=1m")
+    assert modes.unhonoured(ct, "bpf") == []
+    assert modes.unhonoured(ct, "nftables") == [
+        "nftables mode does not honour --conntrack-udp-timeout (set to 1m0s): only the bpf mode does"]
+
+
+def test_the_table_names_real_flags_and_every_mode_setting() -> None:
+    run = cli.parser()._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
+    flags = {o for action in run._actions for o in action.option_strings}
+    listed = {h.flag for h in modes.HONOURED_BY}
+    assert listed <= flags
+    # The flags that set a mode's own settings (bpf.*, masquerade.*, iptables.*, ipvs.*) are all in the table,
+    # the pin path aside (every mode's start cleans up the bpf mode's pins).
+    mode_flags = {f"--{dest.replace('_', '-')}" for dest, paths in cli.SETTINGS.items()
+                  if paths[0].split(".")[0] in ("bpf", "masquerade", "iptables", "ipvs", "nftables")}
+    assert mode_flags - {"--bpf-pin-path"} | {ct.flag for ct in cli.CT_FLAGS} == listed
