@@ -19,6 +19,7 @@ CASES = [
     (abi.MAP_BACKENDS, ("192.168.0.1", 53), abi.Backend(abi.be32("192.168.0.1"), abi.be16(53)),
      (0,), abi.BackendInfo(0)),
     (abi.MAP_NAMES, (12,), ctypes.c_uint32(12), ("default/web:http",), abi.SvcName(b"default/web:http")),
+    (abi.MAP_PORTS, (126,), ctypes.c_uint32(126), (1 << 63 | 1 << 16,), ctypes.c_uint64(1 << 63 | 1 << 16)),
 ]
 
 

@@ -2,9 +2,9 @@
 
 Every plan is also run against `MapModel`, a dictionary model of the maps that after each single operation
 checks what the datapath needs at that instant (a frontend's slots 0..count-1 exist and point at known
-backends, no two frontends share a service id), and at the end that the maps hold exactly what `Applied`
-says once the plan is committed, and that its indexes match a fresh `Applied` built from the same state. The
-ordering tests then pin the specific orders render.py promises.
+backends, no two frontends share a service id, every known backend's port is in the port bitmap), and at the end
+that the maps hold exactly what `Applied` says once the plan is committed, and that its indexes match a fresh
+`Applied` built from the same state. The ordering tests then pin the specific orders render.py promises.
 """
 
 from __future__ import annotations
@@ -62,14 +62,18 @@ class MapModel:
 
     def __init__(self) -> None:
         self.maps: MapContents = {m: {} for m in (abi.MAP_SERVICES, abi.MAP_SLOTS, abi.MAP_BACKENDS, abi.MAP_NAMES,
-                                                  abi.MAP_EPOCH)}
+                                                  abi.MAP_EPOCH, abi.MAP_PORTS)}
         self.resets: list[int] = []
         self.epochs_seen: set[tuple] = set()
+        self.last_op: Op | None = None
 
     def run(self, op: Op) -> None:
+        self.last_op = op
         if op.verb == "reset":
             assert op.map == abi.MAP_STATS
             self.resets.append(op.key[0])
+        elif op.verb == "put" and op.map == abi.MAP_PORTS and op.value == (0,):
+            self.maps[op.map].pop(op.key, None)  # an array: a zero word is the same as one never written
         elif op.verb == "put":
             assert op.value is not None
             self.maps[op.map][op.key] = op.value
@@ -100,6 +104,11 @@ class MapModel:
             for i in range(count):
                 assert (svc_id, i) in slots, f"{key}: slot {i} of {count} missing"
                 assert slots[svc_id, i] in backends, f"{key}: slot {i} points at unknown {slots[svc_id, i]}"
+        if self.last_op is not None and self.last_op[:2] in (("put", abi.MAP_BACKENDS), ("put", abi.MAP_PORTS)):
+            return  # a new backend's port bit comes with the batch after the backends', a word at a time
+        words = self.maps[abi.MAP_PORTS]
+        for _, p in backends:
+            assert words.get((p // 64,), (0,))[0] >> (p % 64) & 1, f"port {p} of a known backend not in the bitmap"
 
 
 def contents(applied: Applied) -> MapContents:
@@ -114,7 +123,16 @@ def contents(applied: Applied) -> MapContents:
         abi.MAP_BACKENDS: {(b.ip, b.port): (0,) for b in applied.backend_refs},
         abi.MAP_NAMES: {(f.svc_id,): (f.name,) for f in fes.values()},
         abi.MAP_EPOCH: {(0,): (applied.epoch,)} if applied.epoch else {},
+        abi.MAP_PORTS: port_words({b.port for b in applied.backend_refs}),
     }
+
+
+def port_words(ports: Iterable[int]) -> dict[tuple, tuple]:
+    """MAP_PORTS holding exactly `ports` (words never written are absent: zero in the array map)."""
+    words: dict[int, int] = {}
+    for p in ports:
+        words[p // 64] = words.get(p // 64, 0) | 1 << (p % 64)
+    return {(w,): (v,) for w, v in words.items()}
 
 
 def check_indexes(applied: Applied) -> None:
@@ -206,6 +224,7 @@ def test_removing_a_service_deletes_its_entry_then_slots_then_backends() -> None
         ("del", abi.MAP_BACKENDS, (A.ip, A.port)),
         ("del", abi.MAP_BACKENDS, (B.ip, B.port)),
         ("del", abi.MAP_BACKENDS, (C.ip, C.port)),
+        ("put", abi.MAP_PORTS, (8080 // 64,)),  # no backend left on 8080: its bit goes
         ("put", abi.MAP_EPOCH, (0,)),
     ]
     assert c.applied == Applied()
@@ -371,12 +390,12 @@ def test_a_cold_start_comes_in_few_batches() -> None:
                for i in range(50)}
     plan = c.sync(desired)
     assert [(b.verb, b.map, len(b.keys)) for b in plan.batches] == [
-        ("put", abi.MAP_BACKENDS, 150), ("reset", abi.MAP_STATS, 50), ("put", abi.MAP_SLOTS, 150),
-        ("put", abi.MAP_SERVICES, 50), ("put", abi.MAP_NAMES, 50)]
+        ("put", abi.MAP_BACKENDS, 150), ("put", abi.MAP_PORTS, 1), ("reset", abi.MAP_STATS, 50),
+        ("put", abi.MAP_SLOTS, 150), ("put", abi.MAP_SERVICES, 50), ("put", abi.MAP_NAMES, 50)]
     plan = c.sync({k: [] for k in desired})
     assert [(b.verb, b.map, len(b.keys)) for b in plan.batches] == [
         ("del", abi.MAP_SERVICES, 50), ("del", abi.MAP_SLOTS, 150), ("del", abi.MAP_NAMES, 50),
-        ("del", abi.MAP_BACKENDS, 150), ("put", abi.MAP_EPOCH, 1)]
+        ("del", abi.MAP_BACKENDS, 150), ("put", abi.MAP_PORTS, 1), ("put", abi.MAP_EPOCH, 1)]
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -29,6 +29,7 @@ from pyproxy.dataplane.bpf.render import (
     Op,
     epoch_batch,
     next_epoch,
+    ports_batch,
     render,
 )
 from pyproxy.model.state import Backend, DesiredState
@@ -81,7 +82,8 @@ _NAME = struct.Struct(f"{abi.NAME_LEN}s")  # pyproxy_svc_name, NUL-padded
 _SLOT_KEY = struct.Struct("=II")  # pyproxy_slot_key: svc_id, slot
 _U32_KEY = struct.Struct("=I")  # the names map's key
 _U32 = "I"  # array typecode of a host-order u32: packs many slot keys' fields or names keys at once
-assert array.array(_U32).itemsize == 4
+_U64 = "Q"  # array typecode of a host-order u64: the port bitmap's words
+assert array.array(_U32).itemsize == 4 and array.array(_U64).itemsize == 8
 _ip, _port, _proto = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
 
 
@@ -111,6 +113,7 @@ KEY_CODECS: dict[str, Codec] = {
     abi.MAP_BACKENDS: _endpoints,
     abi.MAP_NAMES: lambda keys: _u32s(map(_ip, keys)),  # (svc_id,)
     abi.MAP_EPOCH: lambda keys: _u32s(map(_ip, keys)),  # (0,)
+    abi.MAP_PORTS: lambda keys: _u32s(map(_ip, keys)),  # (word,)
 }
 VALUE_CODECS: dict[str, Codec] = {
     abi.MAP_SERVICES: lambda values: b"".join(itertools.starmap(_SVC_VALUE.pack, values)),
@@ -118,6 +121,7 @@ VALUE_CODECS: dict[str, Codec] = {
     abi.MAP_BACKENDS: lambda values: b"".join(map(_BACKEND_INFO.pack, map(_ip, values))),  # (flags,)
     abi.MAP_NAMES: _names,
     abi.MAP_EPOCH: lambda values: _u32s(map(_ip, values)),  # (epoch,)
+    abi.MAP_PORTS: lambda values: array.array(_U64, map(_ip, values)).tobytes(),  # (bits,)
 }
 
 
@@ -135,10 +139,12 @@ class Maps:
         self.names: BpfMap = BpfMap(fds[abi.MAP_NAMES], abi.MAP_NAMES, ctypes.c_uint32, abi.SvcName)
         self.epoch: BpfMap = BpfMap(fds[abi.MAP_EPOCH], abi.MAP_EPOCH, ctypes.c_uint32, ctypes.c_uint32)
         self.frags: BpfMap = BpfMap(fds[abi.MAP_FRAGS], abi.MAP_FRAGS, abi.FragKey, abi.FragValue)
+        self.ports: BpfMap = BpfMap(fds[abi.MAP_PORTS], abi.MAP_PORTS, ctypes.c_uint32, ctypes.c_uint64)
         self.stats: PerCpuArray = PerCpuArray(fds[abi.MAP_STATS], abi.MAP_STATS, abi.SvcStats)
         self.counters: PerCpuArray = PerCpuArray(fds[abi.MAP_COUNTERS], abi.MAP_COUNTERS, ctypes.c_uint64)
         self.by_name: dict[str, BpfMap] = {
-            m.name: m for m in (self.services, self.slots, self.backends, self.ct, self.names, self.epoch, self.frags)
+            m.name: m
+            for m in (self.services, self.slots, self.backends, self.ct, self.names, self.epoch, self.frags, self.ports)
         }
 
     def _svc_values(self, values: Sequence[tuple]) -> bytes:
@@ -230,6 +236,11 @@ class Maps:
         self.run_batches([epoch_batch(epoch)])
         applied.epoch = epoch
 
+    def write_ports(self, applied: Applied) -> None:
+        """The whole endpoint-port bitmap from `applied`'s backends, for when the map may not match them (a new
+        map, one of another version, a plan that stopped halfway)."""
+        self.run_batches([ports_batch(applied)])
+
 
 class BpfDataplane:
     mode = "bpf"
@@ -263,6 +274,7 @@ class BpfDataplane:
         self._capacity = {n: loader.map_info(fd).max_entries for n, fd in self._obj.maps.items()}
         self.applied = self.maps.read_applied()
         self.maps.bump_epoch(self.applied)
+        self.maps.write_ports(self.applied)
         if self.applied.frontends:
             log.info("kept %d frontends from the previous run", len(self.applied.frontends))
         # Subscribe before listing so a device created in between is not missed.
@@ -346,6 +358,7 @@ class BpfDataplane:
             # removed backends without its epoch bump.
             self.applied = self.maps.read_applied()
             self.maps.bump_epoch(self.applied)
+            self.maps.write_ports(self.applied)
             raise DataplaneError(f"programming the BPF maps failed: {e}") from e
         self.applied.commit(plan)
 

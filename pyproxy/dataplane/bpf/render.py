@@ -8,7 +8,10 @@ and returns a `Plan`: ordered map operations plus the change to `Applied` that h
 2. a frontend's slots are written before its count grows, and its count shrinks before slots go;
 3. a frontend's service entry is removed before its slots;
 4. backends no frontend knows any more go last;
-5. after them, a plan that removed backends bumps the backends epoch (`MAP_EPOCH`): established flows trust
+5. the endpoint-port bitmap (`MAP_PORTS`: bit `port % 64` of word `port // 64` is set while some backend in
+   `MAP_BACKENDS` has that port) gains its new bits right after the backends are added and loses its cleared
+   ones right after they are removed, so at every instant it covers every backend in the map;
+6. after them, a plan that removed backends bumps the backends epoch (`MAP_EPOCH`): established flows trust
    their backend while their epoch is current and check it again once it is not (bpf/include/pyproxy/lb.h),
    so the bump must follow the deletions, and an epoch is never made current twice.
 
@@ -18,7 +21,8 @@ each rule above for every frontend and lets the backend write each group with on
 Capacity is checked before anything is written, so a full map fails the sync without half-applying it.
 
 A plan costs O(what changed), not O(what is applied): `Applied` keeps the indexes render() needs (the
-frontends of each Service, backend reference counts, the slot total, the free service ids), and a plan
+frontends of each Service, backend reference counts, the backends per port, the slot total, the free service
+ids), and a plan
 carries its change to them instead of a new copy.
 """
 
@@ -73,6 +77,12 @@ class Batch(NamedTuple):
 
 
 _BACKEND_INFO = (0,)  # the backends map's value: no flags
+_WORD_BITS = 64  # ports per word of MAP_PORTS
+
+
+def _port_bit(port: int) -> tuple[int, int]:
+    """The word of MAP_PORTS that holds `port`, and the port's bit in it."""
+    return port // _WORD_BITS, 1 << (port % _WORD_BITS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +96,8 @@ class Plan:
     """The new reference count of every backend whose count changed (0: no longer in the backends map)."""
     released: Sequence[Backend]
     """The backends the plan removes from the map (those of `refs` left with no reference)."""
+    ports: Mapping[int, int]
+    """The new number of backends in the map with that port, for every port whose number changed."""
     base: int
     """The `Applied.generation` it was planned from: it commits onto that state and no other."""
     epoch: int
@@ -107,8 +119,8 @@ class Applied:
     reference (read back from the maps after a restart): the next plan removes them unless it uses them.
     """
 
-    __slots__ = ("frontends", "backend_refs", "epoch", "by_service", "slots", "generation", "_unreferenced",
-                 "_free", "_next_id")
+    __slots__ = ("frontends", "backend_refs", "epoch", "by_service", "slots", "generation", "port_backends",
+                 "port_words", "_unreferenced", "_free", "_next_id")
 
     def __init__(
         self,
@@ -126,6 +138,15 @@ class Applied:
         self.slots = 0
         """Slots in use: the sum of every frontend's ready backends."""
         self.generation = 0
+        self.port_backends: dict[int, int] = {}
+        """Port -> how many backends in the map (`backend_refs`, referenced or not) have it."""
+        self.port_words = [0] * abi.PORT_WORDS
+        """MAP_PORTS as it is once it matches `port_backends`: word -> its 64 bits."""
+        for b in self.backend_refs:
+            self.port_backends[b.port] = self.port_backends.get(b.port, 0) + 1
+        for p in self.port_backends:
+            word, bit = _port_bit(p)
+            self.port_words[word] |= bit
         self._unreferenced = {b for b, n in self.backend_refs.items() if n <= 0}
         for key, fe in self.frontends.items():
             self.by_service.setdefault(fe.service, {})[key] = None
@@ -192,6 +213,14 @@ class Applied:
             del self.backend_refs[b]
         if self._unreferenced:
             self._unreferenced.difference_update(plan.refs)
+        for p, n in plan.ports.items():
+            word, bit = _port_bit(p)
+            if n > 0:
+                self.port_backends[p] = n
+                self.port_words[word] |= bit
+            else:
+                del self.port_backends[p]
+                self.port_words[word] &= ~bit
         self.epoch = plan.epoch
         self.generation += 1
 
@@ -316,9 +345,11 @@ def render(
     _check_capacity(applied, upserts, removed, refs, capacity)
     gone = [current[key] for key in removed]
     released = [b for b, n in refs.items() if n <= 0]
+    ports, port_sets, port_clears = _port_changes(applied, backend_puts, released)
     epoch = next_epoch(applied.epoch) if released else applied.epoch
     batches = (
         Batch("put", abi.MAP_BACKENDS, backend_puts, [_BACKEND_INFO] * len(backend_puts)),
+        port_sets,
         Batch("reset", abi.MAP_STATS, resets),
         Batch("put", abi.MAP_SLOTS, slot_keys, slot_values),
         Batch("put", abi.MAP_SERVICES, entry_keys, entry_values),
@@ -328,6 +359,7 @@ def render(
         Batch("del", abi.MAP_SLOTS, [(fe.svc_id, i) for fe in gone for i in range(len(fe.backends))]),
         Batch("del", abi.MAP_NAMES, [(fe.svc_id,) for fe in gone]),
         Batch("del", abi.MAP_BACKENDS, released),
+        port_clears,
         epoch_batch(epoch) if released else Batch("put", abi.MAP_EPOCH, ()),
     )
     return Plan(
@@ -336,10 +368,46 @@ def render(
         removed=tuple(removed),
         refs=refs,
         released=released,
+        ports=ports,
         base=applied.generation,
         epoch=epoch,
         skipped=tuple(skipped),
     )
+
+
+def _port_changes(
+    applied: Applied, puts: Iterable[Backend], released: Iterable[Backend]
+) -> tuple[dict[int, int], Batch, Batch]:
+    """The ports whose number of backends in the map changes (their new number), and MAP_PORTS' writes: the
+    words that gain bits, with those bits added (to run once the backends are in the map), and the words that
+    lose bits, with their final value (to run once the backends are gone)."""
+    counts = applied.port_backends
+    ports: dict[int, int] = {}
+    for b in puts:
+        if b not in applied.backend_refs:  # else it was in the map already (unreferenced after a restart)
+            ports[b.port] = ports.get(b.port, counts.get(b.port, 0)) + 1
+    for b in released:
+        ports[b.port] = ports.get(b.port, counts.get(b.port, 0)) - 1
+    gained: dict[int, int] = {}
+    lost: dict[int, int] = {}
+    for p, n in ports.items():
+        if (n > 0) != (p in counts):
+            word, bit = _port_bit(p)
+            changed = gained if n > 0 else lost
+            changed[word] = changed.get(word, 0) | bit
+    words = applied.port_words
+    grown = {w: words[w] | bits for w, bits in gained.items()}
+    final = {w: grown.get(w, words[w]) & ~bits for w, bits in lost.items()}
+    return (
+        ports,
+        Batch("put", abi.MAP_PORTS, [(w,) for w in grown], [(v,) for v in grown.values()]),
+        Batch("put", abi.MAP_PORTS, [(w,) for w in final], [(v,) for v in final.values()]),
+    )
+
+
+def ports_batch(applied: Applied) -> Batch:
+    """The whole of MAP_PORTS as `applied` has it: written once at start, whatever the map held before."""
+    return Batch("put", abi.MAP_PORTS, [(w,) for w in range(abi.PORT_WORDS)], [(v,) for v in applied.port_words])
 
 
 def next_epoch(epoch: int) -> int:
