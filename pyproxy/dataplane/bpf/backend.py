@@ -19,6 +19,7 @@ from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import DataplaneError
 from pyproxy.dataplane.bpf import abi, attach, clock, loader
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
+from pyproxy.dataplane.bpf.gc import CtGarbageCollector, CtGcMetrics, CtGcSettings
 from pyproxy.dataplane.bpf.maps import BpfMap, PerCpuArray
 from pyproxy.dataplane.bpf.render import (
     Applied,
@@ -54,6 +55,8 @@ class BpfSettings:
     """Map capacities overriding abi.h's defaults, by map name."""
     ct_timeouts: CtTimeouts = field(default_factory=CtTimeouts)
     """Idle timeouts of tracked flows by protocol and state (constants of the programs loaded at start)."""
+    ct_gc: CtGcSettings = field(default_factory=CtGcSettings)
+    """How often the connection-tracking map's expired entries are deleted (an interval that adapts, gc.py)."""
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, one line each naming its flag (ProxySettings.validate). The
@@ -252,6 +255,9 @@ class BpfDataplane:
         self.applied = Applied()
         self._capacity: dict[str, int] = {}
         self._watcher: netlink.LinkWatcher | None = None
+        self._gc: CtGarbageCollector | None = None
+        self.collector = CtGcMetrics()
+        """The dataplane's own metrics, for the proxier's registry (a prometheus Collector)."""
         self._lock = threading.Lock()
         self.attached: dict[str, int] = {}
         """Managed device name -> ifindex."""
@@ -282,8 +288,18 @@ class BpfDataplane:
         for link in netlink.list_links():
             self._on_link(link, True)
         self._watcher.start()
+        # Its own fds: it runs beside syncs and device events and takes none of their locks.
+        self._gc = CtGarbageCollector(
+            BpfMap(os.dup(self._obj.maps[abi.MAP_CT]), abi.MAP_CT, abi.CtKey, abi.CtValue),
+            BpfMap(os.dup(self._obj.maps[abi.MAP_SERVICES]), abi.MAP_SERVICES, abi.SvcKey, abi.SvcValue),
+            capacity=self._capacity[abi.MAP_CT], timeouts=timeouts, hz=clock.kernel_hz(), settings=s.ct_gc,
+            metrics=self.collector,
+        )
+        self._gc.start()
 
     def stop(self) -> None:
+        if self._gc:
+            self._gc.stop()
         if self._watcher:
             self._watcher.stop()
         if self.maps:

@@ -1,0 +1,295 @@
+"""Garbage collection of the connection-tracking map (PYPROXY_MAP_CT), in a thread of the BPF dataplane.
+
+The programs treat an expired entry as absent (bpf/include/pyproxy/ct.h) but leave it in the map: it goes when a
+new flow overwrites it, when the LRU evicts it, or here. A pass reads the whole map with batched lookups, picks
+the garbage and deletes it with batched deletes:
+
+- a FORWARD or REVERSE entry idle longer than its state's timeout (`conntrack.timeout_ticks`, the programs' own
+  constants) plus `MARGIN_SECONDS`, unless the other entry of its flow is not (the programs keep a flow while
+  either direction saw a packet within its timeout: a one-way stream refreshes one entry only);
+- an AFFINITY entry idle longer than its Service's affinity timeout (the services map's `affinity_ticks`, the
+  frontend found by the entry's daddr/dport/proto) plus the margin, or whose frontend is gone or has no affinity.
+
+Nothing is deleted that the programs would still use, so a restart (the map is pinned) keeps every live flow.
+
+How often: Cilium's rule, on the share of the map's capacity a pass deleted. The first pass runs `min_interval`
+after start (once the first sync is done: it also clears what a stopped pyproxy left to expire); the interval
+starts at `initial_interval` (60 s) and after each pass becomes:
+
+- it deleted 25 % of the capacity or more: the interval shrinks to (1 - share) of itself (share capped at 0.9);
+- else the map is filling (what the pass left is more than half the capacity, and more than the previous pass
+  left): the interval halves;
+- else it deleted less than 5 % of the capacity: the interval grows by half;
+- the result is held within [`min_interval`, `max_interval`] (10 s, 300 s).
+
+Metrics (`CtGcMetrics`): `pyproxy_bpf_ct_entries` (entries the last pass read), `pyproxy_bpf_ct_gc_deleted_total`,
+`pyproxy_bpf_ct_gc_duration_seconds`.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from pyproxy.dataplane.bpf import abi, clock
+from pyproxy.dataplane.bpf.conntrack import timeout_ticks
+from pyproxy.dataplane.bpf.maps import BpfMap
+
+log = logging.getLogger(__name__)
+
+MARGIN_SECONDS = 2.0
+"""How far past its timeout an entry must be before it is deleted (see `find_garbage` on why)."""
+DELETE_CHUNK = 4096
+"""Keys per bpf_map_delete_batch call; a stop request is honoured between calls."""
+
+# The CT map's key and value, field by field as in abi.h (tests/unit/test_bpf_gc.py checks them against the
+# ctypes structs). Addresses and ports stay bytes: they are only compared and paired, never printed.
+CT_KEY = struct.Struct("=4s4s2s2sBBxx")  # saddr, daddr, sport, dport, proto, dir
+CT_VALUE = struct.Struct("=4s2sBBIIQ")  # nat_addr, nat_port, state, flags, svc_id, epoch, last_seen
+_CT_AGE = struct.Struct("=6sB9xQ")  # what a pass reads of a CT value: nat (addr and port), state, last_seen
+SVC_KEY = struct.Struct("=4s2sBx")  # vip, port, proto: as an affinity key's daddr, dport, proto
+SVC_VALUE = struct.Struct("=IHHIxxxx")  # svc_id, backend_count, flags, affinity_ticks
+
+Frontend = tuple[bytes, bytes, int]
+"""(vip, port, proto) as the maps hold them (network-order bytes)."""
+
+
+@dataclass(frozen=True)
+class CtGcSettings:
+    """When the connection-tracking map is garbage-collected (the rule is in pyproxy/dataplane/bpf/gc.py)."""
+
+    initial_interval: float = 60.0
+    """Seconds: the interval the rule starts from (the first pass adapts it), before any pass has said how fast
+    the map fills."""
+    min_interval: float = 10.0
+    """The shortest interval, however much a pass deleted; also the delay of the first pass after start."""
+    max_interval: float = 300.0
+    """The longest interval, however little a pass deleted."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_interval <= self.initial_interval <= self.max_interval:
+            raise ValueError(f"connection-tracking GC intervals must be 0 < min {self.min_interval} <= initial "
+                             f"{self.initial_interval} <= max {self.max_interval}")
+
+
+def next_interval(interval: float, settings: CtGcSettings, *, capacity: int, seen: int, deleted: int,
+                  previous_left: int) -> float:
+    """The interval after a pass that read `seen` entries and deleted `deleted` of a map of `capacity`, when the
+    pass before it left `previous_left` (the rule in the module's docstring)."""
+    share = deleted / capacity if capacity > 0 else 0.0
+    left = seen - deleted
+    if share >= 0.25:
+        interval *= 1.0 - min(share, 0.9)
+    elif left * 2 > capacity and left > previous_left:
+        interval /= 2
+    elif share < 0.05:
+        interval *= 1.5
+    return min(max(interval, settings.min_interval), settings.max_interval)
+
+
+def frontends_with_affinity(keys: bytes, values: bytes) -> dict[Frontend, int]:
+    """The services map (packed, as `BpfMap.items_raw` reads it) -> the affinity timeout, in ticks, of each
+    frontend with ClientIP affinity."""
+    return {
+        key: ticks
+        for key, (_, _, flags, ticks) in zip(SVC_KEY.iter_unpack(keys), SVC_VALUE.iter_unpack(values), strict=True)
+        if flags & abi.SVC_F_AFFINITY
+    }
+
+
+def _flow_id(saddr: bytes, daddr: bytes, sport: bytes, dport: bytes, proto: bytes, direction: int,
+             nat: bytes) -> bytes:
+    """(client, frontend, backend, protocol) of the flow a FORWARD or REVERSE entry belongs to: both entries of a
+    flow give the same bytes, as ct.h pairs them (pyproxy_ct_peer)."""
+    if direction == abi.CT_FORWARD:
+        return saddr + sport + daddr + dport + nat + proto
+    return daddr + dport + nat + saddr + sport + proto
+
+
+def find_garbage(
+    keys: bytes,
+    values: bytes,
+    affinity: Mapping[Frontend, int],
+    timeouts: abi.CtTimeoutTicks,
+    now: int,
+    margin: int,
+) -> array.array:
+    """The indexes of the CT entries (packed, as `BpfMap.items_raw` reads them) to delete at tick `now`.
+
+    The read and the deletes are not atomic: a packet may refresh an entry in between, and the delete then
+    removes the refreshed entry. That is harmless because only entries idle for longer than their timeout plus
+    `margin` (and whose flow's other entry is too) are picked: at the read the programs already treated them as
+    absent, so no live flow can be hit. A packet that comes in between on such a tuple starts a new flow in the
+    programs' eyes, and losing its entry is losing that new flow's first packet (a SYN is retransmitted, a
+    datagram's next one picks a backend again). `margin` covers the difference between `clock.ticks_now()` and
+    the kernel's jiffies (times(2) counts in 10 ms), so an entry the programs would keep is never picked.
+
+    An AFFINITY entry is read before the services map (`CtGarbageCollector.run_pass`): the programs make one only
+    for a frontend with affinity, so when that frontend has none at the later read, the entry is no use.
+
+    At a quarter million entries this is a few tenths of a second and about 12 MB at most: one scan picks the
+    expired entries, and only when there are some, a second scan looks for live entries of the same flows."""
+    # The oldest last_seen an entry may have and be kept, by protocol and state (as ct.h's pyproxy_ct_timeout).
+    tcp = [now - timeout_ticks(timeouts, socket.IPPROTO_TCP, state) - margin for state in range(256)]
+    other = [now - timeout_ticks(timeouts, socket.IPPROTO_UDP, state) - margin for state in range(256)]
+    protos = [bytes((p,)) for p in range(256)]
+    garbage = array.array("I")
+    expired = array.array("I")
+    expired_flows: set[bytes] = set()
+    entries = zip(CT_KEY.iter_unpack(keys), _CT_AGE.iter_unpack(values), strict=True)
+    for i, ((saddr, daddr, sport, dport, proto, direction), (nat, state, last_seen)) in enumerate(entries):
+        if direction == abi.CT_FORWARD or direction == abi.CT_REVERSE:
+            if last_seen < (tcp if proto == socket.IPPROTO_TCP else other)[state]:
+                expired.append(i)
+                expired_flows.add(_flow_id(saddr, daddr, sport, dport, protos[proto], direction, nat))
+        elif direction == abi.CT_AFFINITY:
+            ticks = affinity.get((daddr, dport, proto))
+            if ticks is None or now - last_seen > ticks + margin:
+                garbage.append(i)
+        # else: not a kind this version knows, left alone
+    if not expired:
+        return garbage
+    # Flows with an expired entry whose other entry is live: a one-way stream refreshes one direction only.
+    kept: set[bytes] = set()
+    entries = zip(CT_KEY.iter_unpack(keys), _CT_AGE.iter_unpack(values), strict=True)
+    for (saddr, daddr, sport, dport, proto, direction), (nat, state, last_seen) in entries:
+        if (direction == abi.CT_FORWARD or direction == abi.CT_REVERSE) and (
+            last_seen >= (tcp if proto == socket.IPPROTO_TCP else other)[state]
+        ):
+            flow = _flow_id(saddr, daddr, sport, dport, protos[proto], direction, nat)
+            if flow in expired_flows:
+                kept.add(flow)
+    if not kept:
+        garbage.extend(expired)
+        return garbage
+    for i in expired:
+        saddr, daddr, sport, dport, proto, direction = CT_KEY.unpack_from(keys, i * CT_KEY.size)
+        nat = _CT_AGE.unpack_from(values, i * _CT_AGE.size)[0]
+        if _flow_id(saddr, daddr, sport, dport, protos[proto], direction, nat) not in kept:
+            garbage.append(i)
+    return garbage
+
+
+class CtGcMetrics(Collector):
+    """The collector's metrics; a prometheus Collector the proxier registers next to its own."""
+
+    def __init__(self) -> None:
+        # Not registered anywhere: `collect` hands them to whichever registry registers this collector.
+        self.entries = Gauge("pyproxy_bpf_ct_entries", "Connection-tracking entries read by the last GC pass",
+                             registry=None)
+        self.deleted = Counter("pyproxy_bpf_ct_gc_deleted", "Connection-tracking entries deleted by GC",
+                               registry=None)
+        self.duration = Histogram("pyproxy_bpf_ct_gc_duration_seconds", "Duration of a connection-tracking GC pass",
+                                  buckets=tuple(0.001 * 2**i for i in range(15)), registry=None)
+
+    def collect(self) -> Iterator[Metric]:
+        for m in (self.entries, self.deleted, self.duration):
+            yield from m.collect()
+
+
+@dataclass(frozen=True)
+class GcPass:
+    """What one pass did."""
+
+    seen: int
+    """Entries read."""
+    deleted: int
+    """Entries deleted (keys handed to the kernel; one the LRU evicted meanwhile counts too)."""
+    seconds: float
+    """From the first read to the last delete: also the longest an entry waited between its read and its delete."""
+
+
+class CtGarbageCollector:
+    """Collects one CT map: `run_pass()` once, or `start()` a thread that runs passes until `stop()`. It owns the
+    two maps it is given (fds of its own: closed by `close()`/`stop()`) and shares nothing else with the
+    dataplane, so it never waits for a sync nor makes one wait."""
+
+    def __init__(
+        self,
+        ct: BpfMap,
+        services: BpfMap,
+        *,
+        capacity: int,
+        timeouts: abi.CtTimeoutTicks,
+        hz: int,
+        settings: CtGcSettings | None = None,
+        metrics: CtGcMetrics | None = None,
+    ) -> None:
+        self.ct = ct
+        self.services = services
+        self.capacity = capacity
+        self.timeouts = timeouts
+        self.hz = hz
+        self.settings = settings or CtGcSettings()
+        self.metrics = metrics or CtGcMetrics()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.interval = self.settings.initial_interval
+        """The wait before the next pass (after the first one)."""
+
+    def run_pass(self) -> GcPass:
+        """One pass over the map (the module's docstring says what goes)."""
+        start = time.monotonic()
+        now = clock.ticks_now()  # before the read: an entry refreshed during it looks younger, never older
+        keys, values = self.ct.items_raw()
+        affinity = frontends_with_affinity(*self.services.items_raw())  # after the CT read: see find_garbage
+        garbage = find_garbage(keys, values, affinity, self.timeouts, now, int(MARGIN_SECONDS * self.hz))
+        size, deleted = CT_KEY.size, 0
+        for first in range(0, len(garbage), DELETE_CHUNK):
+            if self._stop.is_set():
+                break
+            chunk = garbage[first : first + DELETE_CHUNK]
+            self.ct.delete_batch(b"".join([keys[i * size : (i + 1) * size] for i in chunk]), len(chunk))
+            deleted += len(chunk)
+        done = GcPass(seen=len(keys) // size, deleted=deleted, seconds=time.monotonic() - start)
+        self.metrics.entries.set(done.seen)
+        self.metrics.deleted.inc(done.deleted)
+        self.metrics.duration.observe(done.seconds)
+        return done
+
+    # -- the thread ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="bpf-ct-gc", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the thread (a pass in progress stops between two delete batches) and release the maps."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("connection-tracking GC did not stop within %.0f s; leaving its maps open", timeout)
+                return
+        self.close()
+
+    def close(self) -> None:
+        self.ct.close()
+        self.services.close()
+
+    def _loop(self) -> None:
+        delay, left = self.settings.min_interval, 0
+        while not self._stop.wait(delay):
+            try:
+                done = self.run_pass()
+            except OSError as e:
+                log.warning("connection-tracking GC pass failed: %s", e)
+                delay = self.interval
+                continue
+            self.interval = next_interval(self.interval, self.settings, capacity=self.capacity, seen=done.seen,
+                                          deleted=done.deleted, previous_left=left)
+            left = done.seen - done.deleted
+            delay = self.interval
+            log.debug("connection-tracking GC: %d of %d entries deleted in %.3f s; next pass in %.0f s",
+                      done.deleted, done.seen, done.seconds, delay)
+
