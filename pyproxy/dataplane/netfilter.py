@@ -30,9 +30,12 @@ Masquerade (from MasqueradeSettings)
     (filter); `MASQUERADE_JUMPS` -> the POSTROUTING and FORWARD jumps; `mark_masq_rule(m, match)` -> the rule
     body marking ClusterIP traffic `match`ed for SNAT per --masquerade-all / --cluster-cidr, or None.
 Cleanup
-    `cleanup(mode_chain, mode_rule)` removes one mode's chains and rules in both backends, and the shared
-    chains (KUBE-SERVICES, KUBE-MARK-MASQ, KUBE-POSTROUTING, KUBE-FORWARD) once no rule of any mode uses them:
-    the mode starting up runs the other modes' cleanups, and must not lose the shared chains it adopted.
+    `cleanup(mode_chain, mode_rule, keep=, shared=)` removes one mode's chains and rules in both backends,
+    and the shared chains (KUBE-SERVICES, KUBE-MARK-MASQ, KUBE-POSTROUTING, KUBE-FORWARD) once no rule of any
+    mode uses them, but those in `keep` ((backend, table, chain) `ChainRef`s: the running mode's, kept even
+    when empty). With `shared=False` it leaves every shared chain, for `cleanup_shared(keep)` to remove
+    afterwards: what the mode starting up runs after the other modes' cleanups, so that a shared chain is
+    reported as no one mode's and the running mode's stay.
     `mode_chain(table, chain)` says which chains only that mode makes; `mode_rule(table, chain, body)` which
     of its rules sit in shared chains without jumping to one of its own (found by their comments: the
     iptables mode claims `"<service> cluster IP"` in nat KUBE-SERVICES and `"<service> has no endpoints"`
@@ -48,7 +51,7 @@ import re
 import shlex
 import shutil
 import subprocess
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pyproxy.dataplane.base import DataplaneError, ModeUnavailable
@@ -409,6 +412,8 @@ ModeChain = Callable[[str, str], bool]
 """(table, chain) -> whether the chain is one only this mode makes."""
 ModeRule = Callable[[str, str, str], bool]
 """(table, chain, rule body) -> whether a rule in a shared chain is this mode's."""
+ChainRef = tuple[str, str, str]
+"""(iptables backend, table, chain): a chain the running mode writes, which no other mode's cleanup removes."""
 
 
 def _unused_shared(saved: Mapping[str, SavedTable], gone: set[tuple[str, str]],
@@ -427,15 +432,17 @@ def _unused_shared(saved: Mapping[str, SavedTable], gone: set[tuple[str, str]],
     return unused
 
 
-def removal_plan(saved: Mapping[str, SavedTable], mode_chain: ModeChain,
-                 mode_rule: ModeRule) -> tuple[dict[str, TableEdit], list[str]]:
-    """What to remove of one mode in `saved`: the restore edits, and one line per removed thing."""
-    gone = {(table, chain) for table, st in saved.items() for chain in st.chains if mode_chain(table, chain)}
+def removal_plan(saved: Mapping[str, SavedTable], mode_chain: ModeChain, mode_rule: ModeRule,
+                 keep: Collection[tuple[str, str]] = ()) -> tuple[dict[str, TableEdit], list[str]]:
+    """What to remove of one mode in `saved`: the restore edits, and one line per removed thing saying why.
+    The (table, chain)s in `keep` are the running mode's: never removed, though the mode's rules in them go."""
+    own = {(table, chain) for table, st in saved.items() for chain in st.chains if mode_chain(table, chain)}
+    gone = own - set(keep)
 
     def is_ours(table: str, chain: str, body: str) -> bool:
         return (table, target(body)) in gone or mode_rule(table, chain, body)
 
-    gone |= _unused_shared(saved, gone, is_ours)
+    gone |= _unused_shared(saved, gone, is_ours) - set(keep)
     edits: dict[str, TableEdit] = {}
     done: list[str] = []
     for table, st in saved.items():
@@ -445,26 +452,38 @@ def removal_plan(saved: Mapping[str, SavedTable], mode_chain: ModeChain,
                 continue
             for body in bodies:
                 if (table, target(body)) in gone or mode_rule(table, chain, body):
+                    why = "jumps to a removed chain" if (table, target(body)) in gone else "the mode's rule"
                     edit.delete_rule(chain, body)
-                    done.append(f"{table} rule in {chain}: {body}")
+                    done.append(f"{table} rule in {chain}: {body} ({why})")
         for chain in st.chains:
             if (table, chain) in gone:
+                why = "the mode's own chain" if (table, chain) in own else "shared, and no rule left uses it"
                 edit.remove(chain)
-                done.append(f"{table} chain {chain}")
+                done.append(f"{table} chain {chain} ({why})")
     return edits, done
 
 
-def cleanup(mode_chain: ModeChain, mode_rule: ModeRule, backends: Iterable[Tools] | None = None) -> list[str]:
-    """Remove one mode's chains and rules (and the shared chains once unused) from every installed iptables
-    backend (a node may have run either); "<backend> <what>" per removed thing."""
+def cleanup(mode_chain: ModeChain, mode_rule: ModeRule, backends: Iterable[Tools] | None = None,
+            keep: Collection[ChainRef] = (), shared: bool = True) -> list[str]:
+    """Remove one mode's chains and rules from every installed iptables backend (a node may have run either),
+    and with `shared` the shared chains once unused, but those in `keep` (the running mode's); "<backend>
+    <what> (<why>)" per removed thing."""
     done: list[str] = []
     for t in installed_backends() if backends is None else backends:
         try:
             saved = save(t, tables=None)
         except DataplaneError:
             continue  # this backend's tables cannot be read here (e.g. no legacy iptables in the kernel)
-        edits, removed = removal_plan({k: v for k, v in saved.items() if k in TABLES}, mode_chain, mode_rule)
+        kept = {(table, chain) for backend, table, chain in keep if backend == t.backend}
+        kept |= set() if shared else SHARED_CHAINS
+        edits, removed = removal_plan({k: v for k, v in saved.items() if k in TABLES}, mode_chain, mode_rule, kept)
         if removed:
             restore(t, restore_input(edits))
             done += [f"iptables-{t.backend} {line}" for line in removed]
     return done
+
+
+def cleanup_shared(keep: Collection[ChainRef] = ()) -> list[str]:
+    """Remove the shared chains no rule uses any more (after the modes' own cleanups with `shared=False`), but
+    those in `keep`; as `cleanup`. Shared chains are no one mode's, so this says what left them: no mode."""
+    return cleanup(lambda _table, _chain: False, lambda _table, _chain, _body: False, keep=keep)

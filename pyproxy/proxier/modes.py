@@ -7,16 +7,18 @@ its own `start()` succeeded, because only that proves it: a kernel may have BPF 
 
 Starting one mode removes what the others left in this network namespace, as upstream does when switching
 modes: two dataplanes translating the same ClusterIP would fight, and leftover rules of a mode that no longer
-runs would keep serving stale endpoints.
+runs would keep serving stale endpoints. It never touches the chains of the mode that starts (the iptables
+and ipvs modes share KUBE-SERVICES and the masquerade chains), and logs each thing it removed and why.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from pyproxy.dataplane import netfilter as nf
 from pyproxy.dataplane.base import Dataplane, ModeUnavailable
 from pyproxy.dataplane.bpf import backend as bpf
 from pyproxy.dataplane.bpf.loader import BpfUnavailable
@@ -84,15 +86,29 @@ class NoModeAvailable(RuntimeError):
 class _Mode:
     make: Callable[[ProxySettings], Dataplane]
     cleanup: Callable[[ProxySettings], list[str]]
+    """Remove what the mode made here, leaving the netfilter chains the modes share (see `cleanup`)."""
 
 
 def _table() -> dict[str, _Mode]:
     return {
         "bpf": _Mode(lambda s: bpf.BpfDataplane(s.bpf), lambda s: bpf.cleanup(s.bpf.pin_path)),
-        "ipvs": _Mode(lambda s: ipvs.IpvsDataplane(s.ipvs), lambda s: ipvs.cleanup(s.ipvs)),
+        "ipvs": _Mode(lambda s: ipvs.IpvsDataplane(s.ipvs), lambda s: ipvs.cleanup(s.ipvs, shared=False)),
         "nftables": _Mode(lambda s: nftables.NftablesDataplane(s.nftables), lambda s: nftables.cleanup(s.nftables)),
-        "iptables": _Mode(lambda s: iptables.IptablesDataplane(s.iptables), lambda s: iptables.cleanup(s.iptables)),
+        "iptables": _Mode(lambda s: iptables.IptablesDataplane(s.iptables),
+                          lambda s: iptables.cleanup(s.iptables, shared=False)),
     }
+
+
+SHARED = "netfilter"
+"""Who `cleanup` says left the shared netfilter chains: no one mode (the iptables and ipvs modes write them)."""
+
+
+def _chains(dataplane: Dataplane) -> frozenset[nf.ChainRef]:
+    """The netfilter chains a running mode writes, which another mode's cleanup must not remove even when
+    they are empty (the iptables mode's filter KUBE-SERVICES, while every Service has endpoints)."""
+    if isinstance(dataplane, iptables.IptablesDataplane | ipvs.IpvsDataplane):
+        return dataplane.chains()
+    return frozenset()
 
 
 def _try_start(mode: str, settings: ProxySettings) -> Dataplane:
@@ -124,23 +140,26 @@ def start_dataplane(settings: ProxySettings) -> Dataplane:
         log.info("proxy mode %s%s", mode, " (chosen automatically)" if settings.mode == AUTO else "")
         for line in unhonoured(settings, mode):
             log.warning("%s", line)
-        for line in cleanup(settings, keep=mode):
-            log.info("removed what proxy mode %s left: %s", *line.split(": ", 1))
+        for line in cleanup(settings, keep=mode, chains=_chains(dataplane)):
+            other, what = line.split(": ", 1)
+            who = "the netfilter modes" if other == SHARED else f"proxy mode {other}"
+            log.info("removed what %s left (%s runs now): %s", who, mode, what)
         return dataplane
     if settings.mode == AUTO:
         raise NoModeAvailable("no proxy mode can run here: " + "; ".join(reasons))
     raise NoModeAvailable(f"--proxy-mode={settings.mode} cannot run here: {reasons[0].split(': ', 1)[1]}")
 
 
-def cleanup(settings: ProxySettings, keep: str | None = None) -> list[str]:
-    """Remove what every mode but `keep` made in this network namespace: "mode: what" per removed thing.
-    A mode whose tools are missing has nothing to remove; its failure is logged, the others still run."""
+def cleanup(settings: ProxySettings, keep: str | None = None, chains: Collection[nf.ChainRef] = ()) -> list[str]:
+    """Remove what every mode but `keep` made in this network namespace: "mode: what (why)" per removed thing.
+    The netfilter chains the modes share go last, once no rule uses them, as "netfilter: ..." (`SHARED`),
+    but `chains`: those the running mode writes, which stay even when empty. A mode whose tools are missing
+    has nothing to remove; its failure is logged, the others still run."""
     done: list[str] = []
-    for mode, entry in _table().items():
-        if mode == keep:
-            continue
+    cleanups = [(mode, entry.cleanup) for mode, entry in _table().items() if mode != keep]
+    for mode, remove in [*cleanups, (SHARED, lambda _s: nf.cleanup_shared(chains))]:
         try:
-            done += [f"{mode}: {line}" for line in entry.cleanup(settings)]
+            done += [f"{mode}: {line}" for line in remove(settings)]
         except ModeUnavailable as e:
             log.debug("nothing of %s to clean up: %s", mode, e)
         except (OSError, RuntimeError) as e:

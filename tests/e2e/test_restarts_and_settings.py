@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -64,4 +65,52 @@ def test_bpf_mode_warns_about_settings_it_does_not_honour(make_env) -> None:
     for flag in ("--masquerade-all", "--cluster-cidr"):
         assert re.search(rf"WARNING .*bpf mode does not honour {flag}\b", log), log
     assert "--iptables-backend" not in log, log  # a flag left at its default is no setting of the user's
+    env.assert_reaches("tcp", WEB_IP, 80, BOTH)
+
+
+# ------------------------------------------------------------------------------------------ 5. iptables
+
+
+def filter_state(env, backend: str) -> tuple[list[str], dict[str, int]]:
+    """The filter table's chains, and the packet counter of every rule in a built-in chain that jumps to one of
+    ours (a chain deleted and made again takes its jumps with it: they come back at zero)."""
+    out = env.lab.exec(env.lab.node, f"iptables-{backend}-save", "-c", "-t", "filter").stdout
+    chains = sorted(line.split()[0][1:] for line in out.splitlines() if line.startswith(":"))
+    jumps = {}
+    for line in out.splitlines():
+        found = re.match(r"\[(\d+):\d+\] -A (INPUT|FORWARD|OUTPUT) (.*-j KUBE-\S+)$", line)
+        if found:
+            jumps[f"{found.group(2)} {found.group(3)}"] = int(found.group(1))
+    return chains, jumps
+
+
+def nft_chain_handles(env) -> dict[str, int]:
+    """Chain name -> handle in iptables-nft's filter table: a chain made again gets a new handle."""
+    out = json.loads(env.lab.exec(env.lab.node, "nft", "-j", "-a", "list", "table", "ip", "filter").stdout)
+    return {c["chain"]["name"]: c["chain"]["handle"] for c in out["nftables"] if "chain" in c}
+
+
+@pytest.mark.parametrize("backend", ["legacy", "nft"])
+def test_iptables_restarts_leave_their_own_chains_alone(make_env, backend: str) -> None:
+    env = make_env(2)
+    env.write("web.yaml", *WEB)
+    args = [f"--iptables-backend={backend}"]
+    proxy = env.start(mode="iptables", args=args)
+    env.assert_reaches("tcp", WEB_IP, 80, BOTH)  # counts on the FORWARD -> KUBE-SERVICES jump
+    chains, jumps = filter_state(env, backend)
+    assert "KUBE-SERVICES" in chains and any(n > 0 for n in jumps.values()), (chains, jumps)
+    handles = nft_chain_handles(env) if backend == "nft" else {}
+    for restart in range(10):
+        assert proxy.terminate() == 0
+        proxy = env.start(mode="iptables", args=args)
+        log = last_run_log(proxy)
+        assert "removed what proxy mode" not in log, f"restart {restart + 1}:\n{log}"
+        after_chains, after_jumps = filter_state(env, backend)
+        assert after_chains == chains, f"restart {restart + 1}"
+        assert after_jumps.keys() == jumps.keys(), f"restart {restart + 1}: {after_jumps}"
+        dropped = {rule: (jumps[rule], n) for rule, n in after_jumps.items() if n < jumps[rule]}
+        assert not dropped, f"restart {restart + 1}: jump counters went back (deleted and made again): {dropped}"
+        jumps = after_jumps
+        if backend == "nft":
+            assert nft_chain_handles(env) == handles, f"restart {restart + 1}: filter chains made again"
     env.assert_reaches("tcp", WEB_IP, 80, BOTH)

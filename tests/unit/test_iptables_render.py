@@ -378,3 +378,25 @@ def test_cleanup_keeps_shared_chains_another_mode_still_uses() -> None:
 def test_cleanup_of_nothing_does_nothing() -> None:
     edits, done = nf.removal_plan(_tables({"PREROUTING": ["-j DOCKER"], "DOCKER": []}), *IPTABLES_MODE)
     assert done == [] and nf.restore_input(edits) == ""
+
+
+def test_another_modes_cleanup_leaves_the_running_modes_chains_even_empty() -> None:
+    """The iptables mode runs with every Service served: its filter KUBE-SERVICES is empty and nothing marks for
+    masquerade. The IPVS mode's cleanup at its start must leave those chains; `pyproxy cleanup` (no mode runs)
+    takes them."""
+    from pyproxy.dataplane.ipvs.backend import is_mode_chain as ipvs_chain
+    from pyproxy.dataplane.ipvs.backend import is_mode_rule as ipvs_rule
+
+    portals = '-m conntrack --ctstate NEW -m comment --comment "kubernetes service portals" -j KUBE-SERVICES'
+    nat = {"KUBE-SERVICES": [], "PREROUTING": ['-m comment --comment "kubernetes service portals" -j KUBE-SERVICES'],
+           **MASQ}
+    filter = {"KUBE-SERVICES": [], "INPUT": [portals], "FORWARD": [portals, "-j KUBE-FORWARD"],
+              "KUBE-FORWARD": ["-j ACCEPT"], "KUBE-IPVS-FILTER": ["-j RETURN"]}
+    keep = {(table, chain) for table, chain in nf.SHARED_CHAINS}
+    edits, done = nf.removal_plan(_tables(nat, filter), ipvs_chain, ipvs_rule, keep)
+    assert done == ["filter chain KUBE-IPVS-FILTER (the mode's own chain)"]
+    assert edits["filter"].removed == ["KUBE-IPVS-FILTER"] and not edits["nat"]
+
+    edits, done = nf.removal_plan(_tables(nat, filter), ipvs_chain, ipvs_rule)
+    assert "filter chain KUBE-SERVICES (shared, and no rule left uses it)" in done
+    assert "filter rule in INPUT: " + portals + " (jumps to a removed chain)" in done

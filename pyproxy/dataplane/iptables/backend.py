@@ -62,6 +62,11 @@ class IptablesDataplane:
     def stop(self) -> None:
         """Nothing to release: the rules stay, so traffic keeps flowing."""
 
+    def chains(self) -> frozenset[nf.ChainRef]:
+        """The shared chains this mode writes (its KUBE-SVC/KUBE-SEP chains are no other mode's to remove)."""
+        assert self.tools is not None, "start() first"
+        return frozenset((self.tools.backend, table, chain) for table, chain in nf.SHARED_CHAINS)
+
     def housekeeping_due(self) -> bool:
         return False
 
@@ -99,7 +104,7 @@ def _flush_udp(flush: ConntrackFlush) -> None:
         log.info("deleted %d UDP conntrack entries of %s -> %s", n, fe, flush.endpoint_ip or "(no endpoint)")
 
 
-def cleanup(settings: IptablesSettings) -> list[str]:
-    """Remove the iptables mode's chains and jumps from nat and filter, in both iptables backends; the
-    shared ones (KUBE-SERVICES, KUBE-MARK-MASQ, ...) too unless another mode's rules still use them."""
-    return nf.cleanup(is_mode_chain, is_mode_rule)
+def cleanup(settings: IptablesSettings, shared: bool = True) -> list[str]:
+    """Remove the iptables mode's chains and jumps from nat and filter, in both iptables backends; with
+    `shared`, the shared ones (KUBE-SERVICES, KUBE-MARK-MASQ, ...) too unless another mode's rules use them."""
+    return nf.cleanup(is_mode_chain, is_mode_rule, shared=shared)

@@ -176,6 +176,12 @@ class IpvsDataplane:
         """Nothing to release (sockets live for one sync); virtual servers, addresses, sets and rules stay, so
         traffic flows on."""
 
+    def chains(self) -> frozenset[nf.ChainRef]:
+        """The netfilter chains this mode writes (rule_edits), which other modes' cleanups must leave."""
+        assert self.tools is not None, "start() first"
+        return frozenset((self.tools.backend, table, chain)
+                         for table, edit in rule_edits(self.settings.masquerade).items() for chain in edit.declared)
+
     def housekeeping_due(self) -> bool:
         return bool(self.memory.draining_since)  # deleted once drained, or after the grace period
 
@@ -307,10 +313,10 @@ def _key(key: tuple[str, int, str]) -> str:
 # ---------------------------------------------------------------------------------------------- cleanup
 
 
-def cleanup(settings: IpvsSettings) -> list[str]:
+def cleanup(settings: IpvsSettings, shared: bool = True) -> list[str]:
     """Remove what IPVS mode made here: its virtual servers (those on kube-ipvs0's addresses or listed in
     KUBE-CLUSTER-IP; unlike upstream, which flushes every virtual server, others' are left alone), its
-    iptables rules and chains (shared ones once unused), its ipsets and kube-ipvs0."""
+    iptables rules and chains (with `shared`, shared ones once unused), its ipsets and kube-ipvs0."""
     done: list[str] = []
     sets = _read_sets_or_none()
     with netlink.rtnl() as ipr:
@@ -325,7 +331,7 @@ def cleanup(settings: IpvsSettings) -> list[str]:
                 for key in sorted(ours(observed, Memory())):
                     kernel.delete_virtual(ipvs, key)
                     done.append(f"IPVS virtual server {_key(key)}")
-        done += nf.cleanup(is_mode_chain, is_mode_rule)
+        done += nf.cleanup(is_mode_chain, is_mode_rule, shared=shared)
         for name in sorted(sets or {}):
             kernel.destroy_set(name)
             done.append(f"ipset {name}")
