@@ -17,6 +17,7 @@
 #include "pyproxy/frag.h"
 #include "pyproxy/lb.h"
 #include "pyproxy/nat.h"
+#include "pyproxy/reject.h"
 
 /* Parses an skb, pulling headers into the linear area once if they straddle it. */
 static __always_inline int pyproxy_tc_parse(struct __sk_buff *skb, struct pyproxy_pkt *p)
@@ -76,6 +77,8 @@ int pyproxy_tc_ingress(struct __sk_buff *skb)
 		if (pyproxy_tc_nat(skb, &p, PYPROXY_NAT_DST, be.addr, be.port))
 			return TC_ACT_SHOT;
 		return TC_ACT_OK;
+	case PYPROXY_REJECT:
+		return pyproxy_tc_reject(skb, &p);
 	case PYPROXY_DROP:
 		return TC_ACT_SHOT;
 	default:
@@ -124,6 +127,8 @@ int pyproxy_xdp_ingress(struct xdp_md *ctx)
 		if (pyproxy_xdp_nat(ctx, &p, PYPROXY_NAT_DST, be.addr, be.port))
 			return XDP_DROP;
 		return XDP_PASS;
+	case PYPROXY_REJECT:
+		return XDP_PASS;   /* TC ingress makes the answer */
 	case PYPROXY_DROP:
 		return XDP_DROP;
 	default:

@@ -30,8 +30,8 @@ MANIFESTS = documents(
     service("split", "10.96.20.2", [HTTP]),
     endpoint_slice("split", {B1: True}, [HTTP], name="split-a"),
     endpoint_slice("split", {B3: True}, [HTTP], name="split-b"),
-    service("empty", "10.96.20.3", [HTTP]),
-    endpoint_slice("empty", {}, [HTTP]),
+    service("empty", "10.96.20.3", [HTTP, DNS]),
+    endpoint_slice("empty", {}, [HTTP, DNS]),
     service("unready", "10.96.20.4", [HTTP]),
     endpoint_slice("unready", {B1: False, B2: False}, [HTTP]),
     service("sticky", "10.96.20.5", [HTTP], affinity_seconds=600),
@@ -82,18 +82,14 @@ class FlowCase:
         return self.by_mode.get(mode, self.expect)
 
 
-# BPF mode drops new flows to a frontend without ready endpoints instead of rejecting them: the TC program
-# would have to forge a TCP reset or an ICMP error in place of the packet. Clients time out instead of
-# failing fast; upstream's netfilter modes reject.
-_BPF_DROPS = {"bpf": NO_ANSWER}
-
 CASES = (
     FlowCase("ready endpoints only, tcp", "tcp", "10.96.20.1", 80, answered_by("b1:8080", "b2:8080")),
     FlowCase("second port of the same service", "tcp", "10.96.20.1", 443, answered_by("b1:9090", "b2:9090")),
     FlowCase("udp port", "udp", "10.96.20.1", 53, answered_by("b1:5353", "b2:5353")),
     FlowCase("endpoints from two slices", "tcp", "10.96.20.2", 80, answered_by("b1:8080", "b3:8080")),
-    FlowCase("no endpoints: rejected", "tcp", "10.96.20.3", 80, REFUSED, by_mode=_BPF_DROPS),
-    FlowCase("no ready endpoints: rejected", "tcp", "10.96.20.4", 80, REFUSED, by_mode=_BPF_DROPS),
+    FlowCase("no endpoints: rejected", "tcp", "10.96.20.3", 80, REFUSED),
+    FlowCase("no endpoints: rejected, udp", "udp", "10.96.20.3", 53, REFUSED),
+    FlowCase("no ready endpoints: rejected", "tcp", "10.96.20.4", 80, REFUSED),
     FlowCase("ClientIP affinity sticks", "tcp", "10.96.20.5", 80, sticky("b1:8080", "b2:8080", "b3:8080")),
     # IPVS puts every ClusterIP on the node (kube-ipvs0), so a port no Service has would reach the node's own
     # stack; upstream rejects it there (KUBE-IPVS-FILTER), and so does pyproxy.

@@ -105,6 +105,7 @@ def ipv4(
     ttl: int = 64,
     ihl: int | None = None,
     tot_len: int | None = None,
+    tos: int = 0,
 ) -> bytes:
     """An IPv4 header with a correct checksum, then `body`. `ihl`/`tot_len` override the honest values
     (the checksum still covers what is written) to build malformed packets."""
@@ -113,17 +114,18 @@ def ipv4(
     ihl = hlen // 4 if ihl is None else ihl
     tot_len = hlen + len(body) if tot_len is None else tot_len
     head = struct.pack(
-        "!BBHHHBBH4s4s", 0x40 | ihl, 0, tot_len, ident, frag, ttl, proto, 0,
+        "!BBHHHBBH4s4s", 0x40 | ihl, tos, tot_len, ident, frag, ttl, proto, 0,
         socket.inet_aton(src), socket.inet_aton(dst),
     ) + options
     csum = checksum(head)
     return head[:10] + struct.pack("!H", csum) + head[12:] + body
 
 
-def l4_segment(flow: Flow, payload: bytes, csum: L4Csum = L4Csum.FULL, tcp_flags: int = TCP_SYN) -> bytes:
+def l4_segment(flow: Flow, payload: bytes, csum: L4Csum = L4Csum.FULL, tcp_flags: int = TCP_SYN, *,
+               seq: int = 1000, ack: int = 0, window: int = 64240) -> bytes:
     """A TCP or UDP header plus payload, its checksum field as `csum` says."""
     if flow.proto == TCP:
-        head = struct.pack("!HHIIBBHHH", flow.sport, flow.dport, 1000, 0, 5 << 4, tcp_flags, 64240, 0, 0)
+        head = struct.pack("!HHIIBBHHH", flow.sport, flow.dport, seq, ack, 5 << 4, tcp_flags, window, 0, 0)
     elif flow.proto == UDP:
         head = struct.pack("!HHHH", flow.sport, flow.dport, 8 + len(payload), 0)
     else:
@@ -165,9 +167,11 @@ def frame(
     options: bytes = b"",
     frag: int = 0,
     pad_to: int = ETH_ZLEN,
+    **tcp: int,
 ) -> bytes:
-    """An Ethernet frame carrying one IPv4 TCP/UDP packet of `flow`, padded to the Ethernet minimum."""
-    seg = l4_segment(flow, payload, csum, tcp_flags)
+    """An Ethernet frame carrying one IPv4 TCP/UDP packet of `flow`, padded to the Ethernet minimum. `tcp`:
+    seq, ack, window of a TCP header (l4_segment's defaults otherwise)."""
+    seg = l4_segment(flow, payload, csum, tcp_flags, **tcp)
     return ethernet(ETH_P_IP, ipv4(flow.src, flow.dst, flow.proto, seg, options=options, frag=frag), pad_to)
 
 
@@ -213,13 +217,19 @@ ICMP_PORT_UNREACH = 3  # code of ICMP_DEST_UNREACH
 ICMP_TIME_EXCEEDED = 11
 
 
-def icmp_error(src: str, dst: str, icmp_type: int, code: int, quoted: bytes, rest: int = 0) -> bytes:
+def icmp_error(src: str, dst: str, icmp_type: int, code: int, quoted: bytes, rest: int = 0, *, ident: int = 0x1234,
+               tos: int = 0) -> bytes:
     """An Ethernet frame with an ICMP error from `src` to `dst` quoting `quoted` (an IPv4 packet, cut as the
     sender likes), its ICMP and IPv4 checksums computed from scratch (RFC 792)."""
     head = struct.pack("!BBHI", icmp_type, code, 0, rest)
     csum = checksum(head + quoted)
     body = head[:2] + struct.pack("!H", csum) + head[4:] + quoted
-    return ethernet(ETH_P_IP, ipv4(src, dst, ICMP, body), ETH_ZLEN)
+    return ethernet(ETH_P_IP, ipv4(src, dst, ICMP, body, ident=ident, tos=tos), ETH_ZLEN)
+
+
+def turned_around(data: bytes) -> bytes:
+    """A frame with its Ethernet addresses swapped: what a host sends back on the link a frame came from."""
+    return data[6:12] + data[0:6] + data[12:]
 
 
 def icmp_checksum_ok(data: bytes) -> bool:

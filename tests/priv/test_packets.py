@@ -193,18 +193,6 @@ def test_client_ip_affinity_lasts_its_timeout_in_the_kernels_ticks(dp: Dataplane
         assert abs(v.last_seen - clock.ticks_now()) <= hz // 2, "stamped on another clock than ticks_now()"
 
 
-@pytest.mark.parametrize("proto", BOTH_PROTOS)
-@pytest.mark.parametrize("prog", INGRESS)
-def test_frontend_without_ready_endpoints_drops_and_counts(dp: Dataplane, prog: Prog, proto: int) -> None:
-    dp.apply(port_state(proto, backends=()))
-    data = frame(Flow(CLIENT, VIP, 43000, PORT, proto), b"hello")
-    for _ in range(3):
-        verdict, _ = dp.run(prog, data)
-        assert verdict == prog.drop
-    assert dp.counter("no_backend") == 3
-    assert len(dp.maps.ct) == 0
-
-
 @pytest.mark.parametrize("prog", INGRESS)
 def test_per_frontend_stats_count_packets_and_bytes(dp: Dataplane, prog: Prog) -> None:
     tcp, udp = port_state(TCP), port_state(UDP, port=53)

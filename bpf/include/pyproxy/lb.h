@@ -11,6 +11,7 @@ enum pyproxy_verdict {
 	PYPROXY_PASS = 0,   /* not a frontend: leave the packet alone */
 	PYPROXY_DNAT,       /* rewrite the destination to *be */
 	PYPROXY_DROP,       /* a frontend that cannot be served now */
+	PYPROXY_REJECT,     /* a frontend with no usable endpoint: refuse the flow (reject.h) */
 };
 
 static __always_inline int pyproxy_backend_alive(const struct pyproxy_backend *be)
@@ -141,7 +142,7 @@ static __always_inline int pyproxy_lb_forward(const struct pyproxy_pkt *p, __u64
 
 	if (svc->backend_count == 0) {
 		pyproxy_count(PYPROXY_CNT_NO_BACKEND);
-		return PYPROXY_DROP;
+		return PYPROXY_REJECT;
 	}
 	if (!((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_affinity_lookup(p, svc, now, be))) {
 		if (!pyproxy_pick_backend(svc, be)) {
