@@ -25,6 +25,7 @@ help:
 	@echo "make install   apt packages, .venv with pyproxy, BPF objects"
 	@echo "make demo      namespace lab + real traffic through the BPF dataplane"
 	@echo "make test      lint, type checks, layering, unit, BPF and end-to-end tests (root)"
+	@echo "make soak      the connection-tracking soak, 60 s per proxy mode (root)"
 	@echo "make apiserver build kube-apiserver v1.20.2 once (cached in ~/.cache/pyproxy) and install etcd"
 	@echo "make cluster-up    etcd + kube-apiserver on 127.0.0.1:6443, detached; admin kubeconfig in .cluster/"
 	@echo "make cluster-down  stop that cluster and forget its etcd data"
@@ -66,6 +67,12 @@ unit: venv
 
 test: install apiserver guest-image lint
 	$(VENV)/bin/pytest -q tests
+
+# Issue 16's soak at full length: a client alternating Service and direct connections to one backend from 20
+# source ports, TCP and UDP, 60 s in each mode (bpf, bpf+XDP, nftables, iptables; `make test` runs 15 s).
+.PHONY: soak
+soak: install
+	PYPROXY_SOAK_SECONDS=60 $(VENV)/bin/pytest -q -s tests/e2e/test_ct_e2e.py -k soak
 
 # Builds only when the cached binary is missing (about 7 minutes on 2 cores), else returns at once.
 apiserver:

@@ -3,6 +3,14 @@
     client 10.200.0.2 --eth0/to-client-- node --to-bI/eth0-- backend I 10.201.I.2   (I = 1..N)
                                            \\--to-uplink/eth0-- uplink 10.199.0.2  (only with distro=True)
 
+With `router="backends"` the backends hang off a router namespace instead of the node, and with `router="client"`
+the client does (a path with a smaller MTU on the way, where a router answers "fragmentation needed"):
+
+    node --to-router/eth0-- router 10.198.0.2 --to-bI/eth0-- backend I      (router="backends")
+    client --eth0/to-client-- router 10.198.0.2 --eth0/to-router-- node      (router="client")
+
+`router_mtu` sets the MTU of both ends of the node-router link.
+
 The node routes (ip_forward=1 in the node namespace only; it is per netns); the client and every backend have
 their default route via the node, so traffic to a ClusterIP goes client -> node -> backend and back. The
 addressing is deterministic (backend I is always 10.201.I.2) so shipped demo manifests can name backends; the
@@ -54,6 +62,10 @@ UPLINK_IP = "10.199.0.2"
 NODE_UPLINK_IP = "10.199.0.1"
 NODE_CLIENT_IFNAME = "to-client"
 NODE_UPLINK_IFNAME = "to-uplink"
+ROUTER_IP = "10.198.0.2"
+NODE_ROUTER_IP = "10.198.0.1"
+NODE_ROUTER_IFNAME = "to-router"
+ROUTER_SIDES = ("client", "backends")
 # The interface name on the client, backend and uplink side of their veth.
 PEER_IFNAME = "eth0"
 IFNAMSIZ = 15
@@ -220,14 +232,24 @@ class Lab:
     `iptables -A FORWARD -m conntrack --ctstate INVALID -j DROP`. `csum_offload=False` (the default) turns off
     tx checksum offload on the client's and backends' veth ends: their packets then carry full checksums, and
     a checksum left wrong by NAT is verified and counted by the receiver (pitfall 3), see `checksum_errors()`.
+    `router="client"|"backends"` puts a router namespace between the node and that side (see the module's
+    docstring), its link to the node at `router_mtu`; a Backend's `node_ip`/`node_ifname` are then the router's.
     """
 
     def __init__(self, backends: int = 3, *, prefix: str = "pyp", distro: bool = False,
-                 csum_offload: bool = False, rp_filter: int = 1) -> None:
+                 csum_offload: bool = False, rp_filter: int = 1, router: str | None = None,
+                 router_mtu: int | None = None) -> None:
         if not 0 <= backends <= MAX_BACKENDS:
             raise ValueError(f"backends must be 0..{MAX_BACKENDS}")
         if rp_filter not in (0, 1, 2):
             raise ValueError("rp_filter must be 0, 1 or 2")
+        if router is not None and router not in ROUTER_SIDES:
+            raise ValueError(f"router must be one of {ROUTER_SIDES} or None")
+        if router_mtu is not None and (router is None or not 576 <= router_mtu <= 65535):
+            raise ValueError("router_mtu needs a router and must be 576..65535")
+        self.router_side = router
+        """Which side of the node the router namespace is on: "client", "backends" or None (no router)."""
+        self.router_mtu = router_mtu
         self.prefix = prefix
         self.distro = distro
         self.csum_offload = csum_offload
@@ -262,6 +284,10 @@ class Lab:
         return self._ns("uplink") if self.distro else None
 
     @property
+    def router(self) -> str | None:
+        return self._ns("router") if self.router_side else None
+
+    @property
     def backends(self) -> list[Backend]:
         return list(self._backends)
 
@@ -276,12 +302,14 @@ class Lab:
     @property
     def node_client_ifname(self) -> str:
         """The node's client-facing interface (where ClusterIP traffic enters the node)."""
-        return NODE_CLIENT_IFNAME
+        return NODE_ROUTER_IFNAME if self.router_side == "client" else NODE_CLIENT_IFNAME
 
     @property
     def node_ifnames(self) -> list[str]:
         """Every interface of the node except lo."""
-        names = [NODE_CLIENT_IFNAME] + [b.node_ifname for b in self._backends]
+        backend_side = ([NODE_ROUTER_IFNAME] if self.router_side == "backends"
+                        else [b.node_ifname for b in self._backends])
+        names = [self.node_client_ifname] + backend_side
         return (names + [NODE_UPLINK_IFNAME]) if self.distro else names
 
     @property
@@ -352,22 +380,28 @@ class Lab:
         run(["ip", "-n", ns, "link", "set", "lo", "up"])
         return ns
 
-    def _link(self, node_ifname: str, peer_ns: str, node_cidr: str, peer_cidr: str, gateway: str) -> None:
-        """A veth pair node:node_ifname <-> peer_ns:eth0, addressed and up; the peer routes via the node."""
+    def _link(self, node_ifname: str, peer_ns: str, node_cidr: str, peer_cidr: str, gateway: str, *,
+              upstream: str | None = None, mtu: int | None = None) -> None:
+        """A veth pair node:node_ifname <-> peer_ns:eth0, addressed and up; the peer routes via the node.
+        `upstream` puts the first end in that namespace (a router) instead of the node; `mtu` sets both ends'."""
+        up = self.node if upstream is None else upstream
         if len(node_ifname) > IFNAMSIZ:
             raise LabError(f"interface name too long: {node_ifname}")
         # Created directly inside the namespaces: no temporary name in the host namespace to collide on.
-        run(["ip", "-n", self.node, "link", "add", node_ifname, "type", "veth", "peer", "name", PEER_IFNAME,
+        run(["ip", "-n", up, "link", "add", node_ifname, "type", "veth", "peer", "name", PEER_IFNAME,
              "netns", peer_ns])
-        if self.distro:
+        if mtu is not None:
+            run(["ip", "-n", up, "link", "set", node_ifname, "mtu", str(mtu)])
+            run(["ip", "-n", peer_ns, "link", "set", PEER_IFNAME, "mtu", str(mtu)])
+        if self.distro and up == self.node:
             # Before the address: strict filtering from the first packet, also on devices added later.
             self.sysctl(self.node, {f"net.ipv4.conf.{node_ifname}.rp_filter": self.rp_filter})
-        run(["ip", "-n", self.node, "addr", "add", node_cidr, "dev", node_ifname])
+        run(["ip", "-n", up, "addr", "add", node_cidr, "dev", node_ifname])
         run(["ip", "-n", peer_ns, "addr", "add", peer_cidr, "dev", PEER_IFNAME])
         if not self.csum_offload and peer_ns != self.uplink:
             # Full checksums on the wire, so the receiver verifies (and counts) what NAT did (pitfall 3).
             self.exec(peer_ns, "ethtool", "-K", PEER_IFNAME, "tx", "off")
-        run(["ip", "-n", self.node, "link", "set", node_ifname, "up"])
+        run(["ip", "-n", up, "link", "set", node_ifname, "up"])
         run(["ip", "-n", peer_ns, "link", "set", PEER_IFNAME, "up"])
         run(["ip", "-n", peer_ns, "route", "add", "default", "via", gateway])
 
@@ -382,8 +416,16 @@ class Lab:
             # distribution.
             self.exec(self.node, "iptables", "-w", "5", "-A", "FORWARD", "-m", "conntrack", "--ctstate",
                       "INVALID", "-j", "DROP")
+        if self.router_side:
+            router = self._add_ns("router")
+            self.sysctl(router, {"net.ipv4.ip_forward": 1})
+            self._link(NODE_ROUTER_IFNAME, router, f"{NODE_ROUTER_IP}/24", f"{ROUTER_IP}/24", NODE_ROUTER_IP,
+                       mtu=self.router_mtu)
+            behind = "10.200.0.0/24" if self.router_side == "client" else "10.201.0.0/16"
+            run(["ip", "-n", self.node, "route", "add", behind, "via", ROUTER_IP])
         self._add_ns("client")
-        self._link(NODE_CLIENT_IFNAME, self.client, f"{NODE_CLIENT_IP}/24", f"{CLIENT_IP}/24", NODE_CLIENT_IP)
+        self._link(NODE_CLIENT_IFNAME, self.client, f"{NODE_CLIENT_IP}/24", f"{CLIENT_IP}/24", NODE_CLIENT_IP,
+                   upstream=self.router if self.router_side == "client" else None)
         if self.distro:
             uplink = self._add_ns("uplink")
             self._link(NODE_UPLINK_IFNAME, uplink, f"{NODE_UPLINK_IP}/24", f"{UPLINK_IP}/24", NODE_UPLINK_IP)
@@ -401,7 +443,8 @@ class Lab:
         ns = self._add_ns(name)
         backend = Backend(index=index, name=name, ns=ns, ip=backend_ip(index), node_ip=f"10.201.{index}.1",
                           node_ifname=f"to-{name}")
-        self._link(backend.node_ifname, ns, f"{backend.node_ip}/24", f"{backend.ip}/24", backend.node_ip)
+        self._link(backend.node_ifname, ns, f"{backend.node_ip}/24", f"{backend.ip}/24", backend.node_ip,
+                   upstream=self.router if self.router_side == "backends" else None)
         self._backends.append(backend)
         return backend
 
@@ -568,15 +611,20 @@ class Lab:
 
     def checksum_errors(self, namespaces: Iterable[str] | None = None) -> dict[str, dict[str, int]]:
         """Checksum error counters per namespace, {role: {TcpInCsumErrors: n, ...}}, of the client, the
-        backends and the node, read from /proc/net/snmp and /proc/net/netstat inside each namespace."""
+        backends, the node (and the router), read from /proc/net/snmp and /proc/net/netstat inside each."""
+        routers = [self.router] if self.router else []
         targets = (list(namespaces) if namespaces is not None
-                   else [self.client, *(b.ns for b in self._backends), self.node])
+                   else [self.client, *(b.ns for b in self._backends), self.node, *routers])
         result = {}
         for ns in targets:
-            text = self.exec(ns, "cat", "/proc/net/snmp", "/proc/net/netstat").stdout
-            counters = parse_proc_net_counters(text)
+            counters = self.net_counters(ns)
             result[self._role(self._resolve(ns))] = {k: counters.get(k, 0) for k in CHECKSUM_COUNTERS}
         return result
+
+    def net_counters(self, ns: str) -> dict[str, int]:
+        """Every counter of /proc/net/snmp and /proc/net/netstat inside `ns`, named as nstat names them
+        (IcmpOutDestUnreachs, IcmpMsgOutType3, TcpInCsumErrors, ...)."""
+        return parse_proc_net_counters(self.exec(ns, "cat", "/proc/net/snmp", "/proc/net/netstat").stdout)
 
 
 def parse_proc_net_counters(text: str) -> dict[str, int]:
