@@ -31,6 +31,52 @@ def last_run_log(proxy) -> str:
     return proxy.log_text().rsplit("### ", 1)[-1]
 
 
+def xdp_ids(env, dev: str) -> list[int]:
+    """Ids of the XDP programs on a node device (any mode)."""
+    link = json.loads(env.lab.exec(env.lab.node, "ip", "-j", "link", "show", "dev", dev).stdout)[0]
+    xdp = link.get("xdp", {})
+    ids = [a["prog"]["id"] for a in xdp.get("attached", [])]
+    return sorted(set(ids + ([xdp["prog"]["id"]] if "prog" in xdp else [])))
+
+
+# ------------------------------------------------------------------------------------------ 1. programs
+
+
+def test_a_restart_without_xdp_devices_detaches_xdp_and_logs_it(make_env) -> None:
+    env = make_env(2)
+    env.write("web.yaml", *WEB)
+    dev = env.lab.node_client_ifname
+    proxy = env.start(xdp_devices=[dev])
+    before = xdp_ids(env, dev)
+    assert before, f"--xdp-devices={dev} attached no XDP program"
+    assert proxy.terminate() == 0
+
+    proxy = env.start()  # the same settings without --xdp-devices
+    assert xdp_ids(env, dev) == [], f"XDP program {before} still on {dev} after a start without --xdp-devices"
+    log = last_run_log(proxy)
+    assert re.search(rf"detached XDP \((native|generic)\) from {dev}: not in --xdp-devices", log), log
+    env.assert_reaches("tcp", WEB_IP, 80, BOTH)  # TC alone serves it
+
+
+def test_a_restart_with_fewer_devices_detaches_the_others_and_logs_it(make_env) -> None:
+    env = make_env(2)
+    env.write("web.yaml", *WEB)
+    proxy = env.start()
+    attached = env.attached_programs()
+    assert all(attached.values()), attached
+    assert proxy.terminate() == 0
+
+    client = env.lab.node_client_ifname
+    proxy = env.start(devices=[client])
+    attached = env.attached_programs()
+    others = [dev for dev in env.lab.node_ifnames if dev != client]
+    assert attached[client] and not any(attached[dev] for dev in others), attached
+    log = last_run_log(proxy)
+    for dev in others:
+        assert f"detached tc ingress, tc egress from {dev}: not in --devices" in log, log
+    env.assert_reaches("tcp", WEB_IP, 80, BOTH)  # DNAT on the way in, reverse NAT on the client device's egress
+
+
 # ------------------------------------------------------------------------------------------ 2. durations
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import errno
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from pyproxy.dataplane import netlink
-from pyproxy.dataplane.bpf import libbpf
+from pyproxy.dataplane.bpf import libbpf, loader
 from pyproxy.dataplane.bpf.libbpf import ffi
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,10 @@ BPF_TC_F_REPLACE = 1
 XDP_FLAGS_SKB_MODE = 1 << 1
 XDP_FLAGS_DRV_MODE = 1 << 2
 XDP_MODES = {"native": XDP_FLAGS_DRV_MODE, "generic": XDP_FLAGS_SKB_MODE}
+
+# The hooks of a device pyproxy may hold a program on, by the name logs use.
+TC_HOOKS = {"tc ingress": INGRESS, "tc egress": EGRESS}
+XDP_HOOKS = {f"XDP ({mode})": mode for mode in XDP_MODES}
 
 
 def _hook(ifindex: int, direction: int) -> Any:
@@ -98,3 +103,27 @@ def xdp_prog_ids(ifindex: int) -> dict[str, int]:
 
 def detach_xdp(ifindex: int, mode: str) -> None:
     libbpf.check(libbpf.lib().bpf_xdp_detach(ifindex, XDP_MODES[mode], ffi.NULL), f"detach XDP from {ifindex}")
+
+
+def ours(ifindex: int) -> dict[str, int]:
+    """pyproxy's programs on one device: hook (a TC_HOOKS or XDP_HOOKS name) -> program id."""
+    found = {hook: tc_prog_id(ifindex, direction) for hook, direction in TC_HOOKS.items()}
+    found |= {f"XDP ({mode})": pid for mode, pid in xdp_prog_ids(ifindex).items()}
+    return {hook: pid for hook, pid in found.items() if pid and loader.is_ours(pid)}
+
+
+def detach(ifindex: int, hooks: Iterable[str] | None = None) -> list[str]:
+    """Remove pyproxy's programs from `hooks` (default: all) of one device, and the clsact qdisc once no
+    filter is left on it; the hooks a program was removed from."""
+    wanted = set(TC_HOOKS) | set(XDP_HOOKS) if hooks is None else set(hooks)
+    removed = []
+    for hook in ours(ifindex).keys() & wanted:
+        if hook in TC_HOOKS:
+            if not detach_tc(ifindex, TC_HOOKS[hook]):
+                continue
+        else:
+            detach_xdp(ifindex, XDP_HOOKS[hook])
+        removed.append(hook)
+    if any(h in TC_HOOKS for h in removed) and netlink.has_clsact(ifindex) and netlink.tc_filter_count(ifindex) == 0:
+        netlink.remove_clsact(ifindex)
+    return sorted(removed, key=list(TC_HOOKS | XDP_HOOKS).index)

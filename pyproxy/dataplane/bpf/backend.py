@@ -331,7 +331,7 @@ class BpfDataplane:
             if self.attached.get(link.name) == link.index:
                 return
             if not self._wanted(link):
-                detach_device(link)
+                self._detach(link, "not in --devices" if self.settings.devices else "not an Ethernet device")
                 return
             try:
                 self._attach(link)
@@ -350,8 +350,21 @@ class BpfDataplane:
             except OSError as e:
                 log.warning("native XDP failed on %s (%s); falling back to generic XDP", link.name, e)
                 attach.attach_xdp(link.index, progs[abi.PROG_XDP], "generic")
+        else:
+            self._detach(link, "not in --xdp-devices", attach.XDP_HOOKS)
         self.attached[link.name] = link.index
         log.info("attached to device %s (ifindex %d)", link.name, link.index)
+
+    def _detach(self, link: netlink.Link, why: str, hooks: Iterable[str] | None = None) -> None:
+        """Make `link` hold none of our programs on `hooks` (default: any), saying what went and why: a start
+        leaves exactly the programs its settings ask for, whatever an earlier run with other settings left."""
+        try:
+            removed = attach.detach(link.index, hooks)
+        except OSError as e:
+            log.error("cannot detach pyproxy's programs from device %s (%s): %s", link.name, why, e)
+            return
+        if removed:
+            log.info("detached %s from %s: %s", ", ".join(removed), link.name, why)
 
     # -- sync ------------------------------------------------------------------------------------
 
@@ -379,24 +392,10 @@ class BpfDataplane:
         self.applied.commit(plan)
 
 
-def detach_device(link: netlink.Link) -> bool:
-    """Remove pyproxy's programs from one device (and the clsact qdisc when nothing else uses it)."""
-    removed = False
-    for direction in (attach.INGRESS, attach.EGRESS):
-        if loader.is_ours(attach.tc_prog_id(link.index, direction)):
-            removed |= attach.detach_tc(link.index, direction)
-    for mode, pid in attach.xdp_prog_ids(link.index).items():
-        if loader.is_ours(pid):
-            attach.detach_xdp(link.index, mode)
-            removed = True
-    if removed and netlink.has_clsact(link.index) and netlink.tc_filter_count(link.index) == 0:
-        netlink.remove_clsact(link.index)
-    return removed
-
-
 def cleanup(pin_path: Path) -> list[str]:
     """Remove every program, pin and qdisc pyproxy's BPF mode made in this namespace; returns what went."""
-    done = [f"programs on {lk.name}" for lk in netlink.list_links() if detach_device(lk)]
+    done = [f"programs on {lk.name} ({', '.join(hooks)})" for lk in netlink.list_links()
+            if (hooks := attach.detach(lk.index))]
     if pin_path.exists():
         for pin in sorted(pin_path.iterdir()):
             if pin.name.startswith(abi.MAP_PREFIX):
