@@ -104,11 +104,12 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
 
 
 def inspect(settings: ProxySettings, flows: bool = True) -> str:
-    maps = bpf_inspect.open_maps(settings.bpf.pin_path)
+    maps = bpf_inspect.open_maps(settings.bpf.pin_path, settings.bpf.object_path)
     if maps is None:
         raise StartupError(
             f"no pyproxy BPF dataplane here: no pins under {settings.bpf.pin_path} and no pyproxy program "
-            "attached in this network namespace"
+            "attached in this network namespace (run inspect in pyproxy's network namespace, with pyproxy's "
+            "--bpf-pin-path if it pins elsewhere)"
         )
     try:
         return bpf_inspect.report(maps, flows)

@@ -100,6 +100,29 @@ def test_a_duration_that_cannot_work_ends_pyproxy_at_once_naming_the_flag(make_e
     assert not any(env.attached_programs().values()), "programs attached before the settings were checked"
 
 
+# ------------------------------------------------------------------------------------------ 3. inspect
+
+
+def test_inspect_under_ip_netns_exec_finds_the_running_dataplane(make_env) -> None:
+    """pyproxy pins under the default /sys/fs/bpf/pyproxy, which `ip netns exec` makes private to each
+    invocation: inspect, run the same way with no flag, still finds the maps through the attached programs."""
+    env = make_env(2)
+    env.write("web.yaml", *WEB)
+    proxy = env.start(args=["--bpf-pin-path=/sys/fs/bpf/pyproxy"])
+    env.assert_reaches("tcp", WEB_IP, 80, BOTH)
+    cp = env.lab.python(env.lab.node, "-m", "pyproxy", "inspect", check=False)
+    assert cp.returncode == 0, cp
+    line = next((line for line in cp.stdout.splitlines() if f"{WEB_IP}:80/TCP" in line), "")
+    assert "default/web" in line and "10.201.1.2:8080" in line and "10.201.2.2:8080" in line, cp.stdout
+
+    # Stopped, the programs still hold the maps: the frontends stay visible (the names map went with the
+    # process's private bpffs, so the Service's name may be a placeholder).
+    assert proxy.terminate() == 0
+    cp = env.lab.python(env.lab.node, "-m", "pyproxy", "inspect", "--no-flows", check=False)
+    assert cp.returncode == 0, cp
+    assert re.search(rf"{re.escape(WEB_IP)}:80/TCP .*10\.201\.1\.2:8080", cp.stdout), cp.stdout
+
+
 # ------------------------------------------------------------------------------------------ 4. settings
 
 

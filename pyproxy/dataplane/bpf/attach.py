@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 from collections.abc import Iterable
 from typing import Any
 
 from pyproxy.dataplane import netlink
-from pyproxy.dataplane.bpf import libbpf, loader
+from pyproxy.dataplane.bpf import abi, libbpf, loader
 from pyproxy.dataplane.bpf.libbpf import ffi
 
 log = logging.getLogger(__name__)
@@ -127,3 +128,27 @@ def detach(ifindex: int, hooks: Iterable[str] | None = None) -> list[str]:
     if any(h in TC_HOOKS for h in removed) and netlink.has_clsact(ifindex) and netlink.tc_filter_count(ifindex) == 0:
         netlink.remove_clsact(ifindex)
     return sorted(removed, key=list(TC_HOOKS | XDP_HOOKS).index)
+
+
+KERNEL_NAME_LEN = 15  # BPF_OBJ_NAME_LEN - 1: what the kernel keeps of a map's name ("pyproxy_epoch_v1" -> "…_v")
+
+
+def abi_map_name(kernel_name: str) -> str | None:
+    """The abi.ALL_MAPS name of a map as the kernel names it (cut to 15 characters), or None if not ours."""
+    return next((n for n in abi.ALL_MAPS if n[:KERNEL_NAME_LEN] == kernel_name), None)
+
+
+def maps_in_use() -> dict[str, int]:
+    """abi name -> a new fd (the caller's), for every pyproxy map that pyproxy's programs attached to this
+    namespace's devices hold: what a restart adopts and `pyproxy inspect` reads when no pins are reachable
+    (under `ip netns exec`, each invocation's /sys is its own). Maps no program uses (the names map) are
+    not among them."""
+    found: dict[str, int] = {}
+    for pid in sorted({pid for link in netlink.list_links() for pid in ours(link.index).values()}):
+        for kernel_name, fd in loader.maps_of_program(pid).items():
+            name = abi_map_name(kernel_name)
+            if name is None or name in found:
+                os.close(fd)
+            else:
+                found[name] = fd
+    return found

@@ -308,12 +308,9 @@ class BpfDataplane:
             self._obj.close()
 
     def _previous_maps(self) -> dict[str, int]:
-        """Maps held by a previous run's programs still attached here (see loader's docstring)."""
-        for link in netlink.list_links():
-            pid = attach.tc_prog_id(link.index, attach.INGRESS)
-            if pid and loader.is_ours(pid):
-                return loader.maps_of_program(pid)
-        return {}
+        """Maps held by a previous run's programs still attached here (see loader's docstring), by their full
+        names: the kernel keeps 15 characters, and pyproxy_epoch_v1 was never adopted under its cut name."""
+        return attach.maps_in_use()
 
     # -- devices ---------------------------------------------------------------------------------
 

@@ -1,30 +1,104 @@
 """`pyproxy inspect` for the BPF dataplane: frontends, their backends and counters, and live flows,
-read straight from the maps (pinned ones, or those of the programs attached in this namespace)."""
+read straight from the maps: pinned ones, or else those of the dataplane running in this network namespace.
+
+Under `ip netns exec` every invocation gets its own /sys, so the pins of a pyproxy started that way (under
+the default /sys/fs/bpf/pyproxy) are out of reach. inspect then finds the maps as a restart does, through
+the programs attached to this namespace's devices (attach.maps_in_use), plus the maps no program uses (the
+Service names) through the running pyproxy's open fds: the process in this namespace holding the same
+services map. Maps found nowhere (pyproxy stopped: the names went with its /sys) are stood in for by empty
+ones, so the frontends still show, under placeholder names.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
 from pathlib import Path
 
-from pyproxy.dataplane import netlink
 from pyproxy.dataplane.bpf import abi, attach, clock, libbpf, loader
-from pyproxy.dataplane.bpf.backend import Maps
+from pyproxy.dataplane.bpf.backend import DEFAULT_OBJECT, Maps
+
+log = logging.getLogger(__name__)
 
 
-def open_maps(pin_path: Path) -> Maps | None:
+def open_maps(pin_path: Path, object_path: Path = DEFAULT_OBJECT) -> Maps | None:
     """The live maps, or None when pyproxy's BPF dataplane is not set up here."""
     if all((pin_path / n).exists() for n in abi.ALL_MAPS):
         return Maps({n: libbpf.check(libbpf.lib().bpf_obj_get(str(pin_path / n).encode()), f"open {n}")
                      for n in abi.ALL_MAPS})
-    for link in netlink.list_links():
-        pid = attach.tc_prog_id(link.index, attach.INGRESS)
-        if pid and loader.is_ours(pid):
-            fds = loader.maps_of_program(pid)
-            if all(n in fds for n in abi.ALL_MAPS):
-                return Maps(fds)
-            for fd in fds.values():
-                os.close(fd)
-    return None
+    fds = attach.maps_in_use()
+    if abi.MAP_SERVICES not in fds:
+        for fd in fds.values():
+            os.close(fd)
+        return None
+    for name, fd in _held_by_the_process_using(loader.map_info(fds[abi.MAP_SERVICES]).id).items():
+        if name in fds:
+            os.close(fd)
+        else:
+            fds[name] = fd
+    if set(abi.ALL_MAPS) <= fds.keys():
+        return Maps(fds)
+    try:
+        return _with_stand_ins(fds, object_path)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _held_by_the_process_using(services_map_id: int) -> dict[str, int]:
+    """abi name -> a new fd, for the pyproxy maps a process of this network namespace holds open, if one
+    holds the services map `services_map_id` (the running pyproxy of these programs); else none."""
+    own_ns = os.stat("/proc/self/ns/net")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        ids: set[int] = set()
+        with contextlib.suppress(OSError):  # gone meanwhile, or a kernel thread
+            ns = os.stat(f"/proc/{pid}/ns/net")
+            if (ns.st_dev, ns.st_ino) != (own_ns.st_dev, own_ns.st_ino) or int(pid) == os.getpid():
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:bpf-map":
+                    with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                        found = re.search(r"^map_id:\s*(\d+)$", f.read(), re.M)
+                    if found:
+                        ids.add(int(found.group(1)))
+        if services_map_id in ids:
+            return _open_ids(ids)
+    return {}
+
+
+def _open_ids(ids: set[int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for map_id in ids:
+        fd = libbpf.lib().bpf_map_get_fd_by_id(map_id)
+        if fd < 0:
+            continue
+        name = attach.abi_map_name(loader.map_info(fd).name.decode())
+        if name is None or name in out:
+            os.close(fd)
+        else:
+            out[name] = fd
+    return out
+
+
+def _with_stand_ins(fds: dict[str, int], object_path: Path) -> Maps:
+    """Maps from `fds` and, for those missing, new empty ones: the object loaded (not attached) reusing every
+    found map, as a restart does, so each stand-in has its map's exact shape."""
+    missing = sorted(set(abi.ALL_MAPS) - fds.keys())
+    log.info("%s not found (no pyproxy runs in this network namespace): shown empty%s", ", ".join(missing),
+             "; Services are named ?/svc-ID" if abi.MAP_NAMES in missing else "")
+    capacities = {name: loader.map_info(fd).max_entries for name, fd in fds.items()}
+    level = loader.log.level
+    loader.log.setLevel(logging.WARNING)  # not "reusing map ..." per map: nothing is reused for long here
+    try:
+        obj = loader.load(object_path, None, capacities, fds)
+    finally:
+        loader.log.setLevel(level)
+    try:
+        return Maps({name: os.dup(fd) for name, fd in obj.maps.items()})
+    finally:
+        obj.close()
 
 
 def report(maps: Maps, flows: bool = True) -> str:
