@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 from pyproxy.model.objects import (
     DEFAULT_SESSION_AFFINITY_TIMEOUT,
     LAST_CHANGE_TRIGGER_TIME_ANNOTATION,
+    NODE_IP_TYPES,
     SERVICE_NAME_LABEL,
     Endpoint,
     EndpointPort,
@@ -24,6 +25,7 @@ from pyproxy.model.objects import (
     Protocol,
     Service,
     ServicePort,
+    TrafficPolicy,
     object_key,
 )
 
@@ -33,6 +35,8 @@ NODE_KIND = "Node"
 
 _SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
 _SESSION_AFFINITIES = ("None", "ClientIP")
+# A load-balancer ingress's ipMode: VIP (traffic arrives addressed to the ingress IP; the default) or Proxy.
+_LB_IP_MODES = ("VIP", "Proxy")
 _MAX_AFFINITY_TIMEOUT = 86400  # upstream validation's limit
 _ADDRESS_PARSERS: dict[str, Callable[[str], ipaddress.IPv4Address | ipaddress.IPv6Address] | None] = {
     "IPv4": ipaddress.IPv4Address,
@@ -163,19 +167,66 @@ def _service_port(r: _Reader, entry: Mapping[str, Any], path: str) -> ServicePor
     )
 
 
+def _ipv4s(r: _Reader, entries: list[tuple[str, str]], what: str = "an IP address") -> tuple[str, ...]:
+    """The IPv4 addresses of (path, value) pairs, in canonical form; IPv6 ones are valid but not served."""
+    ips: list[str] = []
+    for path, value in entries:
+        ip = r.address(path, value, ipaddress.ip_address, what)
+        if ip.version == 4:
+            ips.append(str(ip))
+    return tuple(ips)
+
+
 def _cluster_ips(r: _Reader, spec: Mapping[str, Any]) -> tuple[str, ...]:
     """The IPv4 ClusterIPs; IPv6 ones are valid but not served."""
     entries = r.elements(spec, "clusterIPs", "spec", str, "a string") or [
         ("spec.clusterIP", r.string(spec, "clusterIP", "spec"))
     ]
-    ips: list[str] = []
-    for path, value in entries:
-        if value in ("", "None"):  # not allocated / headless
-            continue
-        ip = r.address(path, value, ipaddress.ip_address, 'an IP address, "None" or empty')
-        if ip.version == 4:
-            ips.append(str(ip))
-    return tuple(ips)
+    # "" is not allocated, "None" headless.
+    return _ipv4s(r, [(p, v) for p, v in entries if v not in ("", "None")], 'an IP address, "None" or empty')
+
+
+def _traffic_policy(r: _Reader, spec: Mapping[str, Any], field: str) -> TrafficPolicy:
+    """spec.externalTrafficPolicy or spec.internalTrafficPolicy; absent or empty: Cluster. "Global" is refused,
+    as the API server refuses it: it was a value of the pre-1.7 beta annotation
+    `service.beta.kubernetes.io/external-traffic` (OnlyLocal | Global), never of these fields."""
+    value = r.string(spec, field, "spec") or TrafficPolicy.CLUSTER.value
+    try:
+        return TrafficPolicy(value)
+    except ValueError:
+        r.fail(f"spec.{field} {value!r} is not one of {', '.join(TrafficPolicy)}")
+
+
+def _source_ranges(r: _Reader, spec: Mapping[str, Any]) -> tuple[str, ...]:
+    """spec.loadBalancerSourceRanges: the IPv4 CIDRs, trimmed (the API's validation lets whitespace through, and
+    upstream trims it) and in canonical form (host bits cleared, as Go's ParseCIDR gives them)."""
+    ranges: list[str] = []
+    for path, value in r.elements(spec, "loadBalancerSourceRanges", "spec", str, "a string"):
+        text = value.strip()
+        try:
+            if "/" not in text:
+                raise ValueError(text)
+            network = ipaddress.ip_network(text, strict=False)
+        except ValueError:
+            r.fail(f"{path} {value!r} is not a CIDR")
+        if network.version == 4:
+            ranges.append(str(network))
+    return tuple(ranges)
+
+
+def _load_balancer_ips(r: _Reader, d: Mapping[str, Any]) -> tuple[str, ...]:
+    """status.loadBalancer.ingress[].ip of the ingresses whose ipMode is VIP (or unset), IPv4 ones."""
+    within = "status.loadBalancer"
+    status = r.mapping(r.mapping(d, "status", ""), "loadBalancer", "status")
+    entries: list[tuple[str, str]] = []
+    for path, entry in r.elements(status, "ingress", within, Mapping, "an object"):
+        mode = r.string(entry, "ipMode", path, "VIP")
+        if mode not in _LB_IP_MODES:
+            r.fail(f"{path}.ipMode {mode!r} is not one of {', '.join(_LB_IP_MODES)}")
+        ip = r.string(entry, "ip", path)
+        if ip and mode == "VIP":  # an ingress may have only a hostname
+            entries.append((f"{path}.ip", ip))
+    return _ipv4s(r, entries)
 
 
 def service_from_dict(d: Mapping[str, Any]) -> Service:
@@ -208,6 +259,10 @@ def service_from_dict(d: Mapping[str, Any]) -> Service:
     timeout = r.integer(client_ip, "timeoutSeconds", within)
     if timeout is not None and not 1 <= timeout <= _MAX_AFFINITY_TIMEOUT:
         r.fail(f"{within}.timeoutSeconds {timeout} is outside 1-{_MAX_AFFINITY_TIMEOUT}")
+    # 0 is the API's "unset" (upstream reads it so).
+    health_check_node_port = r.integer(spec, "healthCheckNodePort", "spec") or None
+    if health_check_node_port is not None and not 1 <= health_check_node_port <= 65535:
+        r.fail(f"spec.healthCheckNodePort {health_check_node_port} is outside 1-65535")
 
     return Service(
         namespace=namespace,
@@ -217,6 +272,12 @@ def service_from_dict(d: Mapping[str, Any]) -> Service:
         ports=tuple(ports),
         session_affinity=affinity,
         session_affinity_timeout=DEFAULT_SESSION_AFFINITY_TIMEOUT if timeout is None else timeout,
+        external_ips=_ipv4s(r, r.elements(spec, "externalIPs", "spec", str, "a string")),
+        load_balancer_ips=_load_balancer_ips(r, d),
+        external_traffic_policy=_traffic_policy(r, spec, "externalTrafficPolicy"),
+        internal_traffic_policy=_traffic_policy(r, spec, "internalTrafficPolicy"),
+        health_check_node_port=health_check_node_port,
+        load_balancer_source_ranges=_source_ranges(r, spec),
     )
 
 
@@ -357,7 +418,8 @@ def endpointslice_from_dict(d: Mapping[str, Any]) -> EndpointSlice:
 
 
 def node_from_dict(d: Mapping[str, Any]) -> Node:
-    """Convert a `v1` Node; only its name, labels and addresses matter to a proxy."""
+    """Convert a `v1` Node; only its name, labels and addresses matter to a proxy. Its InternalIP and ExternalIP
+    addresses must be IP addresses (kept in canonical form); the other types are names, kept as written."""
     r, _, name, meta = _open(NODE_KIND, d, namespaced=False)
     labels = r.mapping(meta, "labels", "metadata")
     for key, value in labels.items():
@@ -365,5 +427,8 @@ def node_from_dict(d: Mapping[str, Any]) -> Node:
     status = r.mapping(d, "status", "")
     addresses = []
     for path, entry in r.elements(status, "addresses", "status", Mapping, "an object"):
-        addresses.append((r.string(entry, "type", path), r.string(entry, "address", path)))
+        kind, address = r.string(entry, "type", path), r.string(entry, "address", path)
+        if kind in NODE_IP_TYPES:
+            address = str(r.address(f"{path}.address", address, ipaddress.ip_address, "an IP address"))
+        addresses.append((kind, address))
     return Node(name=name, labels=tuple(sorted(labels.items())), addresses=tuple(addresses))

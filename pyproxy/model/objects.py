@@ -24,6 +24,13 @@ class Protocol(enum.StrEnum):
     SCTP = "SCTP"
 
 
+class TrafficPolicy(enum.StrEnum):
+    """spec.externalTrafficPolicy / spec.internalTrafficPolicy: all the cluster's endpoints, or this node's."""
+
+    CLUSTER = "Cluster"
+    LOCAL = "Local"
+
+
 class InvalidObject(ValueError):
     """An object that cannot be served; the message names the kind, namespace/name and what is wrong."""
 
@@ -49,6 +56,7 @@ class ServicePort:
     target_port: int | str
     """Informational: the EndpointSlice controller already resolved it into the slices' port numbers."""
     node_port: int | None = None
+    """spec.ports[].nodePort: allocated for NodePort and LoadBalancer Services (None: not allocated)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +72,20 @@ class Service:
     """"None" or "ClientIP"."""
     session_affinity_timeout: int = DEFAULT_SESSION_AFFINITY_TIMEOUT
     """Seconds a ClientIP affinity lasts."""
+    external_ips: tuple[str, ...] = ()
+    """spec.externalIPs, the IPv4 ones (IPv6 ones are valid but not served), in the object's order."""
+    load_balancer_ips: tuple[str, ...] = ()
+    """status.loadBalancer.ingress[].ip, the IPv4 ones whose ipMode is VIP (or unset): traffic arrives addressed
+    to them. Traffic from an ingress with ipMode Proxy (a proxying load balancer) is not addressed to its IP."""
+    external_traffic_policy: TrafficPolicy = TrafficPolicy.CLUSTER
+    """Applies to the external frontends (node ports, external IPs, load-balancer IPs); absent means Cluster."""
+    internal_traffic_policy: TrafficPolicy = TrafficPolicy.CLUSTER
+    """Applies to the ClusterIPs; absent means Cluster."""
+    health_check_node_port: int | None = None
+    """spec.healthCheckNodePort (None: unset or 0)."""
+    load_balancer_source_ranges: tuple[str, ...] = ()
+    """spec.loadBalancerSourceRanges, the IPv4 ones, trimmed and in canonical form ("10.0.0.0/8"); empty: any
+    source. IPv6 ones are valid but dropped, as upstream's IPv4 proxier does."""
 
     @property
     def key(self) -> str:
@@ -76,8 +98,12 @@ class Endpoint:
     ready: bool = True
     """Per the API, an unset `ready` condition means ready."""
     serving: bool = True
+    """Unset: as `ready` (the API's documented default). Upstream kube-proxy reads an unset one as true, which
+    differs only for an endpoint that is terminating, not ready, and says nothing about serving."""
     terminating: bool = False
     node_name: str | None = None
+    """The node it runs on (v1 `nodeName`, v1beta1 topology `kubernetes.io/hostname`); None: unknown, which is
+    never this node."""
     zone: str | None = None
 
 
@@ -123,8 +149,24 @@ class Node:
     labels: tuple[tuple[str, str], ...] = ()
     """Sorted (key, value) pairs, so equal nodes compare equal."""
     addresses: tuple[tuple[str, str], ...] = ()
-    """(type, address) pairs in the API's order, e.g. ("InternalIP", "10.0.0.5")."""
+    """(type, address) pairs in the API's order, e.g. ("InternalIP", "10.0.0.5"); InternalIP and ExternalIP
+    ones are valid IP addresses in canonical form."""
 
     @property
     def zone(self) -> str | None:
         return dict(self.labels).get(ZONE_LABEL)
+
+    @property
+    def primary_ipv4(self) -> str | None:
+        """The node's primary IPv4 address as upstream picks it (GetNodeHostIPs): the first IPv4 InternalIP, else
+        the first IPv4 ExternalIP; None when it has neither."""
+        for wanted in NODE_IP_TYPES:
+            for kind, address in self.addresses:
+                if kind == wanted and "." in address:
+                    return address
+        return None
+
+
+# The Node address types that are IP addresses (the others, Hostname and InternalDNS/ExternalDNS, are names),
+# in the order upstream prefers them for the primary address.
+NODE_IP_TYPES = ("InternalIP", "ExternalIP")

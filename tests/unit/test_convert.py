@@ -6,15 +6,17 @@ from typing import Any
 
 import pytest
 
-from pyproxy.k8s.convert import endpointslice_from_dict, service_from_dict
+from pyproxy.k8s.convert import endpointslice_from_dict, node_from_dict, service_from_dict
 from pyproxy.model.objects import (
     Endpoint,
     EndpointPort,
     EndpointSlice,
     InvalidObject,
+    Node,
     Protocol,
     Service,
     ServicePort,
+    TrafficPolicy,
 )
 
 
@@ -24,7 +26,7 @@ def service_doc() -> dict[str, Any]:
         "kind": "Service",
         "metadata": {"name": "web", "namespace": "shop"},
         "spec": {
-            "type": "NodePort",
+            "type": "LoadBalancer",
             "clusterIP": "10.96.0.10",
             "clusterIPs": ["10.96.0.10", "fd00::10"],
             "ports": [
@@ -33,6 +35,37 @@ def service_doc() -> dict[str, Any]:
             ],
             "sessionAffinity": "ClientIP",
             "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}},
+            "externalIPs": ["192.0.2.10", "2001:db8::10"],
+            "externalTrafficPolicy": "Local",
+            "internalTrafficPolicy": "Cluster",
+            "healthCheckNodePort": 31000,
+            "loadBalancerSourceRanges": [" 198.51.100.0/24", "203.0.113.7/16 ", "2001:db8::/32"],
+        },
+        "status": {
+            "loadBalancer": {
+                "ingress": [
+                    {"ip": "203.0.113.10"},
+                    {"hostname": "lb.example.com"},
+                    {"ip": "203.0.113.11", "ipMode": "Proxy"},
+                    {"ip": "2001:db8::11", "ipMode": "VIP"},
+                ]
+            }
+        },
+    }
+
+
+def node_doc() -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/zone": "z1"}},
+        "status": {
+            "addresses": [
+                {"type": "Hostname", "address": "node-a"},
+                {"type": "ExternalIP", "address": "192.0.2.5"},
+                {"type": "InternalIP", "address": "fd00::5"},
+                {"type": "InternalIP", "address": "10.0.0.5"},
+            ]
         },
     }
 
@@ -56,11 +89,11 @@ def slice_doc() -> dict[str, Any]:
     }
 
 
-def test_a_service_converts_with_its_ipv4_cluster_ips_and_ports() -> None:
+def test_a_service_converts_with_its_ipv4_addresses_ports_and_policies() -> None:
     assert service_from_dict(service_doc()) == Service(
         namespace="shop",
         name="web",
-        type="NodePort",
+        type="LoadBalancer",
         cluster_ips=("10.96.0.10",),
         ports=(
             ServicePort("http", 80, Protocol.TCP, "web", 30080),
@@ -68,6 +101,14 @@ def test_a_service_converts_with_its_ipv4_cluster_ips_and_ports() -> None:
         ),
         session_affinity="ClientIP",
         session_affinity_timeout=600,
+        external_ips=("192.0.2.10",),
+        # Not the hostname-only ingress, nor the one a proxying load balancer (ipMode Proxy) has.
+        load_balancer_ips=("203.0.113.10",),
+        external_traffic_policy=TrafficPolicy.LOCAL,
+        internal_traffic_policy=TrafficPolicy.CLUSTER,
+        health_check_node_port=31000,
+        # Trimmed, host bits cleared, IPv6 ones dropped.
+        load_balancer_source_ranges=("198.51.100.0/24", "203.0.0.0/16"),
     )
 
 
@@ -80,6 +121,49 @@ def test_a_minimal_service_gets_the_api_defaults() -> None:
     )
     assert svc.session_affinity == "None"
     assert svc.session_affinity_timeout == 10800
+    assert svc.external_traffic_policy is svc.internal_traffic_policy is TrafficPolicy.CLUSTER
+    assert (svc.external_ips, svc.load_balancer_ips, svc.load_balancer_source_ranges) == ((), (), ())
+    assert svc.health_check_node_port is None
+
+
+@pytest.mark.parametrize(("path", "value"), [("spec.externalTrafficPolicy", ""), ("spec.externalTrafficPolicy", None),
+                                             ("spec.internalTrafficPolicy", ""), ("spec.healthCheckNodePort", 0)])
+def test_empty_policies_and_a_zero_health_check_port_are_the_api_defaults(path: str, value: Any) -> None:
+    svc = service_from_dict(set_path(service_doc(), path, value))
+    field = {"spec.externalTrafficPolicy": "external_traffic_policy", "spec.internalTrafficPolicy":
+             "internal_traffic_policy", "spec.healthCheckNodePort": "health_check_node_port"}[path]
+    assert getattr(svc, field) == getattr(Service("shop", "web", "ClusterIP", (), ()), field)
+
+
+def test_a_node_converts_with_its_addresses_and_primary_ipv4() -> None:
+    node = node_from_dict(node_doc())
+    assert node == Node(
+        "node-a",
+        labels=(("topology.kubernetes.io/zone", "z1"),),
+        addresses=(("Hostname", "node-a"), ("ExternalIP", "192.0.2.5"), ("InternalIP", "fd00::5"),
+                   ("InternalIP", "10.0.0.5")),
+    )
+    # As upstream's GetNodeHostIPs: InternalIPs before ExternalIPs, whatever the order in the object.
+    assert node.primary_ipv4 == "10.0.0.5"
+    only_external = set_path(node_doc(), "status.addresses", [{"type": "ExternalIP", "address": "192.0.2.5"}])
+    assert node_from_dict(only_external).primary_ipv4 == "192.0.2.5"
+    assert node_from_dict(set_path(node_doc(), "status.addresses", [])).primary_ipv4 is None
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "reason"),
+    [
+        ("status.addresses.3.address", "10.0.0.300", "status.addresses[3].address '10.0.0.300' is not an IP address"),
+        ("status.addresses.1.address", "", "status.addresses[1].address '' is not an IP address"),
+        ("status.addresses.0", "node-a", "status.addresses[0] must be an object"),
+        ("metadata.labels", {"zone": 1}, "metadata.labels['zone'] must be a string"),
+    ],
+)
+def test_an_invalid_node_is_rejected_with_a_clear_reason(path: str, value: Any, reason: str) -> None:
+    with pytest.raises(InvalidObject) as caught:
+        node_from_dict(set_path(node_doc(), path, value))
+    assert (caught.value.kind, caught.value.key) == ("Node", "node-a")
+    assert caught.value.reason.startswith(reason)
 
 
 @pytest.mark.parametrize("cluster_ip", ["None", "", None])
@@ -186,6 +270,20 @@ def set_path(doc: dict[str, Any], path: Path | str, value: Any) -> dict[str, Any
             0,
             "spec.sessionAffinityConfig.clientIP.timeoutSeconds 0 is outside 1-86400",
         ),
+        ("spec.externalIPs.1", "192.0.2", "spec.externalIPs[1] '192.0.2' is not an IP address"),
+        ("spec.externalIPs", "192.0.2.10", "spec.externalIPs must be a list"),
+        # "Global" was the pre-1.7 beta annotation's value, never the field's: the API server refuses it too.
+        ("spec.externalTrafficPolicy", "Global", "spec.externalTrafficPolicy 'Global' is not one of Cluster, Local"),
+        ("spec.externalTrafficPolicy", "local", "spec.externalTrafficPolicy 'local' is not one of Cluster, Local"),
+        ("spec.internalTrafficPolicy", "PreferLocal", "spec.internalTrafficPolicy 'PreferLocal' is not one of"),
+        ("spec.healthCheckNodePort", 65536, "spec.healthCheckNodePort 65536 is outside 1-65535"),
+        ("spec.healthCheckNodePort", -1, "spec.healthCheckNodePort -1 is outside 1-65535"),
+        ("spec.loadBalancerSourceRanges.1", "10.0.0.0/33", "spec.loadBalancerSourceRanges[1] '10.0.0.0/33' is not a"),
+        ("spec.loadBalancerSourceRanges.0", "10.0.0.1", "spec.loadBalancerSourceRanges[0] '10.0.0.1' is not a CIDR"),
+        ("spec.loadBalancerSourceRanges.0", "office", "spec.loadBalancerSourceRanges[0] 'office' is not a CIDR"),
+        ("status.loadBalancer.ingress.0.ip", "203.0.113", "status.loadBalancer.ingress[0].ip '203.0.113' is not an IP"),
+        ("status.loadBalancer.ingress.0.ipMode", "NAT", "status.loadBalancer.ingress[0].ipMode 'NAT' is not one of"),
+        ("status.loadBalancer", [], "status.loadBalancer must be an object"),
     ],
 )
 def test_an_invalid_service_is_rejected_with_a_clear_reason(path: str, value: Any, reason: str) -> None:
@@ -242,7 +340,7 @@ ODD_VALUES: list[Any] = [None, [], ["x"], {}, {"a": 1}, "", "x", 0, -1, 1.5, Tru
 
 @pytest.mark.parametrize(
     ("convert", "doc"),
-    [(service_from_dict, service_doc()), (endpointslice_from_dict, slice_doc())],
+    [(service_from_dict, service_doc()), (endpointslice_from_dict, slice_doc()), (node_from_dict, node_doc())],
 )
 def test_odd_shapes_anywhere_are_rejected_not_crashed_on(
     convert: Callable[[dict[str, Any]], object], doc: dict[str, Any]
