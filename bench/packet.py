@@ -83,7 +83,9 @@ class TestRun:
         return int(self.opts.retval), int(self.opts.duration)
 
     def output(self) -> bytes:
-        return bytes(ffi.buffer(self._out, self.opts.data_size_out))
+        """The frame as the program left it (without the metadata an XDP test run puts in front of it)."""
+        out = bytes(ffi.buffer(self._out, self.opts.data_size_out))
+        return out[len(out) - len(self.data) :]
 
 
 @dataclass

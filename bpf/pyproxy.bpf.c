@@ -18,6 +18,7 @@
 #include "pyproxy/lb.h"
 #include "pyproxy/nat.h"
 #include "pyproxy/reject.h"
+#include "pyproxy/sock.h"
 
 /* Parses an skb, pulling headers into the linear area once if they straddle it. */
 static __always_inline int pyproxy_tc_parse(struct __sk_buff *skb, struct pyproxy_pkt *p)
@@ -63,6 +64,8 @@ int pyproxy_tc_ingress(struct __sk_buff *skb)
 	struct pyproxy_pkt p;
 	struct pyproxy_backend be;
 
+	if (pyproxy_tc_xdp_translated(skb))
+		return TC_ACT_OK;
 	switch (pyproxy_tc_parse(skb, &p)) {
 	case PYPROXY_PARSE_OK:
 		break;
@@ -124,8 +127,12 @@ int pyproxy_xdp_ingress(struct xdp_md *ctx)
 		return XDP_PASS;
 	switch (pyproxy_lb_forward(&p, ctx->data_end - ctx->data, &be)) {
 	case PYPROXY_DNAT:
+		/* No room for the mark: TC ingress translates it instead, following the flow just recorded. */
+		if (pyproxy_xdp_reserve_mark(ctx))
+			return XDP_PASS;
 		if (pyproxy_xdp_nat(ctx, &p, PYPROXY_NAT_DST, be.addr, be.port))
 			return XDP_DROP;
+		pyproxy_xdp_mark(ctx);
 		return XDP_PASS;
 	case PYPROXY_REJECT:
 		return XDP_PASS;   /* TC ingress makes the answer */
@@ -134,6 +141,33 @@ int pyproxy_xdp_ingress(struct xdp_md *ctx)
 	default:
 		return XDP_PASS;
 	}
+}
+
+/* Socket load balancing for the node's own processes (sock.h), attached at the root of the cgroup tree. */
+SEC("cgroup/connect4")
+int pyproxy_connect4(struct bpf_sock_addr *ctx)
+{
+	if (ctx->protocol != IPPROTO_TCP && ctx->protocol != IPPROTO_UDP)
+		return PYPROXY_SOCK_OK;
+	return pyproxy_sock_forward(ctx, ctx->protocol);
+}
+
+SEC("cgroup/sendmsg4")
+int pyproxy_sendmsg4(struct bpf_sock_addr *ctx)
+{
+	return pyproxy_sock_forward(ctx, IPPROTO_UDP);
+}
+
+SEC("cgroup/recvmsg4")
+int pyproxy_recvmsg4(struct bpf_sock_addr *ctx)
+{
+	return pyproxy_sock_reverse(ctx);
+}
+
+SEC("cgroup/getpeername4")
+int pyproxy_getpeer4(struct bpf_sock_addr *ctx)
+{
+	return pyproxy_sock_reverse(ctx);
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

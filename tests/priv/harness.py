@@ -22,6 +22,7 @@ ROOT = [
 ]
 
 TC_ACT_OK, TC_ACT_SHOT = 0, 2
+XDP_TRANSLATED_MARK = (0x70797031).to_bytes(4, "little")  # nat.h PYPROXY_XDP_TRANSLATED, as the host stores it
 XDP_DROP, XDP_PASS = 1, 2
 
 SERVICE = "default/web"
@@ -78,6 +79,8 @@ class Dataplane:
         self.maps = Maps({name: os.dup(fd) for name, fd in obj.maps.items()})
         self.capacity = {name: loader.map_info(fd).max_entries for name, fd in obj.maps.items()}
         self.applied = Applied()
+        self.meta = b""
+        """The metadata XDP left in front of the last frame it ran on."""
 
     def close(self) -> None:
         self.maps.close()
@@ -93,7 +96,8 @@ class Dataplane:
         return self.applied.frontends[frontend_key(state.frontend)].svc_id
 
     def run(self, prog: Prog, data: bytes) -> tuple[int, bytes]:
-        """One BPF_PROG_TEST_RUN: the verdict and the frame as the program left it."""
+        """One BPF_PROG_TEST_RUN: the verdict and the frame as the program left it. XDP's test run returns the
+        packet's metadata in front of the frame: it goes to `self.meta` (the mark of a packet XDP translated)."""
         data_in = ffi.new("uint8_t[]", data)
         out = ffi.new("uint8_t[]", len(data) + 512)
         opts = ffi.new("struct bpf_test_run_opts *")
@@ -103,7 +107,11 @@ class Dataplane:
         opts.data_out = out
         opts.data_size_out = len(out)
         libbpf.check(libbpf.lib().bpf_prog_test_run_opts(self.obj.progs[prog.name], opts), f"test run {prog.name}")
-        return int(opts.retval), bytes(ffi.buffer(out, opts.data_size_out))
+        frame = bytes(ffi.buffer(out, opts.data_size_out))
+        self.meta = b""
+        if prog.name == abi.PROG_XDP and len(frame) > len(data):  # XDP here never changes the frame's length
+            self.meta, frame = frame[: len(frame) - len(data)], frame[len(frame) - len(data) :]
+        return int(opts.retval), frame
 
     def counter(self, name: str) -> int:
         return sum(v.value for v in self.maps.counters.get(abi.COUNTERS.index(name)))
@@ -147,4 +155,7 @@ def dnat(
     be = backend_of(out)
     assert out == frame(flow.to(be.ip, be.port), payload, csum=csum, tcp_flags=tcp_flags, options=options)
     assert_checksums_valid(out, csum)
+    if prog.name == abi.PROG_XDP:
+        # TC ingress runs next on the same packet and must know it is translated already (nat.h).
+        assert dp.meta == XDP_TRANSLATED_MARK, f"XDP translated without leaving its mark: {dp.meta.hex()}"
     return be

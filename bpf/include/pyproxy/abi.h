@@ -24,6 +24,7 @@
 #define PYPROXY_MAP_EPOCH     pyproxy_epoch_v1
 #define PYPROXY_MAP_FRAGS     pyproxy_frag_v1
 #define PYPROXY_MAP_PORTS     pyproxy_port_v1
+#define PYPROXY_MAP_SOCKS     pyproxy_sock_v1
 
 /* Default capacities; the loader may resize before load (bpf_map__set_max_entries). */
 #define PYPROXY_MAX_SERVICES  131072   /* frontends: ClusterIP x port x protocol */
@@ -32,6 +33,7 @@
 #define PYPROXY_MAX_FLOWS     262144   /* connection-tracking entries, two per flow */
 #define PYPROXY_MAX_FRAGS     8192     /* datagrams being fragmented through a translation at once */
 #define PYPROXY_PORT_WORDS    1024     /* 65536 ports, a bit each */
+#define PYPROXY_MAX_SOCKS     65536    /* node sockets pointed at a backend by the socket hooks */
 
 /* struct pyproxy_svc_value.flags */
 #define PYPROXY_SVC_F_AFFINITY  0x1    /* ClientIP session affinity: a client keeps its backend */
@@ -67,6 +69,8 @@ enum pyproxy_counter {
 	PYPROXY_CNT_CT_UNTRACKED,      /* a packet that is no Service's removed an old flow's reverse entry */
 	PYPROXY_CNT_ICMP_NAT,          /* an ICMP error about a translated flow was translated */
 	PYPROXY_CNT_FRAG_NAT,          /* a non-first fragment followed its datagram's translation */
+	PYPROXY_CNT_SOCK_LB,           /* a node socket's connect or send to a frontend went to a backend */
+	PYPROXY_CNT_SOCK_REFUSED,      /* ... refused: the frontend has no usable endpoint */
 	PYPROXY_CNT_MAX,
 };
 
@@ -156,6 +160,16 @@ struct pyproxy_frag_value {
 	__be16 dport;  /* network byte order */
 	__u32 pad;     /* zero */
 };
+
+/* Key of PYPROXY_MAP_SOCKS: a node socket the socket hooks pointed at a backend, and that backend. */
+struct pyproxy_sock_key {
+	__u64 cookie;  /* host order; bpf_get_socket_cookie() */
+	__be32 addr;   /* network byte order; the backend */
+	__be16 port;   /* network byte order */
+	__u16 pad;     /* zero */
+};
+/* Its value is a struct pyproxy_backend holding the frontend (ClusterIP and port) the socket asked for, which
+ * getpeername() and received datagrams' source addresses show. */
 
 /* Value of PYPROXY_MAP_STATS (per-CPU): traffic from clients to one frontend. */
 struct pyproxy_svc_stats {

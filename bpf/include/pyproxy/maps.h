@@ -86,6 +86,16 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_PORTS SEC(".maps");
 
+/* Socket load balancing (sock.h): (socket, backend) -> the frontend the socket asked for, so the socket's
+ * peer name and its received datagrams' sources read as the frontend. LRU: a closed socket's entries age out. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, PYPROXY_MAX_SOCKS);
+	__type(key, struct pyproxy_sock_key);
+	__type(value, struct pyproxy_backend);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_SOCKS SEC(".maps");
+
 /* Per-service traffic counters, indexed by service id; per-CPU so counting needs no atomics. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);

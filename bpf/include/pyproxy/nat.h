@@ -106,4 +106,34 @@ static __always_inline int pyproxy_xdp_nat(struct xdp_md *ctx, const struct pypr
 	return 0;
 }
 
+/* The mark XDP leaves in a packet's metadata when it has translated it, so TC ingress, which runs next on the
+ * same packet, takes it as done. Without it, TC would see a packet to an endpoint that no Service flow explains
+ * and take it for a direct connection (ct.h, pyproxy_ct_untrack). */
+#define PYPROXY_XDP_TRANSLATED 0x70797031   /* "pyp1" */
+
+/* Makes room for the mark in front of the packet (the metadata area). */
+static __always_inline int pyproxy_xdp_reserve_mark(struct xdp_md *ctx)
+{
+	/* Room left from before: BPF_PROG_TEST_RUN repeats the program on one buffer, and the area holds 32 bytes. */
+	if ((long)ctx->data - (long)ctx->data_meta >= (long)sizeof(__u32))
+		return 0;
+	return bpf_xdp_adjust_meta(ctx, -(int)sizeof(__u32));
+}
+
+static __always_inline void pyproxy_xdp_mark(struct xdp_md *ctx)
+{
+	__u32 *mark = (void *)(long)ctx->data_meta;
+
+	if ((void *)(mark + 1) <= (void *)(long)ctx->data)
+		*mark = PYPROXY_XDP_TRANSLATED;
+}
+
+/* Whether XDP translated this packet already (TC ingress). */
+static __always_inline int pyproxy_tc_xdp_translated(struct __sk_buff *skb)
+{
+	__u32 *mark = (void *)(long)skb->data_meta;
+
+	return (void *)(mark + 1) <= (void *)(long)skb->data && *mark == PYPROXY_XDP_TRANSLATED;
+}
+
 #endif

@@ -22,10 +22,11 @@ MAP_NAMES = "pyproxy_name_v1"
 MAP_EPOCH = "pyproxy_epoch_v1"
 MAP_FRAGS = "pyproxy_frag_v1"
 MAP_PORTS = "pyproxy_port_v1"
+MAP_SOCKS = "pyproxy_sock_v1"
 MAP_PREFIX = "pyproxy_"
 """Every map name (and so every pin) starts with it: how cleanup and a newer layout find ours."""
 ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES, MAP_EPOCH,
-            MAP_FRAGS, MAP_PORTS)
+            MAP_FRAGS, MAP_PORTS, MAP_SOCKS)
 NAME_LEN = 128  # PYPROXY_NAME_LEN
 PORT_WORDS = 1024  # PYPROXY_PORT_WORDS
 CT_TIMEOUTS_VAR = "pyproxy_ct_timeouts"
@@ -35,6 +36,12 @@ CT_TIMEOUTS_VAR = "pyproxy_ct_timeouts"
 PROG_TC_INGRESS = "pyproxy_tc_ingress"
 PROG_TC_EGRESS = "pyproxy_tc_egress"
 PROG_XDP = "pyproxy_xdp_ingress"
+# The socket hooks (cgroup programs) by the attach type each goes to (uapi enum bpf_attach_type).
+PROG_CONNECT4 = "pyproxy_connect4"
+PROG_SENDMSG4 = "pyproxy_sendmsg4"
+PROG_RECVMSG4 = "pyproxy_recvmsg4"
+PROG_GETPEERNAME4 = "pyproxy_getpeer4"
+SOCK_HOOKS = {PROG_CONNECT4: 10, PROG_SENDMSG4: 14, PROG_RECVMSG4: 19, PROG_GETPEERNAME4: 29}
 PROG_PREFIX = "pyproxy_"
 
 SVC_F_AFFINITY = 0x1  # PYPROXY_SVC_F_AFFINITY
@@ -68,6 +75,8 @@ COUNTERS = (
     "ct_untracked",
     "icmp_nat",
     "frag_nat",
+    "sock_lb",
+    "sock_refused",
 )
 
 IPPROTO = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP}
@@ -206,6 +215,17 @@ class FragValue(ctypes.Structure):
     ]
 
 
+class SockKey(ctypes.Structure):
+    """struct pyproxy_sock_key"""
+
+    _fields_ = [
+        ("cookie", ctypes.c_uint64),  # host order
+        ("addr", ctypes.c_uint32),  # network order
+        ("port", ctypes.c_uint16),  # network order
+        ("pad", ctypes.c_uint16),
+    ]
+
+
 class SvcStats(ctypes.Structure):
     """struct pyproxy_svc_stats"""
 
@@ -233,6 +253,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "pyproxy_ct_timeouts": CtTimeoutTicks,
     "pyproxy_frag_key": FragKey,
     "pyproxy_frag_value": FragValue,
+    "pyproxy_sock_key": SockKey,
     "pyproxy_svc_stats": SvcStats,
     "pyproxy_svc_name": SvcName,
 }

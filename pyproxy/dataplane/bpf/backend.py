@@ -142,12 +142,14 @@ class Maps:
         self.names: BpfMap = BpfMap(fds[abi.MAP_NAMES], abi.MAP_NAMES, ctypes.c_uint32, abi.SvcName)
         self.epoch: BpfMap = BpfMap(fds[abi.MAP_EPOCH], abi.MAP_EPOCH, ctypes.c_uint32, ctypes.c_uint32)
         self.frags: BpfMap = BpfMap(fds[abi.MAP_FRAGS], abi.MAP_FRAGS, abi.FragKey, abi.FragValue)
+        self.socks: BpfMap = BpfMap(fds[abi.MAP_SOCKS], abi.MAP_SOCKS, abi.SockKey, abi.Backend)
         self.ports: BpfMap = BpfMap(fds[abi.MAP_PORTS], abi.MAP_PORTS, ctypes.c_uint32, ctypes.c_uint64)
         self.stats: PerCpuArray = PerCpuArray(fds[abi.MAP_STATS], abi.MAP_STATS, abi.SvcStats)
         self.counters: PerCpuArray = PerCpuArray(fds[abi.MAP_COUNTERS], abi.MAP_COUNTERS, ctypes.c_uint64)
         self.by_name: dict[str, BpfMap] = {
             m.name: m
-            for m in (self.services, self.slots, self.backends, self.ct, self.names, self.epoch, self.frags, self.ports)
+            for m in (self.services, self.slots, self.backends, self.ct, self.names, self.epoch, self.frags,
+                      self.socks, self.ports)
         }
 
     def _svc_values(self, values: Sequence[tuple]) -> bytes:

@@ -80,6 +80,8 @@ ffi.cdef(
                              const struct bpf_map_batch_opts *opts);
     int bpf_obj_get(const char *pathname);
     int bpf_obj_pin(int fd, const char *pathname);
+    int bpf_link_create(int prog_fd, int target_fd, int attach_type, const void *opts);
+    int bpf_link_update(int link_fd, int new_prog_fd, const void *opts);
     int bpf_map_get_fd_by_id(uint32_t id);
     int bpf_prog_get_fd_by_id(uint32_t id);
     int bpf_prog_get_next_id(uint32_t start_id, uint32_t *next_id);
