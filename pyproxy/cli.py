@@ -31,6 +31,8 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "hostname_override": ("hostname_override",),
     "devices": ("bpf.devices",),
     "xdp_devices": ("bpf.xdp_devices",),
+    "bpf_socket_lb": ("bpf.socket_lb",),
+    "cgroup_root": ("bpf.cgroup_root",),
     "cluster_cidr": ("masquerade.cluster_cidr",),
     "masquerade_all": ("masquerade.masquerade_all",),
     "iptables_masquerade_bit": ("masquerade.masquerade_bit",),
@@ -102,6 +104,12 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--devices", type=_csv,
                      help="comma-separated devices to attach to (default: every non-loopback Ethernet device)")
     run.add_argument("--xdp-devices", type=_csv, help="devices that also get the XDP program (bpf mode)")
+    run.add_argument("--bpf-socket-lb", action=argparse.BooleanOptionalAction,
+                     help="bpf mode: the node's own processes reach Services through cgroup socket hooks "
+                          f"(default: {'on' if d.bpf.socket_lb else 'off'})")
+    run.add_argument("--cgroup-root", type=Path,
+                     help="bpf mode: the cgroup v2 directory the socket hooks go on (default: the root of the "
+                          "node's cgroup v2 hierarchy)")
     run.add_argument("--cluster-cidr", help="masquerade ClusterIP traffic from outside this range (netfilter modes)")
     run.add_argument("--masquerade-all", action="store_true", default=None,
                      help="masquerade all ClusterIP traffic (netfilter modes)")

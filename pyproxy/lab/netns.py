@@ -54,6 +54,9 @@ RUN_DIR = Path("/run/pyproxy-lab")
 # One bpffs shared by all labs, mounted before any `ip netns exec`, so pins made by pyproxy inside the node
 # namespace are visible to `pyproxy cleanup`, `bpftool` and the tests; each Lab pins in its own subdirectory.
 BPFFS_DIR = RUN_DIR / "bpffs"
+# The cgroup v2 hierarchy mounted outside /sys for the same reason: each lab has a cgroup of its own there, where
+# pyproxy's socket hooks go (--cgroup-root), so they act on the lab's processes only, never on the machine's.
+CGROUP_DIR = RUN_DIR / "cgroup2"
 MARKER_DIR = RUN_DIR / "labs"
 
 CLIENT_IP = "10.200.0.2"
@@ -174,24 +177,45 @@ def _run_dir_lock() -> Iterator[None]:
         yield
 
 
-def _is_bpffs(path: Path) -> bool:
+def _is_mounted(path: Path, fstype: str) -> bool:
     target = str(path)
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
             sep = fields.index("-")
-            if fields[4] == target and fields[sep + 1] == "bpf":
+            if fields[4] == target and fields[sep + 1] == fstype:
                 return True
     return False
 
 
+def _ensure_mount(path: Path, fstype: str) -> Path:
+    with _run_dir_lock():
+        if not _is_mounted(path, fstype):
+            path.mkdir(parents=True, exist_ok=True)
+            run(["mount", "-t", fstype, fstype, str(path)])
+    return path
+
+
 def ensure_bpffs() -> Path:
     """Mount the labs' shared bpffs at BPFFS_DIR unless it is there already; returns BPFFS_DIR."""
-    with _run_dir_lock():
-        if not _is_bpffs(BPFFS_DIR):
-            BPFFS_DIR.mkdir(parents=True, exist_ok=True)
-            run(["mount", "-t", "bpf", "bpf", str(BPFFS_DIR)])
-    return BPFFS_DIR
+    return _ensure_mount(BPFFS_DIR, "bpf")
+
+
+def ensure_cgroup2() -> Path:
+    """Mount the cgroup v2 hierarchy at CGROUP_DIR unless it is there already; returns CGROUP_DIR."""
+    return _ensure_mount(CGROUP_DIR, "cgroup2")
+
+
+def _remove_cgroup(path: Path, deadline: float = 5.0) -> None:
+    """Remove a lab's cgroup once its processes are gone (a cgroup with members cannot be removed)."""
+    end = time.monotonic() + deadline
+    while path.exists():
+        try:
+            path.rmdir()
+        except OSError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.05)
 
 
 def reap_stale_labs() -> list[str]:
@@ -216,6 +240,8 @@ def reap_stale_labs() -> list[str]:
                     _delete_namespace(ns)
         with contextlib.suppress(OSError):
             _remove_tree(BPFFS_DIR / lab_id)
+        with contextlib.suppress(OSError):
+            _remove_cgroup(CGROUP_DIR / lab_id, 0.0)
         marker.unlink(missing_ok=True)
         reaped.append(lab_id)
     return reaped
@@ -318,6 +344,11 @@ class Lab:
         return str(BPFFS_DIR / self.id)
 
     @property
+    def cgroup(self) -> Path:
+        """A cgroup v2 directory unique to this lab, for `--cgroup-root`: the socket hooks act on its processes."""
+        return CGROUP_DIR / self.id
+
+    @property
     def workdir(self) -> Path:
         """A scratch directory removed at teardown."""
         if self._workdir is None:
@@ -348,6 +379,8 @@ class Lab:
         try:
             self._claim_id()
             ensure_bpffs()
+            ensure_cgroup2()
+            self.cgroup.mkdir()
             self._build()
         except BaseException:
             self.close()
@@ -479,7 +512,9 @@ class Lab:
         for ns in reversed(self._namespaces):
             step(f"delete namespace {ns}", _delete_namespace, ns)
         if self.id:
+            # Pins first: unpinning pyproxy's socket-hook links detaches them from the lab's cgroup.
             step("remove pins", _remove_tree, Path(self.pin_path))
+            step("remove cgroup", _remove_cgroup, self.cgroup)
             step("remove marker", (MARKER_DIR / f"{self.id}.json").unlink, True)
         if self._workdir is not None:
             step("remove workdir", _remove_tree, self._workdir)

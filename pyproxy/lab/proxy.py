@@ -68,7 +68,8 @@ class Pyproxy:
 
     def command(self) -> list[str]:
         argv = [*self.wrapper, sys.executable, "-m", "pyproxy", "run", f"--proxy-mode={self.mode}",
-                f"--bpf-pin-path={self.pin_path}", f"--healthz-bind-address={self._healthz_address}",
+                f"--bpf-pin-path={self.pin_path}", f"--cgroup-root={self.lab.cgroup}",
+                f"--healthz-bind-address={self._healthz_address}",
                 f"--metrics-bind-address={self._metrics_address}"]
         if self.source is not None:
             argv.append(f"--source={self.source}")

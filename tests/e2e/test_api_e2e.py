@@ -265,8 +265,10 @@ def test_the_black_box_command_line(make_env, cluster: Cluster, kube: Kube, name
                                           server="https://127.0.0.1:6443")
     pyproxy = str(Path(sys.executable).with_name("pyproxy"))
     log = open(tmp_path / "pyproxy.log", "wb")  # noqa: SIM115 - closed below
+    # The lab's cgroup for the socket hooks: on the machine's root cgroup they would act on every process here.
     proc = env.lab.popen(env.lab.node, pyproxy, "run", "--proxy-mode=bpf", f"--kubeconfig={kubeconfig}",
-                         "--hostname-override=black-box-node", stdout=log, stderr=subprocess.STDOUT)
+                         "--hostname-override=black-box-node", f"--cgroup-root={env.lab.cgroup}", stdout=log,
+                         stderr=subprocess.STDOUT)
     try:
         health = env.lab.http_get(env.lab.node, "http://127.0.0.1:10256/healthz", wait=20, expect=200)
         assert health["status"] == 200, (health, (tmp_path / "pyproxy.log").read_text())

@@ -94,7 +94,8 @@ def test_a_duration_that_cannot_work_ends_pyproxy_at_once_naming_the_flag(make_e
     env = make_env(1)
     env.write("web.yaml", *WEB)
     cp = env.lab.python(env.lab.node, "-m", "pyproxy", "run", "--proxy-mode=bpf", f"--source={env.source}",
-                        f"--bpf-pin-path={env.lab.pin_path}", flag, check=False, timeout=20)
+                        f"--bpf-pin-path={env.lab.pin_path}", f"--cgroup-root={env.lab.cgroup}", flag, check=False,
+                        timeout=20)
     assert cp.returncode == 2, cp
     assert message in cp.stderr, cp.stderr
     assert not any(env.attached_programs().values()), "programs attached before the settings were checked"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import DataplaneError
-from pyproxy.dataplane.bpf import abi, attach, clock, loader
+from pyproxy.dataplane.bpf import abi, attach, cgroup, clock, loader
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.dataplane.bpf.gc import CtGarbageCollector, CtGcMetrics, CtGcSettings
 from pyproxy.dataplane.bpf.maps import BpfMap, PerCpuArray
@@ -57,6 +57,12 @@ class BpfSettings:
     """Idle timeouts of tracked flows by protocol and state (constants of the programs loaded at start)."""
     ct_gc: CtGcSettings = field(default_factory=CtGcSettings)
     """How often the connection-tracking map's expired entries are deleted (an interval that adapts, gc.py)."""
+    socket_lb: bool = True
+    """Socket load balancing for the node's own processes: cgroup hooks at connect() and UDP send/receive
+    point their sockets at a backend (bpf/include/pyproxy/sock.h). Off: node processes do not reach Services."""
+    cgroup_root: Path | None = None
+    """The cgroup v2 directory the socket hooks go on; they act on every process in it and below. None: the root
+    of the node's cgroup v2 hierarchy, mounted at /run/pyproxy/cgroup2 when the node has none."""
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, one line each naming its flag (ProxySettings.validate). The
@@ -290,6 +296,7 @@ class BpfDataplane:
         for link in netlink.list_links():
             self._on_link(link, True)
         self._watcher.start()
+        self._attach_socket_hooks()
         # Its own fds: it runs beside syncs and device events and takes none of their locks.
         self._gc = CtGarbageCollector(
             BpfMap(os.dup(self._obj.maps[abi.MAP_CT]), abi.MAP_CT, abi.CtKey, abi.CtValue),
@@ -298,6 +305,23 @@ class BpfDataplane:
             metrics=self.collector,
         )
         self._gc.start()
+
+    def _attach_socket_hooks(self) -> None:
+        """Make the socket hooks what the settings say (cgroup.py): on the chosen cgroup, or nowhere."""
+        assert self._obj is not None
+        s = self.settings
+        if not s.socket_lb:
+            for line in cgroup.detach(s.pin_path):
+                log.info("detached %s: socket load balancing is off", line)
+            return
+        root = s.cgroup_root
+        if root is None:
+            try:
+                root = cgroup.default_root()
+            except loader.BpfUnavailable as e:
+                log.warning("node processes will not reach Services: %s", e)
+                return
+        cgroup.attach(self._obj.progs, root, s.pin_path)
 
     def stop(self) -> None:
         if self._gc:
@@ -396,6 +420,7 @@ def cleanup(pin_path: Path) -> list[str]:
     done = [f"programs on {lk.name} ({', '.join(hooks)})" for lk in netlink.list_links()
             if (hooks := attach.detach(lk.index))]
     if pin_path.exists():
+        done += cgroup.detach(pin_path)
         for pin in sorted(pin_path.iterdir()):
             if pin.name.startswith(abi.MAP_PREFIX):
                 pin.unlink()

@@ -134,12 +134,17 @@ def is_mountpoint(path: Path) -> bool:
     return any(line.split()[4] == target for line in Path("/proc/self/mountinfo").read_text().splitlines())
 
 
-def _mount_bpffs(where: Path) -> None:
+def mount(fstype: str, where: Path, what: str) -> None:
+    """mount -t fstype fstype where; BpfUnavailable naming `what` (e.g. "a bpffs") when the kernel refuses."""
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(b"bpf", str(where).encode(), b"bpf", 0, None) != 0:
+    if libc.mount(fstype.encode(), str(where).encode(), fstype.encode(), 0, None) != 0:
         code = ctypes.get_errno()
-        raise BpfUnavailable(f"cannot mount a bpffs at {where}: {os.strerror(code)}")
-    log.info("mounted a bpffs at %s", where)
+        raise BpfUnavailable(f"cannot mount {what} at {where}: {os.strerror(code)}")
+    log.info("mounted %s at %s", what, where)
+
+
+def _mount_bpffs(where: Path) -> None:
+    mount("bpf", where, "a bpffs")
 
 
 def unmount(where: Path) -> None:
