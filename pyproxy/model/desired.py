@@ -1,18 +1,40 @@
-"""From Services and EndpointSlices to the desired state, with upstream kube-proxy's semantics.
+"""From Services, EndpointSlices and this node to the desired state, with upstream kube-proxy's semantics.
+
+Every rule is decided here, once; the dataplane backends only render what it says:
+
+- the frontends of each Service port: each ClusterIP; for NodePort and LoadBalancer Services, each node-port
+  address (an input: `NodeInputs.nodeport_addresses`) with the port's nodePort; each external IP; for
+  LoadBalancer Services, each ingress IP. One Service's frontends are unique: of two that are one address,
+  port and protocol, the first kind (ClusterIP, ExternalIP, LoadBalancer, NodePort: upstream's rule order) stays;
+- each frontend's policy (ServicePortState): the endpoints new flows from inside and from outside the cluster
+  may use (ready ones, else serving and terminating ones; externalTrafficPolicy Local: this node's for
+  outside sources), whether it masquerades, its source ranges, the health-check node port;
+- which Service serves a frontend two Services claim: the one already serving it keeps it; among new
+  claimants, the first by `namespace/name`. The others wait (`DesiredState.waiting`) and the first waiting
+  gets it once it is free, in the same update or a later one; a renderer may take frontends as unique.
 
 Pure functions: the sync loop calls `update_desired_state` with the Service keys the trackers reported
-changed, and every other Service's entry is reused as is.
+changed, and every other Service's entry is reused as is (the Services a freed frontend goes to are
+recomputed too, and named in `also_changed`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import ipaddress
+import operator
+from collections.abc import Callable, Collection, Iterable, Mapping
 
-from pyproxy.model.objects import EndpointSlice, Service, ServicePort
-from pyproxy.model.state import Backend, DesiredState, Frontend, ServicePortState
+from pyproxy.model.node import NodeInputs
+from pyproxy.model.objects import EndpointSlice, Service, ServicePort, TrafficPolicy
+from pyproxy.model.state import Backend, DesiredState, Frontend, FrontendKind, RejectedClaim, ServicePortState
 
 # ExternalName Services are DNS-only; every other type gets a ClusterIP frontend.
 _PROXIED_TYPES = frozenset({"ClusterIP", "NodePort", "LoadBalancer"})
+_NODE_PORT_TYPES = frozenset({"NodePort", "LoadBalancer"})
+_KIND_RANK = {kind: i for i, kind in enumerate(FrontendKind)}
+_ANY_SOURCE = "0.0.0.0/0"
+_NO_NODE = NodeInputs()
+_by_frontend = operator.attrgetter("frontend")
 
 
 # Backend(ip, port) without the Python-level __new__ a NamedTuple has: this loop makes one per endpoint, and a
@@ -20,79 +42,242 @@ _PROXIED_TYPES = frozenset({"ClusterIP", "NodePort", "LoadBalancer"})
 _new_backend = tuple.__new__
 
 
-def _backends(port: ServicePort, slices: Iterable[EndpointSlice]) -> tuple[tuple[Backend, ...], tuple[Backend, ...]]:
-    """(ready, known) backends of one service port, deduplicated and sorted; one tuple for both when every
-    known backend is ready (the common case)."""
-    ready: set[Backend] = set()
-    known: set[Backend] = set()
-    for eps in slices:
-        if eps.address_type != "IPv4":
-            continue
-        # Match by (name, protocol), not targetPort: the slice controller already resolved targetPort
-        # (named ones included) into the slice ports' numbers, and names the slice ports after the
-        # service ports.
-        for ep_port in eps.ports:
-            if ep_port.name != port.name or ep_port.protocol != port.protocol:
+class _PortBackends:
+    """The backends of one service port, deduplicated and sorted: `usable` (the ready ones, else the serving and
+    terminating ones), `known` (all; the same tuple as `usable` when every one is ready, the common case) and,
+    when asked for, `local` (the usable ones among those on node `node_name`; None is no node's)."""
+
+    __slots__ = ("usable", "known", "local")
+
+    def __init__(self, port: ServicePort, slices: Iterable[EndpointSlice], local: bool, node_name: str | None):
+        ready: set[Backend] = set()
+        known: set[Backend] = set()
+        draining: set[Backend] = set()
+        """Serving and terminating, not ready: usable only when nothing is ready."""
+        on_node: set[Backend] = set()
+        for eps in slices:
+            if eps.address_type != "IPv4":
                 continue
-            number = ep_port.port
-            for ep in eps.endpoints:
-                # Like upstream, only the first address counts: the API says they are fungible.
-                if not ep.addresses:
+            # Match by (name, protocol), not targetPort: the slice controller already resolved targetPort
+            # (named ones included) into the slice ports' numbers, and names the slice ports after the
+            # service ports.
+            for ep_port in eps.ports:
+                if ep_port.name != port.name or ep_port.protocol != port.protocol:
                     continue
-                backend: Backend = _new_backend(Backend, (ep.addresses[0], number))
-                known.add(backend)
-                if ep.ready:
-                    ready.add(backend)
-    all_known = tuple(sorted(known))
-    return (all_known if len(ready) == len(known) else tuple(sorted(ready))), all_known
+                number = ep_port.port
+                for ep in eps.endpoints:
+                    # Like upstream, only the first address counts: the API says they are fungible.
+                    if not ep.addresses:
+                        continue
+                    backend: Backend = _new_backend(Backend, (ep.addresses[0], number))
+                    known.add(backend)
+                    if ep.ready:
+                        ready.add(backend)
+                    elif ep.serving and ep.terminating:
+                        draining.add(backend)
+                    if local and node_name is not None and ep.node_name == node_name:
+                        on_node.add(backend)
+        self.known = tuple(sorted(known))
+        self.usable = self.known if len(ready) == len(known) else tuple(sorted(ready or draining))
+        self.local = tuple(sorted(on_node & ready or on_node & draining)) if local else ()
+
+
+def _source_ranges(svc: Service, node: NodeInputs) -> tuple[str, ...]:
+    """The source ranges of the Service's load-balancer frontends (see ServicePortState.source_ranges)."""
+    ranges = svc.load_balancer_source_ranges
+    if not ranges or _ANY_SOURCE in ranges:
+        return ()
+    if node.primary_ip and any(ipaddress.ip_address(node.primary_ip) in ipaddress.ip_network(r) for r in ranges):
+        ranges += tuple(f"{ip}/32" for ip in svc.load_balancer_ips if f"{ip}/32" not in ranges)
+    return ranges
+
+
+def _external_frontends(svc: Service, port: ServicePort, node: NodeInputs) -> list[tuple[FrontendKind, Frontend]]:
+    """Every frontend of one service port but its ClusterIPs, by kind."""
+    number, proto = port.port, port.protocol
+    frontends = [(FrontendKind.EXTERNAL_IP, Frontend(ip, number, proto)) for ip in svc.external_ips]
+    if svc.type == "LoadBalancer":
+        frontends += [(FrontendKind.LOAD_BALANCER, Frontend(ip, number, proto)) for ip in svc.load_balancer_ips]
+    if svc.type in _NODE_PORT_TYPES and port.node_port:
+        frontends += [(FrontendKind.NODE_PORT, Frontend(ip, port.node_port, proto)) for ip in node.nodeport_addresses]
+    return frontends
 
 
 def compute_service_state(
-    svc: Service | None, slices: Iterable[EndpointSlice]
+    svc: Service | None, slices: Iterable[EndpointSlice], node: NodeInputs | None = None
 ) -> tuple[ServicePortState, ...]:
-    """The frontends of one Service (one per IPv4 ClusterIP and port, sorted), or () when it has
-    nothing to serve: absent, ExternalName, headless or without a ClusterIP."""
+    """Every frontend one Service claims, with its policy, sorted by frontend; () when it has nothing to serve:
+    absent, ExternalName, headless or without a ClusterIP (as upstream, a Service without one serves none of
+    its other frontends either)."""
     if svc is None or svc.type not in _PROXIED_TYPES or not svc.cluster_ips:
         return ()
+    node = node or _NO_NODE
     slices = tuple(slices)
+    key = svc.key
     affinity = svc.session_affinity_timeout if svc.session_affinity == "ClientIP" else 0
+    cluster_policy = svc.external_traffic_policy is TrafficPolicy.CLUSTER
+    health = None if cluster_policy or svc.type != "LoadBalancer" else svc.health_check_node_port
+    ranges = _source_ranges(svc, node) if svc.type == "LoadBalancer" else ()
     states: list[ServicePortState] = []
+    # Positional arguments, in ServicePortState's order: a cold start builds one per frontend of every Service.
     for port in svc.ports:
-        ready, known = _backends(port, slices)
-        states.extend(
-            ServicePortState(
-                service=svc.key,
-                port_name=port.name,
-                frontend=Frontend(ip, port.port, port.protocol),
-                backends=ready,
-                known_backends=known,
-                session_affinity_seconds=affinity,
-            )
-            for ip in svc.cluster_ips
-        )
-    return tuple(sorted(states, key=lambda s: s.frontend))
+        external = _external_frontends(svc, port, node)
+        b = _PortBackends(port, slices, bool(external) and not cluster_policy, node.name)
+        usable, known = b.usable, b.known
+        states += [ServicePortState(key, port.name, Frontend(ip, port.port, port.protocol), usable, known, affinity,
+                                    FrontendKind.CLUSTER_IP, (), False, (), health) for ip in svc.cluster_ips]
+        if external:
+            outside = usable if cluster_policy else b.local
+            states += [ServicePortState(key, port.name, fe, usable, known, affinity, kind, outside, cluster_policy,
+                                        ranges if kind is FrontendKind.LOAD_BALANCER else (), health)
+                       for kind, fe in external]
+    if len(states) > 1 and len({st.frontend for st in states}) < len(states):
+        # One frontend claimed twice by the Service itself: the first kind stays (sorted() is stable).
+        unique: dict[Frontend, ServicePortState] = {}
+        for st in sorted(states, key=lambda st: _KIND_RANK[st.kind]):
+            unique.setdefault(st.frontend, st)
+        states = list(unique.values())
+    states.sort(key=_by_frontend)
+    return tuple(states)
+
+
+class _Update:
+    """One update of a DesiredState: the indexes copied from the previous state, changed in place."""
+
+    def __init__(self, prev: DesiredState) -> None:
+        self.prev = prev
+        self.served = dict(prev.services)
+        self.waiting = dict(prev.waiting)
+        self.holders = dict(prev.holders)
+        self.claimants = dict(prev.claimants)
+        self.rejected: list[RejectedClaim] = []
+        self.promoted: dict[str, list[ServicePortState]] = {}
+        """Services outside the update that get a frontend they waited for."""
+
+    def withdraw(self, keys: Iterable[str]) -> dict[Frontend, str]:
+        """Take back every claim of the Services `keys`; returns the frontends they served -> which served it."""
+        freed: dict[Frontend, str] = {}
+        for key in keys:
+            for st in self.served.pop(key, ()):
+                del self.holders[st.frontend]
+                freed[st.frontend] = key
+            for st in self.waiting.pop(key, ()):
+                self._unwait(st.frontend, key)
+        return freed
+
+    def _unwait(self, fe: Frontend, key: str) -> None:
+        rest = tuple(k for k in self.claimants[fe] if k != key)
+        if rest:
+            self.claimants[fe] = rest
+        else:
+            del self.claimants[fe]
+
+    def _reject(self, st: ServicePortState, holder: str) -> None:
+        fe, key = st.frontend, st.service
+        self.claimants[fe] = tuple(sorted((*self.claimants.get(fe, ()), key)))
+        # Logged once: not again while it waits for the same holder.
+        if key not in self.prev.claimants.get(fe, ()) or self.prev.holders.get(fe) != holder:
+            self.rejected.append(RejectedClaim(st, holder))
+
+    def _promote(self, key: str, fe: Frontend) -> None:
+        """`key`, waiting outside this update, now serves `fe`."""
+        self._unwait(fe, key)
+        self.holders[fe] = key
+        self.promoted.setdefault(key, []).extend(st for st in self.waiting[key] if st.frontend == fe)
+
+    def claim(self, wanted: Mapping[str, tuple[ServicePortState, ...]], freed: Mapping[Frontend, str]) -> None:
+        """Decide who serves each frontend the recomputed Services (`wanted`) claim or let go of (`freed`)."""
+        holders, claimants = self.holders, self.claimants
+        if freed:
+            for key, states in wanted.items():  # what a Service served and still claims, it keeps
+                for st in states:
+                    if freed.get(st.frontend) == key:
+                        holders[st.frontend] = key
+        losers: set[str] = set()
+        for key in sorted(wanted):
+            for st in wanted[key]:
+                fe = st.frontend
+                holder = holders.get(fe)
+                if holder is None:
+                    if fe not in claimants:  # nobody else wants it: the common case
+                        holders[fe] = key
+                        continue
+                    holder = min(key, claimants[fe][0])
+                    if holder == key:
+                        holders[fe] = key
+                    else:
+                        self._promote(holder, fe)
+                if holder != key:
+                    self._reject(st, holder)
+                    losers.add(key)
+        for fe, old in freed.items():
+            if fe not in self.holders and fe in self.claimants:  # let go of, and no recomputed Service took it
+                self._promote(self.claimants[fe][0], fe)
+            holder = self.holders.get(fe)
+            if holder is not None and holder != old:  # the others waiting for it now wait for another holder
+                for other in self.claimants.get(fe, ()):
+                    if other not in wanted:
+                        self.rejected += [RejectedClaim(st, holder) for st in self.waiting[other] if st.frontend == fe]
+        self.served.update((key, states) for key, states in wanted.items() if key not in losers)
+        for key in losers:
+            states = wanted[key]
+            served = tuple(st for st in states if holders[st.frontend] == key)
+            if served:
+                self.served[key] = served
+            self.waiting[key] = tuple(st for st in states if holders[st.frontend] != key)
+        for key, gained in self.promoted.items():
+            self.served[key] = tuple(sorted((*self.served.get(key, ()), *gained), key=_by_frontend))
+            still = tuple(st for st in self.waiting.pop(key) if st not in gained)
+            if still:
+                self.waiting[key] = still
+
+
+def _shape(states: Iterable[ServicePortState]) -> set[tuple[FrontendKind, Frontend]]:
+    return {(st.kind, st.frontend) for st in states}
 
 
 def update_desired_state(
     prev: DesiredState,
     services: Mapping[str, Service],
     slices_for: Callable[[str], Iterable[EndpointSlice]],
-    changed: Iterable[str],
+    changed: Collection[str],
+    node: NodeInputs | None = None,
 ) -> DesiredState:
-    """A new DesiredState equal to `prev` except for the `changed` Service keys, recomputed from
-    `services` and `slices_for`. `prev` is not modified."""
-    result = dict(prev.services)
-    for key in changed:
-        states = compute_service_state(services.get(key), slices_for(key))
+    """A new DesiredState equal to `prev` except for the `changed` Service keys, recomputed from `services`,
+    `slices_for` and `node` (None: `prev.node`; a different node recomputes every Service), and for the Services
+    that get a frontend one of those let go of (named in `also_changed`). `prev` is not modified."""
+    node = prev.node if node is None else node
+    keys = set(changed)
+    if node != prev.node:
+        keys |= prev.services.keys() | prev.waiting.keys()
+    update = _Update(prev)
+    freed = update.withdraw(keys)
+    wanted = {}
+    for key in keys:
+        states = compute_service_state(services.get(key), slices_for(key), node)
         if states:
-            result[key] = states
-        else:
-            result.pop(key, None)
-    return DesiredState(result)
+            wanted[key] = states
+    update.claim(wanted, freed)
+    served = update.served
+    recomputed = keys | update.promoted.keys()
+    also = {k for k in recomputed if k not in changed and served.get(k) != prev.services.get(k)}
+    reshaped = {k for k in recomputed if _shape(served.get(k, ())) != _shape(prev.services.get(k, ()))}
+    return DesiredState(
+        services=served,
+        holders=update.holders,
+        waiting=update.waiting,
+        claimants=update.claimants,
+        node=node,
+        rejected=tuple(sorted(update.rejected, key=lambda c: (c.claim.service, c.claim.frontend))),
+        also_changed=frozenset(also),
+        reshaped=frozenset(reshaped),
+    )
 
 
 def compute_desired_state(
-    services: Mapping[str, Service], slices_for: Callable[[str], Iterable[EndpointSlice]]
+    services: Mapping[str, Service],
+    slices_for: Callable[[str], Iterable[EndpointSlice]],
+    node: NodeInputs | None = None,
 ) -> DesiredState:
     """The full desired state of every Service."""
-    return update_desired_state(DesiredState(), services, slices_for, services)
+    return update_desired_state(DesiredState(), services, slices_for, services, node)

@@ -1,16 +1,19 @@
 """The desired state: what every dataplane backend renders from.
 
-A frontend is one (ClusterIP, port, protocol); it maps to an ordered tuple of backends. Order is by
-address then port, so a dataplane that assigns slots by position changes as little as possible when one
-endpoint comes or goes.
+A frontend is one (address, port, protocol) where traffic for a Service arrives: a ClusterIP, a node address
+with a nodePort, an external IP or a load-balancer IP, each with the policy decided for it in the model
+(desired.py); it maps to ordered tuples of backends. Order is by address then port, so a dataplane that
+assigns slots by position changes as little as possible when one endpoint comes or goes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import enum
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from pyproxy.model.node import NodeInputs
 from pyproxy.model.objects import Protocol
 
 
@@ -35,33 +38,143 @@ class Backend(NamedTuple):
         return f"{self.ip}:{self.port}"
 
 
+class FrontendKind(enum.StrEnum):
+    """Where a frontend's address comes from. In this order a Service's own frontends rank when two of them are
+    one (address, port, protocol): the first is kept, as upstream's rules match in this order."""
+
+    CLUSTER_IP = "ClusterIP"
+    EXTERNAL_IP = "ExternalIP"
+    LOAD_BALANCER = "LoadBalancer"
+    NODE_PORT = "NodePort"
+
+    @property
+    def external(self) -> bool:
+        """Whether externalTrafficPolicy applies (every kind but ClusterIP)."""
+        return self is not FrontendKind.CLUSTER_IP
+
+
 @dataclass(frozen=True, slots=True)
 class ServicePortState:
-    """One frontend of a Service and where its traffic goes."""
+    """One frontend of a Service and where its traffic goes, with the policy the model decided for it. The
+    fields after `session_affinity_seconds` have defaults that are what a ClusterIP frontend carries (but
+    `health_check_node_port`), so a ClusterIP frontend reads as it always has."""
 
     service: str
     """`namespace/name` of the Service."""
     port_name: str
     frontend: Frontend
     backends: tuple[Backend, ...]
-    """Ready endpoints, sorted; these receive new connections. Empty means: no endpoints, reject."""
+    """The endpoints new connections may use, sorted: the ready ones or, when none is ready, the serving and
+    terminating ones (upstream's ProxyTerminatingEndpoints). Empty means: no usable endpoint, reject. For an
+    external frontend (`kind.external`) these serve sources inside the cluster (pods, the node itself);
+    `external_backends` serve the others."""
     known_backends: tuple[Backend, ...] = ()
     """Every endpoint of the slices (ready or not), sorted. Established flows to one of these are kept;
     a flow whose backend left this set is re-balanced (upstream flushes conntrack for it)."""
     session_affinity_seconds: int = 0
     """0 = no affinity; else ClientIP affinity lasting this long."""
+    kind: FrontendKind = FrontendKind.CLUSTER_IP
+    external_backends: tuple[Backend, ...] = ()
+    """External frontends only: the endpoints new connections from outside the cluster may use, sorted. With
+    externalTrafficPolicy Cluster the same as `backends`; with Local this node's endpoints (by nodeName): its
+    ready ones or, when none is ready, its serving and terminating ones. Empty while `backends` is not: drop
+    that traffic (upstream's DROP; the client keeps waiting for another node); both empty: reject. Always ()
+    for a ClusterIP frontend, which serves every source from `backends`."""
+    masquerade: bool = False
+    """Every new flow to this frontend is SNATed to a node address, whatever its source: upstream's rule for
+    external frontends with externalTrafficPolicy Cluster (external clients and pods alike), so replies come
+    back through this node. False: only the general rules apply (node-originated and hairpin traffic, and for
+    ClusterIP frontends --masquerade-all / --cluster-cidr); with Local, external clients and pods keep their
+    address."""
+    source_ranges: tuple[str, ...] = ()
+    """LoadBalancer frontends only: the IPv4 CIDRs a new flow's source must be in (loadBalancerSourceRanges, plus
+    the load-balancer IPs themselves when a range holds the node's primary IP, as upstream); traffic from
+    elsewhere is dropped. (): any source (also when a range is 0.0.0.0/0). Other kinds: always ()."""
+    health_check_node_port: int | None = None
+    """The Service's healthCheckNodePort, on each of its frontends, when upstream serves one (a LoadBalancer
+    Service with externalTrafficPolicy Local); else None."""
 
     @property
     def display_name(self) -> str:
         return f"{self.service}:{self.port_name}" if self.port_name else self.service
 
 
+# The kinds of frontend the dataplane modes render today. The model knows every kind; until a mode renders the
+# others, its renderer takes only these (`rendered`), and the proxier says once per Service what is left out
+# (`DesiredState.notices`).
+RENDERED_KINDS: frozenset[FrontendKind] = frozenset({FrontendKind.CLUSTER_IP})
+
+
+def rendered(states: Iterable[ServicePortState],
+             kinds: frozenset[FrontendKind] = RENDERED_KINDS) -> tuple[ServicePortState, ...]:
+    """The frontends of `states` whose kind a mode renders: the one filter every renderer applies."""
+    states = tuple(states)
+    for sp in states:
+        if sp.kind not in kinds:
+            return tuple(sp for sp in states if sp.kind in kinds)
+    return states
+
+
+@dataclass(frozen=True, slots=True)
+class RejectedClaim:
+    """A frontend a Service claims that another Service serves."""
+
+    claim: ServicePortState
+    holder: str
+    """The Service that serves the frontend."""
+
+    def __str__(self) -> str:
+        return (f"{self.claim.display_name} {self.claim.kind} {self.claim.frontend}: "
+                f"frontend already served by {self.holder}")
+
+
 @dataclass(frozen=True)
 class DesiredState:
-    """Per Service (`namespace/name`), the states of its frontends. Services with nothing to serve are
-    absent."""
+    """Per Service (`namespace/name`), the states of the frontends it serves, of every kind. Services with
+    nothing to serve are absent. A frontend is served by one Service at most (see desired.py for which).
+
+    The fields after `node` describe the update that made this state, not the state: they do not take part in
+    equality."""
 
     services: Mapping[str, tuple[ServicePortState, ...]] = field(default_factory=dict)
+    holders: Mapping[Frontend, str] = field(default_factory=dict)
+    """Every frontend in `services` -> the Service serving it."""
+    waiting: Mapping[str, tuple[ServicePortState, ...]] = field(default_factory=dict)
+    """Per Service, the frontends it claims that another Service serves (absent: none)."""
+    claimants: Mapping[Frontend, tuple[str, ...]] = field(default_factory=dict)
+    """Every frontend in `waiting` -> the Services waiting for it, sorted: the first gets it when it is free."""
+    node: NodeInputs = field(default_factory=NodeInputs)
+    """What this state was computed for: a change recomputes every Service."""
+    rejected: tuple[RejectedClaim, ...] = field(default=(), compare=False)
+    """Claims the update rejected that the previous state had not rejected for the same holder: logged once."""
+    also_changed: frozenset[str] = field(default=frozenset(), compare=False)
+    """Services whose entry in `services` the update changed though they were not among the keys it was asked
+    about (a frontend freed by one of those went to them; the node changed): a partial apply includes them."""
+    reshaped: frozenset[str] = field(default=frozenset(), compare=False)
+    """Services whose set of frontends (kind and address) the update changed: what `notices` looks at."""
 
     def frontends(self) -> dict[Frontend, ServicePortState]:
         return {sp.frontend: sp for states in self.services.values() for sp in states}
+
+    def notices(self, mode: str, kinds: frozenset[FrontendKind] = RENDERED_KINDS) -> list[str]:
+        """Lines for the log, once per change: the rejected claims, and per Service whose frontends changed,
+        those `mode` does not render (`kinds`), e.g. "default/web: NodePort 30080/TCP not served by bpf mode
+        yet"."""
+        lines = [str(c) for c in self.rejected]
+        for key in sorted(self.reshaped):
+            left = [sp for sp in self.services.get(key, ()) if sp.kind not in kinds]
+            if left:
+                lines.append(f"{key}: {describe_frontends(left)} not served by {mode} mode yet")
+        return lines
+
+
+def describe_frontends(states: Iterable[ServicePortState]) -> str:
+    """Frontends for a log line, by kind; a node port once, whatever the number of node addresses."""
+    parts: dict[str, None] = {}
+    for sp in sorted(states, key=lambda sp: (list(FrontendKind).index(sp.kind), sp.frontend)):
+        fe = sp.frontend
+        if sp.kind is FrontendKind.NODE_PORT:
+            parts[f"{sp.kind} {fe.port}/{fe.protocol.value}"] = None
+        else:
+            parts[f"{sp.kind} {fe}"] = None
+    return ", ".join(parts)

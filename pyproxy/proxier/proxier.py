@@ -132,6 +132,9 @@ class Proxier:
         self.desired = update_desired_state(
             self.desired, self.cluster.services.current, self.cluster.slices_for, changed
         )
+        changed |= self.desired.also_changed  # waiting Services that got a frontend a changed one let go of
+        for notice in self.desired.notices(self.dataplane.mode):  # rejected claims, frontends not rendered yet
+            log.warning("%s", notice)
         if not changed and not full and not self.dataplane.housekeeping_due():
             return True
         try:

@@ -153,3 +153,37 @@ def test_update_recomputes_only_changed_services_and_leaves_prev_intact() -> Non
 
 def test_empty_inputs_give_an_empty_desired_state() -> None:
     assert compute_desired_state({}, lambda key: []) == DesiredState({})
+
+
+# Which Service serves a frontend two claim: decided in the model (these cases were the bpf, nftables and ipvs
+# renderers' own); renderers take frontends as unique. More cases in test_frontends.py.
+
+WEB_FRONTEND = Frontend("10.96.0.10", 80, TCP)
+
+
+def test_of_two_services_claiming_one_frontend_the_first_by_name_serves_it() -> None:
+    services = {"default/zzz": service(HTTP, name="zzz"), "default/web": service(HTTP)}
+    desired = compute_desired_state(services, lambda key: [])
+    assert set(desired.services) == {"default/web"}
+    assert desired.holders == {WEB_FRONTEND: "default/web"}
+    assert [st.frontend for st in desired.waiting["default/zzz"]] == [WEB_FRONTEND]
+    assert desired.claimants == {WEB_FRONTEND: ("default/zzz",)}
+    assert [str(c) for c in desired.rejected] == [
+        "default/zzz ClusterIP 10.96.0.10:80/TCP: frontend already served by default/web"
+    ]
+    assert desired.notices("bpf") == [str(desired.rejected[0])]
+
+
+def test_a_partial_update_never_takes_a_frontend_another_service_serves() -> None:
+    """Also when the newcomer sorts first, and when both are recomputed in one update: the holder keeps it."""
+    services = {"default/web": service(HTTP)}
+    first = compute_desired_state(services, lambda key: [])
+    services["default/aaa"] = service(HTTP, name="aaa")
+    second = update_desired_state(first, services, lambda key: [], {"default/aaa"})
+    assert set(second.services) == {"default/web"} and second.holders[WEB_FRONTEND] == "default/web"
+    assert [c.claim.service for c in second.rejected] == ["default/aaa"]
+    assert second.also_changed == frozenset()
+    third = update_desired_state(second, services, lambda key: [], {"default/web", "default/aaa"})
+    assert third.holders[WEB_FRONTEND] == "default/web"
+    assert third.rejected == (), "a rejection already reported is not reported again"
+    assert third == second

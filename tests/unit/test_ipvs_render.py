@@ -256,18 +256,6 @@ def test_full_sync_adopts_a_previous_run_and_removes_only_its_stale_objects() ->
     assert k2.addresses == {"10.96.0.10"}
 
 
-def test_a_frontend_claimed_twice_is_served_once() -> None:
-    k = KernelModel()
-    clash = port("default/other", "10.96.0.10", 80, [C])
-    plan = k.sync(Memory(), {WEB: [web(A)], "default/other": [clash]})
-    assert plan.memory.owners == {WEB_KEY: "default/other"}  # the first by name
-    assert plan.skipped and "already served by default/other" in plan.skipped[0]
-    # A partial sync of web alone does not take the frontend from its current owner.
-    plan = k.sync(plan.memory, {WEB: [web(A)]}, full=False)
-    assert plan.memory.owners == {WEB_KEY: "default/other"}
-    assert k.virtuals[WEB_KEY][2] == {C: 1}
-
-
 def test_ipset_members_are_stable_strings() -> None:
     assert cluster_entry(("10.96.0.53", 53, "UDP")) == "10.96.0.53,udp:53"
     assert loopback_entry(("10.96.0.10", 80, "TCP"), Backend("10.0.1.1", 8080)) == "10.0.1.1,tcp:8080,10.0.1.1"

@@ -222,13 +222,6 @@ def test_a_base_chain_whose_hook_differs_is_replaced() -> None:
     assert "delete chain ip pyproxy nat-prerouting" not in cmds
 
 
-def test_the_first_service_claims_a_frontend_twice_defined() -> None:
-    other = {"default/zzz": (sp("default/zzz", backends=(B3,)),)}
-    plan = full(TableState(), {**web(B1), **other})
-    assert plan.skipped and "already served by default/web" in plan.skipped[0]
-    assert plan.state.elems(SERVICE_IPS)[("10.96.0.10", "tcp", 80)].verdict == f"goto {service_chain(sp())}"
-
-
 # ---------------------------------------------------------------------------------------------------- partial
 
 
@@ -264,13 +257,6 @@ def test_a_frontend_moving_between_maps_is_deleted_from_one_and_added_to_the_oth
     assert "delete element ip pyproxy no-endpoint-services { 10.96.0.53 . udp . 53 }" in back.commands
     assert elements_of(back, SERVICE_IPS)
     assert back.state.elems(NO_ENDPOINT_SERVICES) == {}
-
-
-def test_partial_sync_never_takes_a_frontend_another_service_serves() -> None:
-    first = full(TableState(), web(B1))
-    plan = partial(first.state, {"default/thief": (sp("default/thief", backends=(B3,)),)})
-    assert plan.skipped and "already served by default/web" in plan.skipped[0]
-    assert not lines_with(plan, "element")
 
 
 def test_a_changed_affinity_timeout_recreates_the_sets_after_their_users_are_flushed() -> None:

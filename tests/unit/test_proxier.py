@@ -127,3 +127,25 @@ def test_a_periodic_sync_applies_nothing_changed_while_the_dataplane_has_houseke
     clock[0] += 30
     p.sync()
     assert len(dp.applies) == 2
+
+
+def test_a_frontend_a_deleted_service_frees_reaches_the_dataplane_with_its_waiting_claimant(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The model decides which Service serves a contested frontend; the partial apply that deletes the holder
+    must also carry the Service that gets the frontend, and each rejected claim is logged once."""
+    p, dp, _ = _proxier()
+    p.set_service("default/a", _svc("a", "10.96.0.1"))
+    p.set_service("default/b", _svc("b", "10.96.0.1"))
+    p.mark_synced()
+    with caplog.at_level("WARNING", logger="pyproxy.proxier.proxier"):
+        p.sync()
+        p.set_endpoint_slice("default/b-1", _slice("b-1", "b", "10.0.0.1"))
+        p.sync()
+    assert [r.getMessage() for r in caplog.records] == [
+        "default/b ClusterIP 10.96.0.1:80/TCP: frontend already served by default/a"]
+    assert dp.applies[-1][1] == {"default/b"} and "default/b" not in dp.applies[-1][0].services
+    p.set_service("default/a", None)
+    p.sync()
+    desired, changed = dp.applies[-1]
+    assert changed == {"default/a", "default/b"}
+    assert [str(b) for b in desired.services["default/b"][0].backends] == ["10.0.0.1:8080"]

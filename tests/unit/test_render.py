@@ -294,14 +294,6 @@ def test_a_frontend_moving_between_services_is_updated_in_place() -> None:
     assert c.applied.frontends["10.96.0.10", 80, "TCP"].service == "default/web2"
 
 
-def test_a_frontend_held_by_a_service_outside_the_plan_is_not_taken() -> None:
-    c = Cluster()
-    c.sync({WEB: [web(A)]})
-    plan = c.sync({"default/web2": [port("default/web2", "10.96.0.10", 80, [B])]})
-    assert plan.ops == ()
-    assert plan.skipped and WEB in plan.skipped[0]
-
-
 def test_client_ip_affinity_is_flagged_with_its_timeout() -> None:
     c = Cluster()
     plan = c.sync({WEB: [port(WEB, "10.96.0.10", 80, [A], affinity=10800)]})

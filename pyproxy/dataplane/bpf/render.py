@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pyproxy.dataplane.bpf import abi
-from pyproxy.model.state import Backend, Frontend, ServicePortState
+from pyproxy.model.state import Backend, Frontend, ServicePortState, rendered
 
 FrontendKey = tuple[str, int, str]  # (ClusterIP, port, "TCP"|"UDP")
 
@@ -257,20 +257,13 @@ def render(
 
     # Claim frontends first: a frontend can move between Services (a ClusterIP freed and reused, or a
     # restart that restored frontends under placeholder names), and must then be updated in place, never
-    # deleted after its new owner wrote it. A frontend held by a Service outside this plan stays there.
+    # deleted after its new owner wrote it. Which Service serves a frontend the model decided: each is unique.
     claims: dict[FrontendKey, tuple[str, ServicePortState]] = {}
     for service in sorted(desired):
-        for st in desired[service]:
+        for st in rendered(desired[service]):
             key = frontend_key(st.frontend)
             if key[2] not in abi.IPPROTO:
                 skipped.append(f"{st.display_name} {st.frontend}: protocol not served by the bpf dataplane")
-                continue
-            holder = claims[key][0] if key in claims else None
-            cur = current.get(key)
-            if holder is None and cur is not None and cur.service not in desired:
-                holder = cur.service
-            if holder is not None and holder != service:
-                skipped.append(f"{st.display_name} {st.frontend}: frontend already served by {holder}")
                 continue
             claims[key] = (service, st)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from pyproxy.dataplane import netfilter as nf
 from pyproxy.model.objects import Protocol
-from pyproxy.model.state import Backend, DesiredState, Frontend, ServicePortState
+from pyproxy.model.state import Backend, DesiredState, Frontend, ServicePortState, rendered
 
 SVC_PREFIX = "KUBE-SVC-"
 SEP_PREFIX = "KUBE-SEP-"
@@ -142,7 +142,7 @@ def services_rules(desired: DesiredState, m: nf.MasqueradeSettings) -> tuple[lis
     nat: list[str] = []
     reject: list[str] = []
     for key in sorted(desired.services):
-        for sp in desired.services[key]:
+        for sp in rendered(desired.services[key]):
             match = _match(sp.frontend)
             if not sp.backends:
                 reject.append(f"{_comment(port_name(sp) + ' has no endpoints')} {match} -j REJECT{_reject_with(sp)}")
@@ -237,7 +237,7 @@ def render(desired: DesiredState, changed: Set[str] | None, applied: Applied, m:
     new_applied = dict(applied)
     flushes: list[ConntrackFlush] = []
     for key in sorted(keys):
-        ports = desired.services.get(key, ())
+        ports = rendered(desired.services.get(key, ()))
         chains = [c for sp in ports for c in service_chains(sp)]
         for chain in chains:
             out.write(out.nat, chain)

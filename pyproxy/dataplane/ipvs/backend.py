@@ -65,7 +65,7 @@ from pyproxy.dataplane.ipvs.render import (
     vs_key,
 )
 from pyproxy.dataplane.netfilter import MasqueradeSettings
-from pyproxy.model.state import DesiredState
+from pyproxy.model.state import DesiredState, rendered
 
 log = logging.getLogger(__name__)
 
@@ -201,15 +201,13 @@ class IpvsDataplane:
     def _sync(self, ipvs: IPVS, desired: DesiredState, keys: set[str], full: bool) -> None:
         fresh = None
         if not full:
-            fresh = {vs_key(st.frontend) for k in keys for st in desired.services.get(k, ())}
+            fresh = {vs_key(st.frontend) for k in keys for st in rendered(desired.services.get(k, ()))}
             fresh |= {key for key, svc in self.memory.owners.items() if svc in keys}
             fresh |= {key for key, _ in self.memory.draining_since}
         observed = self._observe(ipvs, fresh)
         plan = render(observed, self.memory, {k: desired.services.get(k, ()) for k in keys}, full=full,
                       options=Options(self.settings.scheduler, self.settings.graceful_termination_seconds),
                       now=self._clock())
-        for line in plan.skipped:
-            log.warning("not served: %s", line)
         try:
             self._run(ipvs, plan.ops)
             if full:

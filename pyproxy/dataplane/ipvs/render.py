@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from pyproxy.model.state import Backend, Frontend, ServicePortState
+from pyproxy.model.state import Backend, Frontend, ServicePortState, rendered
 
 VSKey = tuple[str, int, str]
 """(ClusterIP, port, "TCP" | "UDP" | "SCTP")."""
@@ -128,8 +128,6 @@ Op = VirtualOp | RealOp | AddressOp | SetOp
 class Plan:
     ops: tuple[Op, ...]
     memory: Memory
-    skipped: tuple[str, ...] = ()
-    """Frontends not served, with the reason, for a log line."""
 
 
 def vs_key(fe: Frontend) -> VSKey:
@@ -192,32 +190,13 @@ def _reconcile_reals(key: VSKey, current: Mapping[Backend, Real], wanted: Iterab
     return r
 
 
-def _claim(desired: Mapping[str, Iterable[ServicePortState]], memory: Memory,
-           full: bool) -> tuple[dict[VSKey, tuple[str, ServicePortState]], list[str]]:
-    """Which changing Service serves each wanted frontend. A frontend held by a Service outside this
-    (partial) sync stays with it; of two changing Services wanting one frontend, the first by name wins."""
-    claims: dict[VSKey, tuple[str, ServicePortState]] = {}
-    skipped: list[str] = []
-    for service in sorted(desired):
-        for st in desired[service]:
-            key = vs_key(st.frontend)
-            holder = claims[key][0] if key in claims else None
-            owner = memory.owners.get(key)
-            if holder is None and not full and owner is not None and owner not in desired:
-                holder = owner
-            if holder is not None and holder != service:
-                skipped.append(f"{st.display_name} {st.frontend}: frontend already served by {holder}")
-                continue
-            claims[key] = (service, st)
-    return claims, skipped
-
-
 def render(observed: Observed, memory: Memory, desired: Mapping[str, Iterable[ServicePortState]], *,
            full: bool, options: Options, now: float) -> Plan:
     """Plan the changes for the Services in `desired` (Service key -> its frontends; an empty iterable means
     the Service is gone), or, with `full`, for everything of ours (`desired` then holds every Service)."""
     mine = ours(observed, memory)
-    claims, skipped = _claim(desired, memory, full)
+    # Unique: the model decided which Service serves a frontend.
+    claims = {vs_key(st.frontend): (service, st) for service in sorted(desired) for st in rendered(desired[service])}
     scope = mine if full else {k for k in mine if memory.owners.get(k) in desired}
     gone = (scope - claims.keys()) & observed.virtuals.keys()
 
@@ -264,7 +243,7 @@ def render(observed: Observed, memory: Memory, desired: Mapping[str, Iterable[Se
     ops += [AddressOp("del", ip) for ip in sorted(observed.addresses - addresses)]
     ops += [VirtualOp("del", key) for key in sorted(gone)]
     ops += set_dels
-    return Plan(tuple(ops), Memory(owners=owners, draining_since=draining), tuple(skipped))
+    return Plan(tuple(ops), Memory(owners=owners, draining_since=draining))
 
 
 def after(observed: Observed, ops: Iterable[Op]) -> Observed:

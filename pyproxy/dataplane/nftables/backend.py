@@ -141,8 +141,6 @@ class NftablesDataplane:
         # Services, 0.2 s without). A flushed chain nothing points to is harmless meanwhile.
         plan = render(self.state, services, self.settings.masquerade, full=full, pending=pending,
                       defer_deletes=self._defer_deletes, lazy_deletes=not full)
-        for line in plan.skipped:
-            log.warning("not served: %s", line)
         try:
             run_nft(["-f", "-"], plan.script)
         except DataplaneError as e:

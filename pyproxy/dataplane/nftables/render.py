@@ -62,7 +62,7 @@ from pyproxy.dataplane.nftables.table import (
     elem_owner,
     owner,
 )
-from pyproxy.model.state import Backend, Frontend, ServicePortState
+from pyproxy.model.state import Backend, Frontend, ServicePortState, rendered
 
 # nft's object names are at most 256 bytes; prefixes ("endpoint-", …) stay within 16 (as upstream).
 NAME_BASE_MAX = 256 - 16
@@ -171,8 +171,6 @@ class Plan:
     flushes: tuple[ConntrackFlush, ...] = ()
     deferred: frozenset[str] = frozenset()
     """Stale chains left flushed but not deleted (defer_deletes)."""
-    skipped: tuple[str, ...] = ()
-    """Frontends not served, with the reason, for a log line."""
 
     @property
     def script(self) -> str:
@@ -197,7 +195,6 @@ class _Wanted:
     ports: list[_Port] = field(default_factory=list)
     elements: dict[str, dict[ElemKey, Elem]] = field(default_factory=lambda: {m: {} for m in MAPS})
     known: dict[ElemKey, frozenset[Backend]] = field(default_factory=dict)
-    skipped: list[str] = field(default_factory=list)
 
     def chains(self) -> set[str]:
         return {name for p in self.ports for name in p.chains}
@@ -279,20 +276,12 @@ def endpoint_choice(chains: Sequence[str]) -> list[str]:
     return [f"numgen random mod {n - i} 0 goto {c}" for i, c in enumerate(chains[:-1])] + [f"goto {chains[-1]}"]
 
 
-def _collect(state: TableState, services: Mapping[str, Iterable[ServicePortState]], full: bool,
-             masq: MasqueradeSettings) -> _Wanted:
+def _collect(services: Mapping[str, Iterable[ServicePortState]], masq: MasqueradeSettings) -> _Wanted:
     wanted = _Wanted()
-    held = {} if full else {k: o for m in MAPS for k, e in state.elems(m).items()
-                            if (o := elem_owner(m, e)) is not None and o not in services}
     by_port: dict[str, list[ServicePortState]] = {}
     for service in sorted(services):
-        for sp in services[service]:
+        for sp in rendered(services[service]):  # unique: the model decided which Service serves a frontend
             key = elem_key(sp.frontend)
-            holder = held.get(key)
-            if holder is not None and holder != service:
-                wanted.skipped.append(f"{sp.display_name} {sp.frontend}: frontend already served by {holder}")
-                continue
-            held[key] = service
             wanted.known[key] = frozenset(sp.known_backends) | frozenset(sp.backends)
             if sp.backends:
                 by_port.setdefault(service_chain(sp), []).append(sp)
@@ -368,7 +357,7 @@ def render(state: TableState, services: Mapping[str, Iterable[ServicePortState]]
     100,000 chains, so a sync that only adds and flushes stays small."""
     pending = pending or {}
     services = {k: tuple(v) for k, v in services.items()}
-    wanted = _collect(state, services, full, masq)
+    wanted = _collect(services, masq)
 
     def in_scope(o: str | None) -> bool:
         return full or o in services
@@ -396,7 +385,7 @@ def render(state: TableState, services: Mapping[str, Iterable[ServicePortState]]
     old_known = {k: v for k, v in state.known.items() if k in scope_keys}
     after = _after(state, wanted, fixed, old_elems, deleted, stale_sets, stale_maps, full)
     return Plan(commands=tuple(cmds), state=after, flushes=tuple(_flushes(old_elems[SERVICE_IPS], old_known, wanted)),
-                deferred=frozenset(stale_chains) - frozenset(deleted), skipped=tuple(wanted.skipped))
+                deferred=frozenset(stale_chains) - frozenset(deleted))
 
 
 def _after(state: TableState, wanted: _Wanted, fixed: Mapping[str, tuple[str, ...]],
