@@ -5,6 +5,7 @@ updates; and that every renderer takes only the kinds it renders today."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 from dataclasses import replace
 
@@ -390,3 +391,42 @@ def test_every_renderer_renders_exactly_the_cluster_ip_frontends() -> None:
         ]
 
     assert plans(full) == plans(clusters)
+
+
+def test_contested_frontends_stay_consistent_across_random_partial_updates() -> None:
+    """Random creates, deletes and address changes over a few shared addresses, node ports and node changes:
+    after every update each frontend is served by one Service at most, by one that claims it; every other claim
+    waits, and nothing free is waited for; and a dataplane applying only `changed | also_changed` holds exactly
+    the desired state."""
+    rng = random.Random(10)
+    ips, names = ("10.96.0.1", "10.96.0.2", "10.96.0.3"), ("a", "b", "c", "d", "e")
+    nodes = (NODE, replace(NODE, nodeport_addresses=("10.0.0.6",)), NodeInputs())
+    services: dict[str, Service] = {}
+    desired, applied = DesiredState(), {}
+    for _ in range(400):
+        changed = set()
+        for _ in range(rng.randint(1, 3)):
+            name = rng.choice(names)
+            if rng.random() < 0.3:
+                services.pop(f"default/{name}", None)
+            else:
+                ports = (replace(HTTP, node_port=rng.choice((30080, 30081))),)
+                services[f"default/{name}"] = svc(rng.choice(("ClusterIP", "NodePort")), name, rng.choice(ips), ports,
+                                                  external_ips=(rng.choice(ips),))
+            changed.add(f"default/{name}")
+        node = rng.choice(nodes) if rng.random() < 0.1 else None
+        desired = update_desired_state(desired, services, lambda key: (), changed, node)
+        for key in changed | desired.also_changed:
+            applied.pop(key, None)
+            if key in desired.services:
+                applied[key] = desired.services[key]
+        assert applied == desired.services
+        served = {st.frontend: key for key, states in desired.services.items() for st in states}
+        assert desired.holders == served and sum(map(len, desired.services.values())) == len(served)
+        waiting = {(st.frontend, key) for key, states in desired.waiting.items() for st in states}
+        assert waiting == {(fe, key) for fe, keys in desired.claimants.items() for key in keys}
+        assert all(fe in served and served[fe] != key for fe, key in waiting)
+        for key, svc_ in services.items():
+            wanted = {st.frontend for st in compute_service_state(svc_, (), desired.node)}
+            mine = {st.frontend for st in desired.services.get(key, ())}
+            assert wanted == mine | {fe for fe, k in waiting if k == key}
