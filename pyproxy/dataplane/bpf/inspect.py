@@ -114,7 +114,7 @@ def report(maps: Maps, flows: bool = True) -> str:
     lines.append("datapath: " + ", ".join(f"{n}={c}" for n, c in zip(abi.COUNTERS, counters, strict=True)))
     if flows:
         lines.append("")
-        lines.append(f"{'FLOW (client -> frontend)':48} {'BACKEND':22} {'SERVICE':30} IDLE")
+        lines.append(f"{'FLOW (client -> frontend)':48} {'BACKEND':22} {'SERVICE':30} {'STATE':12} IDLE")
         now, hz = clock.ticks_now(), clock.kernel_hz()
         names = {fe.svc_id: fe.name for fe in applied.frontends.values()}
         for k in maps.ct.keys_list():
@@ -128,5 +128,6 @@ def report(maps: Maps, flows: bool = True) -> str:
                     f"{abi.ip_of(k.daddr)}:{abi.port_of(k.dport)}")
             idle = max(0, now - v.last_seen) / hz
             backend = f"{abi.ip_of(v.nat_addr)}:{abi.port_of(v.nat_port)}"
-            lines.append(f"{flow:48} {backend:22} {names.get(v.svc_id, '?'):30} {idle:.1f}s")
+            state = abi.CT_STATE_NAME.get(v.state, str(v.state))
+            lines.append(f"{flow:48} {backend:22} {names.get(v.svc_id, '?'):30} {state:12} {idle:.1f}s")
     return "\n".join(lines)
