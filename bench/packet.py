@@ -261,6 +261,10 @@ def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.Lo
         rec.step(f"{core.plural(n, 'service')}: {p['rounds']} rounds of repeat={p['repeat']:,}")
         repeat = int(p["repeat"])
         per_round: dict[str, list[float]] = {k: [] for k in runs}
+        # One round not recorded: the first size measured otherwise reads 10-20% high everywhere, the verdict-only
+        # floor included (caches and the CPU's clock still warming up).
+        for run in runs.values():
+            run(repeat)
         for _ in range(int(p["rounds"])):
             for key, run in runs.items():
                 before = dp.counters()

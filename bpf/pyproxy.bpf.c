@@ -127,12 +127,15 @@ int pyproxy_xdp_ingress(struct xdp_md *ctx)
 		return XDP_PASS;
 	switch (pyproxy_lb_forward(&p, ctx->data_end - ctx->data, &be)) {
 	case PYPROXY_DNAT:
-		/* No room for the mark: TC ingress translates it instead, following the flow just recorded. */
-		if (pyproxy_xdp_reserve_mark(ctx))
+		/* Only a SYN or a datagram could look like a direct connection to TC (pyproxy_ct_untrack); a
+		 * segment of an established flow needs no mark. No room for it: TC translates instead, following
+		 * the flow just recorded. */
+		if ((p.proto == IPPROTO_UDP || pyproxy_is_syn(&p)) && pyproxy_xdp_reserve_mark(ctx))
 			return XDP_PASS;
 		if (pyproxy_xdp_nat(ctx, &p, PYPROXY_NAT_DST, be.addr, be.port))
 			return XDP_DROP;
-		pyproxy_xdp_mark(ctx);
+		if (p.proto == IPPROTO_UDP || pyproxy_is_syn(&p))
+			pyproxy_xdp_mark(ctx);
 		return XDP_PASS;
 	case PYPROXY_REJECT:
 		return XDP_PASS;   /* TC ingress makes the answer */

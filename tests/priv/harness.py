@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 import pytest
-from packets import TCP, TCP_SYN, UDP, Flow, L4Csum, decode, frame
+from packets import TCP, TCP_ACK, TCP_SYN, UDP, Flow, L4Csum, decode, frame
 
 from pyproxy.dataplane.bpf import abi, libbpf, loader
 from pyproxy.dataplane.bpf.backend import Maps
@@ -155,7 +155,7 @@ def dnat(
     be = backend_of(out)
     assert out == frame(flow.to(be.ip, be.port), payload, csum=csum, tcp_flags=tcp_flags, options=options)
     assert_checksums_valid(out, csum)
-    if prog.name == abi.PROG_XDP:
-        # TC ingress runs next on the same packet and must know it is translated already (nat.h).
+    if prog.name == abi.PROG_XDP and (flow.proto == UDP or tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN):
+        # TC ingress runs next on the same packet and must not take it for a direct connection (nat.h).
         assert dp.meta == XDP_TRANSLATED_MARK, f"XDP translated without leaving its mark: {dp.meta.hex()}"
     return be

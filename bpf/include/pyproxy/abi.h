@@ -143,6 +143,8 @@ struct pyproxy_ct_timeouts {
 	__u32 tcp_closed;        /* TCP, FINs both ways or a RST */
 	__u32 udp_new;           /* UDP, no reply yet */
 	__u32 udp_established;   /* UDP, replied */
+	__u32 shortest;          /* the smallest of the above: an entry idle for less is live in any state */
+	__u32 pad;               /* zero */
 };
 
 /* Key of PYPROXY_MAP_FRAGS: one IPv4 datagram in fragments, as its fragments carry it (before translation). */

@@ -80,7 +80,10 @@ static __always_inline __u32 pyproxy_ct_timeout(__u8 proto, __u8 state)
 
 static __always_inline int pyproxy_ct_expired(const struct pyproxy_ct_value *v, __u8 proto, __u64 now)
 {
-	return now - v->last_seen > pyproxy_ct_timeout(proto, v->state);
+	__u64 idle = now - v->last_seen;
+
+	/* Idle for less than the shortest timeout: live in any state, without working out which. */
+	return idle > pyproxy_ct_timeouts.shortest && idle > pyproxy_ct_timeout(proto, v->state);
 }
 
 /* The key of the other direction's entry of the flow that `v`, found under `k`, belongs to:
@@ -158,7 +161,13 @@ static __always_inline void pyproxy_ct_seen(const struct pyproxy_ct_key *k, stru
 	__u8 state = v->state, flags = v->flags;
 	struct pyproxy_ct_value *peer;
 
-	v->last_seen = now;
+	/* Written once per tick, not per packet: a flow's packets on several CPUs then share the cache line. */
+	if (v->last_seen != now)
+		v->last_seen = now;
+	/* The common packet changes nothing: no FIN or RST, and no first reply. */
+	if (!(tcp_flags & (PYPROXY_TCP_FIN | PYPROXY_TCP_RST)) &&
+	    (k->dir == PYPROXY_CT_FORWARD || v->state != PYPROXY_CT_ST_NEW))
+		return;
 	pyproxy_ct_next(k->dir, tcp_flags, &state, &flags);
 	if (state == v->state && flags == v->flags)
 		return;

@@ -134,6 +134,7 @@ const volatile struct pyproxy_ct_timeouts pyproxy_ct_timeouts = {
 	.tcp_closed = 10 * 250,
 	.udp_new = 30 * 250,
 	.udp_established = 120 * 250,
+	.shortest = 10 * 250,
 };
 
 #endif

@@ -190,6 +190,8 @@ class CtTimeoutTicks(ctypes.Structure):
         ("tcp_closed", ctypes.c_uint32),
         ("udp_new", ctypes.c_uint32),
         ("udp_established", ctypes.c_uint32),
+        ("shortest", ctypes.c_uint32),  # the smallest of the above
+        ("pad", ctypes.c_uint32),
     ]
 
 

@@ -49,7 +49,7 @@ class CtTimeouts:
                 raise ValueError(f"connection-tracking timeout {f.name} is too long: {getattr(self, f.name)} s "
                                  f"exceeds 2**32 ticks at {hz} Hz")
             values[f.name] = n
-        return abi.CtTimeoutTicks(**values)
+        return abi.CtTimeoutTicks(**values, shortest=min(values.values()))
 
 
 def timeout_ticks(t: abi.CtTimeoutTicks, proto: int, state: int) -> int:
