@@ -68,9 +68,12 @@ class Pyproxy:
 
     def command(self) -> list[str]:
         argv = [*self.wrapper, sys.executable, "-m", "pyproxy", "run", f"--proxy-mode={self.mode}",
-                f"--bpf-pin-path={self.pin_path}", f"--cgroup-root={self.lab.cgroup}",
-                f"--healthz-bind-address={self._healthz_address}",
+                f"--bpf-pin-path={self.pin_path}", f"--healthz-bind-address={self._healthz_address}",
                 f"--metrics-bind-address={self._metrics_address}"]
+        if self.mode in ("bpf", "auto"):
+            # The socket hooks act on the lab's own cgroup: on the machine's root cgroup they would act on every
+            # process here. (Other modes would only warn that they do not honour it.)
+            argv.append(f"--cgroup-root={self.lab.cgroup}")
         if self.source is not None:
             argv.append(f"--source={self.source}")
         if self.devices is not None:
