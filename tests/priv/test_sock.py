@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from harness import CAPACITY, ROOT, Dataplane
 
-from pyproxy.dataplane.bpf import abi, cgroup, loader
+from pyproxy.dataplane.bpf import abi, cgroup, libbpf, loader
 from pyproxy.lab.netns import ensure_bpffs, ensure_cgroup2
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, ServicePortState
@@ -164,3 +164,21 @@ def test_a_restart_replaces_the_hooks_in_place_and_detach_removes_them(world: Wo
         second.close()
     assert len(cgroup.detach(world.pins)) == len(abi.SOCK_HOOKS)
     assert not (world.pins / cgroup.LINK_DIR).exists()
+
+
+def test_a_start_on_another_cgroup_moves_the_hooks(world: World) -> None:
+    """A start makes the hooks what its settings say: on the new --cgroup-root, and on the old one no more."""
+    other = world.cgroup.parent / f"{world.cgroup.name}-other"
+    other.mkdir()
+    try:
+        cgroup.attach(world.dp.obj.progs, world.cgroup, world.pins)
+        cgroup.attach(world.dp.obj.progs, other, world.pins)
+        for pin in (world.pins / cgroup.LINK_DIR).iterdir():
+            fd = libbpf.check(libbpf.lib().bpf_obj_get(str(pin).encode()), f"open {pin}")
+            try:
+                assert cgroup._link_info(fd).cgroup_id == cgroup.cgroup_id(other), pin.name
+            finally:
+                os.close(fd)
+        cgroup.detach(world.pins)
+    finally:
+        other.rmdir()
