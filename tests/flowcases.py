@@ -74,7 +74,8 @@ class FlowCase:
     port: int
     expect: Outcome
     src: str = "client"
-    """"client", or a backend's name ("b1") for traffic from a pod of the cluster."""
+    """"client", a backend's name ("b1") for traffic from a pod of the cluster, or "node" for the node's own
+    processes (in the node's namespace and the lab's cgroup, where bpf mode's socket hooks act)."""
     by_mode: Mapping[str, Outcome] = field(default_factory=dict)
     """Deliberate per-mode differences from `expect` (the reason is in the case's comment)."""
 
@@ -97,6 +98,13 @@ CASES = (
              by_mode={"ipvs": REFUSED}),
     FlowCase("an address that is no service is not translated", "tcp", "10.96.20.99", 80, NO_ANSWER),
     FlowCase("from a pod to another pod's service", "tcp", "10.96.20.6", 80, answered_by("b2:8080"), src="b1"),
+    # The node's own processes (kubelet probes, host-network pods): the netfilter modes translate them on the
+    # OUTPUT path, IPVS by its local-out hook, bpf mode at connect()/sendmsg() (socket load balancing).
+    FlowCase("from the node itself", "tcp", "10.96.20.1", 80, answered_by("b1:8080", "b2:8080"), src="node"),
+    FlowCase("from the node itself, udp", "udp", "10.96.20.1", 53, answered_by("b1:5353", "b2:5353"), src="node"),
+    FlowCase("from the node, no endpoints: rejected", "tcp", "10.96.20.3", 80, REFUSED, src="node"),
+    FlowCase("from the node, ClientIP affinity sticks", "tcp", "10.96.20.5", 80,
+             sticky("b1:8080", "b2:8080", "b3:8080"), src="node"),
 )
 
 
@@ -128,7 +136,8 @@ def mismatches(lab: Any, mode: str) -> list[str]:
     wrong = []
     for case in CASES:
         expected = case.expected(mode)
-        ns = None if case.src == "client" else next(b.ns for b in lab.backends if b.name == case.src)
+        pods = {b.name: b.ns for b in lab.backends}
+        ns = None if case.src == "client" else lab.node if case.src == "node" else pods[case.src]
         positive = expected.kind in ("backends", "sticky")
         # Enough flows that a missing backend or a broken affinity shows; few where nothing should answer.
         result = lab.probe(case.proto, case.dst, case.port, 30 if positive else 4, timeout=1.0 if positive else 0.5,

@@ -117,11 +117,14 @@ def python_env() -> dict[str, str]:
 
 
 def run(argv: Sequence[str], *, check: bool = True, timeout: float = DEFAULT_TIMEOUT,
-        input: str | None = None, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run a command to completion within `timeout` seconds; LabError with its stderr when it fails."""
+        input: str | None = None, env: Mapping[str, str] | None = None,
+        cgroup: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a command to completion within `timeout` seconds; LabError with its stderr when it fails. With
+    `cgroup`, the command runs in that cgroup v2 directory from its first instruction."""
     try:
         cp = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, input=input,
-                            env=None if env is None else dict(env))
+                            env=None if env is None else dict(env),
+                            preexec_fn=None if cgroup is None else _joiner(cgroup))
     except subprocess.TimeoutExpired as exc:
         raise LabError(f"timed out after {timeout:g}s: {shlex.join(argv)}") from exc
     except OSError as exc:
@@ -129,6 +132,17 @@ def run(argv: Sequence[str], *, check: bool = True, timeout: float = DEFAULT_TIM
     if check and cp.returncode != 0:
         raise LabError(f"{shlex.join(argv)} exited {cp.returncode}: {(cp.stderr or cp.stdout).strip()}")
     return cp
+
+
+def _joiner(cgroup: Path) -> Callable[[], None]:
+    """A preexec_fn that moves the child into `cgroup` before it execs (`ip netns exec` keeps the cgroup)."""
+    procs = str(cgroup / "cgroup.procs")
+
+    def join() -> None:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+
+    return join
 
 
 def _die_with_parent() -> None:
@@ -547,9 +561,12 @@ class Lab:
 
     def exec(self, ns: str, *argv: str, check: bool = True, timeout: float = DEFAULT_TIMEOUT,
              input: str | None = None) -> subprocess.CompletedProcess[str]:
-        """`ip netns exec NS argv...` to completion (bounded by `timeout`); LabError on failure if `check`."""
-        return run(["ip", "netns", "exec", self._resolve(ns), *argv], check=check, timeout=timeout,
-                   input=input, env=python_env())
+        """`ip netns exec NS argv...` to completion (bounded by `timeout`); LabError on failure if `check`.
+        In the node's namespace the command also runs in the lab's cgroup, as the node's own processes:
+        where pyproxy's socket hooks act (--cgroup-root)."""
+        ns = self._resolve(ns)
+        return run(["ip", "netns", "exec", ns, *argv], check=check, timeout=timeout, input=input, env=python_env(),
+                   cgroup=self.cgroup if ns == self.node else None)
 
     def popen(self, ns: str, *argv: str, **kwargs: Any) -> subprocess.Popen[Any]:
         """Start `ip netns exec NS argv...` in the background; the lab terminates it at teardown at the
