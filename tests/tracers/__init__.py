@@ -1,0 +1,9 @@
+"""Tracers: each follows a new flow through one proxy mode's rendered plan — the pure `render()` output, never
+the kernel — and answers the flow table's outcome (tests/flowcases.py), so `make unit` runs the same table the
+privileged end-to-end test runs with real packets, in seconds and without root.
+
+`common` computes the desired state from flowcases.MANIFESTS as pyproxy does and turns a tracer's verdicts
+into an Outcome; `bpf`, `ipvs`, `iptables` and `nftables` hold one tracer each. They model only the rule
+forms their renderer emits: anything else fails the trace (`Unmodelled`), so a renderer change cannot pass
+unnoticed.
+"""
