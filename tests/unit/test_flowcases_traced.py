@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from tracers import bpf, iptables
+from tracers import bpf, iptables, ipvs
 from tracers.common import Unmodelled, desired_state, mismatches
 
 from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.render import Batch
+from pyproxy.dataplane.ipvs.render import RealOp
 from pyproxy.model.state import DesiredState
 
 
@@ -25,6 +26,7 @@ def desired() -> DesiredState:
 TRACERS = {
     "bpf": bpf.BpfTracer,
     "iptables": iptables.IptablesTracer,
+    "ipvs": ipvs.IpvsTracer,
 }
 
 
@@ -60,3 +62,17 @@ def test_iptables_tracer_fails_on_a_rule_it_does_not_know(desired: DesiredState)
     text = iptables.restore_text(desired).replace("-m statistic --mode random", "-m nth --every 2", 1)
     with pytest.raises(Unmodelled, match="-m nth"):
         iptables.IptablesTracer(desired, text)
+
+
+def test_ipvs_tracer_sees_a_missing_filter(desired: DesiredState) -> None:
+    # Without KUBE-IPVS-FILTER's reject, a ClusterIP's other ports reach the node's own listeners.
+    rules = _without_lines(ipvs.rules_text(), "-j REJECT")
+    wrong = mismatches(ipvs.IpvsTracer(desired, rules=rules), "ipvs")
+    assert len(wrong) == 1 and "port the service does not have" in wrong[0] and "traced mixed node" in wrong[0], wrong
+
+
+def test_ipvs_tracer_sees_a_lost_real_server(desired: DesiredState) -> None:
+    plan = ipvs.ops(desired)
+    lost = next(op for op in plan if isinstance(op, RealOp) and op.key == ("10.96.20.2", 80, "TCP"))
+    wrong = mismatches(ipvs.IpvsTracer(desired, tuple(op for op in plan if op != lost)), "ipvs")
+    assert len(wrong) == 1 and "endpoints from two slices" in wrong[0], wrong
