@@ -7,9 +7,10 @@ not know fails the trace instead of passing it."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
-from tracers import bpf, iptables, ipvs
+from tracers import bpf, iptables, ipvs, nftables
 from tracers.common import Unmodelled, desired_state, mismatches
 
 from pyproxy.dataplane.bpf import abi
@@ -27,6 +28,7 @@ TRACERS = {
     "bpf": bpf.BpfTracer,
     "iptables": iptables.IptablesTracer,
     "ipvs": ipvs.IpvsTracer,
+    "nftables": nftables.NftablesTracer,
 }
 
 
@@ -76,3 +78,15 @@ def test_ipvs_tracer_sees_a_lost_real_server(desired: DesiredState) -> None:
     lost = next(op for op in plan if isinstance(op, RealOp) and op.key == ("10.96.20.2", 80, "TCP"))
     wrong = mismatches(ipvs.IpvsTracer(desired, tuple(op for op in plan if op != lost)), "ipvs")
     assert len(wrong) == 1 and "endpoints from two slices" in wrong[0], wrong
+
+
+def test_nftables_tracer_sees_a_lost_affinity_update(desired: DesiredState) -> None:
+    text = re.sub(r"update @\S+ \{ ip saddr \}; ", "", nftables.script(desired))
+    wrong = mismatches(nftables.NftablesTracer(desired, text), "nftables")
+    assert len(wrong) == 1 and "ClientIP affinity sticks" in wrong[0] and "traced backends" in wrong[0], wrong
+
+
+def test_nftables_tracer_fails_on_a_statement_it_does_not_know(desired: DesiredState) -> None:
+    text = nftables.script(desired).replace("numgen random mod", "numgen inc mod", 1)
+    with pytest.raises(Unmodelled, match="numgen inc"):
+        nftables.NftablesTracer(desired, text)

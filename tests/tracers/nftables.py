@@ -1,0 +1,253 @@
+"""The nftables mode's `nft -f` script (pyproxy/dataplane/nftables/render.py, a full sync onto no table)
+parsed and walked for a new flow entering the node from a pod or a routed client.
+
+Models: the commands a first sync writes (table, chains with their rules, maps with their elements, affinity
+sets); the base chains of the prerouting hook in priority order (filter-prerouting's `ct state new` check of
+`no-endpoint-services`, nat-prerouting's `service-ips` lookup), then of the forward hook; verdict-map lookups,
+jump, goto, return, accept, drop; matches on addresses, ports, protocol, `ct state`, the mark, and `ip saddr
+@set`; `numgen random mod N 0` both ways; `update @set { ip saddr }` records the source in the flow's memory,
+where a later flow's `ip saddr @set` finds it; `dnat to`, `reject` (refused) and `masquerade` end the walk.
+A flow not DNATed is forwarded away and nothing answers it. Any other command or statement raises Unmodelled.
+Does not model: the kernel (nft's parser, set timeouts), conntrack beyond a first packet, real randomness,
+the output and postrouting hooks (the node's own traffic; masquerade changes who answers, not whether).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+from pyproxy.dataplane.netfilter import MasqueradeSettings
+from pyproxy.dataplane.nftables.render import render
+from pyproxy.dataplane.nftables.table import TableState
+from pyproxy.model.state import DesiredState
+from tracers.common import Memory, Packet, Unmodelled, Verdict
+from tracers.netfilter import Flow
+
+HOOKS = ("prerouting", "forward")
+"""The hooks a forwarded flow passes, in order."""
+
+Step = Iterator[tuple[str, Flow]]
+"""Every way a statement may go: "next" (the rule goes on), "no" (it stops: the next rule), or a verdict:
+"jump CHAIN", "goto CHAIN", "return", "accept", "drop", "reject", "dnat"."""
+Statement = Callable[[Flow], Step]
+
+
+def script(desired: DesiredState, masquerade: MasqueradeSettings | None = None) -> str:
+    return render(TableState(), desired.services, masquerade or MasqueradeSettings(), full=True).script
+
+
+def split(text: str, sep: str) -> list[str]:
+    """`text` cut at `sep` outside braces and quotes, each part stripped, empty ones left out."""
+    parts, depth, quoted, start = [], 0, False, 0
+    for i, ch in enumerate(text):
+        if ch == '"':
+            quoted = not quoted
+        elif not quoted and ch in "{}":
+            depth += 1 if ch == "{" else -1
+        elif not quoted and depth == 0 and ch == sep:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _match(test: Callable[[Flow], bool]) -> Statement:
+    def statement(flow: Flow) -> Step:
+        yield ("next" if test(flow) else "no"), flow
+    return statement
+
+
+class Ruleset:
+    def __init__(self, text: str) -> None:
+        self.chains: dict[str, list[list[Statement]]] = {}
+        self.hooks: dict[str, list[tuple[int, str]]] = {}
+        self.maps: dict[str, dict[tuple[str, str, int], str]] = {}
+        self.sets: set[str] = set()
+        for line in text.splitlines():
+            self._command(line)
+
+    def _command(self, line: str) -> None:
+        head, _, body = line.partition("{")
+        words = head.split()
+        if words[:1] != ["add"] and words[:2] != ["flush", "chain"] or words[2:4] != ["ip", "pyproxy"]:
+            raise Unmodelled(f"nft command: {line}")
+        kind, name = words[1], words[4] if len(words) > 4 else ""
+        parts = split(body.rpartition("}")[0], ";")
+        if kind == "table":
+            return
+        if words[0] == "flush":
+            self.chains[name] = []
+        elif kind == "chain":
+            self.chains[name] = []
+            for part in parts:
+                if m := re.fullmatch(r"type (filter|nat) hook (\w+) priority (-?\d+)", part):
+                    self.hooks.setdefault(m[2], []).append((int(m[3]), name))
+                elif part != "policy accept":
+                    self.chains[name].append(self._rule(part))
+        elif kind == "map":
+            elements = self.maps.setdefault(name, {})
+            for part in parts:
+                if part.startswith("elements = {"):
+                    for elem in split(part.removeprefix("elements = {").removesuffix("}"), ","):
+                        key, _, verdict = elem.rpartition(" : ")
+                        ip, dot1, proto, dot2, port, *comment = shlex.split(key)
+                        if (dot1, dot2) != (".", ".") or comment[:1] not in ([], ["comment"]):
+                            raise Unmodelled(f"map element: {elem}")
+                        elements[(ip, proto, int(port))] = verdict
+                elif not part.startswith(("type ", "comment ")):
+                    raise Unmodelled(f"map part: {part}")
+        elif kind == "set":
+            self.sets.add(name)
+        else:
+            raise Unmodelled(f"nft command: {line}")
+
+    def _rule(self, text: str) -> list[Statement]:
+        """One rule's statements, in order."""
+        tokens = shlex.split(text.replace("{ ip saddr }", "{ip-saddr}"))
+        out: list[Statement] = []
+        while tokens:
+            out.append(self._statement(tokens, text))
+        return out
+
+    def _statement(self, t: list[str], rule: str) -> Statement:
+        """The statement `t` starts with, taken off `t`."""
+        word = t.pop(0)
+        if word in ("jump", "goto"):
+            target = t.pop(0)
+            return lambda f: iter([(f"{word} {target}", f)])
+        if word in ("return", "accept", "drop"):
+            return lambda f: iter([(word, f)])
+        if word == "ct" and t[:2] == ["state", "new"]:
+            del t[:2]
+            return _match(lambda f: True)  # every traced flow is new
+        if word == "ip" and t[:1] == ["daddr"] and t[1:7] == [".", "meta", "l4proto", ".", "th", "dport"]:
+            del t[:7]
+            if t.pop(0) != "vmap":
+                raise Unmodelled(f"a lookup that is no vmap: {rule}")
+            elements = self.maps.setdefault(t.pop(0).removeprefix("@"), {})  # filled by later commands too
+
+            def lookup(f: Flow) -> Step:
+                verdict = elements.get((f.pkt.dst, f.pkt.proto, f.pkt.port))
+                yield (verdict or "no"), f
+            return lookup
+        if word == "ip" and t[:1] in (["saddr"], ["daddr"]):
+            field = t.pop(0)
+            negate = t[0] == "!="
+            if negate:
+                t.pop(0)
+            value = t.pop(0)
+            addr: Callable[[Flow], str] = (lambda f: f.pkt.src) if field == "saddr" else (lambda f: f.pkt.dst)
+            if value.startswith("@"):
+                name = value[1:]
+                return _match(lambda f: (("set", name, addr(f)) in f.memory) != negate)
+            if "/" in value:
+                raise Unmodelled(f"a prefix match: {rule}")
+            return _match(lambda f: (addr(f) == value) != negate)
+        if word in ("tcp", "udp") and t[:1] == ["dport"]:
+            port = int(t[1])
+            del t[:2]
+            return _match(lambda f: f.pkt.proto == word and f.pkt.port == port)
+        if word == "meta" and t[:1] == ["l4proto"] and t[1] in ("tcp", "udp"):
+            proto = t[1]
+            del t[:2]
+            return _match(lambda f: f.pkt.proto == proto)
+        if word == "numgen" and t[:2] == ["random", "mod"]:
+            n, equals = int(t[2]), t[3]
+            del t[:4]
+            if equals != "0":
+                raise Unmodelled(f"numgen compared with {equals}: {rule}")
+            return lambda f: iter([("next", f)] if n == 1 else [("next", f), ("no", f)])
+        if word == "update" and t[:1] and t[0].startswith("@") and t[1:2] == ["{ip-saddr}"]:
+            name = t.pop(0)[1:]
+            t.pop(0)
+            if name not in self.sets:
+                raise Unmodelled(f"update of a set the script does not make: {rule}")
+            return lambda f: iter([("next", replace(f, memory=f.memory | {("set", name, f.pkt.src)}))])
+        if word == "dnat" and t[:1] == ["to"]:
+            to_ip, to_port = t[1].rsplit(":", 1)
+            del t[:2]
+            return lambda f: iter([("dnat", replace(f, pkt=replace(f.pkt, dst=to_ip, port=int(to_port))))])
+        if word == "reject":
+            if t[:3] == ["with", "tcp", "reset"]:
+                del t[:3]
+            return lambda f: iter([("reject", f)])
+        if word == "masquerade":
+            if t[:1] == ["fully-random"]:
+                t.pop(0)
+            return lambda f: iter([("accept", f)])
+        if word == "mark":
+            if t[:3] == ["set", "mark", "or"] or t[:3] == ["set", "mark", "xor"]:
+                op, bits = t[2], int(t[3], 16)
+                del t[:4]
+                return lambda f: iter([("next", replace(f, mark=(f.mark | bits) if op == "or" else (f.mark ^ bits)))])
+            if t[:1] == ["and"] and t[2:4] == ["==", "0"]:
+                mask = int(t[1], 16)
+                del t[:4]
+                return _match(lambda f: f.mark & mask == 0)
+        raise Unmodelled(f"statement {word} {' '.join(t[:3])} in: {rule}")
+
+    def walk(self, chain: str, flow: Flow) -> Iterator[tuple[str, Flow]]:
+        """Every way `flow` may leave `chain`: "return" (its end, or a return) or a final verdict."""
+        if chain not in self.chains:
+            raise Unmodelled(f"a jump to chain {chain}, which the script does not make")
+        pending = [(0, flow)]
+        while pending:
+            i, f = pending.pop()
+            if i == len(self.chains[chain]):
+                yield "return", f
+                continue
+            for verdict, g in self._rule_ways(self.chains[chain][i], f):
+                if verdict in ("no", "next"):
+                    pending.append((i + 1, g))
+                elif verdict.startswith("jump "):
+                    for v, h in self.walk(verdict[5:], g):
+                        if v == "return":
+                            pending.append((i + 1, h))
+                        else:
+                            yield v, h
+                elif verdict.startswith("goto "):
+                    yield from self.walk(verdict[5:], g)
+                else:
+                    yield verdict, g
+
+    @staticmethod
+    def _rule_ways(rule: list[Statement], flow: Flow) -> Iterator[tuple[str, Flow]]:
+        ways: list[tuple[int, Flow]] = [(0, flow)]
+        while ways:
+            i, f = ways.pop()
+            if i == len(rule):
+                yield "next", f
+                continue
+            for outcome, g in rule[i](f):
+                if outcome == "next":
+                    ways.append((i + 1, g))
+                else:
+                    yield outcome, g
+
+    def hook(self, hook: str, ways: list[tuple[str, Flow]]) -> list[tuple[str, Flow]]:
+        """Every way flows on their `ways` may leave the base chains of `hook`, in priority order: "pass" (a
+        chain's end, return, accept, or a NAT statement, which ends only its own chain), "drop" or "reject"."""
+        for _, chain in sorted(self.hooks.get(hook, [])):
+            ways = [(("pass" if v in ("return", "accept", "dnat") else v), g)
+                    for v, f in ways for v, g in (self.walk(chain, f) if v == "pass" else [(v, f)])]
+        return ways
+
+
+class NftablesTracer:
+    def __init__(self, desired: DesiredState, text: str | None = None) -> None:
+        self.ruleset = Ruleset(text if text is not None else script(desired))
+
+    def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
+        ways = [("pass", Flow(pkt, memory=memory))]
+        for hook in HOOKS:
+            ways = self.ruleset.hook(hook, ways)
+        for verdict, f in ways:
+            if verdict == "reject":
+                yield Verdict("refused")
+            elif verdict == "drop" or f.pkt == pkt:  # dropped, or forwarded untranslated: nothing answers
+                yield Verdict("no-answer")
+            else:
+                yield Verdict("dnat", f"{f.pkt.dst}:{f.pkt.port}", f.memory)
