@@ -6,4 +6,7 @@ privileged end-to-end test runs with real packets, in seconds and without root.
 into an Outcome; `bpf`, `ipvs`, `iptables` and `nftables` hold one tracer each. They model only the rule
 forms their renderer emits: anything else fails the trace (`Unmodelled`), so a renderer change cannot pass
 unnoticed.
+
+Tests import it as `tracers` (and it imports `flowcases`): tests/conftest.py, the rootdir conftest of a tests/
+folder without __init__.py, puts tests/ on sys.path, as it does for flowcases and apiobjects.
 """

@@ -173,7 +173,9 @@ class Tables:
                     if position != "1":
                         raise Unmodelled(f"insert at {position}: {line}")
                 rule = parse_rule(rest, ipsets or {})
-                rules = table.setdefault(chain, []) if chain in BUILTIN else table[chain]
+                if chain not in table and chain not in BUILTIN:
+                    raise Unmodelled(f"a rule in chain {chain}, which the text does not declare: {line}")
+                rules = table.setdefault(chain, [])
                 rules.insert(0, rule) if verb == "-I" else rules.append(rule)
             elif line.startswith("-X "):
                 del table[line[3:]]

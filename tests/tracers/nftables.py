@@ -63,7 +63,8 @@ def _match(test: Callable[[Flow], bool]) -> Statement:
 class Ruleset:
     def __init__(self, text: str) -> None:
         self.chains: dict[str, list[list[Statement]]] = {}
-        self.hooks: dict[str, list[tuple[int, str]]] = {}
+        self.hooks: dict[str, tuple[str, int]] = {}
+        """Base chain -> (hook, priority)."""
         self.maps: dict[str, dict[tuple[str, str, int], str]] = {}
         self.sets: set[str] = set()
         for line in text.splitlines():
@@ -79,14 +80,14 @@ class Ruleset:
         if kind == "table":
             return
         if words[0] == "flush":
-            self.chains[name] = []
-        elif kind == "chain":
-            self.chains[name] = []
+            self.chains[name].clear()
+        elif kind == "chain":  # created if new; its rules are added to those it has
+            rules = self.chains.setdefault(name, [])
             for part in parts:
                 if m := re.fullmatch(r"type (filter|nat) hook (\w+) priority (-?\d+)", part):
-                    self.hooks.setdefault(m[2], []).append((int(m[3]), name))
+                    self.hooks[name] = (m[2], int(m[3]))
                 elif part != "policy accept":
-                    self.chains[name].append(self._rule(part))
+                    rules.append(self._rule(part))
         elif kind == "map":
             elements = self.maps.setdefault(name, {})
             for part in parts:
@@ -230,7 +231,7 @@ class Ruleset:
     def hook(self, hook: str, ways: list[tuple[str, Flow]]) -> list[tuple[str, Flow]]:
         """Every way flows on their `ways` may leave the base chains of `hook`, in priority order: "pass" (a
         chain's end, return, accept, or a NAT statement, which ends only its own chain), "drop" or "reject"."""
-        for _, chain in sorted(self.hooks.get(hook, [])):
+        for _, chain in sorted((prio, name) for name, (h, prio) in self.hooks.items() if h == hook):
             ways = [(("pass" if v in ("return", "accept", "dnat") else v), g)
                     for v, f in ways for v, g in (self.walk(chain, f) if v == "pass" else [(v, f)])]
         return ways
