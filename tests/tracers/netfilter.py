@@ -18,9 +18,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pyproxy.dataplane import netfilter as nf
 from tracers.common import Memory, Packet, Unmodelled
-
-BUILTIN = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"})
 
 
 @dataclass(frozen=True)
@@ -173,7 +172,7 @@ class Tables:
                     if position != "1":
                         raise Unmodelled(f"insert at {position}: {line}")
                 rule = parse_rule(rest, ipsets or {})
-                if chain not in table and chain not in BUILTIN:
+                if chain not in table and chain not in nf.BUILTIN_CHAINS:
                     raise Unmodelled(f"a rule in chain {chain}, which the text does not declare: {line}")
                 rules = table.setdefault(chain, [])
                 rules.insert(0, rule) if verb == "-I" else rules.append(rule)

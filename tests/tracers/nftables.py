@@ -14,6 +14,7 @@ the output and postrouting hooks (the node's own traffic; masquerade changes who
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import shlex
 from collections.abc import Callable, Iterator
@@ -144,9 +145,8 @@ class Ruleset:
             if value.startswith("@"):
                 name = value[1:]
                 return _match(lambda f: (("set", name, addr(f)) in f.memory) != negate)
-            if "/" in value:
-                raise Unmodelled(f"a prefix match: {rule}")
-            return _match(lambda f: (addr(f) == value) != negate)
+            net = ipaddress.ip_network(value)
+            return _match(lambda f: (ipaddress.ip_address(addr(f)) in net) != negate)
         if word in ("tcp", "udp") and t[:1] == ["dport"]:
             port = int(t[1])
             del t[:2]

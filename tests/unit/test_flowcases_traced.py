@@ -11,11 +11,12 @@ import re
 
 import pytest
 from tracers import bpf, iptables, ipvs, nftables
-from tracers.common import Unmodelled, desired_state, mismatches
+from tracers.common import Tracer, Unmodelled, desired_state, mismatches
 
 from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.render import Batch
 from pyproxy.dataplane.ipvs.render import RealOp
+from pyproxy.dataplane.netfilter import MasqueradeSettings
 from pyproxy.model.state import DesiredState
 
 
@@ -36,6 +37,22 @@ TRACERS = {
 def test_every_mode_agrees_on_the_flow_table(desired: DesiredState, mode: str) -> None:
     wrong = mismatches(TRACERS[mode](desired), mode)
     assert not wrong, f"{mode}:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("masquerade", [
+    MasqueradeSettings(masquerade_all=True),
+    MasqueradeSettings(cluster_cidr="10.201.0.0/16", masquerade_bit=3),
+], ids=["masquerade-all", "cluster-cidr"])
+def test_masquerade_settings_change_no_outcome(desired: DesiredState, masquerade: MasqueradeSettings) -> None:
+    # The netfilter modes render other rules with these settings (marks, `! -s`, `ip saddr !=`): same table.
+    tracers: dict[str, Tracer] = {
+        "iptables": iptables.IptablesTracer(desired, iptables.restore_text(desired, masquerade)),
+        "ipvs": ipvs.IpvsTracer(desired, rules=ipvs.rules_text(masquerade)),
+        "nftables": nftables.NftablesTracer(desired, nftables.script(desired, masquerade)),
+    }
+    for mode, tracer in tracers.items():
+        wrong = mismatches(tracer, mode)
+        assert not wrong, f"{mode}:\n" + "\n".join(wrong)
 
 
 def _without_lines(text: str, part: str) -> str:
