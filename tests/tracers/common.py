@@ -4,7 +4,8 @@ A tracer answers, for one new flow, every verdict the dataplane may reach (all t
 choice, never a sample), each with the memory the flow leaves behind (affinity entries: iptables' `recent`
 lists, nftables' affinity sets, IPVS persistence templates, bpf's affinity entries). `outcome()` runs a first
 flow, then a second one from the same client on the memory each first flow left: a Service is sticky when
-every second flow lands where its first one did.
+every second flow lands where its first one did. So a trace tells which endpoints a flow can reach, never how
+often: a skewed random choice passes.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def desired_state(manifests: str = flowcases.MANIFESTS) -> DesiredState:
 
 
 def _name(backend: str) -> str:
+    if ":" not in backend:
+        return backend
     ip, port = backend.rsplit(":", 1)
     return f"{BACKENDS.get(ip, ip)}:{port}"
 
@@ -91,7 +94,7 @@ def outcome(tracer: Tracer, case: flowcases.FlowCase) -> Outcome:
     if kinds == {"no-answer"}:
         return NO_ANSWER
     if kinds != {"dnat"}:
-        return Outcome("mixed " + ", ".join(sorted(f"{v.kind} {v.backend}".strip() for v in first)))
+        return Outcome("mixed " + ", ".join(sorted(f"{v.kind} {_name(v.backend)}".strip() for v in first)))
     names = sorted({_name(v.backend) for v in first})
     stays = all({(w.kind, w.backend) for w in tracer.flows(pkt, v.memory)} == {("dnat", v.backend)} for v in first)
     return sticky(*names) if stays and len(names) > 1 else answered_by(*names)
