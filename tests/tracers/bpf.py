@@ -1,23 +1,22 @@
-"""The bpf mode's new-flow decision (bpf/include/pyproxy/lb.h, pyproxy_lb_forward) over the map ops render()
-plans from nothing.
+"""The bpf mode's new-flow decision (bpf/include/pyproxy/lb.h, pyproxy_lb_forward) over the map ops render() plans for
+a run of syncs, each from the `Applied` the one before committed (as the backend's apply()).
 
-Models: the ops applied in order to dict "maps" (put, del, reset); the services map looked up by (daddr,
-dport, proto): a miss passes the packet untranslated (nothing in the lab answers it), backend_count 0 is
-refused (TC answers a reset or a port unreachable, reject.h), else every slot 0..backend_count-1 is a possible
-pick (a missing slot drops); with the affinity flag, a second flow from the client reuses the backend the
-first one recorded while that backend is in the backends map.
-Does not model: the kernel (map sizes, byte layouts: tests/priv does), connection tracking of established
-flows, the affinity timeout, real randomness, XDP versus TC, socket load balancing of the node's own processes.
+Models: the ops applied in order to dict "maps" (put, del, reset; deleting what is not there fails); the services
+map looked up by (daddr, dport, proto): a miss passes the packet untranslated (nothing in the lab answers it),
+backend_count 0 is refused (TC answers a reset or a port unreachable, reject.h), else every slot 0..backend_count-1
+is a possible pick (a missing slot drops); with the affinity flag, a second flow from the client reuses the backend
+the first one recorded while that backend is in the backends map.
+Does not model: the kernel (map sizes, byte layouts: tests/priv does), connection tracking of established flows, the
+affinity timeout, real randomness, XDP versus TC, socket load balancing of the node's own processes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.render import Applied, Plan, render
-from pyproxy.model.state import DesiredState
-from tracers.common import Memory, Packet, Unmodelled, Verdict
+from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict
 
 CAPACITY = {abi.MAP_SERVICES: 65536, abi.MAP_SLOTS: 1 << 20, abi.MAP_BACKENDS: 65536, abi.MAP_STATS: 65536}
 _PROTO = {"tcp": "TCP", "udp": "UDP"}
@@ -25,13 +24,19 @@ _PROTO = {"tcp": "TCP", "udp": "UDP"}
 Maps = dict[str, dict[tuple, tuple | None]]
 
 
-def plan(desired: DesiredState) -> Plan:
-    return render(Applied(), desired.services, CAPACITY)
+def plans(syncs: Sequence[Sync]) -> list[Plan]:
+    """The plans of `syncs` in turn, as the bpf backend's apply() renders them from what the last one left."""
+    applied, out = Applied(), []
+    for desired, changed in syncs:
+        keys = set(desired.services) | applied.by_service.keys() if changed is None else changed
+        out.append(render(applied, {k: desired.services.get(k, ()) for k in keys}, CAPACITY))
+        applied.commit(out[-1])
+    return out
 
 
-def apply(p: Plan) -> Maps:
+def apply(plans: Sequence[Plan]) -> Maps:
     maps: Maps = {}
-    for op in p.ops:
+    for op in (op for p in plans for op in p.ops):
         m = maps.setdefault(op.map, {})
         if op.verb == "put":
             m[op.key] = op.value
@@ -47,8 +52,8 @@ def apply(p: Plan) -> Maps:
 
 
 class BpfTracer:
-    def __init__(self, desired: DesiredState, p: Plan | None = None) -> None:
-        self.maps = apply(p or plan(desired))
+    def __init__(self, plans: Sequence[Plan]) -> None:
+        self.maps = apply(plans)
 
     def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
         svc = self.maps.get(abi.MAP_SERVICES, {}).get((pkt.dst, pkt.port, _PROTO[pkt.proto]))
@@ -77,3 +82,7 @@ class BpfTracer:
             left = frozenset({(*key, ip, str(port))}) if affinity else frozenset()
             yield Verdict("dnat", f"{ip}:{port}", left)
 
+
+
+def tracer(syncs: Sequence[Sync]) -> BpfTracer:
+    return BpfTracer(plans(syncs))

@@ -10,6 +10,7 @@ often: a skewed random choice passes.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,15 +18,36 @@ from pathlib import Path
 from typing import Protocol
 
 import flowcases
-from flowcases import NO_ANSWER, REFUSED, Outcome, answered_by, sticky
+from flowcases import ALT, B1, B2, B3, DNS, HTTP, NO_ANSWER, REFUSED, Outcome, answered_by, sticky
 
 from pyproxy.dataplane.fake import FakeDataplane
 from pyproxy.k8s.manifest import ManifestSource
+from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
 from pyproxy.lab.netns import CLIENT_IP, backend_ip
 from pyproxy.model.state import DesiredState
 from pyproxy.proxier.metrics import ProxyMetrics
 from pyproxy.proxier.proxier import Proxier
 from pyproxy.proxier.server import ProxyHealth
+
+# The cluster a traced update starts from: every Service of the table differs (and one more is there), so the
+# partial sync to flowcases.MANIFESTS rewrites each of them.
+_OLD = Port("old", 81, 8080)
+BEFORE = documents(
+    service("web", "10.96.20.1", [HTTP, ALT, DNS, _OLD]),  # loses port 81; b3 goes unready, b2 comes
+    endpoint_slice("web", {B1: True, B3: True}, [HTTP, ALT, DNS, _OLD]),
+    service("split", "10.96.20.2", [HTTP]),  # its second slice comes
+    endpoint_slice("split", {B1: True}, [HTTP], name="split-a"),
+    service("empty", "10.96.20.3", [HTTP, DNS]),  # its endpoints go
+    endpoint_slice("empty", {B1: True, B2: True}, [HTTP, DNS]),
+    service("unready", "10.96.20.4", [HTTP]),  # its endpoints go unready
+    endpoint_slice("unready", {B1: True, B2: True}, [HTTP]),
+    service("sticky", "10.96.20.5", [HTTP]),  # gets ClientIP affinity, and b3
+    endpoint_slice("sticky", {B1: True, B2: True}, [HTTP]),
+    service("only-b2", "10.96.20.6", [HTTP]),  # b1 and b3 go
+    endpoint_slice("only-b2", {B1: True, B2: True, B3: True}, [HTTP]),
+    service("gone", "10.96.20.99", [HTTP]),  # deleted
+    endpoint_slice("gone", {B1: True}, [HTTP]),
+)
 
 BACKENDS = {backend_ip(i): f"b{i}" for i in (1, 2, 3)}
 """Lab addressing (pyproxy.lab): backend I is 10.201.I.2, named bI in the table."""
@@ -62,20 +84,33 @@ class Tracer(Protocol):
         ...
 
 
-def desired_state(manifests: str = flowcases.MANIFESTS) -> DesiredState:
-    """The desired state pyproxy computes from `manifests`: read by the manifest source (the `--source` reader)
-    into the proxier, which syncs once into a dataplane that only remembers it."""
+Sync = tuple[DesiredState, frozenset[str] | None]
+"""One apply() the proxier made: the desired state, and the Services it changed (None: a full sync)."""
+
+
+def syncs(*manifests: str) -> list[Sync]:
+    """What pyproxy applies to its dataplane while its `--source` file holds each of `manifests` in turn: the
+    manifest source reads it into the proxier, which syncs after each into a dataplane that only remembers. The
+    first sync is a full one, the later ones partial (only the Services that changed)."""
     dp = FakeDataplane()
     proxier = Proxier(dp, min_sync_period=0, sync_period=3600, metrics=ProxyMetrics("trace"),
                       health=ProxyHealth(sync_period=30))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, "cluster.yaml")
-        path.write_text(manifests)
-        ManifestSource(path, proxier).load_once()
-    proxier.sync()
-    if not dp.applies:
-        raise AssertionError("the proxier applied nothing")
-    return dp.state
+        source = ManifestSource(path, proxier)
+        for i, text in enumerate(manifests):
+            Path(tmp, f"{i}.yaml").write_text(text)
+            os.replace(Path(tmp, f"{i}.yaml"), path)  # a new inode: the source sees the change at once
+            source.load_once()
+            proxier.sync()
+    if len(dp.applies) != len(manifests):
+        raise AssertionError(f"{len(manifests)} manifests, but the proxier applied {len(dp.applies)} times")
+    return [(desired, changed) for desired, changed in dp.applies]
+
+
+def desired_state(manifests: str = flowcases.MANIFESTS) -> DesiredState:
+    """The desired state pyproxy computes from `manifests`."""
+    return syncs(manifests)[-1][0]
 
 
 def _name(backend: str) -> str:

@@ -1,5 +1,6 @@
-"""The iptables mode's rules (pyproxy/dataplane/iptables/render.py, a full sync onto empty tables) walked for a
-new flow entering the node from a pod or a routed client.
+"""The iptables mode's rules (pyproxy/dataplane/iptables/render.py: a first, full sync onto tables without our
+chains, then partial ones, each restored with --noflush onto what the ones before left) walked for a new flow
+entering the node from a pod or a routed client.
 
 Models (see netfilter.py for the rule forms): nat PREROUTING (KUBE-SERVICES -> KUBE-SVC-* -> every KUBE-SEP-*
 the `statistic` rules can reach -> DNAT), then routing: the ClusterIPs are not the node's, so the flow is
@@ -12,18 +13,26 @@ conntrack beyond a first packet, the affinity timeout, real randomness, ICMP rat
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from pyproxy.dataplane import netfilter as nf
-from pyproxy.dataplane.iptables.render import render
-from pyproxy.model.state import DesiredState
-from tracers.common import Memory, Packet, Verdict
+from pyproxy.dataplane.iptables.render import AppliedService, render
+from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict
 from tracers.netfilter import Flow, Tables
 
 
-def restore_text(desired: DesiredState, masquerade: nf.MasqueradeSettings | None = None) -> str:
-    """The first sync's iptables-restore input: everything, onto tables without our chains."""
-    return render(desired, None, {}, masquerade or nf.MasqueradeSettings(), {}).text
+def restore_texts(syncs: Sequence[Sync], masquerade: nf.MasqueradeSettings | None = None) -> list[str]:
+    """The iptables-restore inputs of `syncs` in turn, as the iptables backend's apply() renders them: the first
+    sync full, onto tables without our chains (so every jump is inserted), the later ones partial."""
+    applied: dict[str, AppliedService] = {}
+    out = []
+    for i, (desired, changed) in enumerate(syncs):
+        if i and changed is None:
+            raise Unmodelled("a later full sync (it needs iptables-save of the tables so far)")
+        plan = render(desired, changed, applied, masquerade or nf.MasqueradeSettings(), None if i else {})
+        applied = plan.applied
+        out.append(plan.text)
+    return out
 
 
 def forwarded(tables: Tables, flow: Flow, translated: bool) -> Iterator[Verdict]:
@@ -38,8 +47,8 @@ def forwarded(tables: Tables, flow: Flow, translated: bool) -> Iterator[Verdict]
 
 
 class IptablesTracer:
-    def __init__(self, desired: DesiredState, text: str | None = None) -> None:
-        self.tables = Tables(text if text is not None else restore_text(desired))
+    def __init__(self, texts: Sequence[str]) -> None:
+        self.tables = Tables("".join(texts))  # iptables-restore --noflush, one input after the other
 
     def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
         for verdict, f in self.tables.walk("nat", "PREROUTING", Flow(pkt, memory=memory)):
@@ -47,3 +56,7 @@ class IptablesTracer:
                 yield Verdict("no-answer")
             else:
                 yield from forwarded(self.tables, f, verdict == "DNAT")
+
+
+def tracer(syncs: Sequence[Sync]) -> IptablesTracer:
+    return IptablesTracer(restore_texts(syncs))

@@ -1,7 +1,8 @@
-"""The ipvs mode (pyproxy/dataplane/ipvs/render.py on an empty kernel, and the iptables rules of
-pyproxy/dataplane/ipvs/backend.py with their jumps) followed for a new flow entering the node.
+"""The ipvs mode (pyproxy/dataplane/ipvs/render.py for a run of syncs, each rendered from what the ops before
+left, and the iptables rules of pyproxy/dataplane/ipvs/backend.py with their jumps) followed for a new flow
+entering the node.
 
-Models: the plan's ops applied in order (virtual and real servers, kube-ipvs0's addresses, ipset members);
+Models: the plans' ops applied in order (virtual and real servers, kube-ipvs0's addresses, ipset members);
 nat PREROUTING walked over those ipsets (netfilter.py); a destination on kube-ipvs0 is the node's own, so the
 flow goes through filter INPUT (KUBE-IPVS-FILTER rejects a new flow to a ClusterIP on a port that is no
 Service's) to IPVS: the virtual server of (address, port, protocol) sends it to any real server of weight > 0,
@@ -15,22 +16,66 @@ counts, draining), conntrack, timeouts, masquerade (POSTROUTING), the node's own
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from pyproxy.dataplane import netfilter as nf
 from pyproxy.dataplane.ipvs import render as ipvs_render
 from pyproxy.dataplane.ipvs.backend import JUMPS, rule_edits
 from pyproxy.dataplane.ipvs.render import Op
-from pyproxy.model.state import DesiredState
-from tracers.common import Memory, Packet, Unmodelled, Verdict
+from pyproxy.model.state import Backend
+from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict
 from tracers.iptables import forwarded
 from tracers.netfilter import Flow, Tables
 
 
-def ops(desired: DesiredState) -> tuple[Op, ...]:
-    """The first (full) sync's plan onto a kernel with nothing of ours."""
-    return ipvs_render.render(ipvs_render.Observed(), ipvs_render.Memory(), desired.services, full=True,
-                              options=ipvs_render.Options(), now=0.0).ops
+class Kernel:
+    """IPVS, kube-ipvs0's addresses and the ipsets, as the ops leave them (no connections: nothing drains)."""
+
+    def __init__(self) -> None:
+        self.virtuals: dict[ipvs_render.VSKey, tuple[str, int, dict[Backend, int]]] = {}
+        """(address, port, protocol) -> (scheduler, persistence seconds, {real server: weight})."""
+        self.addresses: set[str] = set()
+        self.members: dict[str, set[str]] = {name: set() for name in ipvs_render.SET_TYPES}
+
+    def run(self, op: Op) -> None:
+        if isinstance(op, ipvs_render.VirtualOp):
+            if op.verb == "del":
+                del self.virtuals[op.key]
+            else:
+                self.virtuals[op.key] = (op.scheduler, op.timeout, self.virtuals.get(op.key, ("", 0, {}))[2])
+        elif isinstance(op, ipvs_render.RealOp):
+            reals = self.virtuals[op.key][2]
+            if op.verb == "del":
+                del reals[op.backend]
+            else:
+                reals[op.backend] = op.weight
+        elif isinstance(op, ipvs_render.AddressOp):
+            (self.addresses.add if op.verb == "add" else self.addresses.remove)(op.ip)
+        elif isinstance(op, ipvs_render.SetOp) and op.name in self.members:
+            (self.members[op.name].add if op.verb == "add" else self.members[op.name].remove)(op.entry)
+        else:
+            raise Unmodelled(f"op {op}")
+
+    def observed(self) -> ipvs_render.Observed:
+        return ipvs_render.Observed(
+            {k: ipvs_render.Virtual(sched, timeout, {b: ipvs_render.Real(w) for b, w in reals.items()})
+             for k, (sched, timeout, reals) in self.virtuals.items()},
+            frozenset(self.addresses), {name: frozenset(m) for name, m in self.members.items()})
+
+
+def plans(syncs: Sequence[Sync]) -> list[tuple[Op, ...]]:
+    """The ops of `syncs` in turn, as the ipvs backend's apply() renders them from what the kernel holds."""
+    kernel, memory, out = Kernel(), ipvs_render.Memory(), []
+    for desired, changed in syncs:
+        full = changed is None
+        keys = set(desired.services) | set(memory.owners.values()) if changed is None else changed
+        plan = ipvs_render.render(kernel.observed(), memory, {k: desired.services.get(k, ()) for k in keys},
+                                  full=full, options=ipvs_render.Options(), now=0.0)
+        for op in plan.ops:
+            kernel.run(op)
+        memory = plan.memory
+        out.append(plan.ops)
+    return out
 
 
 def rules_text(masquerade: nf.MasqueradeSettings | None = None) -> str:
@@ -42,23 +87,11 @@ def rules_text(masquerade: nf.MasqueradeSettings | None = None) -> str:
 
 
 class IpvsTracer:
-    def __init__(self, desired: DesiredState, plan: tuple[Op, ...] | None = None, rules: str | None = None) -> None:
-        self.virtuals: dict[tuple[str, int, str], tuple[int, dict[str, int]]] = {}
-        """(address, port, protocol) -> (persistence seconds, {"ip:port": weight})."""
-        self.addresses: set[str] = set()
-        members: dict[str, set[str]] = {name: set() for name in ipvs_render.SET_TYPES}
-        for op in ops(desired) if plan is None else plan:
-            if isinstance(op, ipvs_render.VirtualOp) and op.verb in ("add", "set"):
-                self.virtuals[op.key] = (op.timeout, self.virtuals.get(op.key, (0, {}))[1])
-            elif isinstance(op, ipvs_render.RealOp) and op.verb in ("add", "set"):
-                self.virtuals[op.key][1][str(op.backend)] = op.weight
-            elif isinstance(op, ipvs_render.AddressOp) and op.verb == "add":
-                self.addresses.add(op.ip)
-            elif isinstance(op, ipvs_render.SetOp) and op.verb == "add":
-                members[op.name].add(op.entry)
-            else:
-                raise Unmodelled(f"op {op} in a first sync")
-        ipsets = {name: (kind, frozenset(members[name])) for name, kind in ipvs_render.SET_TYPES.items()}
+    def __init__(self, plans: Sequence[tuple[Op, ...]], rules: str | None = None) -> None:
+        self.kernel = Kernel()
+        for op in (op for ops in plans for op in ops):
+            self.kernel.run(op)
+        ipsets = {name: (kind, frozenset(self.kernel.members[name])) for name, kind in ipvs_render.SET_TYPES.items()}
         self.tables = Tables(rules if rules is not None else rules_text(), ipsets)
 
     def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
@@ -67,7 +100,7 @@ class IpvsTracer:
                 yield Verdict("no-answer")
             elif verdict == "DNAT":
                 raise Unmodelled("a DNAT rule in ipvs mode")
-            elif f.pkt.dst in self.addresses:
+            elif f.pkt.dst in self.kernel.addresses:
                 yield from self._local(f)
             else:
                 yield from forwarded(self.tables, f, translated=False)
@@ -78,11 +111,12 @@ class IpvsTracer:
                 yield Verdict("refused" if verdict == "REJECT" else "no-answer")
                 continue
             pkt = f.pkt
-            virtual = self.virtuals.get((pkt.dst, pkt.port, pkt.proto.upper()))
+            virtual = self.kernel.virtuals.get((pkt.dst, pkt.port, pkt.proto.upper()))
             if virtual is None:
                 yield Verdict("node")
                 continue
-            persistence, reals = virtual
+            _, persistence, weights = virtual
+            reals = {str(b): w for b, w in weights.items()}
             template = ("template", pkt.src, pkt.dst, str(pkt.port), pkt.proto)
             earlier = [fact[-1] for fact in f.memory if fact[:-1] == template and reals.get(fact[-1], 0) > 0]
             if persistence and earlier:
@@ -93,3 +127,7 @@ class IpvsTracer:
                 yield Verdict("refused")
             for real in usable:
                 yield Verdict("dnat", real, f.memory | {(*template, real)} if persistence else f.memory)
+
+
+def tracer(syncs: Sequence[Sync]) -> IpvsTracer:
+    return IpvsTracer(plans(syncs))

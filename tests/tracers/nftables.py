@@ -1,15 +1,17 @@
-"""The nftables mode's `nft -f` script (pyproxy/dataplane/nftables/render.py, a full sync onto no table)
-parsed and walked for a new flow entering the node from a pod or a routed client.
+"""The nftables mode's `nft -f` scripts (pyproxy/dataplane/nftables/render.py: a first, full sync onto no table, then
+partial ones, each from the table the ones before left) parsed and walked for a new flow entering the node from a
+pod or a routed client.
 
-Models: the commands a first sync writes (table, chains with their rules, maps with their elements, affinity
-sets); the base chains of the prerouting hook in priority order (filter-prerouting's `ct state new` check of
-`no-endpoint-services`, nat-prerouting's `service-ips` lookup), then of the forward hook; verdict-map lookups,
-jump, goto, return, accept, drop; matches on addresses, ports, protocol, `ct state`, the mark, and `ip saddr
-@set`; `numgen random mod N 0` both ways; `update @set { ip saddr }` records the source in the flow's memory,
-where a later flow's `ip saddr @set` finds it; `dnat to`, `reject` (refused) and `masquerade` end the walk.
+Models: the commands the scripts hold (table, chains with their rules, maps with their elements, affinity sets,
+flushes and deletes, refused as nft refuses them: an element added again with another verdict, a chain deleted while
+a rule or element still leads to it); the base chains of the prerouting hook in priority order (filter-prerouting's
+`ct state new` check of `no-endpoint-services`, nat-prerouting's `service-ips` lookup), then of the forward hook;
+verdict-map lookups, jump, goto, return, accept, drop; matches on addresses, ports, protocol, `ct state`, the mark,
+and `ip saddr @set`; `numgen random mod N 0` both ways; `update @set { ip saddr }` records the source in the flow's
+memory, where a later flow's `ip saddr @set` finds it; `dnat to`, `reject` (refused) and `masquerade` end the walk.
 A flow not DNATed is forwarded away and nothing answers it. Any other command or statement raises Unmodelled.
-Does not model: the kernel (nft's parser, set timeouts), conntrack beyond a first packet, real randomness,
-the output and postrouting hooks (the node's own traffic; masquerade changes who answers, not whether).
+Does not model: the kernel (nft's parser, set timeouts), conntrack beyond a first packet, real randomness, the
+output and postrouting hooks (the node's own traffic; masquerade changes who answers, not whether).
 """
 
 from __future__ import annotations
@@ -17,14 +19,13 @@ from __future__ import annotations
 import ipaddress
 import re
 import shlex
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 from pyproxy.dataplane.netfilter import MasqueradeSettings
 from pyproxy.dataplane.nftables.render import render
 from pyproxy.dataplane.nftables.table import TableState
-from pyproxy.model.state import DesiredState
-from tracers.common import Memory, Packet, Unmodelled, Verdict
+from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict
 from tracers.netfilter import Flow
 
 HOOKS = ("prerouting", "forward")
@@ -36,8 +37,18 @@ Step = Iterator[tuple[str, Flow]]
 Statement = Callable[[Flow], Step]
 
 
-def script(desired: DesiredState, masquerade: MasqueradeSettings | None = None) -> str:
-    return render(TableState(), desired.services, masquerade or MasqueradeSettings(), full=True).script
+def scripts(syncs: Sequence[Sync], masquerade: MasqueradeSettings | None = None) -> list[str]:
+    """The `nft -f` scripts of `syncs` in turn, as the nftables backend's apply() renders them from the table
+    the scripts before left (deletes deferred by one sync are due at the next, as a second later)."""
+    state, deferred, out = TableState(), frozenset[str](), []
+    for desired, changed in syncs:
+        full = changed is None
+        services = dict(desired.services) if changed is None else {k: desired.services.get(k, ()) for k in changed}
+        plan = render(state, services, masquerade or MasqueradeSettings(), full=full,
+                      pending=dict.fromkeys(deferred, True), lazy_deletes=not full)
+        state, deferred = plan.state, plan.deferred
+        out.append(plan.script)
+    return out
 
 
 def split(text: str, sep: str) -> list[str]:
@@ -64,6 +75,8 @@ def _match(test: Callable[[Flow], bool]) -> Statement:
 class Ruleset:
     def __init__(self, text: str) -> None:
         self.chains: dict[str, list[list[Statement]]] = {}
+        self.texts: dict[str, list[str]] = {}
+        """Each chain's rules as written, to find who uses a chain."""
         self.hooks: dict[str, tuple[str, int]] = {}
         """Base chain -> (hook, priority)."""
         self.maps: dict[str, dict[tuple[str, str, int], str]] = {}
@@ -74,21 +87,25 @@ class Ruleset:
     def _command(self, line: str) -> None:
         head, _, body = line.partition("{")
         words = head.split()
-        if words[:1] != ["add"] and words[:2] != ["flush", "chain"] or words[2:4] != ["ip", "pyproxy"]:
+        if words[0] not in ("add", "flush", "delete") or words[2:4] != ["ip", "pyproxy"]:
             raise Unmodelled(f"nft command: {line}")
         kind, name = words[1], words[4] if len(words) > 4 else ""
         parts = split(body.rpartition("}")[0], ";")
-        if kind == "table":
+        if kind == "table" and words[0] == "add":
             return
-        if words[0] == "flush":
+        if words[0] == "delete":
+            self._delete(kind, name, body.rpartition("}")[0], line)
+        elif (words[0], kind) == ("flush", "chain"):
             self.chains[name].clear()
-        elif kind == "chain":  # created if new; its rules are added to those it has
-            rules = self.chains.setdefault(name, [])
+            self.texts[name].clear()
+        elif (words[0], kind) == ("add", "chain"):  # created if new; its rules are added to those it has
+            rules, texts = self.chains.setdefault(name, []), self.texts.setdefault(name, [])
             for part in parts:
                 if m := re.fullmatch(r"type (filter|nat) hook (\w+) priority (-?\d+)", part):
                     self.hooks[name] = (m[2], int(m[3]))
                 elif part != "policy accept":
                     rules.append(self._rule(part))
+                    texts.append(part)
         elif kind == "map":
             elements = self.maps.setdefault(name, {})
             for part in parts:
@@ -98,11 +115,34 @@ class Ruleset:
                         ip, dot1, proto, dot2, port, *comment = shlex.split(key)
                         if (dot1, dot2) != (".", ".") or comment[:1] not in ([], ["comment"]):
                             raise Unmodelled(f"map element: {elem}")
+                        if elements.get((ip, proto, int(port)), verdict) != verdict:
+                            raise AssertionError(f"nft refuses to add a new value of an element: {line}")
                         elements[(ip, proto, int(port))] = verdict
                 elif not part.startswith(("type ", "comment ")):
                     raise Unmodelled(f"map part: {part}")
-        elif kind == "set":
+        elif (words[0], kind) == ("add", "set"):
             self.sets.add(name)
+        else:
+            raise Unmodelled(f"nft command: {line}")
+
+    def _delete(self, kind: str, name: str, body: str, line: str) -> None:
+        """A delete, refused as nft refuses it: an object that is not there, or a chain still used."""
+        if kind == "element":
+            for elem in split(body, ","):
+                ip, _, proto, _, port = elem.split()
+                del self.maps[name][(ip, proto, int(port))]
+        elif kind == "chain":
+            use = re.compile(rf"(jump|goto) {re.escape(name)}(;|$)")
+            users = [c for c, texts in self.texts.items() for t in texts if use.search(t)]
+            users += [m for m, elements in self.maps.items() if f"goto {name}" in elements.values()]
+            if users:
+                raise AssertionError(f"nft refuses to delete chain {name}: {users} use it")
+            del self.chains[name], self.texts[name]
+            self.hooks.pop(name, None)
+        elif kind == "set":
+            self.sets.remove(name)
+        elif kind == "map":
+            del self.maps[name]
         else:
             raise Unmodelled(f"nft command: {line}")
 
@@ -238,8 +278,8 @@ class Ruleset:
 
 
 class NftablesTracer:
-    def __init__(self, desired: DesiredState, text: str | None = None) -> None:
-        self.ruleset = Ruleset(text if text is not None else script(desired))
+    def __init__(self, scripts: Sequence[str]) -> None:
+        self.ruleset = Ruleset("".join(scripts))  # one `nft -f` after the other
 
     def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
         ways = [("pass", Flow(pkt, memory=memory))]
@@ -252,3 +292,7 @@ class NftablesTracer:
                 yield Verdict("no-answer")
             else:
                 yield Verdict("dnat", f"{f.pkt.dst}:{f.pkt.port}", f.memory)
+
+
+def tracer(syncs: Sequence[Sync]) -> NftablesTracer:
+    return NftablesTracer(scripts(syncs))
