@@ -1,4 +1,5 @@
-"""What every tracer shares: the flow table's desired state, the packet, and from verdicts to an Outcome.
+"""What every tracer shares: the syncs pyproxy makes for the flow table's cluster, the packet, and from verdicts
+to an Outcome.
 
 A tracer answers, for one new flow, every verdict the dataplane may reach (all the branches of a random
 choice, never a sample), each with the memory the flow leaves behind (affinity entries: iptables' `recent`
