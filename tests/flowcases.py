@@ -1,6 +1,7 @@
 """One table of packet-flow cases — source, destination, port → backend set | refused | no answer — that every
 proxy mode must agree on. tests/e2e/test_flowcases.py runs it in a namespace lab against each mode this kernel
-has; the IPVS guest runs the same table (tests/guest_ipvs).
+has; the IPVS guest runs the same table (tests/guest_ipvs); tests/unit/test_flowcases_traced.py traces it through
+each mode's rendered plan, without root (tests/tracers).
 
 The outcome is what a client sees over many new flows: which backends answered, whether they were always the
 same one (session affinity), or how the flows failed. Where a mode deliberately differs from upstream's

@@ -1,0 +1,88 @@
+"""The bpf mode's new-flow decision (bpf/include/pyproxy/lb.h, pyproxy_lb_forward) over the map ops render() plans for
+a run of syncs, each from the `Applied` the one before committed (as the backend's apply()).
+
+Models: the ops applied in order to dict "maps" (put, del, reset; deleting what is not there fails); the services
+map looked up by (daddr, dport, proto): a miss passes the packet untranslated (nothing in the lab answers it),
+backend_count 0 is refused (TC answers a reset or a port unreachable, reject.h), else every slot 0..backend_count-1
+is a possible pick (a missing slot drops); with the affinity flag, a second flow from the client reuses the backend
+the first one recorded while that backend is in the backends map.
+Does not model: the kernel (map sizes, byte layouts: tests/priv does), connection tracking of established flows, the
+affinity timeout, real randomness, XDP versus TC, socket load balancing of the node's own processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from pyproxy.dataplane.bpf import abi
+from pyproxy.dataplane.bpf.render import Applied, Plan, render
+from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict
+
+CAPACITY = {abi.MAP_SERVICES: 65536, abi.MAP_SLOTS: 1 << 20, abi.MAP_BACKENDS: 65536, abi.MAP_STATS: 65536}
+_PROTO = {"tcp": "TCP", "udp": "UDP"}
+
+Maps = dict[str, dict[tuple, tuple | None]]
+
+
+def plans(syncs: Sequence[Sync]) -> list[Plan]:
+    """The plans of `syncs` in turn, as the bpf backend's apply() renders them from what the last one left."""
+    applied, out = Applied(), []
+    for desired, changed in syncs:
+        keys = set(desired.services) | applied.by_service.keys() if changed is None else changed
+        out.append(render(applied, {k: desired.services.get(k, ()) for k in keys}, CAPACITY))
+        applied.commit(out[-1])
+    return out
+
+
+def apply(plans: Sequence[Plan]) -> Maps:
+    maps: Maps = {}
+    for op in (op for p in plans for op in p.ops):
+        m = maps.setdefault(op.map, {})
+        if op.verb == "put":
+            m[op.key] = op.value
+        elif op.verb == "del":
+            if op.key not in m:
+                raise Unmodelled(f"{op.map}: delete of {op.key}, which no op wrote")
+            del m[op.key]
+        elif op.verb == "reset":
+            m[op.key] = None
+        else:
+            raise Unmodelled(f"op {op.verb} on {op.map}")
+    return maps
+
+
+class BpfTracer:
+    def __init__(self, plans: Sequence[Plan]) -> None:
+        self.maps = apply(plans)
+
+    def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
+        svc = self.maps.get(abi.MAP_SERVICES, {}).get((pkt.dst, pkt.port, _PROTO[pkt.proto]))
+        if svc is None:
+            yield Verdict("no-answer")
+            return
+        svc_id, count, flags, _affinity_seconds = svc
+        if count == 0:
+            yield Verdict("refused")
+            return
+        affinity = bool(flags & abi.SVC_F_AFFINITY)
+        key = ("affinity", pkt.src, pkt.dst, str(pkt.port), pkt.proto)
+        if affinity:
+            recorded = [fact[-2:] for fact in memory if fact[:-2] == key]
+            alive = [(ip, port) for ip, port in recorded if (ip, int(port)) in self.maps.get(abi.MAP_BACKENDS, {})]
+            if alive:
+                ip, port = alive[0]
+                yield Verdict("dnat", f"{ip}:{port}", memory)
+                return
+        for slot in range(count):
+            backend = self.maps.get(abi.MAP_SLOTS, {}).get((svc_id, slot))
+            if backend is None:
+                yield Verdict("no-answer")  # PYPROXY_DROP: a slot miss
+                continue
+            ip, port = backend
+            left = frozenset({(*key, ip, str(port))}) if affinity else frozenset()
+            yield Verdict("dnat", f"{ip}:{port}", left)
+
+
+
+def tracer(syncs: Sequence[Sync]) -> BpfTracer:
+    return BpfTracer(plans(syncs))

@@ -1,0 +1,62 @@
+"""The iptables mode's rules (pyproxy/dataplane/iptables/render.py: a first, full sync onto tables without our
+chains, then partial ones, each restored with --noflush onto what the ones before left) walked for a new flow
+entering the node from a pod or a routed client.
+
+Models (see netfilter.py for the rule forms): nat PREROUTING (KUBE-SERVICES -> KUBE-SVC-* -> every KUBE-SEP-*
+the `statistic` rules can reach -> DNAT), then routing: the ClusterIPs are not the node's, so the flow is
+forwarded, through filter FORWARD (KUBE-FORWARD, and KUBE-SERVICES' REJECT of frontends without endpoints) to
+the endpoint it was DNATed to; an untranslated flow leaves the node and nothing answers. `-m recent` affinity
+makes a second flow find the first one's endpoint.
+Does not model: the node's own traffic (OUTPUT), POSTROUTING (masquerade changes who answers, not whether),
+conntrack beyond a first packet, the affinity timeout, real randomness, ICMP rate limits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from pyproxy.dataplane import netfilter as nf
+from pyproxy.dataplane.iptables.render import AppliedService, render
+from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict
+from tracers.netfilter import Flow, Tables
+
+
+def restore_texts(syncs: Sequence[Sync], masquerade: nf.MasqueradeSettings | None = None) -> list[str]:
+    """The iptables-restore inputs of `syncs` in turn, as the iptables backend's apply() renders them: the first
+    sync full, onto tables without our chains (so every jump is inserted), the later ones partial."""
+    applied: dict[str, AppliedService] = {}
+    out = []
+    for i, (desired, changed) in enumerate(syncs):
+        if i and changed is None:
+            raise Unmodelled("a later full sync (it needs iptables-save of the tables so far)")
+        plan = render(desired, changed, applied, masquerade or nf.MasqueradeSettings(), None if i else {})
+        applied = plan.applied
+        out.append(plan.text)
+    return out
+
+
+def forwarded(tables: Tables, flow: Flow, translated: bool) -> Iterator[Verdict]:
+    """A flow the node forwards, through filter FORWARD: to its endpoint if `translated`, else away."""
+    for verdict, f in tables.walk("filter", "FORWARD", flow):
+        if verdict == "REJECT":
+            yield Verdict("refused")
+        elif verdict == "DROP" or not translated:
+            yield Verdict("no-answer")
+        else:
+            yield Verdict("dnat", f"{f.pkt.dst}:{f.pkt.port}", f.memory)
+
+
+class IptablesTracer:
+    def __init__(self, texts: Sequence[str]) -> None:
+        self.tables = Tables("".join(texts))  # iptables-restore --noflush, one input after the other
+
+    def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
+        for verdict, f in self.tables.walk("nat", "PREROUTING", Flow(pkt, memory=memory)):
+            if verdict == "DROP":
+                yield Verdict("no-answer")
+            else:
+                yield from forwarded(self.tables, f, verdict == "DNAT")
+
+
+def tracer(syncs: Sequence[Sync]) -> IptablesTracer:
+    return IptablesTracer(restore_texts(syncs))

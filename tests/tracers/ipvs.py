@@ -1,0 +1,133 @@
+"""The ipvs mode (pyproxy/dataplane/ipvs/render.py for a run of syncs, each rendered from what the ops before
+left, and the iptables rules of pyproxy/dataplane/ipvs/backend.py with their jumps) followed for a new flow
+entering the node.
+
+Models: the plans' ops applied in order (virtual and real servers, kube-ipvs0's addresses, ipset members);
+nat PREROUTING walked over those ipsets (netfilter.py); a destination on kube-ipvs0 is the node's own, so the
+flow goes through filter INPUT (KUBE-IPVS-FILTER rejects a new flow to a ClusterIP on a port that is no
+Service's) to IPVS: the virtual server of (address, port, protocol) sends it to any real server of weight > 0,
+a persistent one (ClientIP affinity) sends a second flow from the client where the first went, and one with
+no such real server refuses it (ip_vs_leave's port unreachable); a local flow no virtual server takes reaches
+the node's own stack ("node", which no case expects). Other destinations are forwarded through filter FORWARD
+and nothing answers them.
+Does not model: the kernel's IPVS (schedulers: every real server of weight > 0 is a possible pick; connection
+counts, draining), conntrack, timeouts, masquerade (POSTROUTING), the node's own traffic (OUTPUT).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from pyproxy.dataplane import netfilter as nf
+from pyproxy.dataplane.ipvs import render as ipvs_render
+from pyproxy.dataplane.ipvs.backend import JUMPS, rule_edits
+from pyproxy.dataplane.ipvs.render import Op
+from pyproxy.model.state import Backend
+from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict
+from tracers.iptables import forwarded
+from tracers.netfilter import Flow, Tables
+
+
+class Kernel:
+    """IPVS, kube-ipvs0's addresses and the ipsets, as the ops leave them (no connections: nothing drains)."""
+
+    def __init__(self) -> None:
+        self.virtuals: dict[ipvs_render.VSKey, tuple[str, int, dict[Backend, int]]] = {}
+        """(address, port, protocol) -> (scheduler, persistence seconds, {real server: weight})."""
+        self.addresses: set[str] = set()
+        self.members: dict[str, set[str]] = {name: set() for name in ipvs_render.SET_TYPES}
+
+    def run(self, op: Op) -> None:
+        if isinstance(op, ipvs_render.VirtualOp):
+            if op.verb == "del":
+                del self.virtuals[op.key]
+            else:
+                self.virtuals[op.key] = (op.scheduler, op.timeout, self.virtuals.get(op.key, ("", 0, {}))[2])
+        elif isinstance(op, ipvs_render.RealOp):
+            reals = self.virtuals[op.key][2]
+            if op.verb == "del":
+                del reals[op.backend]
+            else:
+                reals[op.backend] = op.weight
+        elif isinstance(op, ipvs_render.AddressOp):
+            (self.addresses.add if op.verb == "add" else self.addresses.remove)(op.ip)
+        elif isinstance(op, ipvs_render.SetOp) and op.name in self.members:
+            (self.members[op.name].add if op.verb == "add" else self.members[op.name].remove)(op.entry)
+        else:
+            raise Unmodelled(f"op {op}")
+
+    def observed(self) -> ipvs_render.Observed:
+        return ipvs_render.Observed(
+            {k: ipvs_render.Virtual(sched, timeout, {b: ipvs_render.Real(w) for b, w in reals.items()})
+             for k, (sched, timeout, reals) in self.virtuals.items()},
+            frozenset(self.addresses), {name: frozenset(m) for name, m in self.members.items()})
+
+
+def plans(syncs: Sequence[Sync]) -> list[tuple[Op, ...]]:
+    """The ops of `syncs` in turn, as the ipvs backend's apply() renders them from what the kernel holds."""
+    kernel, memory, out = Kernel(), ipvs_render.Memory(), []
+    for desired, changed in syncs:
+        full = changed is None
+        keys = set(desired.services) | set(memory.owners.values()) if changed is None else changed
+        plan = ipvs_render.render(kernel.observed(), memory, {k: desired.services.get(k, ()) for k in keys},
+                                  full=full, options=ipvs_render.Options(), now=0.0)
+        for op in plan.ops:
+            kernel.run(op)
+        memory = plan.memory
+        out.append(plan.ops)
+    return out
+
+
+def rules_text(masquerade: nf.MasqueradeSettings | None = None) -> str:
+    """The iptables-restore input of the first sync: the mode's chains and the jumps into them."""
+    edits = rule_edits(masquerade or nf.MasqueradeSettings())
+    for jump in JUMPS:
+        edits[jump.table].insert(jump)
+    return nf.restore_input(edits)
+
+
+class IpvsTracer:
+    def __init__(self, plans: Sequence[tuple[Op, ...]], rules: str | None = None) -> None:
+        self.kernel = Kernel()
+        for op in (op for ops in plans for op in ops):
+            self.kernel.run(op)
+        ipsets = {name: (kind, frozenset(self.kernel.members[name])) for name, kind in ipvs_render.SET_TYPES.items()}
+        self.tables = Tables(rules if rules is not None else rules_text(), ipsets)
+
+    def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
+        for verdict, f in self.tables.walk("nat", "PREROUTING", Flow(pkt, memory=memory)):
+            if verdict == "DROP":
+                yield Verdict("no-answer")
+            elif verdict == "DNAT":
+                raise Unmodelled("a DNAT rule in ipvs mode")
+            elif f.pkt.dst in self.kernel.addresses:
+                yield from self._local(f)
+            else:
+                yield from forwarded(self.tables, f, translated=False)
+
+    def _local(self, flow: Flow) -> Iterator[Verdict]:
+        for verdict, f in self.tables.walk("filter", "INPUT", flow):
+            if verdict in ("REJECT", "DROP"):
+                yield Verdict("refused" if verdict == "REJECT" else "no-answer")
+                continue
+            pkt = f.pkt
+            virtual = self.kernel.virtuals.get((pkt.dst, pkt.port, pkt.proto.upper()))
+            if virtual is None:
+                yield Verdict("node")
+                continue
+            _, persistence, weights = virtual
+            reals = {str(b): w for b, w in weights.items()}
+            template = ("template", pkt.src, pkt.dst, str(pkt.port), pkt.proto)
+            earlier = [fact[-1] for fact in f.memory if fact[:-1] == template and reals.get(fact[-1], 0) > 0]
+            if persistence and earlier:
+                yield Verdict("dnat", earlier[0], f.memory)
+                continue
+            usable = [real for real, weight in reals.items() if weight > 0]
+            if not usable:
+                yield Verdict("refused")
+            for real in usable:
+                yield Verdict("dnat", real, f.memory | {(*template, real)} if persistence else f.memory)
+
+
+def tracer(syncs: Sequence[Sync]) -> IpvsTracer:
+    return IpvsTracer(plans(syncs))

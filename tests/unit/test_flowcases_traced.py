@@ -1,0 +1,123 @@
+"""The flow-case table (tests/flowcases.py) traced through every mode's rendered plan, without root: the same
+cases tests/e2e/test_flowcases.py runs with real packets, in seconds. Each tracer (tests/tracers) follows a new
+flow through what its mode's render() produced for the syncs pyproxy makes: the first (full) one from the
+table's manifests, or a partial one from another cluster (tracers.common.BEFORE) to them. The broken-plan tests
+show that each tracer sees a renderer mistake, and that a rule form it does not know fails the trace instead
+of passing it."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+
+import flowcases
+import pytest
+from tracers import bpf, iptables, ipvs, nftables
+from tracers.common import BEFORE, Sync, Tracer, Unmodelled, mismatches, syncs
+
+from pyproxy.dataplane.bpf import abi
+from pyproxy.dataplane.bpf.render import Batch
+from pyproxy.dataplane.ipvs.render import RealOp
+from pyproxy.dataplane.netfilter import MasqueradeSettings
+
+TRACERS: dict[str, Callable[[Sequence[Sync]], Tracer]] = {
+    "bpf": bpf.tracer,
+    "iptables": iptables.tracer,
+    "ipvs": ipvs.tracer,
+    "nftables": nftables.tracer,
+}
+
+
+@pytest.fixture(scope="module")
+def first() -> list[Sync]:
+    """pyproxy's first sync of the table's cluster."""
+    return syncs(flowcases.MANIFESTS)
+
+
+@pytest.fixture(scope="module")
+def update() -> list[Sync]:
+    """A first sync of another cluster, then the partial sync that brings it to the table's."""
+    return syncs(BEFORE, flowcases.MANIFESTS)
+
+
+@pytest.mark.parametrize("mode", TRACERS)
+def test_every_mode_agrees_on_the_flow_table(first: list[Sync], mode: str) -> None:
+    wrong = mismatches(TRACERS[mode](first), mode)
+    assert not wrong, f"{mode}:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("mode", TRACERS)
+def test_every_mode_agrees_on_the_flow_table_after_a_partial_sync(update: list[Sync], mode: str) -> None:
+    assert update[-1][1] is not None, "the second sync is a partial one"
+    wrong = mismatches(TRACERS[mode](update), mode)
+    assert not wrong, f"{mode}:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("masquerade", [
+    MasqueradeSettings(masquerade_all=True),
+    MasqueradeSettings(cluster_cidr="10.201.0.0/16", masquerade_bit=3),
+], ids=["masquerade-all", "cluster-cidr"])
+def test_masquerade_settings_change_no_outcome(update: list[Sync], masquerade: MasqueradeSettings) -> None:
+    # The netfilter modes render other rules with these settings (marks, `! -s`, `ip saddr !=`): same table.
+    tracers: dict[str, Tracer] = {
+        "iptables": iptables.IptablesTracer(iptables.restore_texts(update, masquerade)),
+        "ipvs": ipvs.IpvsTracer(ipvs.plans(update), ipvs.rules_text(masquerade)),
+        "nftables": nftables.NftablesTracer(nftables.scripts(update, masquerade)),
+    }
+    for mode, tracer in tracers.items():
+        wrong = mismatches(tracer, mode)
+        assert not wrong, f"{mode}:\n" + "\n".join(wrong)
+
+
+def _without_lines(text: str, part: str) -> str:
+    kept = [line for line in text.splitlines() if part not in line]
+    assert len(kept) < len(text.splitlines()), f"no line has {part!r}: the test needs another"
+    return "\n".join(kept) + "\n"
+
+
+def test_bpf_tracer_sees_a_lost_slot(first: list[Sync]) -> None:
+    [plan] = bpf.plans(first)
+    # The plan's last slot write goes missing: a frontend counts a slot that is not there.
+    batches = tuple(Batch(b.verb, b.map, b.keys[:-1], (b.values or [])[:-1])
+                    if (b.verb, b.map) == ("put", abi.MAP_SLOTS) else b for b in plan.batches)
+    wrong = mismatches(bpf.BpfTracer([dataclasses.replace(plan, batches=batches)]), "bpf")
+    assert len(wrong) == 1 and "no-answer" in wrong[0], wrong
+
+
+def test_iptables_tracer_sees_a_missing_reject(first: list[Sync]) -> None:
+    [text] = iptables.restore_texts(first)
+    wrong = mismatches(iptables.IptablesTracer([_without_lines(text, "-j REJECT")]), "iptables")
+    assert [w.split(" (")[0] for w in wrong] == [
+        "no endpoints: rejected", "no endpoints: rejected, udp", "no ready endpoints: rejected"], wrong
+
+
+def test_iptables_tracer_fails_on_a_rule_it_does_not_know(first: list[Sync]) -> None:
+    [text] = iptables.restore_texts(first)
+    with pytest.raises(Unmodelled, match="-m nth"):
+        iptables.IptablesTracer([text.replace("-m statistic --mode random", "-m nth --every 2", 1)])
+
+
+def test_ipvs_tracer_sees_a_missing_filter(first: list[Sync]) -> None:
+    # Without KUBE-IPVS-FILTER's reject, a ClusterIP's other ports reach the node's own listeners.
+    wrong = mismatches(ipvs.IpvsTracer(ipvs.plans(first), _without_lines(ipvs.rules_text(), "-j REJECT")), "ipvs")
+    assert len(wrong) == 1 and "port the service does not have" in wrong[0] and "traced mixed node" in wrong[0], wrong
+
+
+def test_ipvs_tracer_sees_a_lost_real_server(first: list[Sync]) -> None:
+    [ops] = ipvs.plans(first)
+    lost = next(op for op in ops if isinstance(op, RealOp) and op.key == ("10.96.20.2", 80, "TCP"))
+    wrong = mismatches(ipvs.IpvsTracer([tuple(op for op in ops if op != lost)]), "ipvs")
+    assert len(wrong) == 1 and "endpoints from two slices" in wrong[0], wrong
+
+
+def test_nftables_tracer_sees_a_lost_affinity_update(first: list[Sync]) -> None:
+    [script] = nftables.scripts(first)
+    wrong = mismatches(nftables.NftablesTracer([re.sub(r"update @\S+ \{ ip saddr \}; ", "", script)]), "nftables")
+    assert len(wrong) == 1 and "ClientIP affinity sticks" in wrong[0] and "traced backends" in wrong[0], wrong
+
+
+def test_nftables_tracer_fails_on_a_statement_it_does_not_know(first: list[Sync]) -> None:
+    [script] = nftables.scripts(first)
+    with pytest.raises(Unmodelled, match="numgen inc"):
+        nftables.NftablesTracer([script.replace("numgen random mod", "numgen inc mod", 1)])
