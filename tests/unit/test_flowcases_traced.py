@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import flowcases
 import pytest
 from tracers import bpf, iptables, ipvs, nftables
-from tracers.common import BEFORE, Sync, Tracer, Unmodelled, mismatches, syncs
+from tracers.common import BEFORE, Sync, Tracer, Unmodelled, mismatches, syncs, traced_cases
 
 from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.render import Batch
@@ -121,3 +121,11 @@ def test_nftables_tracer_fails_on_a_statement_it_does_not_know(first: list[Sync]
     [script] = nftables.scripts(first)
     with pytest.raises(Unmodelled, match="numgen inc"):
         nftables.NftablesTracer([script.replace("numgen random mod", "numgen inc mod", 1)])
+
+
+def test_the_tracers_follow_every_case_but_the_nodes_own_traffic() -> None:
+    """So an empty or shrinking selection cannot make the table pass: only node-originated cases are left to the
+    privileged run."""
+    left_out = [case for case in flowcases.CASES if case not in traced_cases()]
+    assert left_out and all(case.src == "node" for case in left_out)
+    assert len(traced_cases()) == len(flowcases.CASES) - len(left_out) >= 10
