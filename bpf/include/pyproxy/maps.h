@@ -41,8 +41,9 @@ struct {
 
 /* Connection tracking: a FORWARD entry keeps a flow on its backend, a REVERSE entry gives replies
  * their frontend address back, an AFFINITY entry remembers a client's backend for ClientIP affinity.
- * LRU, so a full table evicts the oldest flows instead of refusing new ones. Pinned: a restarted
- * pyproxy keeps every connection. */
+ * FORWARD and REVERSE entries carry the flow's state and expire by its idle timeout (ct.h); the control
+ * plane's collector deletes expired entries (pyproxy/dataplane/bpf/gc.py). LRU, so a full table evicts the
+ * oldest flows instead of refusing new ones. Pinned: a restarted pyproxy keeps every connection. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, PYPROXY_MAX_FLOWS);
