@@ -184,7 +184,8 @@ def health_check(states: Iterable[ServicePortState]) -> HealthCheck | None:
     local ready endpoints, counted as upstream counts them (distinct addresses over all its ports, each counted
     once however many ports it serves). None: the Service has no such server. The count comes from the
     Local-policy external frontends' `external_backends`, so a Service none of whose external frontends is
-    served (no node-port address, no load-balancer IP yet, or all held by another Service) counts 0."""
+    served (no node-port address, no load-balancer IP yet, or all held by another Service) counts 0, and one
+    none of whose frontends is served (not in `DesiredState.services`) has no server."""
     port = None
     local: set[str] = set()
     for sp in states:
