@@ -160,7 +160,7 @@ class Address:
     device: str
     ip: str
     loopback: bool
-    """On a loopback device or in 127.0.0.0/8 (host scope)."""
+    """A host-scope address (127.0.0.1 on lo) or one in 127.0.0.0/8."""
 
 
 RT_SCOPE_HOST = 254
