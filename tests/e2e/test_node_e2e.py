@@ -91,3 +91,35 @@ def test_node_ports_use_the_nodes_addresses_as_they_change(make_env) -> None:
     # The health check still answers after the node change recomputed every Service.
     answer = env.lab.http_get(env.lab.node, f"http://10.250.0.1:{HEALTH_PORT}/")
     assert answer["status"] == 200 and json.loads(answer["body"]) == body(1), answer
+
+
+def test_following_the_api_the_node_being_deleted_fails_healthz_and_names_the_primary_address(
+        make_env, cluster, kube, namespace: str) -> None:
+    """The own Node from the API: its InternalIP is the primary address (--nodeport-addresses=primary; the lab's
+    node has no default route, so before the Node there is none), and once it has a deletionTimestamp (held by a
+    finalizer, as a drained node is) /healthz answers 503 with "nodeEligible": false, as upstream >= 1.28."""
+    name = f"node-{namespace}"
+    path = f"/api/v1/nodes/{name}"
+    kube.api.request("POST", "/api/v1/nodes", body={
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "finalizers": ["pyproxy.test/hold"]},
+    })
+    try:
+        node = kube.api.request("GET", path)
+        node["status"] = {"addresses": [{"type": "InternalIP", "address": NODE_CLIENT_IP}]}
+        kube.api.request("PUT", f"{path}/status", body=node)
+        env = make_env(1)
+        proxy = env.start_api(cluster, node=name, args=["--nodeport-addresses=primary"])
+        assert proxy.wait_for_log(f"NodePorts use node addresses {NODE_CLIENT_IP} (--nodeport-addresses=primary)",
+                                  10.0), proxy.log_tail()
+        answer = env.lab.http_get(env.lab.node, proxy.healthz_url)
+        assert answer["status"] == 200 and json.loads(answer["body"])["nodeEligible"] is True, answer
+
+        kube.api.request("DELETE", path)  # the finalizer holds it: a deletionTimestamp, not gone
+        answer = env.lab.http_get(env.lab.node, proxy.healthz_url, wait=10.0, expect=503)
+        health = json.loads(answer["body"])
+        assert answer["status"] == 503 and health["nodeEligible"] is False and health["healthy"] is True, answer
+    finally:
+        node = kube.api.request("GET", path)
+        node["metadata"]["finalizers"] = []
+        kube.api.request("PUT", path, body=node)
