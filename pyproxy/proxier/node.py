@@ -95,7 +95,8 @@ class NodeAddresses:
             if chosen != self._logged:
                 self._logged = chosen
                 self._log(chosen, [a.ip for a in addresses], primary)
-        self._on_change(inputs)
+            # Under the lock: two refreshes (the watcher's, the Node's) hand over in the order they read.
+            self._on_change(inputs)
 
     def _log(self, chosen: tuple[str, ...], addresses: list[str], primary: str | None) -> None:
         setting = f"--nodeport-addresses={','.join(self._setting)}" if self._setting else \
