@@ -108,7 +108,10 @@ class HttpServer:
         self._httpd = ThreadingHTTPServer((host, port), Handler)
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name=f"http-{self.port}", daemon=True)
+        # Polled 10 times a second, not socketserver's 2: stop() waits for the poll, and a sync that closes a
+        # health-check server (a Service deleted) waits for stop().
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.1,), name=f"http-{self.port}",
+                                        daemon=True)
 
     def start(self) -> HttpServer:
         self._thread.start()
