@@ -38,6 +38,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "iptables_masquerade_bit": ("masquerade.masquerade_bit",),
     "iptables_backend": ("iptables.backend", "ipvs.iptables_backend"),
     "ipvs_scheduler": ("ipvs.scheduler",),
+    "nodeport_addresses": ("nodeport_addresses",),
     "healthz_bind_address": ("healthz_bind_address",),
     "metrics_bind_address": ("metrics_bind_address",),
     "min_sync_period": ("min_sync_period",),
@@ -120,6 +121,9 @@ def parser() -> argparse.ArgumentParser:
                           "`iptables` is here)")
     run.add_argument("--ipvs-scheduler", help=f"IPVS scheduler: rr, wrr, lc, wlc, sh, dh, ... "
                                               f"(default: {d.ipvs.scheduler})")
+    run.add_argument("--nodeport-addresses", type=_csv,
+                     help="comma-separated IPv4 CIDRs: NodePorts are served on the node addresses in them; "
+                          "'primary': on the node's primary address (default: every node address)")
     run.add_argument("--healthz-bind-address", help=f"default: {d.healthz_bind_address}")
     run.add_argument("--metrics-bind-address", help=f"default: {d.metrics_bind_address}")
     run.add_argument("--min-sync-period", type=_duration,

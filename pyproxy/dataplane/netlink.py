@@ -1,8 +1,10 @@
-"""Links of pyproxy's network namespace, through pyroute2: which devices exist and when they come and go.
+"""Links and addresses of pyproxy's network namespace, through pyroute2: which devices and addresses exist and
+when they come and go.
 
 This is the only module that speaks rtnetlink through pyroute2; backends ask it for `Link`s, subscribe to
-`LinkWatcher`, and manage a device of their own (IPVS mode's dummy `kube-ipvs0`) with the small verbs at the
-end, instead of holding sockets of their own.
+`LinkWatcher`, the proxier lists the node's addresses and subscribes to `AddressWatcher`, and backends manage a
+device of their own (IPVS mode's dummy `kube-ipvs0`) with the small verbs at the end, instead of holding sockets
+of their own.
 """
 
 from __future__ import annotations
@@ -74,43 +76,140 @@ def remove_clsact(ifindex: int) -> None:
         ipr.tc("del", "clsact", ifindex)
 
 
-class LinkWatcher:
-    """Calls `on_change(link, present)` for every link added, changed or removed, from a thread of its own.
-    Subscribe before listing, so no link can slip between the list and the first event."""
+class _Watcher:
+    """A thread reading rtnetlink notifications (`_handle` each) until `stop()`. It subscribes when made and
+    delivers from `start()` on: subscribe, list, then start, and no change slips between the list and the first
+    event. (The socket is made and read in the thread: pyroute2 0.9's IPRoute reads nothing in a thread other
+    than the one that made it.)"""
 
-    def __init__(self, on_change: Callable[[Link, bool], None]) -> None:
-        self._on_change = on_change
-        self._ipr = IPRoute()
-        self._ipr.bind()
+    name = "netlink-watch"
+
+    def __init__(self) -> None:
+        self._ipr: IPRoute | None = None
+        self._bound = threading.Event()
+        self._go = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="link-watch", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+        if not self._bound.wait(10.0) or self._ipr is None:
+            raise OSError(f"{self.name}: could not subscribe to rtnetlink")
 
     def start(self) -> None:
-        self._thread.start()
+        self._go.set()
 
     def stop(self) -> None:
         self._stop.set()
-        with contextlib.suppress(OSError):
-            self._ipr.close()
+        self._go.set()
+        if self._ipr is not None:
+            with contextlib.suppress(OSError):
+                self._ipr.close()
+
+    def _handle(self, msgs: list[dict]) -> None:
+        raise NotImplementedError
 
     def _run(self) -> None:
+        try:
+            ipr = IPRoute()
+            ipr.bind()  # links, IPv4/IPv6 addresses and routes
+        except OSError as e:
+            log.warning("%s: %s", self.name, e)
+            self._bound.set()
+            return
+        self._ipr = ipr
+        self._bound.set()
+        self._go.wait()
         while not self._stop.is_set():
             try:
-                msgs = self._ipr.get()
+                msgs = ipr.get()
             except Exception as e:  # noqa: BLE001 - a closed socket at stop, or a netlink hiccup
                 if not self._stop.is_set():
-                    log.warning("link watch: %s", e)
+                    log.warning("%s: %s", self.name, e)
                 return
-            for m in msgs:
-                event = m.get("event")
-                if event not in ("RTM_NEWLINK", "RTM_DELLINK"):
-                    continue
-                try:
-                    lk = _link_of(m)
-                except (KeyError, TypeError):
-                    continue
-                if lk.name and lk.name != "lo":
-                    self._on_change(lk, event == "RTM_NEWLINK")
+            self._handle(msgs)
+
+
+class LinkWatcher(_Watcher):
+    """Calls `on_change(link, present)` for every link added, changed or removed, from a thread of its own."""
+
+    name = "link-watch"
+
+    def __init__(self, on_change: Callable[[Link, bool], None]) -> None:
+        self._on_change = on_change
+        super().__init__()
+
+    def _handle(self, msgs: list[dict]) -> None:
+        for m in msgs:
+            event = m.get("event")
+            if event not in ("RTM_NEWLINK", "RTM_DELLINK"):
+                continue
+            try:
+                lk = _link_of(m)
+            except (KeyError, TypeError):
+                continue
+            if lk.name and lk.name != "lo":
+                self._on_change(lk, event == "RTM_NEWLINK")
+
+
+# -- the node's own addresses ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, order=True)
+class Address:
+    """One IPv4 address of this network namespace."""
+
+    device: str
+    ip: str
+    loopback: bool
+    """A host-scope address (127.0.0.1 on lo) or one in 127.0.0.0/8."""
+
+
+RT_SCOPE_HOST = 254
+
+
+def list_ipv4_addresses() -> list[Address]:
+    """Every IPv4 address of this network namespace, with its device, in the kernel's order."""
+    with IPRoute() as ipr:
+        names = {m["index"]: m.get_attr("IFLA_IFNAME") for m in ipr.get_links()}
+        out = []
+        for a in ipr.get_addr(family=socket.AF_INET):
+            ip = a.get_attr("IFA_LOCAL") or a.get_attr("IFA_ADDRESS")
+            device = names.get(a["index"], "")
+            out.append(Address(device, ip, a["scope"] == RT_SCOPE_HOST or ip.startswith("127.")))
+        return out
+
+
+def default_route_device() -> str | None:
+    """The device of this namespace's IPv4 default route (the first one, by metric), None without one."""
+    with IPRoute() as ipr:
+        routes = [r for r in ipr.get_routes(family=socket.AF_INET, table=254) if r["dst_len"] == 0]
+        routes.sort(key=lambda r: r.get_attr("RTA_PRIORITY") or 0)
+        for r in routes:
+            oif = r.get_attr("RTA_OIF")
+            if oif is None:
+                multipath = r.get_attr("RTA_MULTIPATH") or []
+                oif = multipath[0]["oif"] if multipath else None
+            if oif is not None:
+                found = ipr.get_links(oif)
+                if found:
+                    return str(found[0].get_attr("IFLA_IFNAME"))
+        return None
+
+
+class AddressWatcher(_Watcher):
+    """Calls `on_change()` from a thread of its own whenever an IPv4 address or an IPv4 route of this network
+    namespace is added or removed (the callback lists again what it needs: the events come in bursts)."""
+
+    name = "address-watch"
+
+    _EVENTS = frozenset({"RTM_NEWADDR", "RTM_DELADDR", "RTM_NEWROUTE", "RTM_DELROUTE"})
+
+    def __init__(self, on_change: Callable[[], None]) -> None:
+        self._on_change = on_change
+        super().__init__()
+
+    def _handle(self, msgs: list[dict]) -> None:
+        if any(m.get("event") in self._EVENTS and m.get("family") == socket.AF_INET for m in msgs):
+            self._on_change()
 
 
 # -- a backend's own device (IPVS mode's kube-ipvs0) ---------------------------------------------------------

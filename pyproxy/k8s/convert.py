@@ -17,6 +17,7 @@ from pyproxy.model.objects import (
     LAST_CHANGE_TRIGGER_TIME_ANNOTATION,
     NODE_IP_TYPES,
     SERVICE_NAME_LABEL,
+    TO_BE_DELETED_TAINT,
     Endpoint,
     EndpointPort,
     EndpointSlice,
@@ -431,4 +432,7 @@ def node_from_dict(d: Mapping[str, Any]) -> Node:
         if kind in NODE_IP_TYPES:
             address = str(r.address(f"{path}.address", address, ipaddress.ip_address, "an IP address"))
         addresses.append((kind, address))
-    return Node(name=name, labels=tuple(sorted(labels.items())), addresses=tuple(addresses))
+    spec = r.mapping(d, "spec", "")
+    taints = [r.string(t, "key", path) for path, t in r.elements(spec, "taints", "spec", Mapping, "an object")]
+    deleting = meta.get("deletionTimestamp") is not None or TO_BE_DELETED_TAINT in taints
+    return Node(name=name, labels=tuple(sorted(labels.items())), addresses=tuple(addresses), deleting=deleting)

@@ -24,6 +24,8 @@ class Port:
     protocol: str = "TCP"
     target_port: int | str | None = None
     """The Service's targetPort when it differs from `backend_port`, e.g. a port name such as "http"."""
+    node_port: int | None = None
+    """The port's nodePort (NodePort and LoadBalancer Services)."""
 
 
 # Words YAML 1.1 reads as booleans or null when unquoted.
@@ -40,10 +42,16 @@ def _q(value: object) -> str:
 
 
 def service(name: str, cluster_ip: str, ports: Sequence[Port], *, namespace: str = "default",
-            affinity_seconds: int | None = None) -> str:
-    """A ClusterIP Service; `affinity_seconds` turns on ClientIP session affinity for that long."""
+            affinity_seconds: int | None = None, type: str = "ClusterIP",  # noqa: A002 - the field's name
+            external_traffic_policy: str | None = None, health_check_node_port: int | None = None) -> str:
+    """A Service (ClusterIP unless `type` says otherwise); `affinity_seconds` turns on ClientIP session affinity
+    for that long."""
     lines = ["apiVersion: v1", "kind: Service", "metadata:", f"  name: {_q(name)}",
-             f"  namespace: {_q(namespace)}", "spec:", "  type: ClusterIP", f"  clusterIP: {_q(cluster_ip)}"]
+             f"  namespace: {_q(namespace)}", "spec:", f"  type: {_q(type)}", f"  clusterIP: {_q(cluster_ip)}"]
+    if external_traffic_policy is not None:
+        lines.append(f"  externalTrafficPolicy: {_q(external_traffic_policy)}")
+    if health_check_node_port is not None:
+        lines.append(f"  healthCheckNodePort: {health_check_node_port}")
     if affinity_seconds is not None:
         lines += ["  sessionAffinity: ClientIP", "  sessionAffinityConfig:", "    clientIP:",
                   f"      timeoutSeconds: {affinity_seconds}"]
@@ -51,13 +59,16 @@ def service(name: str, cluster_ip: str, ports: Sequence[Port], *, namespace: str
     for p in ports:
         lines += [f"  - name: {_q(p.name)}", f"    port: {p.port}", f"    protocol: {_q(p.protocol)}",
                   f"    targetPort: {_q(p.backend_port if p.target_port is None else p.target_port)}"]
+        if p.node_port is not None:
+            lines.append(f"    nodePort: {p.node_port}")
     return "\n".join(lines) + "\n"
 
 
 def endpoint_slice(service_name: str, endpoints: Mapping[str, bool | None], ports: Sequence[Port], *,
-                   name: str | None = None, namespace: str = "default") -> str:
+                   name: str | None = None, namespace: str = "default",
+                   node_names: Mapping[str, str] | None = None) -> str:
     """An IPv4 slice: `endpoints` maps address -> ready (None: no conditions, which the API reads as ready);
-    its ports are the Service ports' backend ports."""
+    `node_names` address -> the endpoint's nodeName; its ports are the Service ports' backend ports."""
     lines = ["apiVersion: discovery.k8s.io/v1", "kind: EndpointSlice", "metadata:",
              f"  name: {_q(name or service_name + '-abc12')}", f"  namespace: {_q(namespace)}", "  labels:",
              f"    {SERVICE_NAME_LABEL}: {_q(service_name)}", "addressType: IPv4"]
@@ -66,6 +77,8 @@ def endpoint_slice(service_name: str, endpoints: Mapping[str, bool | None], port
         lines.append(f"- addresses: [{_q(address)}]")
         if ready is not None:
             lines += ["  conditions:", f"    ready: {'true' if ready else 'false'}"]
+        if node_names and address in node_names:
+            lines.append(f"  nodeName: {_q(node_names[address])}")
     lines.append("ports:")
     for p in ports:
         lines += [f"- name: {_q(p.name)}", f"  port: {p.backend_port}", f"  protocol: {_q(p.protocol)}"]

@@ -45,9 +45,10 @@ _new_backend = tuple.__new__
 class _PortBackends:
     """The backends of one service port, deduplicated and sorted: `usable` (the ready ones, else the serving and
     terminating ones), `known` (all; the same tuple as `usable` when every one is ready, the common case) and,
-    when asked for, `local` (the usable ones among those on node `node_name`; None is no node's)."""
+    when asked for, `local` (the usable ones among those on node `node_name`; None is no node's) and
+    `local_ready` (whether those are ready ones)."""
 
-    __slots__ = ("usable", "known", "local")
+    __slots__ = ("usable", "known", "local", "local_ready")
 
     def __init__(self, port: ServicePort, slices: Iterable[EndpointSlice], local: bool, node_name: str | None):
         ready: set[Backend] = set()
@@ -79,7 +80,9 @@ class _PortBackends:
                         on_node.add(backend)
         self.known = tuple(sorted(known))
         self.usable = self.known if len(ready) == len(known) else tuple(sorted(ready or draining))
-        self.local = tuple(sorted(on_node & ready or on_node & draining)) if local else ()
+        local_ready = on_node & ready
+        self.local_ready = bool(local_ready)
+        self.local = tuple(sorted(local_ready or on_node & draining)) if local else ()
 
 
 def _source_ranges(svc: Service, node: NodeInputs) -> tuple[str, ...]:
@@ -128,8 +131,9 @@ def compute_service_state(
                                     FrontendKind.CLUSTER_IP, (), False, (), health) for ip in svc.cluster_ips]
         if external:
             outside = usable if cluster_policy else b.local
+            ready = not cluster_policy and b.local_ready
             states += [ServicePortState(key, port.name, fe, usable, known, affinity, kind, outside, cluster_policy,
-                                        ranges if kind is FrontendKind.LOAD_BALANCER else (), health)
+                                        ranges if kind is FrontendKind.LOAD_BALANCER else (), health, ready)
                        for kind, fe in external]
     if len(states) > 1 and len({st.frontend for st in states}) < len(states):
         # One frontend claimed twice by the Service itself: the first kind stays (sorted() is stable).

@@ -151,6 +151,9 @@ class Node:
     addresses: tuple[tuple[str, str], ...] = ()
     """(type, address) pairs in the API's order, e.g. ("InternalIP", "10.0.0.5"); InternalIP and ExternalIP
     ones are valid IP addresses in canonical form."""
+    deleting: bool = False
+    """The node is going away: it has a deletionTimestamp, or the cluster autoscaler's ToBeDeletedByClusterAutoscaler
+    taint. Upstream's /healthz then answers 503 ("nodeEligible": false), so load balancers stop sending to it."""
 
     @property
     def zone(self) -> str | None:
@@ -166,6 +169,9 @@ class Node:
                     return address
         return None
 
+
+# The taint the cluster autoscaler puts on a node it is about to delete.
+TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
 
 # The Node address types that are IP addresses (the others, Hostname and InternalDNS/ExternalDNS, are names),
 # in the order upstream prefers them for the primary address.

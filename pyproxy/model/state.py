@@ -93,6 +93,10 @@ class ServicePortState:
     health_check_node_port: int | None = None
     """The Service's healthCheckNodePort, on each of its frontends, when upstream serves one (a LoadBalancer
     Service with externalTrafficPolicy Local); else None."""
+    local_ready: bool = False
+    """External frontends with externalTrafficPolicy Local: `external_backends` are this node's ready endpoints
+    (False: its serving-and-terminating ones, or none). The health-check node port counts only ready ones, as
+    upstream: a node left with terminating endpoints only fails its check, so load balancers drain it."""
 
     @property
     def display_name(self) -> str:
@@ -166,6 +170,31 @@ class DesiredState:
             if left:
                 lines.append(f"{key}: {describe_frontends(left)} not served by {mode} mode yet")
         return lines
+
+
+class HealthCheck(NamedTuple):
+    """What a Service's healthCheckNodePort server answers from (see `health_check`)."""
+
+    port: int
+    local_endpoints: int
+
+
+def health_check(states: Iterable[ServicePortState]) -> HealthCheck | None:
+    """The healthCheckNodePort server of one Service, from its frontends in the desired state: its port and its
+    local ready endpoints, counted as upstream counts them (distinct addresses over all its ports, each counted
+    once however many ports it serves). None: the Service has no such server. The count comes from the
+    Local-policy external frontends' `external_backends`, so a Service none of whose external frontends is
+    served (no node-port address, no load-balancer IP yet, or all held by another Service) counts 0, and one
+    none of whose frontends is served (not in `DesiredState.services`) has no server."""
+    port = None
+    local: set[str] = set()
+    for sp in states:
+        if sp.health_check_node_port is None:
+            return None  # a Service-level setting: on every frontend or on none
+        port = sp.health_check_node_port
+        if sp.local_ready:
+            local.update(b.ip for b in sp.external_backends)
+    return None if port is None else HealthCheck(port, len(local))
 
 
 def describe_frontends(states: Iterable[ServicePortState]) -> str:

@@ -15,7 +15,9 @@ from pyproxy.k8s.informer import ApiSource
 from pyproxy.k8s.manifest import ManifestSource
 from pyproxy.proxier import modes
 from pyproxy.proxier.config import ProxySettings, SettingError, node_name, parse_address
+from pyproxy.proxier.healthcheck import ServiceHealthServers
 from pyproxy.proxier.metrics import InformerCollector, ProxyMetrics
+from pyproxy.proxier.node import NodeAddresses
 from pyproxy.proxier.proxier import Proxier
 from pyproxy.proxier.server import ProxyHealth, health_server, metrics_server
 
@@ -56,6 +58,8 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
     if (collector := getattr(dataplane, "collector", None)) is not None:
         metrics.registry.register(collector)  # the dataplane's own metrics (bpf: connection-tracking GC)
     health = ProxyHealth(settings.sync_period)
+    service_health = ServiceHealthServers(health)
+    node = node_name(settings)
     proxier = Proxier(
         dataplane,
         min_sync_period=settings.min_sync_period,
@@ -63,7 +67,13 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
         full_sync_period=settings.full_sync_period,
         metrics=metrics,
         health=health,
+        node_name=node,
+        service_health=service_health,
     )
+    # The node's addresses before the sources start, so the first sync already has its NodePorts.
+    node_addresses = NodeAddresses(node, settings.nodeport_addresses, proxier.set_node_inputs)
+    proxier.node_addresses = node_addresses
+    node_addresses.start()
     servers = [
         health_server(*parse_address(settings.healthz_bind_address), health).start(),
         metrics_server(*parse_address(settings.metrics_bind_address), metrics.registry, dataplane.mode).start(),
@@ -74,7 +84,6 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
         source = ManifestSource(settings.source, proxier)
         origin = str(settings.source)
     else:
-        node = node_name(settings)
         source = ApiSource(api, proxier, node)
         metrics.registry.register(InformerCollector({n: r.stats for n, r in source.reflectors.items()}))
         origin = f"{api.host} as node {node}"
@@ -92,13 +101,15 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
     sync_thread = threading.Thread(target=proxier.runner.loop, name="sync", daemon=True)
     sync_thread.start()
     source.start()
-    log.info("pyproxy running: mode=%s source=%s", dataplane.mode, origin)
+    log.info("pyproxy running: mode=%s source=%s node=%s", dataplane.mode, origin, node)
     stop.wait()
     source.stop()
     proxier.runner.stop()
     sync_thread.join(timeout=5)
+    node_addresses.stop()
     for s in servers:
         s.stop()
+    service_health.stop()
     dataplane.stop()
     return 0
 

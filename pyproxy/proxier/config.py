@@ -14,6 +14,7 @@ from pyproxy.dataplane.ipvs.backend import IpvsSettings
 from pyproxy.dataplane.netfilter import MasqueradeSettings
 from pyproxy.dataplane.nftables.backend import NftablesSettings
 from pyproxy.k8s.client import ConnectionSettings
+from pyproxy.model.node import select_nodeport_addresses
 
 
 @dataclass
@@ -27,6 +28,11 @@ class ProxySettings:
     """--kubeconfig / --master (clientConnection in KubeProxyConfiguration); neither: in-cluster."""
     hostname_override: str | None = None
     """--hostname-override: the name of the own Node; default: this host's name, lowercased."""
+    nodeport_addresses: tuple[str, ...] = ()
+    """--nodeport-addresses: the node addresses NodePorts are served on: IPv4 CIDRs (a node address in one of
+    them), or "primary" (the node's primary IPv4 address: the Node object's, else the first address of the
+    default-route device). Empty, as upstream's iptables mode: every address of the node (loopback ones
+    aside)."""
     healthz_bind_address: str = "0.0.0.0:10256"
     """--healthz-bind-address: /healthz and /livez (upstream's port)."""
     metrics_bind_address: str = "127.0.0.1:10249"
@@ -67,6 +73,10 @@ class ProxySettings:
                        f"--min-sync-period ({format_duration(self.min_sync_period)})")
         if not self.full_sync_period > 0:
             out.append(f"the full sync period must be positive, not {format_duration(self.full_sync_period)}")
+        try:
+            select_nodeport_addresses((), self.nodeport_addresses, None)
+        except ValueError as e:
+            out.append(str(e))
         for flag, address in (("--healthz-bind-address", self.healthz_bind_address),
                               ("--metrics-bind-address", self.metrics_bind_address)):
             try:

@@ -19,10 +19,13 @@ import time
 
 from pyproxy.dataplane.base import Dataplane
 from pyproxy.model.desired import update_desired_state
+from pyproxy.model.node import NodeInputs
 from pyproxy.model.objects import EndpointSlice, Node, Service
-from pyproxy.model.state import DesiredState
+from pyproxy.model.state import DesiredState, health_check
 from pyproxy.model.tracker import ClusterState
+from pyproxy.proxier.healthcheck import ServiceHealthServers
 from pyproxy.proxier.metrics import ProxyMetrics
+from pyproxy.proxier.node import NodeAddresses
 from pyproxy.proxier.runner import BoundedFrequencyRunner
 from pyproxy.proxier.server import ProxyHealth
 
@@ -54,6 +57,8 @@ class Proxier:
         full_sync_period: float = 3600.0,
         metrics: ProxyMetrics,
         health: ProxyHealth,
+        node_name: str | None = None,
+        service_health: ServiceHealthServers | None = None,
     ) -> None:
         tune_gc()
         self.dataplane = dataplane
@@ -73,6 +78,12 @@ class Proxier:
         self._retry: set[str] = set()
         self.node: Node | None = None
         """The own Node as last seen (None until the API source delivers it)."""
+        self._node_inputs = NodeInputs(name=node_name)
+        """What the model is told of this node: its name now, its addresses once `set_node_inputs` gives them."""
+        self.node_addresses: NodeAddresses | None = None
+        """Follows the node's addresses (and takes the Node's primary address from `set_node`), if any."""
+        self.service_health = service_health
+        """The healthCheckNodePort servers, told of every Service a sync applied (None: none are run)."""
         self._started = time.time()
         # Serialises recording a slice change with its trigger time against the sync's drain, so a trigger
         # time is never taken by a sync that did not also take its change.
@@ -100,15 +111,27 @@ class Proxier:
         self._queued()
 
     def set_node(self, node: Node | None) -> None:
+        self.health.set_node(node)
         if node == self.node:
             return
         if node is None:
             # Labels feed topology only: the last known ones are a better guess than none.
             log.warning("the own node was deleted from the API; keeping its last known labels")
             return
-        log.info("node %s: zone=%s addresses=%s", node.name, node.zone or "-",
-                 ",".join(f"{t}={a}" for t, a in node.addresses) or "-")
+        log.info("node %s: zone=%s addresses=%s%s", node.name, node.zone or "-",
+                 ",".join(f"{t}={a}" for t, a in node.addresses) or "-", " (being deleted)" if node.deleting else "")
         self.node = node
+        if self.node_addresses is not None:
+            self.node_addresses.set_primary(node.primary_ipv4)
+
+    def set_node_inputs(self, inputs: NodeInputs) -> None:
+        """This node as the model sees it changed (its addresses, its primary address): every Service is
+        recomputed at the next sync."""
+        with self._lock:
+            if inputs == self._node_inputs:
+                return
+            self._node_inputs = inputs
+        self._queued()
 
     def mark_synced(self) -> None:
         self._synced = True
@@ -128,14 +151,16 @@ class Proxier:
         with self._lock:
             changed = self.cluster.drain_changed_services() | self._retry
             triggers, self._triggers = self._triggers, {}
+            node = self._node_inputs
         full = self._need_full or start - self._last_full >= self.full_sync_period
         self.desired = update_desired_state(
-            self.desired, self.cluster.services.current, self.cluster.slices_for, changed
+            self.desired, self.cluster.services.current, self.cluster.slices_for, changed, node
         )
         changed |= self.desired.also_changed  # waiting Services that got a frontend a changed one let go of
         for notice in self.desired.notices(self.dataplane.mode):  # rejected claims, frontends not rendered yet
             log.warning("%s", notice)
         if not changed and not full and not self.dataplane.housekeeping_due():
+            self._update_service_health(())  # ports that could not be bound are tried again
             return True
         try:
             self.dataplane.apply(self.desired, None if full else changed)
@@ -148,6 +173,7 @@ class Proxier:
             self.metrics.sync_errors.inc()
             raise
         self._retry = set()
+        self._update_service_health(changed)
         applied = time.time()
         for times in triggers.values():
             for triggered in times:
@@ -163,3 +189,9 @@ class Proxier:
             "all" if full else "changes", len(changed), len(self.desired.services), elapsed * 1000,
         )
         return True
+
+    def _update_service_health(self, applied: set[str] | tuple[()]) -> None:
+        """Tell the healthCheckNodePort servers what the Services just applied now have."""
+        if self.service_health is not None:
+            services = self.desired.services
+            self.service_health.update({key: health_check(services.get(key, ())) for key in applied})

@@ -148,6 +148,18 @@ def test_a_node_converts_with_its_addresses_and_primary_ipv4() -> None:
     only_external = set_path(node_doc(), "status.addresses", [{"type": "ExternalIP", "address": "192.0.2.5"}])
     assert node_from_dict(only_external).primary_ipv4 == "192.0.2.5"
     assert node_from_dict(set_path(node_doc(), "status.addresses", [])).primary_ipv4 is None
+    assert not node.deleting
+
+
+@pytest.mark.parametrize(("path", "value", "deleting"), [
+    ("metadata.deletionTimestamp", "2026-11-25T13:00:00Z", True),
+    ("spec", {"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "value": "1700000000", "effect": "NoSchedule"}]},
+     True),
+    ("spec", {"taints": [{"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}]}, False),
+])
+def test_a_node_being_deleted_says_so(path: str, value: Any, deleting: bool) -> None:
+    """Upstream's NodeEligible: neither a deletionTimestamp nor the cluster autoscaler's deletion taint."""
+    assert node_from_dict(set_path(node_doc(), path, value)).deleting is deleting
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,16 @@ from pyproxy.model.objects import (
     ServicePort,
     TrafficPolicy,
 )
-from pyproxy.model.state import Backend, DesiredState, Frontend, FrontendKind, ServicePortState, rendered
+from pyproxy.model.state import (
+    Backend,
+    DesiredState,
+    Frontend,
+    FrontendKind,
+    HealthCheck,
+    ServicePortState,
+    health_check,
+    rendered,
+)
 
 TCP, UDP = Protocol.TCP, Protocol.UDP
 CLUSTER_IP, NODE_PORT = FrontendKind.CLUSTER_IP, FrontendKind.NODE_PORT
@@ -203,6 +212,30 @@ def test_the_health_check_port_is_served_only_for_load_balancers_with_local_poli
         states = compute_service_state(svc(type, external_traffic_policy=policy, health_check_node_port=31000), [],
                                        NODE)
         assert {st.health_check_node_port for st in states} == {None}
+
+
+@pytest.mark.parametrize(("endpoints", "count"), [
+    # Distinct local ready addresses over every port (upstream's LocalReadyEndpoints): each serves two ports.
+    ((ep("10.1.0.1", "node-a"), ep("10.1.0.4", "node-a"), ep("10.1.0.2", "node-b"), ep("10.1.0.3")), 2),
+    # A local endpoint that is terminating (and still serving) does not count: load balancers drain the node.
+    ((ep("10.1.0.1", "node-a", ready=False, serving=True, terminating=True), ep("10.1.0.2", "node-b")), 0),
+    ((ep("10.1.0.1", "node-a", ready=False, serving=True, terminating=True),), 0),
+    ((), 0),
+])
+def test_the_health_check_counts_this_nodes_ready_endpoints(endpoints: tuple[Endpoint, ...], count: int) -> None:
+    lb = svc("LoadBalancer", external_traffic_policy=LOCAL, health_check_node_port=31000)
+    slices = [slice_(*endpoints)]  # each endpoint serves both ports, http and dns
+    assert health_check(compute_service_state(lb, slices, NODE)) == HealthCheck(31000, count)
+    assert health_check(compute_service_state(replace(lb, external_traffic_policy=TrafficPolicy.CLUSTER), slices,
+                                              NODE)) is None
+
+
+def test_a_health_check_without_a_served_external_frontend_counts_nothing() -> None:
+    """No node-port address and no load-balancer IP: nothing external is served here, so nothing is local."""
+    lb = svc("LoadBalancer", ports=(HTTP,), external_traffic_policy=LOCAL, health_check_node_port=31000)
+    states = compute_service_state(lb, [slice_(ep("10.1.0.1", "node-a"))], replace(NODE, nodeport_addresses=()))
+    assert health_check(states) == HealthCheck(31000, 0)
+    assert health_check(()) is None
 
 
 @pytest.mark.parametrize(

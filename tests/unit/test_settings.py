@@ -68,6 +68,9 @@ def test_the_defaults_are_valid() -> None:
     ({"bpf__devices": ("eth0",), "bpf__xdp_devices": ("eth1",)}, "--xdp-devices names eth1, which --devices"),
     ({"bpf__max_entries": {"pyproxy_ct_v2": 0}}, "the capacity of map pyproxy_ct_v2 must be"),
     ({"bpf__ct_timeouts": CtTimeouts(tcp_established=5e6)}, "tcp_established is too long"),
+    ({"nodeport_addresses": ("10.0.0.0/33",)}, "--nodeport-addresses: '10.0.0.0/33' is not a CIDR"),
+    ({"nodeport_addresses": ("10.0.0.1",)}, "--nodeport-addresses: '10.0.0.1' is not a CIDR"),
+    ({"nodeport_addresses": ("primary", "10.0.0.0/8")}, "--nodeport-addresses: 'primary' is not a CIDR (or a lone"),
 ])
 def test_each_wrong_setting_is_named_by_its_flag(changes: dict[str, object], expected: str) -> None:
     found = problems(**changes)
@@ -115,6 +118,22 @@ def test_flags_set_their_settings() -> None:
     assert s.iptables.backend == s.ipvs.iptables_backend == "nft"
     assert s.bpf.devices == ("eth0", "eth1") and s.bpf.xdp_devices == ("eth0",) and str(s.bpf.pin_path) == "/run/x"
     assert settings("--sync-period=45").sync_period == 45.0
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--nodeport-addresses=10.0.0.0/8, 192.168.1.0/24", ("10.0.0.0/8", "192.168.1.0/24")),
+    ("--nodeport-addresses=primary", ("primary",)),
+    ("--nodeport-addresses=", ()),  # empty: the default, every node address
+])
+def test_nodeport_addresses_take_cidrs_or_primary(flag: str, value: tuple[str, ...]) -> None:
+    assert settings(flag).nodeport_addresses == value
+
+
+def test_a_wrong_nodeport_address_ends_the_command_naming_the_flag(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(app, "run", lambda _s: 0)
+    assert cli.main(["run", "--nodeport-addresses=10.0.0.0/8,eth0"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "pyproxy run: error: --nodeport-addresses: 'eth0' is not a CIDR (or a lone 'primary')"]
 
 
 @pytest.mark.parametrize(("flag", "field"), [(ct.flag, ct.field) for ct in cli.CT_FLAGS])

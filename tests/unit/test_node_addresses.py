@@ -1,0 +1,145 @@
+"""The node's addresses reach the model: read through a fake of the kernel, filtered by --nodeport-addresses,
+followed when they change (each change recomputes every Service), the primary address from the Node object."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from pyproxy.dataplane.fake import FakeDataplane
+from pyproxy.dataplane.netlink import Address
+from pyproxy.model.node import NodeInputs
+from pyproxy.model.objects import Node, Protocol, Service, ServicePort
+from pyproxy.model.state import FrontendKind
+from pyproxy.proxier.metrics import ProxyMetrics
+from pyproxy.proxier.node import NodeAddresses
+from pyproxy.proxier.proxier import Proxier
+from pyproxy.proxier.server import ProxyHealth
+
+
+class FakeKernel:
+    """The node's addresses and default-route device, and the watcher's callback to say they changed."""
+
+    def __init__(self, *addresses: Address, default: str | None = "eth0") -> None:
+        self.addresses = list(addresses)
+        self.default = default
+        self.notify: Callable[[], None] | None = None
+        self.started = self.stopped = False
+
+    def watcher(self, on_change: Callable[[], None]) -> FakeKernel:
+        self.notify = on_change
+        return self
+
+    def start(self) -> None:
+        self.started = True
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def change(self, *addresses: Address) -> None:
+        self.addresses = list(addresses)
+        assert self.notify is not None, "not subscribed"
+        self.notify()
+
+
+ETH0 = Address("eth0", "10.0.0.5", False)
+ETH1 = Address("eth1", "192.168.1.5", False)
+LO = Address("lo", "127.0.0.1", True)
+IPVS = Address("kube-ipvs0", "10.96.0.10", False)
+
+
+def tracked(kernel: FakeKernel, setting: tuple[str, ...] = (), name: str = "node-a"
+            ) -> tuple[NodeAddresses, list[NodeInputs]]:
+    seen: list[NodeInputs] = []
+    tracker = NodeAddresses(name, setting, seen.append, list_addresses=lambda: list(kernel.addresses),
+                            default_device=lambda: kernel.default, watcher=kernel.watcher)
+    tracker.start()
+    return tracker, seen
+
+
+@pytest.mark.parametrize(("setting", "chosen"), [
+    ((), ("10.0.0.5", "192.168.1.5")),  # unset: every node address but loopback ones and kube-ipvs0's
+    (("192.168.0.0/16",), ("192.168.1.5",)),
+    (("172.16.0.0/12",), ()),
+    (("primary",), ("10.0.0.5",)),  # the default-route device's first address, without a Node
+    (("fd00::/8",), ("10.0.0.5", "192.168.1.5")),  # as upstream: a family given no CIDR matches all
+])
+def test_nodeport_addresses_filter_the_nodes_own(setting: tuple[str, ...], chosen: tuple[str, ...]) -> None:
+    kernel = FakeKernel(LO, ETH0, ETH1, IPVS)
+    tracker, seen = tracked(kernel, setting)
+    assert kernel.started
+    assert seen == [NodeInputs("node-a", chosen, "10.0.0.5")]
+    tracker.stop()
+    assert kernel.stopped
+
+
+def test_an_address_change_is_handed_over_once_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    kernel = FakeKernel(ETH0)
+    with caplog.at_level("INFO", logger="pyproxy.proxier.node"):
+        tracker, seen = tracked(kernel)
+        kernel.change(ETH0, ETH1)
+        kernel.change(ETH0, ETH1)  # a route or an address of no interest: nothing new
+        kernel.change()
+    assert [i.nodeport_addresses for i in seen] == [("10.0.0.5",), ("10.0.0.5", "192.168.1.5"), ()]
+    assert [r.getMessage() for r in caplog.records] == [
+        "NodePorts use node addresses 10.0.0.5 (--nodeport-addresses unset: every node address)",
+        "NodePorts use node addresses 10.0.0.5, 192.168.1.5 (--nodeport-addresses unset: every node address)",
+        "NodePorts use no node address: the node has no IPv4 address (loopback aside)",
+    ]
+
+
+def test_the_node_objects_primary_address_wins_over_the_default_route() -> None:
+    kernel = FakeKernel(ETH0, ETH1)
+    tracker, seen = tracked(kernel, ("primary",))
+    tracker.set_primary("192.168.1.5")
+    assert seen[-1] == NodeInputs("node-a", ("192.168.1.5",), "192.168.1.5")
+    tracker.set_primary(None)
+    assert seen[-1] == NodeInputs("node-a", ("10.0.0.5",), "10.0.0.5")
+    assert len(seen) == 3
+
+
+def test_addresses_none_of_which_is_chosen_are_named(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="pyproxy.proxier.node"):
+        tracked(FakeKernel(ETH0, ETH1), ("172.16.0.0/12",))
+    assert caplog.records[0].getMessage() == ("NodePorts use no node address (--nodeport-addresses=172.16.0.0/12): "
+                                              "it chooses none of the node's addresses 10.0.0.5, 192.168.1.5")
+
+
+def _proxier() -> tuple[Proxier, FakeDataplane]:
+    dp = FakeDataplane()
+    return Proxier(dp, min_sync_period=0, sync_period=3600, metrics=ProxyMetrics("fake"),
+                   health=ProxyHealth(sync_period=30), node_name="node-a"), dp
+
+
+WEB = Service("default", "web", "NodePort", ("10.96.0.10",), (ServicePort("http", 80, Protocol.TCP, 8080, 30080),))
+
+
+def node_ports(p: Proxier) -> list[str]:
+    return sorted(str(sp.frontend) for sp in p.desired.services["default/web"] if sp.kind is FrontendKind.NODE_PORT)
+
+
+def test_the_node_addresses_reach_the_desired_state_and_a_change_resyncs_every_service(
+        caplog: pytest.LogCaptureFixture) -> None:
+    p, dp = _proxier()
+    kernel = FakeKernel(ETH0)
+    tracker = NodeAddresses("node-a", ("10.0.0.0/8", "192.168.0.0/16"), p.set_node_inputs,
+                            list_addresses=lambda: list(kernel.addresses), default_device=lambda: kernel.default,
+                            watcher=kernel.watcher)
+    p.node_addresses = tracker
+    tracker.start()
+    p.set_service("default/web", WEB)
+    p.mark_synced()
+    with caplog.at_level("WARNING", logger="pyproxy.proxier.proxier"):
+        p.sync()
+    assert node_ports(p) == ["10.0.0.5:30080/TCP"]
+    assert "default/web: NodePort 30080/TCP not served by fake mode yet" in caplog.text
+    kernel.change(ETH0, ETH1, Address("eth2", "172.16.0.5", False))  # from the watcher's thread, in pyproxy
+    p.sync()
+    assert node_ports(p) == ["10.0.0.5:30080/TCP", "192.168.1.5:30080/TCP"]
+    assert dp.applies[-1][1] == {"default/web"}, "the node change reaches the dataplane as a change of web"
+    assert p.desired.node == NodeInputs("node-a", ("10.0.0.5", "192.168.1.5"), "10.0.0.5")
+    # The Node object (API source) names another primary address: the model gets it.
+    p.set_node(Node("node-a", addresses=(("InternalIP", "192.168.1.5"),)))
+    p.sync()
+    assert p.desired.node.primary_ip == "192.168.1.5"
