@@ -9,7 +9,7 @@ assigns slots by position changes as little as possible when one endpoint comes 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -109,13 +109,29 @@ class ServicePortState:
 RENDERED_KINDS: frozenset[FrontendKind] = frozenset({FrontendKind.CLUSTER_IP})
 
 
-def rendered(states: Iterable[ServicePortState],
-             kinds: frozenset[FrontendKind] = RENDERED_KINDS) -> tuple[ServicePortState, ...]:
-    """The frontends of `states` whose kind a mode renders: the one filter every renderer applies."""
+def _bpf_serves(sp: ServicePortState) -> bool:
+    """bpf mode: ClusterIP frontends, and the external ones that need no SNAT (externalTrafficPolicy Local: this
+    node's endpoints, the client's address kept). Those with Cluster policy wait for SNAT in the datapath."""
+    return sp.kind is FrontendKind.CLUSTER_IP or not sp.masquerade
+
+
+SERVES: dict[str, Callable[[ServicePortState], bool]] = {"bpf": _bpf_serves}
+"""The modes that render more than RENDERED_KINDS, by what they render: the one place that says it."""
+
+
+def serves(mode: str | None, kinds: frozenset[FrontendKind] = RENDERED_KINDS) -> Callable[[ServicePortState], bool]:
+    """Whether `mode` renders a frontend yet."""
+    return SERVES.get(mode or "", lambda sp: sp.kind in kinds)
+
+
+def rendered(states: Iterable[ServicePortState], kinds: frozenset[FrontendKind] = RENDERED_KINDS,
+             mode: str | None = None) -> tuple[ServicePortState, ...]:
+    """The frontends of `states` that a mode renders (`serves`): the one filter every renderer applies."""
     states = tuple(states)
+    keep = serves(mode, kinds)
     for sp in states:
-        if sp.kind not in kinds:
-            return tuple(sp for sp in states if sp.kind in kinds)
+        if not keep(sp):
+            return tuple(sp for sp in states if keep(sp))
     return states
 
 
@@ -165,8 +181,9 @@ class DesiredState:
         those `mode` does not render (`kinds`), e.g. "default/web: NodePort 30080/TCP not served by bpf mode
         yet"."""
         lines = [str(c) for c in self.rejected]
+        keep = serves(mode, kinds)
         for key in sorted(self.reshaped):
-            left = [sp for sp in self.services.get(key, ()) if sp.kind not in kinds]
+            left = [sp for sp in self.services.get(key, ()) if not keep(sp)]
             if left:
                 lines.append(f"{key}: {describe_frontends(left)} not served by {mode} mode yet")
         return lines

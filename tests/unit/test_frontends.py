@@ -403,9 +403,10 @@ def test_rendered_keeps_the_cluster_ip_frontends() -> None:
     assert rendered(only) is only
 
 
-def test_every_renderer_renders_exactly_the_cluster_ip_frontends() -> None:
-    """Until the backends render the new kinds, a Service with every kind of frontend programs what its
-    ClusterIP frontends alone program, in every mode."""
+def test_every_renderer_renders_exactly_what_its_mode_serves() -> None:
+    """A Service with every kind of frontend programs what the frontends its mode serves alone program: the
+    ClusterIP ones in the modes that render no other kind yet, and in bpf mode also the external ones that need no
+    SNAT (externalTrafficPolicy Local)."""
     services = cluster(svc("LoadBalancer", external_ips=("192.0.2.10",), load_balancer_ips=("203.0.113.10",),
                            external_traffic_policy=LOCAL, health_check_node_port=31000,
                            load_balancer_source_ranges=("198.51.100.0/24",)))
@@ -415,9 +416,14 @@ def test_every_renderer_renders_exactly_the_cluster_ip_frontends() -> None:
     clusters = DesiredState({k: rendered(v) for k, v in full.services.items()})
     assert len(clusters.services["default/web"]) == 2
 
+    served_by_bpf = DesiredState({k: rendered(v, mode="bpf") for k, v in full.services.items()})
+    assert len(served_by_bpf.services["default/web"]) == 10  # eTP=Local: every frontend needs no SNAT
+    assert bpf_render(Applied(), full.services, {}).batches == bpf_render(Applied(), served_by_bpf.services,
+                                                                          {}).batches
+    assert bpf_render(Applied(), full.services, {}).batches != bpf_render(Applied(), clusters.services, {}).batches
+
     def plans(d: DesiredState) -> list[object]:
         return [
-            bpf_render(Applied(), d.services, {}).batches,
             nftables_render(TableState(), d.services, MasqueradeSettings(), full=True).commands,
             iptables_render(d, set(d.services), {}, MasqueradeSettings()).text,
             ipvs_render(Observed(), Memory(), d.services, full=True, options=Options(), now=0.0).ops,

@@ -25,6 +25,7 @@
 #define PYPROXY_MAP_FRAGS     pyproxy_frag_v1
 #define PYPROXY_MAP_PORTS     pyproxy_port_v1
 #define PYPROXY_MAP_SOCKS     pyproxy_sock_v1
+#define PYPROXY_MAP_SRCRANGES pyproxy_range_v1
 
 /* Default capacities; the loader may resize before load (bpf_map__set_max_entries). */
 #define PYPROXY_MAX_SERVICES  131072   /* frontends: ClusterIP x port x protocol */
@@ -34,9 +35,13 @@
 #define PYPROXY_MAX_FRAGS     8192     /* datagrams being fragmented through a translation at once */
 #define PYPROXY_PORT_WORDS    1024     /* 65536 ports, a bit each */
 #define PYPROXY_MAX_SOCKS     65536    /* node sockets pointed at a backend by the socket hooks */
+#define PYPROXY_MAX_SRCRANGES 16384    /* loadBalancerSourceRanges entries over all frontends */
 
 /* struct pyproxy_svc_value.flags */
 #define PYPROXY_SVC_F_AFFINITY  0x1    /* ClientIP session affinity: a client keeps its backend */
+#define PYPROXY_SVC_F_DROP      0x2    /* no backend: drop, not reject (externalTrafficPolicy Local, no local
+                                        * endpoint while the cluster has some: the client waits for another node) */
+#define PYPROXY_SVC_F_RANGES    0x4    /* new flows only from the frontend's source ranges (PYPROXY_MAP_SRCRANGES) */
 
 /* struct pyproxy_ct_key.dir */
 #define PYPROXY_CT_FORWARD  0          /* client -> frontend, value holds the backend */
@@ -71,6 +76,8 @@ enum pyproxy_counter {
 	PYPROXY_CNT_FRAG_NAT,          /* a non-first fragment followed its datagram's translation */
 	PYPROXY_CNT_SOCK_LB,           /* a node socket's connect or send to a frontend went to a backend */
 	PYPROXY_CNT_SOCK_REFUSED,      /* ... refused: the frontend has no usable endpoint */
+	PYPROXY_CNT_NO_LOCAL,          /* dropped: externalTrafficPolicy Local and no endpoint on this node */
+	PYPROXY_CNT_SOURCE_DENIED,     /* dropped: a new flow from outside the frontend's source ranges */
 	PYPROXY_CNT_MAX,
 };
 
@@ -172,6 +179,14 @@ struct pyproxy_sock_key {
 };
 /* Its value is a struct pyproxy_backend holding the frontend (ClusterIP and port) the socket asked for, which
  * getpeername() and received datagrams' source addresses show. */
+
+/* Key of PYPROXY_MAP_SRCRANGES (an LPM trie): one source range of one frontend. Looked up with all 64 bits (the
+ * frontend's id, then the flow's source): an entry matches the id whole and the source by its prefix. */
+struct pyproxy_srcrange_key {
+	__u32 prefixlen;  /* host order; 32 + the range's prefix length */
+	__be32 svc_id;    /* network byte order, so the trie compares it first and whole */
+	__be32 addr;      /* network byte order; the range's network address */
+};
 
 /* Value of PYPROXY_MAP_STATS (per-CPU): traffic from clients to one frontend. */
 struct pyproxy_svc_stats {

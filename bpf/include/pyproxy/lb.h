@@ -64,6 +64,14 @@ static __always_inline int pyproxy_pick_backend(const struct pyproxy_svc_value *
 	return 1;
 }
 
+/* loadBalancerSourceRanges: whether a new flow from `saddr` may use the frontend. */
+static __always_inline int pyproxy_source_allowed(const struct pyproxy_svc_value *svc, __be32 saddr)
+{
+	struct pyproxy_srcrange_key k = { .prefixlen = 64, .svc_id = bpf_htonl(svc->svc_id), .addr = saddr };
+
+	return bpf_map_lookup_elem(&PYPROXY_MAP_SRCRANGES, &k) != NULL;
+}
+
 /* The frontend a packet is addressed to, if it is one: the first lookup of every packet. */
 static __always_inline struct pyproxy_svc_value *pyproxy_frontend_of(const struct pyproxy_pkt *p)
 {
@@ -140,7 +148,15 @@ static __always_inline int pyproxy_lb_forward(const struct pyproxy_pkt *p, __u64
 		return PYPROXY_PASS;
 	}
 
+	if ((svc->flags & PYPROXY_SVC_F_RANGES) && !pyproxy_source_allowed(svc, p->saddr)) {
+		pyproxy_count(PYPROXY_CNT_SOURCE_DENIED);
+		return PYPROXY_DROP;
+	}
 	if (svc->backend_count == 0) {
+		if (svc->flags & PYPROXY_SVC_F_DROP) {
+			pyproxy_count(PYPROXY_CNT_NO_LOCAL);
+			return PYPROXY_DROP;
+		}
 		pyproxy_count(PYPROXY_CNT_NO_BACKEND);
 		return PYPROXY_REJECT;
 	}

@@ -97,6 +97,17 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_SOCKS SEC(".maps");
 
+/* loadBalancerSourceRanges: (frontend id, source prefix) -> present (value unused). A new flow to a frontend
+ * flagged PYPROXY_SVC_F_RANGES needs a match. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, PYPROXY_MAX_SRCRANGES);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct pyproxy_srcrange_key);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_SRCRANGES SEC(".maps");
+
 /* Per-service traffic counters, indexed by service id; per-CPU so counting needs no atomics. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);

@@ -23,10 +23,11 @@ MAP_EPOCH = "pyproxy_epoch_v1"
 MAP_FRAGS = "pyproxy_frag_v1"
 MAP_PORTS = "pyproxy_port_v1"
 MAP_SOCKS = "pyproxy_sock_v1"
+MAP_SRCRANGES = "pyproxy_range_v1"
 MAP_PREFIX = "pyproxy_"
 """Every map name (and so every pin) starts with it: how cleanup and a newer layout find ours."""
 ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES, MAP_EPOCH,
-            MAP_FRAGS, MAP_PORTS, MAP_SOCKS)
+            MAP_FRAGS, MAP_PORTS, MAP_SOCKS, MAP_SRCRANGES)
 NAME_LEN = 128  # PYPROXY_NAME_LEN
 PORT_WORDS = 1024  # PYPROXY_PORT_WORDS
 CT_TIMEOUTS_VAR = "pyproxy_ct_timeouts"
@@ -45,6 +46,8 @@ SOCK_HOOKS = {PROG_CONNECT4: 10, PROG_SENDMSG4: 14, PROG_RECVMSG4: 19, PROG_GETP
 PROG_PREFIX = "pyproxy_"
 
 SVC_F_AFFINITY = 0x1  # PYPROXY_SVC_F_AFFINITY
+SVC_F_DROP = 0x2  # PYPROXY_SVC_F_DROP
+SVC_F_RANGES = 0x4  # PYPROXY_SVC_F_RANGES
 
 CT_FORWARD = 0  # PYPROXY_CT_FORWARD
 CT_REVERSE = 1  # PYPROXY_CT_REVERSE
@@ -77,6 +80,8 @@ COUNTERS = (
     "frag_nat",
     "sock_lb",
     "sock_refused",
+    "no_local",
+    "source_denied",
 )
 
 IPPROTO = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP}
@@ -228,6 +233,16 @@ class SockKey(ctypes.Structure):
     ]
 
 
+class SrcRangeKey(ctypes.Structure):
+    """struct pyproxy_srcrange_key"""
+
+    _fields_ = [
+        ("prefixlen", ctypes.c_uint32),  # host order; 32 + the range's prefix length
+        ("svc_id", ctypes.c_uint32),  # network order
+        ("addr", ctypes.c_uint32),  # network order
+    ]
+
+
 class SvcStats(ctypes.Structure):
     """struct pyproxy_svc_stats"""
 
@@ -256,6 +271,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "pyproxy_frag_key": FragKey,
     "pyproxy_frag_value": FragValue,
     "pyproxy_sock_key": SockKey,
+    "pyproxy_srcrange_key": SrcRangeKey,
     "pyproxy_svc_stats": SvcStats,
     "pyproxy_svc_name": SvcName,
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import ipaddress
 import itertools
 import logging
 import operator
@@ -90,6 +91,7 @@ _BACKEND_INFO = struct.Struct("=Ixxxx")  # pyproxy_backend_info: flags
 _NAME = struct.Struct(f"{abi.NAME_LEN}s")  # pyproxy_svc_name, NUL-padded
 _SLOT_KEY = struct.Struct("=II")  # pyproxy_slot_key: svc_id, slot
 _U32_KEY = struct.Struct("=I")  # the names map's key
+_SRCRANGE_KEY = struct.Struct("=I4s4s")  # pyproxy_srcrange_key: prefixlen, svc_id (network order), addr
 _U32 = "I"  # array typecode of a host-order u32: packs many slot keys' fields or names keys at once
 _U64 = "Q"  # array typecode of a host-order u64: the port bitmap's words
 assert array.array(_U32).itemsize == 4 and array.array(_U64).itemsize == 8
@@ -104,6 +106,20 @@ def _endpoints(items: Sequence[tuple]) -> bytes:
 def _svc_keys(keys: Sequence[tuple]) -> bytes:
     protos = map(abi.IPPROTO.__getitem__, map(_proto, keys))
     return b"".join(map(_SVC_KEY.pack, map(socket.inet_aton, map(_ip, keys)), map(_port, keys), protos))
+
+
+def _srcrange_keys(keys: Sequence[tuple]) -> bytes:
+    """(svc_id, "a.b.c.d/n") -> pyproxy_srcrange_key: the frontend's id, then the range, as one LPM prefix."""
+    out = []
+    for svc_id, cidr in keys:
+        net = ipaddress.IPv4Network(cidr)
+        out.append(_SRCRANGE_KEY.pack(32 + net.prefixlen, svc_id.to_bytes(4, "big"), net.network_address.packed))
+    return b"".join(out)
+
+
+def _cidr_order(cidr: str) -> tuple[int, int]:
+    net = ipaddress.IPv4Network(cidr)
+    return int(net.network_address), net.prefixlen
 
 
 def _u32s(items: Iterable[int]) -> bytes:
@@ -123,6 +139,7 @@ KEY_CODECS: dict[str, Codec] = {
     abi.MAP_NAMES: lambda keys: _u32s(map(_ip, keys)),  # (svc_id,)
     abi.MAP_EPOCH: lambda keys: _u32s(map(_ip, keys)),  # (0,)
     abi.MAP_PORTS: lambda keys: _u32s(map(_ip, keys)),  # (word,)
+    abi.MAP_SRCRANGES: _srcrange_keys,
 }
 VALUE_CODECS: dict[str, Codec] = {
     abi.MAP_SERVICES: lambda values: b"".join(itertools.starmap(_SVC_VALUE.pack, values)),
@@ -131,6 +148,7 @@ VALUE_CODECS: dict[str, Codec] = {
     abi.MAP_NAMES: _names,
     abi.MAP_EPOCH: lambda values: _u32s(map(_ip, values)),  # (epoch,)
     abi.MAP_PORTS: lambda values: array.array(_U64, map(_ip, values)).tobytes(),  # (bits,)
+    abi.MAP_SRCRANGES: lambda values: _u32s(map(_ip, values)),  # (0,): the value is unused
 }
 
 
@@ -150,12 +168,13 @@ class Maps:
         self.frags: BpfMap = BpfMap(fds[abi.MAP_FRAGS], abi.MAP_FRAGS, abi.FragKey, abi.FragValue)
         self.socks: BpfMap = BpfMap(fds[abi.MAP_SOCKS], abi.MAP_SOCKS, abi.SockKey, abi.Backend)
         self.ports: BpfMap = BpfMap(fds[abi.MAP_PORTS], abi.MAP_PORTS, ctypes.c_uint32, ctypes.c_uint64)
+        self.srcranges: BpfMap = BpfMap(fds[abi.MAP_SRCRANGES], abi.MAP_SRCRANGES, abi.SrcRangeKey, ctypes.c_uint32)
         self.stats: PerCpuArray = PerCpuArray(fds[abi.MAP_STATS], abi.MAP_STATS, abi.SvcStats)
         self.counters: PerCpuArray = PerCpuArray(fds[abi.MAP_COUNTERS], abi.MAP_COUNTERS, ctypes.c_uint64)
         self.by_name: dict[str, BpfMap] = {
             m.name: m
             for m in (self.services, self.slots, self.backends, self.ct, self.names, self.epoch, self.frags,
-                      self.socks, self.ports)
+                      self.socks, self.ports, self.srcranges)
         }
 
     def _svc_values(self, values: Sequence[tuple]) -> bytes:
@@ -207,6 +226,10 @@ class Maps:
         }
         keys, values = self.slots.items_raw()
         slots = dict(zip(_SLOT_KEY.iter_unpack(keys), _BACKEND.iter_unpack(values), strict=True))
+        ranges: dict[int, list[str]] = {}
+        keys, _ = self.srcranges.items_raw()
+        for prefixlen, svc_id, addr in _SRCRANGE_KEY.iter_unpack(keys):
+            ranges.setdefault(int.from_bytes(svc_id, "big"), []).append(f"{socket.inet_ntoa(addr)}/{prefixlen - 32}")
         frontends: dict[FrontendKey, AppliedFrontend] = {}
         keys, values = self.services.items_raw()
         for (vip, port, proto), (svc_id, count, flags, ticks) in zip(
@@ -228,6 +251,8 @@ class Maps:
                 backends=backends,
                 known=backends,
                 affinity_sec=ticks // self.hz if flags & abi.SVC_F_AFFINITY else 0,
+                flags=flags & (abi.SVC_F_DROP | abi.SVC_F_RANGES),
+                source_ranges=tuple(sorted(ranges.get(svc_id, ()), key=_cidr_order)),
             )
         refs: dict[Backend, int] = {}
         for f in frontends.values():

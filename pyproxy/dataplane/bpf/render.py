@@ -47,6 +47,10 @@ class AppliedFrontend:
     backends: tuple[Backend, ...]
     known: tuple[Backend, ...]
     affinity_sec: int
+    flags: int = 0
+    """abi.SVC_F_DROP and abi.SVC_F_RANGES as the services map holds them (affinity is `affinity_sec`)."""
+    source_ranges: tuple[str, ...] = ()
+    """The CIDRs of its entries in MAP_SRCRANGES (loadBalancerSourceRanges)."""
 
 
 class Op(NamedTuple):
@@ -260,7 +264,7 @@ def render(
     # deleted after its new owner wrote it. Which Service serves a frontend the model decided: each is unique.
     claims: dict[FrontendKey, tuple[str, ServicePortState]] = {}
     for service in sorted(desired):
-        for st in rendered(desired[service]):
+        for st in rendered(desired[service], mode="bpf"):
             key = frontend_key(st.frontend)
             if key[2] not in abi.IPPROTO:
                 skipped.append(f"{st.display_name} {st.frontend}: protocol not served by the bpf dataplane")
@@ -290,19 +294,29 @@ def render(
     slot_deletes: list[tuple[int, int]] = []
     name_keys: list[tuple[int]] = []
     name_values: list[tuple[str]] = []
+    range_puts: list[tuple[int, str]] = []
+    range_deletes: list[tuple[int, str]] = []
     for key, (service, st) in claims.items():
         cur_fe = current.get(key)
         affinity = st.session_affinity_seconds
+        # The datapath cannot tell pods from outside clients (no cluster CIDR): every packet entering the node is
+        # served as external, from external_backends (upstream's rule when no local detector is configured).
+        backends = st.external_backends if st.kind.external else st.backends
+        flags = abi.SVC_F_RANGES if st.source_ranges else 0
+        if st.kind.external and not backends and st.backends:
+            flags |= abi.SVC_F_DROP
         known = st.known_backends
-        if known != st.backends and not set(st.backends).issubset(known):
-            known = tuple(sorted(set(known) | set(st.backends)))
+        if known != backends and not set(backends).issubset(known):
+            known = tuple(sorted(set(known) | set(backends)))
         nxt = AppliedFrontend(
             svc_id=cur_fe.svc_id if cur_fe else next(new_ids),
             name=st.display_name,
             service=service,
-            backends=st.backends,
+            backends=backends,
             known=known,
             affinity_sec=affinity,
+            flags=flags,
+            source_ranges=st.source_ranges,
         )
         if cur_fe == nxt:
             continue
@@ -328,8 +342,12 @@ def render(
             resets.append((svc_id,))
             slot_keys.extend((svc_id, i) for i in range(len(new)))
             slot_values.extend(new)
+        old_ranges = cur_fe.source_ranges if cur_fe else ()
+        if old_ranges != nxt.source_ranges:
+            range_puts.extend((svc_id, r) for r in nxt.source_ranges if r not in old_ranges)
+            range_deletes.extend((svc_id, r) for r in old_ranges if r not in nxt.source_ranges)
         entry_keys.append(key)
-        entry_values.append((svc_id, len(new), abi.SVC_F_AFFINITY if affinity else 0, affinity))
+        entry_values.append((svc_id, len(new), (abi.SVC_F_AFFINITY if affinity else 0) | flags, affinity))
         if not cur_fe or cur_fe.name != nxt.name:
             name_keys.append((svc_id,))
             name_values.append((nxt.name,))
@@ -345,12 +363,16 @@ def render(
         port_sets,
         Batch("reset", abi.MAP_STATS, resets),
         Batch("put", abi.MAP_SLOTS, slot_keys, slot_values),
+        # A frontend's ranges are in place before its entry says to check them, and go after it stops saying so.
+        Batch("put", abi.MAP_SRCRANGES, range_puts, [(0,)] * len(range_puts)),
         Batch("put", abi.MAP_SERVICES, entry_keys, entry_values),
+        Batch("del", abi.MAP_SRCRANGES, range_deletes),
         Batch("del", abi.MAP_SLOTS, slot_deletes),
         Batch("put", abi.MAP_NAMES, name_keys, name_values),
         Batch("del", abi.MAP_SERVICES, removed),
         Batch("del", abi.MAP_SLOTS, [(fe.svc_id, i) for fe in gone for i in range(len(fe.backends))]),
         Batch("del", abi.MAP_NAMES, [(fe.svc_id,) for fe in gone]),
+        Batch("del", abi.MAP_SRCRANGES, [(fe.svc_id, r) for fe in gone for r in fe.source_ranges]),
         Batch("del", abi.MAP_BACKENDS, released),
         port_clears,
         epoch_batch(epoch) if released else Batch("put", abi.MAP_EPOCH, ()),
