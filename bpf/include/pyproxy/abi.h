@@ -65,7 +65,7 @@ enum pyproxy_counter {
 	PYPROXY_CNT_NEW_FLOW = 0,      /* a new flow was assigned a backend */
 	PYPROXY_CNT_ESTABLISHED,       /* a packet followed an existing flow's backend */
 	PYPROXY_CNT_REVNAT,            /* a reply got its frontend address back */
-	PYPROXY_CNT_NO_BACKEND,        /* dropped: frontend with no ready backend */
+	PYPROXY_CNT_NO_BACKEND,        /* refused: frontend with no usable backend (reject.h) */
 	PYPROXY_CNT_REBALANCED,        /* a flow's backend was gone, a new one was chosen */
 	PYPROXY_CNT_SLOT_MISS,         /* dropped: slot missing (control plane mid-update) */
 	PYPROXY_CNT_CT_FULL,           /* a flow could not be recorded (map update failed) */
@@ -91,7 +91,7 @@ struct pyproxy_svc_key {
 
 struct pyproxy_svc_value {
 	__u32 svc_id;          /* host order; index into PYPROXY_MAP_STATS and key part of slots */
-	__u16 backend_count;   /* host order; ready backends in slots 0..count-1; 0 = drop */
+	__u16 backend_count;   /* host order; backends in slots 0..count-1; 0 = refuse (or drop: F_DROP) */
 	__u16 flags;           /* host order; PYPROXY_SVC_F_* */
 	__u32 affinity_ticks;  /* host order; ClientIP affinity timeout in ticks (jiffies) when PYPROXY_SVC_F_AFFINITY */
 	__u32 pad;             /* zero */
