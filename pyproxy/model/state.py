@@ -105,8 +105,15 @@ class ServicePortState:
 
 # The kinds of frontend the dataplane modes render today. The model knows every kind; until a mode renders the
 # others, its renderer takes only these (`rendered`), and the proxier says once per Service what is left out
-# (`DesiredState.notices`).
+# (`DesiredState.notices`). `MODE_KINDS` names the modes that render more, with their kinds.
 RENDERED_KINDS: frozenset[FrontendKind] = frozenset({FrontendKind.CLUSTER_IP})
+ALL_KINDS: frozenset[FrontendKind] = frozenset(FrontendKind)
+MODE_KINDS: Mapping[str, frozenset[FrontendKind]] = {"nftables": ALL_KINDS}
+
+
+def mode_kinds(mode: str) -> frozenset[FrontendKind]:
+    """The kinds of frontend `mode` renders."""
+    return MODE_KINDS.get(mode, RENDERED_KINDS)
 
 
 def rendered(states: Iterable[ServicePortState],
@@ -160,10 +167,11 @@ class DesiredState:
     def frontends(self) -> dict[Frontend, ServicePortState]:
         return {sp.frontend: sp for states in self.services.values() for sp in states}
 
-    def notices(self, mode: str, kinds: frozenset[FrontendKind] = RENDERED_KINDS) -> list[str]:
+    def notices(self, mode: str, kinds: frozenset[FrontendKind] | None = None) -> list[str]:
         """Lines for the log, once per change: the rejected claims, and per Service whose frontends changed,
-        those `mode` does not render (`kinds`), e.g. "default/web: NodePort 30080/TCP not served by bpf mode
-        yet"."""
+        those `mode` does not render (`kinds`; by default `mode_kinds(mode)`), e.g. "default/web: NodePort
+        30080/TCP not served by bpf mode yet"."""
+        kinds = mode_kinds(mode) if kinds is None else kinds
         lines = [str(c) for c in self.rejected]
         for key in sorted(self.reshaped):
             left = [sp for sp in self.services.get(key, ()) if sp.kind not in kinds]

@@ -24,7 +24,7 @@ from flowcases import ALT, B1, B2, B3, DNS, HTTP, NO_ANSWER, REFUSED, Outcome, a
 from pyproxy.dataplane.fake import FakeDataplane
 from pyproxy.k8s.manifest import ManifestSource
 from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
-from pyproxy.lab.netns import CLIENT_IP, backend_ip
+from pyproxy.lab.netns import CLIENT_IP, NODE_CLIENT_IP, NODE_UPLINK_IP, backend_ip
 from pyproxy.model.state import DesiredState
 from pyproxy.proxier.metrics import ProxyMetrics
 from pyproxy.proxier.proxier import Proxier
@@ -53,6 +53,9 @@ BEFORE = documents(
 BACKENDS = {backend_ip(i): f"b{i}" for i in (1, 2, 3)}
 """Lab addressing (pyproxy.lab): backend I is 10.201.I.2, named bI in the table."""
 SOURCES = {"client": CLIENT_IP, **{name: ip for ip, name in BACKENDS.items()}}
+NODE_ADDRESSES = (NODE_UPLINK_IP, NODE_CLIENT_IP, *(f"10.201.{i}.1" for i in (1, 2, 3)))
+"""The node's own addresses in the table's lab (a distro lab with three backends): NodePorts are served on all of
+them, as pyproxy serves them without --nodeport-addresses."""
 
 Memory = frozenset[tuple[str, ...]]
 """What flows leave behind for later ones, as hashable facts (each tracer says which)."""
@@ -77,6 +80,13 @@ class Verdict:
     delivered to the node's own stack), which matches no expected outcome."""
     backend: str = ""
     memory: Memory = frozenset()
+
+
+def untranslated(pkt: Packet) -> Verdict:
+    """A new flow no rule translated or dropped: to a node address it reaches the node's own stack, where nothing
+    listens on the table's ports, which refuses it (a TCP reset, an ICMP port unreachable); elsewhere it is routed
+    on, away from the lab, and nothing answers."""
+    return Verdict("refused" if pkt.dst in NODE_ADDRESSES else "no-answer")
 
 
 class Tracer(Protocol):
