@@ -2,7 +2,7 @@
 a run of syncs, each from the `Applied` the one before committed (as the backend's apply()).
 
 Models: the ops applied in order to dict "maps" (put, del, reset; deleting what is not there fails); the services
-map looked up by (daddr, dport, proto): a miss passes the packet untranslated (nothing in the lab answers it),
+map looked up by (daddr, dport, proto): a miss passes the packet untranslated (common.untranslated),
 backend_count 0 is refused (TC answers a reset or a port unreachable, reject.h), else every slot 0..backend_count-1
 is a possible pick (a missing slot drops); with the affinity flag, a second flow from the client reuses the backend
 the first one recorded while that backend is in the backends map.
@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 
 from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.render import Applied, Plan, render
-from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict
+from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict, untranslated
 
 CAPACITY = {abi.MAP_SERVICES: 65536, abi.MAP_SLOTS: 1 << 20, abi.MAP_BACKENDS: 65536, abi.MAP_STATS: 65536}
 _PROTO = {"tcp": "TCP", "udp": "UDP"}
@@ -58,7 +58,7 @@ class BpfTracer:
     def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
         svc = self.maps.get(abi.MAP_SERVICES, {}).get((pkt.dst, pkt.port, _PROTO[pkt.proto]))
         if svc is None:
-            yield Verdict("no-answer")
+            yield untranslated(pkt)
             return
         svc_id, count, flags, _affinity_seconds = svc
         if count == 0:
