@@ -30,6 +30,7 @@ NODE_IP = "10.200.0.1"
 EXTERNAL_IP, LB_IP, LB_CLOSED_IP, LB_OPEN_IP = "192.0.2.10", "203.0.113.10", "203.0.113.11", "203.0.113.12"
 NP_HTTP, NP_DNS = Port("http", 80, 8080, node_port=30080), Port("dns", 53, 5353, "UDP", node_port=30053)
 LOCAL_HTTP, ELSEWHERE_HTTP = Port("http", 80, 8080, node_port=30082), Port("http", 80, 8080, node_port=30083)
+EMPTY_HTTP = Port("http", 80, 8080, node_port=30084)
 
 # The cluster the table runs against: manifests for the --source folder.
 MANIFESTS = documents(
@@ -68,6 +69,8 @@ MANIFESTS = documents(
     service("np-elsewhere", "10.96.20.13", [ELSEWHERE_HTTP], type="NodePort", external_traffic_policy="Local"),
     endpoint_slice("np-elsewhere", {B1: True, B2: True}, [ELSEWHERE_HTTP],
                    node_names={B1: "other-node", B2: "other-node"}),
+    service("np-empty", "10.96.20.14", [EMPTY_HTTP], type="NodePort"),
+    endpoint_slice("np-empty", {}, [EMPTY_HTTP]),
 )
 
 
@@ -173,6 +176,14 @@ EXTERNAL_CASES = (
              by_mode=_not_rendered_yet(REFUSED)),
     FlowCase("externalTrafficPolicy Local, no endpoint on this node: the ClusterIP answers", "tcp", "10.96.20.13", 80,
              answered_by("b1:8080", "b2:8080")),
+    # Refused in every mode: by the rules, or by the node's stack where a mode does not render NodePorts yet.
+    FlowCase("a NodePort of a Service without endpoints: refused", "tcp", NODE_IP, 30084, REFUSED),
+    # The node's own processes reach NodePorts (nat OUTPUT in nftables mode); with externalTrafficPolicy Local
+    # they are not limited to this node's endpoints (upstream's short circuit: masqueraded, every endpoint).
+    FlowCase("from the node itself to a NodePort", "tcp", NODE_IP, 30080, answered_by("b1:8080", "b2:8080"),
+             src="node", by_mode=_not_rendered_yet(REFUSED)),
+    FlowCase("from the node, externalTrafficPolicy Local without a local endpoint: every endpoint", "tcp", NODE_IP,
+             30083, answered_by("b1:8080", "b2:8080"), src="node", by_mode=_not_rendered_yet(REFUSED)),
 )
 CASES += EXTERNAL_CASES
 
