@@ -534,3 +534,17 @@ def test_a_listing_with_node_ports_parses_back() -> None:
     state = parse_listing(listing)
     assert state.nodeport_ips == frozenset(NODE_IPS)
     assert state.elems(SERVICE_NODEPORTS) == {("", "tcp", 30080): Elem("goto external-X")}
+
+
+def test_udp_node_port_flows_of_endpoints_that_left_are_flushed_by_port() -> None:
+    e1, e2 = Backend("10.1.0.1", 5353), Backend("10.1.0.2", 5353)
+    dns_np = {"default/dns": (ext(FrontendKind.NODE_PORT, NODE_IPS[0], 30053, backends=(e1, e2), proto="UDP",
+                                  service="default/dns"),)}
+    first = full(TableState(), dns_np, nodeport_ips=NODE_IPS)
+    assert ConntrackFlush("", 30053) in first.flushes, "a NodePort that just got endpoints forgets older flows"
+    fewer = {"default/dns": (ext(FrontendKind.NODE_PORT, NODE_IPS[0], 30053, backends=(e1,), proto="UDP",
+                                 service="default/dns"),)}
+    plan = partial(first.state, fewer, nodeport_ips=NODE_IPS)
+    assert plan.flushes == (ConntrackFlush("", 30053, e2),)
+    assert plan.flushes[0].argv() == ["conntrack", "-D", "-p", "udp", "--orig-port-dst", "30053",
+                                      "--dst-nat", "10.1.0.2", "--reply-port-src", "5353"]

@@ -182,7 +182,8 @@ class NftablesDataplane:
 
 def _with_known(kernel: TableState, memory: TableState) -> TableState:
     """The kernel's state, plus the not-ready endpoints `memory` knew for frontends the kernel still has."""
-    keys = set(kernel.elems(SERVICE_IPS)) | set(kernel.elems(NO_ENDPOINT_SERVICES))
+    keys = {k for m in (SERVICE_IPS, NO_ENDPOINT_SERVICES, SERVICE_NODEPORTS, NO_ENDPOINT_NODEPORTS)
+            for k in kernel.elems(m)}
     known = dict(kernel.known)
     for key in keys & set(memory.known):
         known[key] = known.get(key, frozenset()) | memory.known[key]

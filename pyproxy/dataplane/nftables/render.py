@@ -197,14 +197,16 @@ def elem_key(sp: ServicePortState) -> ElemKey:
 @dataclass(frozen=True, slots=True)
 class ConntrackFlush:
     """UDP flows to forget once the transaction is in: those to `vip:port` DNATed to `endpoint`, or all of them
-    (a frontend that just got endpoints: flows from before it had any were never DNATed)."""
+    (a frontend that just got endpoints: flows from before it had any were never DNATed). `vip` "": a NodePort,
+    whose flows are those to `port` on any address (as upstream clears them)."""
 
     vip: str
     port: int
     endpoint: Backend | None = None
 
     def argv(self) -> list[str]:
-        argv = ["conntrack", "-D", "-p", "udp", "--orig-dst", self.vip, "--orig-port-dst", str(self.port)]
+        argv = ["conntrack", "-D", "-p", "udp", *(["--orig-dst", self.vip] if self.vip else []),
+                "--orig-port-dst", str(self.port)]
         if self.endpoint is not None:
             argv += ["--dst-nat", self.endpoint.ip, "--reply-port-src", str(self.endpoint.port)]
         return argv
@@ -310,8 +312,7 @@ def _port_objects(states: Sequence[ServicePortState], masq: MasqueradeSettings, 
         key, node_port = elem_key(st), st.kind is FrontendKind.NODE_PORT
         if st.source_ranges:
             wanted.elements[FIREWALL_IPS][key] = Elem(f"goto {port_fw}")
-        if not node_port:
-            wanted.known[key] = frozenset(st.known_backends) | frozenset(st.backends)
+        wanted.known[key] = frozenset(st.known_backends) | frozenset(st.backends)
         if not st.backends:
             comment = st.display_name[:COMMENT_MAX]  # the owner, `ns/name`, comes first and fits
             reject_map = NO_ENDPOINT_NODEPORTS if node_port else NO_ENDPOINT_SERVICES
@@ -440,14 +441,16 @@ def _element_commands(old: Mapping[str, Mapping[ElemKey, Elem]], new: Mapping[st
     return deletes + adds
 
 
-def _flushes(old_service_ips: Mapping[ElemKey, Elem], old_known: Mapping[ElemKey, frozenset[Backend]],
+def _flushes(old_served: Mapping[ElemKey, Elem], old_known: Mapping[ElemKey, frozenset[Backend]],
              wanted: _Wanted) -> list[ConntrackFlush]:
+    """`old_served`: the elements of `service-ips` and `service-nodeports` in scope (their keys never collide)."""
+    served = {**wanted.elements[SERVICE_IPS], **wanted.elements[SERVICE_NODEPORTS]}
     flushes = []
     for key in sorted(set(old_known) | set(wanted.known)):
         vip, proto, port = key
         if proto != "udp":
             continue
-        if key in wanted.elements[SERVICE_IPS] and key not in old_service_ips:
+        if key in served and key not in old_served:
             flushes.append(ConntrackFlush(vip, port))
         gone = old_known.get(key, frozenset()) - wanted.known.get(key, frozenset())
         flushes += [ConntrackFlush(vip, port, b) for b in sorted(gone)]
@@ -494,11 +497,13 @@ def render(state: TableState, services: Mapping[str, Iterable[ServicePortState]]
     cmds += [_t("delete set", s) for s in stale_sets] + [_t("delete map", m) for m in stale_maps]
     cmds += [_t("delete chain", c) for c in deleted]
 
-    scope_keys = set(old_elems[SERVICE_IPS]) | set(old_elems[NO_ENDPOINT_SERVICES])
+    scope_keys = {k for m in (SERVICE_IPS, NO_ENDPOINT_SERVICES, SERVICE_NODEPORTS, NO_ENDPOINT_NODEPORTS)
+                  for k in old_elems[m]}
     old_known = {k: v for k, v in state.known.items() if k in scope_keys}
     after = replace(_after(state, wanted, fixed, old_elems, deleted, stale_sets, stale_maps, full),
                     nodeport_ips=nodeport_set)
-    return Plan(commands=tuple(cmds), state=after, flushes=tuple(_flushes(old_elems[SERVICE_IPS], old_known, wanted)),
+    old_served = {**old_elems[SERVICE_IPS], **old_elems[SERVICE_NODEPORTS]}
+    return Plan(commands=tuple(cmds), state=after, flushes=tuple(_flushes(old_served, old_known, wanted)),
                 deferred=frozenset(stale_chains) - frozenset(deleted))
 
 

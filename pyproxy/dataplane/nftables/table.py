@@ -159,7 +159,9 @@ def parse_listing(doc: Mapping[str, Any]) -> TableState:
             maps.add(m["name"])
             elements[m["name"]] = dict(_map_elements(m.get("elem", [])))
     return TableState(present=present, chains=chains, sets=sets, maps=frozenset(maps), elements=elements,
-                      nodeport_ips=nodeport_ips, known=_known_from_chains(chains, elements.get(SERVICE_IPS, {})))
+                      nodeport_ips=nodeport_ips,
+                      known=_known_from_chains(chains, {**elements.get(SERVICE_IPS, {}),
+                                                        **elements.get(SERVICE_NODEPORTS, {})}))
 
 
 def _map_elements(raw: list[Any]) -> Iterator[tuple[ElemKey, Elem]]:
