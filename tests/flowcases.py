@@ -7,8 +7,11 @@ The outcome is what a client sees over many new flows: which backends answered, 
 same one (session affinity), or how the flows failed. Where a mode deliberately differs from upstream's
 semantics, the case says so in `by_mode`, with the reason, so a difference is a decision, never an accident.
 
-Lab addressing (pyproxy.lab): client 10.200.0.2, backend I at 10.201.I.2 (named bI), servers on TCP 8080
-and 9090 and UDP 5353 in every backend.
+Lab addressing (pyproxy.lab): client 10.200.0.2 (outside the cluster), backend I at 10.201.I.2 (named bI),
+servers on TCP 8080 and 9090 and UDP 5353 in every backend. The node (pyproxy runs as `--hostname-override=
+lab-node`, NODE_NAME) has 10.200.0.1 on the client's link, 10.201.I.1 on backend I's and 10.199.0.1 on its
+uplink; NodePorts are served on all of them (no --nodeport-addresses). Every backend is a pod of this node;
+a slice may still say another `nodeName`, which is what externalTrafficPolicy Local looks at.
 """
 
 from __future__ import annotations
@@ -21,6 +24,13 @@ from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
 
 B1, B2, B3 = "10.201.1.2", "10.201.2.2", "10.201.3.2"
 HTTP, ALT, DNS = Port("http", 80, 8080), Port("alt", 443, 9090), Port("dns", 53, 5353, "UDP")
+NODE_NAME = "lab-node"
+NODE_IP = "10.200.0.1"
+"""The node's address on the client's link: where the client sends NodePort traffic."""
+EXTERNAL_IP, LB_IP, LB_CLOSED_IP, LB_OPEN_IP = "192.0.2.10", "203.0.113.10", "203.0.113.11", "203.0.113.12"
+NP_HTTP, NP_DNS = Port("http", 80, 8080, node_port=30080), Port("dns", 53, 5353, "UDP", node_port=30053)
+LOCAL_HTTP, ELSEWHERE_HTTP = Port("http", 80, 8080, node_port=30082), Port("http", 80, 8080, node_port=30083)
+EMPTY_HTTP = Port("http", 80, 8080, node_port=30084)
 
 # The cluster the table runs against: manifests for the --source folder.
 MANIFESTS = documents(
@@ -39,6 +49,28 @@ MANIFESTS = documents(
     endpoint_slice("sticky", {B1: True, B2: True, B3: True}, [HTTP]),
     service("only-b2", "10.96.20.6", [HTTP]),
     endpoint_slice("only-b2", {B2: True}, [HTTP]),
+    # Traffic from outside the cluster: external IPs, load-balancer IPs, NodePorts.
+    service("ext", "10.96.20.7", [HTTP], external_ips=[EXTERNAL_IP]),
+    endpoint_slice("ext", {B1: True, B2: True}, [HTTP]),
+    service("lb", "10.96.20.8", [HTTP], type="LoadBalancer", load_balancer_ips=[LB_IP]),
+    endpoint_slice("lb", {B1: True, B2: True}, [HTTP]),
+    # loadBalancerSourceRanges: one that leaves the client out, one that holds it.
+    service("lb-closed", "10.96.20.9", [HTTP], type="LoadBalancer", load_balancer_ips=[LB_CLOSED_IP],
+            source_ranges=["198.51.100.0/24"]),
+    endpoint_slice("lb-closed", {B1: True, B2: True}, [HTTP]),
+    service("lb-open", "10.96.20.10", [HTTP], type="LoadBalancer", load_balancer_ips=[LB_OPEN_IP],
+            source_ranges=["198.51.100.0/24", "10.200.0.0/24"]),
+    endpoint_slice("lb-open", {B1: True, B2: True}, [HTTP]),
+    service("np", "10.96.20.11", [NP_HTTP, NP_DNS], type="NodePort"),
+    endpoint_slice("np", {B1: True, B2: True}, [NP_HTTP, NP_DNS]),
+    # externalTrafficPolicy Local: b1 is this node's, b2 another node's; then all of them on another node.
+    service("np-local", "10.96.20.12", [LOCAL_HTTP], type="NodePort", external_traffic_policy="Local"),
+    endpoint_slice("np-local", {B1: True, B2: True}, [LOCAL_HTTP], node_names={B1: NODE_NAME, B2: "other-node"}),
+    service("np-elsewhere", "10.96.20.13", [ELSEWHERE_HTTP], type="NodePort", external_traffic_policy="Local"),
+    endpoint_slice("np-elsewhere", {B1: True, B2: True}, [ELSEWHERE_HTTP],
+                   node_names={B1: "other-node", B2: "other-node"}),
+    service("np-empty", "10.96.20.14", [EMPTY_HTTP], type="NodePort"),
+    endpoint_slice("np-empty", {}, [EMPTY_HTTP]),
 )
 
 
@@ -107,6 +139,55 @@ CASES = (
     FlowCase("from the node, ClientIP affinity sticks", "tcp", "10.96.20.5", 80,
              sticky("b1:8080", "b2:8080", "b3:8080"), src="node"),
 )
+
+
+# Modes that render only ClusterIP frontends so far (pyproxy.model.state.SERVES; bpf mode also renders external
+# frontends with externalTrafficPolicy Local, which need no SNAT). What a client sees of a
+# frontend such a mode does not render: an external or load-balancer IP is routed on, untranslated, and nothing
+# answers; a NodePort reaches the node's own stack, where nothing listens on it, which refuses the flow.
+_CLUSTER_IP_ONLY = ("bpf", "iptables", "ipvs")
+
+
+def _not_rendered_yet(outcome: Outcome, modes: tuple[str, ...] = _CLUSTER_IP_ONLY) -> dict[str, Outcome]:
+    """`by_mode` of a case whose frontend is not rendered by these modes yet (issue 10): `outcome` in each."""
+    return dict.fromkeys(modes, outcome)
+
+
+EXTERNAL_CASES = (
+    FlowCase("an external IP reaches the endpoints", "tcp", EXTERNAL_IP, 80, answered_by("b1:8080", "b2:8080"),
+             by_mode=_not_rendered_yet(NO_ANSWER)),
+    FlowCase("a load-balancer IP reaches the endpoints", "tcp", LB_IP, 80, answered_by("b1:8080", "b2:8080"),
+             by_mode=_not_rendered_yet(NO_ANSWER)),
+    # Sources outside loadBalancerSourceRanges are dropped (upstream's firewall chain), so the client waits.
+    FlowCase("a load-balancer IP whose source ranges leave the client out: no answer", "tcp", LB_CLOSED_IP, 80,
+             NO_ANSWER),
+    FlowCase("a load-balancer IP whose source ranges hold the client", "tcp", LB_OPEN_IP, 80,
+             answered_by("b1:8080", "b2:8080"), by_mode=_not_rendered_yet(NO_ANSWER)),
+    FlowCase("a NodePort on the node's address reaches the endpoints", "tcp", NODE_IP, 30080,
+             answered_by("b1:8080", "b2:8080"), by_mode=_not_rendered_yet(REFUSED)),
+    FlowCase("a NodePort on the node's address reaches the endpoints, udp", "udp", NODE_IP, 30053,
+             answered_by("b1:5353", "b2:5353"), by_mode=_not_rendered_yet(REFUSED)),
+    # externalTrafficPolicy Local: only this node's endpoints serve clients from outside the cluster.
+    FlowCase("externalTrafficPolicy Local: only this node's endpoint", "tcp", NODE_IP, 30082, answered_by("b1:8080"),
+             by_mode=_not_rendered_yet(REFUSED, ("iptables", "ipvs"))),
+    # ... and with none on this node while the cluster has some, the flow is dropped (the client's load balancer
+    # tries another node), as upstream's DROP; the same Service's ClusterIP still answers.
+    FlowCase("externalTrafficPolicy Local, no endpoint on this node: no answer", "tcp", NODE_IP, 30083, NO_ANSWER,
+             by_mode=_not_rendered_yet(REFUSED, ("iptables", "ipvs"))),
+    FlowCase("externalTrafficPolicy Local, no endpoint on this node: the ClusterIP answers", "tcp", "10.96.20.13", 80,
+             answered_by("b1:8080", "b2:8080")),
+    # Refused in every mode: by the rules, or by the node's stack where a mode does not render NodePorts yet.
+    FlowCase("a NodePort of a Service without endpoints: refused", "tcp", NODE_IP, 30084, REFUSED),
+    # The node's own processes reach NodePorts (nat OUTPUT in nftables mode); with externalTrafficPolicy Local
+    # they are not limited to this node's endpoints (upstream's short circuit: masqueraded, every endpoint).
+    FlowCase("from the node itself to a NodePort", "tcp", NODE_IP, 30080, answered_by("b1:8080", "b2:8080"),
+             src="node", by_mode=_not_rendered_yet(REFUSED)),
+    # bpf mode's socket hooks serve a node process from the frontend's own endpoints, this node's for Local: no
+    # short circuit to every endpoint yet, so none here refuses the connect().
+    FlowCase("from the node, externalTrafficPolicy Local without a local endpoint: every endpoint", "tcp", NODE_IP,
+             30083, answered_by("b1:8080", "b2:8080"), src="node", by_mode=_not_rendered_yet(REFUSED)),
+)
+CASES += EXTERNAL_CASES
 
 
 def outcome_of(result: Mapping[str, Any]) -> Outcome:

@@ -43,15 +43,22 @@ def _q(value: object) -> str:
 
 def service(name: str, cluster_ip: str, ports: Sequence[Port], *, namespace: str = "default",
             affinity_seconds: int | None = None, type: str = "ClusterIP",  # noqa: A002 - the field's name
-            external_traffic_policy: str | None = None, health_check_node_port: int | None = None) -> str:
+            external_traffic_policy: str | None = None, health_check_node_port: int | None = None,
+            external_ips: Sequence[str] = (), load_balancer_ips: Sequence[str] = (),
+            source_ranges: Sequence[str] = ()) -> str:
     """A Service (ClusterIP unless `type` says otherwise); `affinity_seconds` turns on ClientIP session affinity
-    for that long."""
+    for that long; `external_ips` are spec.externalIPs, `load_balancer_ips` its status's ingress IPs,
+    `source_ranges` spec.loadBalancerSourceRanges."""
     lines = ["apiVersion: v1", "kind: Service", "metadata:", f"  name: {_q(name)}",
              f"  namespace: {_q(namespace)}", "spec:", f"  type: {_q(type)}", f"  clusterIP: {_q(cluster_ip)}"]
     if external_traffic_policy is not None:
         lines.append(f"  externalTrafficPolicy: {_q(external_traffic_policy)}")
     if health_check_node_port is not None:
         lines.append(f"  healthCheckNodePort: {health_check_node_port}")
+    if external_ips:
+        lines += ["  externalIPs:"] + [f"  - {_q(ip)}" for ip in external_ips]
+    if source_ranges:
+        lines += ["  loadBalancerSourceRanges:"] + [f"  - {_q(r)}" for r in source_ranges]
     if affinity_seconds is not None:
         lines += ["  sessionAffinity: ClientIP", "  sessionAffinityConfig:", "    clientIP:",
                   f"      timeoutSeconds: {affinity_seconds}"]
@@ -61,6 +68,8 @@ def service(name: str, cluster_ip: str, ports: Sequence[Port], *, namespace: str
                   f"    targetPort: {_q(p.backend_port if p.target_port is None else p.target_port)}"]
         if p.node_port is not None:
             lines.append(f"    nodePort: {p.node_port}")
+    if load_balancer_ips:
+        lines += ["status:", "  loadBalancer:", "    ingress:"] + [f"    - ip: {_q(ip)}" for ip in load_balancer_ips]
     return "\n".join(lines) + "\n"
 
 

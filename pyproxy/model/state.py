@@ -105,8 +105,12 @@ class ServicePortState:
 
 # The kinds of frontend the dataplane modes render today. The model knows every kind; until a mode renders the
 # others, its renderer takes only these (`rendered`), and the proxier says once per Service what is left out
-# (`DesiredState.notices`).
+# (`DesiredState.notices`). `MODE_KINDS` names the modes that render more, with their kinds.
 RENDERED_KINDS: frozenset[FrontendKind] = frozenset({FrontendKind.CLUSTER_IP})
+ALL_KINDS: frozenset[FrontendKind] = frozenset(FrontendKind)
+
+Serves = Callable[["ServicePortState"], bool]
+"""Whether a mode renders a frontend (yet)."""
 
 
 def _bpf_serves(sp: ServicePortState) -> bool:
@@ -115,12 +119,13 @@ def _bpf_serves(sp: ServicePortState) -> bool:
     return sp.kind is FrontendKind.CLUSTER_IP or not sp.masquerade
 
 
-SERVES: dict[str, Callable[[ServicePortState], bool]] = {"bpf": _bpf_serves}
-"""The modes that render more than RENDERED_KINDS, by what they render: the one place that says it."""
+SERVES: Mapping[str, Serves] = {"nftables": lambda sp: True, "bpf": _bpf_serves}
+"""What the modes that render more than RENDERED_KINDS render: the one place that says it (renderers filter with
+`rendered`, the log names what is left out with `DesiredState.notices`)."""
 
 
-def serves(mode: str | None, kinds: frozenset[FrontendKind] = RENDERED_KINDS) -> Callable[[ServicePortState], bool]:
-    """Whether `mode` renders a frontend yet."""
+def serves(mode: str | None, kinds: frozenset[FrontendKind] = RENDERED_KINDS) -> Serves:
+    """Whether `mode` renders a frontend; a mode not in SERVES renders `kinds`."""
     return SERVES.get(mode or "", lambda sp: sp.kind in kinds)
 
 
@@ -178,8 +183,8 @@ class DesiredState:
 
     def notices(self, mode: str, kinds: frozenset[FrontendKind] = RENDERED_KINDS) -> list[str]:
         """Lines for the log, once per change: the rejected claims, and per Service whose frontends changed,
-        those `mode` does not render (`kinds`), e.g. "default/web: NodePort 30080/TCP not served by bpf mode
-        yet"."""
+        those `mode` does not render (`serves`), e.g. "default/web: NodePort 30080/TCP not served by iptables
+        mode yet"."""
         lines = [str(c) for c in self.rejected]
         keep = serves(mode, kinds)
         for key in sorted(self.reshaped):

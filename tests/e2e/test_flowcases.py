@@ -4,7 +4,7 @@ namespace lab. IPVS, which this kernel lacks, runs the same table inside the qem
 from __future__ import annotations
 
 import pytest
-from flowcases import MANIFESTS, mismatches
+from flowcases import MANIFESTS, NODE_NAME, mismatches
 
 pytestmark = pytest.mark.root
 
@@ -23,6 +23,7 @@ def test_every_mode_agrees_on_the_flow_table(make_env, mode: str, args: list[str
     # node without a route for the ClusterIP would never reach.
     env = make_env(3, distro=True)
     env.write("cluster.yaml", MANIFESTS)
-    env.start(mode=mode, args=args)
+    # The node's name, which the table's externalTrafficPolicy Local slices name as their endpoints' nodeName.
+    env.start(mode=mode, args=[f"--hostname-override={NODE_NAME}", *args])
     wrong = mismatches(env.lab, mode)
     assert not wrong, f"{mode} {args}:\n" + "\n".join(wrong)

@@ -2,7 +2,8 @@
 
 What a user notices: who answers a ClusterIP (ready endpoints only, TCP and UDP, each port to its own target
 port), how fast a change takes effect, a Service without endpoints refused at once, ClientIP affinity,
-masquerading as upstream (hairpin; --masquerade-all and --cluster-cidr), a restart that keeps traffic
+masquerading as upstream (hairpin; --masquerade-all and --cluster-cidr; external traffic by its
+externalTrafficPolicy, pods and the node short-circuiting a Local one), a restart that keeps traffic
 flowing, and `pyproxy cleanup` leaving nothing of ours. Every table lives in the lab's own namespaces.
 """
 
@@ -12,6 +13,7 @@ import json
 import time
 from collections.abc import Mapping
 
+import flowcases as fc
 import pytest
 from scenarios import (
     DNS_IP,
@@ -196,3 +198,28 @@ def test_restart_keeps_traffic_and_cleanup_removes_the_table(make_env, record_pr
     assert table(env) is None, "table ip pyproxy is still there after cleanup"
     after = env.probe("tcp", WEB_IP, 80, 3, timeout=0.5)
     assert not after["replies"], f"the ClusterIP still answers after cleanup: {describe(after)}"
+
+
+def test_external_traffic_is_snated_with_cluster_policy_and_keeps_the_client_with_local(make_env) -> None:
+    """Who the endpoint sees (upstream's semantics): externalTrafficPolicy Cluster SNATs every external flow to
+    the node, so replies from another node's endpoint would come back through it; Local keeps the client's own
+    address; pods (with --cluster-cidr) short-circuit a Local Service with no endpoint here to every endpoint,
+    keeping their address; the node's own connections are masqueraded."""
+    env = make_env(3, distro=True)
+    env.write_raw("cluster.yaml", fc.MANIFESTS)
+    env.start(mode=MODE, args=[f"--hostname-override={fc.NODE_NAME}", "--cluster-cidr=10.201.0.0/16"])
+    node_side = {b.node_ip for b in env.lab.backends[:2]}
+    for ip, port in ((fc.NODE_IP, 30080), (fc.LB_IP, 80), (fc.EXTERNAL_IP, 80)):
+        cluster = env.probe("tcp", ip, port, 30)
+        assert cluster["failures"] == 0 and set(cluster["replies"]) == {"b1:8080", "b2:8080"}, describe(cluster)
+        assert set(cluster["seen_from"]) == node_side, (ip, port, cluster["seen_from"])
+    local = env.probe("tcp", fc.NODE_IP, 30082, 30)
+    assert local["failures"] == 0 and set(local["replies"]) == {"b1:8080"}, describe(local)
+    assert set(local["seen_from"]) == {env.lab.client_ip}, local["seen_from"]
+    b3 = env.lab.backends[2]
+    pod = env.probe("tcp", fc.NODE_IP, 30083, 30, ns=b3.ns)
+    assert pod["failures"] == 0 and set(pod["replies"]) == {"b1:8080", "b2:8080"}, describe(pod)
+    assert set(pod["seen_from"]) == {b3.ip}, pod["seen_from"]
+    outside = env.probe("tcp", fc.NODE_IP, 30083, 4, timeout=0.5)
+    assert not outside["replies"] and not outside["errors"].get("refused"), describe(outside)  # dropped
+    env.assert_no_checksum_errors()

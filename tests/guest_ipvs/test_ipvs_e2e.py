@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from flowcases import MANIFESTS, mismatches
+from flowcases import MANIFESTS, NODE_NAME, mismatches
 
 from pyproxy.lab import Lab, LabError, ProbeResult, Pyproxy, PyproxyError, describe, write_manifest
 from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
@@ -320,7 +320,8 @@ def test_the_flow_table_agrees(tmp_path: Path) -> None:
         # (a burst of 6, then 1 a second) would turn some into timeouts, whichever mode rejects.
         lab.sysctl(lab.node, {"net.ipv4.icmp_ratelimit": 0})
         write_manifest(tmp_path, "cluster.yaml", MANIFESTS)
-        with Pyproxy(lab, tmp_path, mode="ipvs", extra_args=SYNC_ARGS, log_path=tmp_path / "pyproxy.log") as proxy:
+        with Pyproxy(lab, tmp_path, mode="ipvs", extra_args=[*SYNC_ARGS, f"--hostname-override={NODE_NAME}"],
+                     log_path=tmp_path / "pyproxy.log") as proxy:
             proxy.start()
             wait_healthy(proxy)
             wrong = mismatches(lab, "ipvs")

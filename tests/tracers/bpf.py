@@ -2,21 +2,24 @@
 a run of syncs, each from the `Applied` the one before committed (as the backend's apply()).
 
 Models: the ops applied in order to dict "maps" (put, del, reset; deleting what is not there fails); the services
-map looked up by (daddr, dport, proto): a miss passes the packet untranslated (nothing in the lab answers it),
-backend_count 0 is refused (TC answers a reset or a port unreachable, reject.h), else every slot 0..backend_count-1
-is a possible pick (a missing slot drops); with the affinity flag, a second flow from the client reuses the backend
-the first one recorded while that backend is in the backends map.
+map looked up by (daddr, dport, proto): a miss passes the packet untranslated (common.untranslated),
+a frontend with source ranges drops a source none of its MAP_SRCRANGES entries holds; backend_count 0 is dropped
+with the SVC_F_DROP flag (externalTrafficPolicy Local, no endpoint here) and refused without it (TC answers a reset
+or a port unreachable, reject.h), else every slot 0..backend_count-1 is a possible pick (a missing slot drops);
+with the affinity flag, a second flow from the client reuses the backend the first one recorded while that backend
+is in the backends map.
 Does not model: the kernel (map sizes, byte layouts: tests/priv does), connection tracking of established flows, the
 affinity timeout, real randomness, XDP versus TC, socket load balancing of the node's own processes.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterator, Sequence
 
 from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.render import Applied, Plan, render
-from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict
+from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict, untranslated
 
 CAPACITY = {abi.MAP_SERVICES: 65536, abi.MAP_SLOTS: 1 << 20, abi.MAP_BACKENDS: 65536, abi.MAP_STATS: 65536}
 _PROTO = {"tcp": "TCP", "udp": "UDP"}
@@ -58,11 +61,17 @@ class BpfTracer:
     def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
         svc = self.maps.get(abi.MAP_SERVICES, {}).get((pkt.dst, pkt.port, _PROTO[pkt.proto]))
         if svc is None:
-            yield Verdict("no-answer")
+            yield untranslated(pkt)
             return
         svc_id, count, flags, _affinity_seconds = svc
+        if flags & abi.SVC_F_RANGES and not any(
+            ipaddress.IPv4Address(pkt.src) in ipaddress.IPv4Network(cidr)
+            for sid, cidr in self.maps.get(abi.MAP_SRCRANGES, {}) if sid == svc_id
+        ):
+            yield Verdict("no-answer")  # PYPROXY_CNT_SOURCE_DENIED
+            return
         if count == 0:
-            yield Verdict("refused")
+            yield Verdict("no-answer" if flags & abi.SVC_F_DROP else "refused")
             return
         affinity = bool(flags & abi.SVC_F_AFFINITY)
         key = ("affinity", pkt.src, pkt.dst, str(pkt.port), pkt.proto)

@@ -24,7 +24,8 @@ from flowcases import ALT, B1, B2, B3, DNS, HTTP, NO_ANSWER, REFUSED, Outcome, a
 from pyproxy.dataplane.fake import FakeDataplane
 from pyproxy.k8s.manifest import ManifestSource
 from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
-from pyproxy.lab.netns import CLIENT_IP, backend_ip
+from pyproxy.lab.netns import CLIENT_IP, NODE_CLIENT_IP, NODE_UPLINK_IP, backend_ip
+from pyproxy.model.node import NodeInputs
 from pyproxy.model.state import DesiredState
 from pyproxy.proxier.metrics import ProxyMetrics
 from pyproxy.proxier.proxier import Proxier
@@ -53,6 +54,10 @@ BEFORE = documents(
 BACKENDS = {backend_ip(i): f"b{i}" for i in (1, 2, 3)}
 """Lab addressing (pyproxy.lab): backend I is 10.201.I.2, named bI in the table."""
 SOURCES = {"client": CLIENT_IP, **{name: ip for ip, name in BACKENDS.items()}}
+NODE_ADDRESSES = (NODE_UPLINK_IP, NODE_CLIENT_IP, *(f"10.201.{i}.1" for i in (1, 2, 3)))
+"""The node's own addresses in the table's lab (a distro lab with three backends): NodePorts are served on all of
+them, as pyproxy serves them without --nodeport-addresses."""
+NODE = NodeInputs(name=flowcases.NODE_NAME, nodeport_addresses=tuple(sorted(NODE_ADDRESSES)))
 
 Memory = frozenset[tuple[str, ...]]
 """What flows leave behind for later ones, as hashable facts (each tracer says which)."""
@@ -79,6 +84,13 @@ class Verdict:
     memory: Memory = frozenset()
 
 
+def untranslated(pkt: Packet) -> Verdict:
+    """A new flow no rule translated or dropped: to a node address it reaches the node's own stack, where nothing
+    listens on the table's ports, which refuses it (a TCP reset, an ICMP port unreachable); elsewhere it is routed
+    on, away from the lab, and nothing answers."""
+    return Verdict("refused" if pkt.dst in NODE_ADDRESSES else "no-answer")
+
+
 class Tracer(Protocol):
     def flows(self, pkt: Packet, memory: Memory) -> Iterable[Verdict]:
         """Every verdict a new flow `pkt` may reach, given what earlier flows left (`memory`)."""
@@ -92,10 +104,12 @@ Sync = tuple[DesiredState, frozenset[str] | None]
 def syncs(*manifests: str) -> list[Sync]:
     """What pyproxy applies to its dataplane while its `--source` file holds each of `manifests` in turn: the
     manifest source reads it into the proxier, which syncs after each into a dataplane that only remembers. The
-    first sync is a full one, the later ones partial (only the Services that changed)."""
+    first sync is a full one, the later ones partial (only the Services that changed). The proxier knows the node
+    as the lab's pyproxy does (NODE: its name, its addresses)."""
     dp = FakeDataplane()
     proxier = Proxier(dp, min_sync_period=0, sync_period=3600, metrics=ProxyMetrics("trace"),
                       health=ProxyHealth(sync_period=30))
+    proxier.set_node_inputs(NODE)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, "cluster.yaml")
         source = ManifestSource(path, proxier)

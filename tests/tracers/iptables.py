@@ -5,7 +5,8 @@ entering the node from a pod or a routed client.
 Models (see netfilter.py for the rule forms): nat PREROUTING (KUBE-SERVICES -> KUBE-SVC-* -> every KUBE-SEP-*
 the `statistic` rules can reach -> DNAT), then routing: the ClusterIPs are not the node's, so the flow is
 forwarded, through filter FORWARD (KUBE-FORWARD, and KUBE-SERVICES' REJECT of frontends without endpoints) to
-the endpoint it was DNATed to; an untranslated flow leaves the node and nothing answers. `-m recent` affinity
+the endpoint it was DNATed to; an untranslated flow to a node address is the node's own stack's, else it leaves
+the node (common.untranslated). `-m recent` affinity
 makes a second flow find the first one's endpoint.
 Does not model: the node's own traffic (OUTPUT), POSTROUTING (masquerade changes who answers, not whether),
 conntrack beyond a first packet, the affinity timeout, real randomness, ICMP rate limits.
@@ -17,7 +18,7 @@ from collections.abc import Iterator, Sequence
 
 from pyproxy.dataplane import netfilter as nf
 from pyproxy.dataplane.iptables.render import AppliedService, render
-from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict
+from tracers.common import NODE_ADDRESSES, Memory, Packet, Sync, Unmodelled, Verdict, untranslated
 from tracers.netfilter import Flow, Tables
 
 
@@ -54,6 +55,8 @@ class IptablesTracer:
         for verdict, f in self.tables.walk("nat", "PREROUTING", Flow(pkt, memory=memory)):
             if verdict == "DROP":
                 yield Verdict("no-answer")
+            elif verdict != "DNAT" and f.pkt.dst in NODE_ADDRESSES:
+                yield untranslated(f.pkt)  # to the node's own stack
             else:
                 yield from forwarded(self.tables, f, verdict == "DNAT")
 

@@ -8,8 +8,8 @@ flow goes through filter INPUT (KUBE-IPVS-FILTER rejects a new flow to a Cluster
 Service's) to IPVS: the virtual server of (address, port, protocol) sends it to any real server of weight > 0,
 a persistent one (ClientIP affinity) sends a second flow from the client where the first went, and one with
 no such real server refuses it (ip_vs_leave's port unreachable); a local flow no virtual server takes reaches
-the node's own stack ("node", which no case expects). Other destinations are forwarded through filter FORWARD
-and nothing answers them.
+the node's own stack ("node", which no case expects). Other node addresses are the node's own stack's
+(common.untranslated); other destinations are forwarded through filter FORWARD and nothing answers them.
 Does not model: the kernel's IPVS (schedulers: every real server of weight > 0 is a possible pick; connection
 counts, draining), conntrack, timeouts, masquerade (POSTROUTING), the node's own traffic (OUTPUT).
 """
@@ -23,7 +23,7 @@ from pyproxy.dataplane.ipvs import render as ipvs_render
 from pyproxy.dataplane.ipvs.backend import JUMPS, rule_edits
 from pyproxy.dataplane.ipvs.render import Op
 from pyproxy.model.state import Backend
-from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict
+from tracers.common import NODE_ADDRESSES, Memory, Packet, Sync, Unmodelled, Verdict, untranslated
 from tracers.iptables import forwarded
 from tracers.netfilter import Flow, Tables
 
@@ -102,6 +102,8 @@ class IpvsTracer:
                 raise Unmodelled("a DNAT rule in ipvs mode")
             elif f.pkt.dst in self.kernel.addresses:
                 yield from self._local(f)
+            elif f.pkt.dst in NODE_ADDRESSES:
+                yield untranslated(f.pkt)  # the node's own address: its stack, where nothing listens
             else:
                 yield from forwarded(self.tables, f, translated=False)
 

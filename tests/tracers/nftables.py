@@ -2,14 +2,18 @@
 partial ones, each from the table the ones before left) parsed and walked for a new flow entering the node from a
 pod or a routed client.
 
-Models: the commands the scripts hold (table, chains with their rules, maps with their elements, affinity sets,
-flushes and deletes, refused as nft refuses them: an element added again with another verdict, a chain deleted while
-a rule or element still leads to it); the base chains of the prerouting hook in priority order (filter-prerouting's
-`ct state new` check of `no-endpoint-services`, nat-prerouting's `service-ips` lookup), then of the forward hook;
-verdict-map lookups, jump, goto, return, accept, drop; matches on addresses, ports, protocol, `ct state`, the mark,
-and `ip saddr @set`; `numgen random mod N 0` both ways; `update @set { ip saddr }` records the source in the flow's
-memory, where a later flow's `ip saddr @set` finds it; `dnat to`, `reject` (refused) and `masquerade` end the walk.
-A flow not DNATed is forwarded away and nothing answers it. Any other command or statement raises Unmodelled.
+Models: the commands the scripts hold (table, chains with their rules, maps with their elements, affinity sets and
+sets with elements such as `nodeport-ips`, flushes and deletes, refused as nft refuses them: an element added again
+with another verdict, a chain deleted while a rule or element still leads to it); the base chains of the prerouting
+hook in priority order (filter-prerouting's `ct state new` checks of `firewall-ips` and the `no-endpoint-*` maps,
+nat-prerouting's `service-ips` and `service-nodeports` lookups), then of the forward hook; verdict-map lookups by
+`ip daddr . meta l4proto . th dport` and by `meta l4proto . th dport`, jump, goto, return, accept, drop; matches on
+addresses (one, a CIDR, an anonymous set `{ a, b }`, a named set), ports, protocol, `ct state`, the mark and
+`fib saddr type local` (a source that is one of the node's addresses, common.NODE_ADDRESSES); `numgen random mod N
+0` both ways; `update @set { ip saddr }` records the source in the flow's memory, where a later flow's
+`ip saddr @set` finds it (sets with `flags dynamic,timeout`); `dnat to`, `reject` (refused) and `masquerade` end the
+walk. A flow neither DNATed nor dropped is the node's own stack's or routed away (common.untranslated). Any other
+command or statement raises Unmodelled.
 Does not model: the kernel (nft's parser, set timeouts), conntrack beyond a first packet, real randomness, the
 output and postrouting hooks (the node's own traffic; masquerade changes who answers, not whether).
 """
@@ -25,7 +29,7 @@ from dataclasses import replace
 from pyproxy.dataplane.netfilter import MasqueradeSettings
 from pyproxy.dataplane.nftables.render import render
 from pyproxy.dataplane.nftables.table import TableState
-from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict
+from tracers.common import NODE_ADDRESSES, Memory, Packet, Sync, Unmodelled, Verdict, untranslated
 from tracers.netfilter import Flow
 
 HOOKS = ("prerouting", "forward")
@@ -45,7 +49,8 @@ def scripts(syncs: Sequence[Sync], masquerade: MasqueradeSettings | None = None)
         full = changed is None
         services = dict(desired.services) if changed is None else {k: desired.services.get(k, ()) for k in changed}
         plan = render(state, services, masquerade or MasqueradeSettings(), full=full,
-                      pending=dict.fromkeys(deferred, True), lazy_deletes=not full)
+                      pending=dict.fromkeys(deferred, True), lazy_deletes=not full,
+                      nodeport_ips=desired.node.nodeport_addresses)
         state, deferred = plan.state, plan.deferred
         out.append(plan.script)
     return out
@@ -66,6 +71,17 @@ def split(text: str, sep: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
+def _elem_key(key: str, elem: str) -> tuple[str, str, int, list[str]]:
+    """A verdict-map element's key, `ip . proto . port` or a node-port map's `proto . port` ("" for the address),
+    and what follows it (a comment)."""
+    words = shlex.split(key)
+    if len(words) >= 5 and words[1] == words[3] == ".":
+        return words[0], words[2], int(words[4]), words[5:]
+    if len(words) >= 3 and words[1] == "." and words[0] in ("tcp", "udp", "sctp"):
+        return "", words[0], int(words[2]), words[3:]
+    raise Unmodelled(f"map element: {elem}")
+
+
 def _match(test: Callable[[Flow], bool]) -> Statement:
     def statement(flow: Flow) -> Step:
         yield ("next" if test(flow) else "no"), flow
@@ -81,6 +97,10 @@ class Ruleset:
         """Base chain -> (hook, priority)."""
         self.maps: dict[str, dict[tuple[str, str, int], str]] = {}
         self.sets: set[str] = set()
+        self.dynamic: set[str] = set()
+        """Sets a rule updates (affinity): their members are in a flow's memory."""
+        self.members: dict[str, set[str]] = {}
+        """The other sets' elements."""
         for line in text.splitlines():
             self._command(line)
 
@@ -112,16 +132,28 @@ class Ruleset:
                 if part.startswith("elements = {"):
                     for elem in split(part.removeprefix("elements = {").removesuffix("}"), ","):
                         key, _, verdict = elem.rpartition(" : ")
-                        ip, dot1, proto, dot2, port, *comment = shlex.split(key)
-                        if (dot1, dot2) != (".", ".") or comment[:1] not in ([], ["comment"]):
+                        ip, proto, port, comment = _elem_key(key, elem)
+                        if comment[:1] not in ([], ["comment"]):
                             raise Unmodelled(f"map element: {elem}")
-                        if elements.get((ip, proto, int(port)), verdict) != verdict:
+                        if elements.get((ip, proto, port), verdict) != verdict:
                             raise AssertionError(f"nft refuses to add a new value of an element: {line}")
-                        elements[(ip, proto, int(port))] = verdict
+                        elements[(ip, proto, port)] = verdict
                 elif not part.startswith(("type ", "comment ")):
                     raise Unmodelled(f"map part: {part}")
         elif (words[0], kind) == ("add", "set"):
             self.sets.add(name)
+            for part in parts:
+                if part == "flags dynamic,timeout":
+                    self.dynamic.add(name)
+                elif part.startswith("elements = {"):
+                    self.members.setdefault(name, set()).update(
+                        split(part.removeprefix("elements = {").removesuffix("}"), ","))
+                elif not part.startswith(("type ipv4_addr", "timeout ", "comment ")):
+                    raise Unmodelled(f"set part: {part}")
+        elif (words[0], kind) == ("flush", "set"):
+            if name not in self.sets:
+                raise AssertionError(f"nft refuses to flush set {name}, which is not there")
+            self.members[name] = set()
         else:
             raise Unmodelled(f"nft command: {line}")
 
@@ -129,8 +161,8 @@ class Ruleset:
         """A delete, refused as nft refuses it: an object that is not there, or a chain still used."""
         if kind == "element":
             for elem in split(body, ","):
-                ip, _, proto, _, port = elem.split()
-                del self.maps[name][(ip, proto, int(port))]
+                ip, proto, port, _ = _elem_key(elem, elem)
+                del self.maps[name][(ip, proto, port)]
         elif kind == "chain":
             use = re.compile(rf"(jump|goto) {re.escape(name)}(;|$)")
             users = [c for c, texts in self.texts.items() for t in texts if use.search(t)]
@@ -184,9 +216,28 @@ class Ruleset:
             addr: Callable[[Flow], str] = (lambda f: f.pkt.src) if field == "saddr" else (lambda f: f.pkt.dst)
             if value.startswith("@"):
                 name = value[1:]
-                return _match(lambda f: (("set", name, addr(f)) in f.memory) != negate)
+                if name not in self.sets:
+                    raise Unmodelled(f"a set the script does not make: {rule}")
+                if name in self.dynamic:
+                    return _match(lambda f: (("set", name, addr(f)) in f.memory) != negate)
+                return _match(lambda f: (addr(f) in self.members.get(name, set())) != negate)
+            if value == "{":  # an anonymous set: `{ a, b/16 }`
+                nets = []
+                while (value := t.pop(0)) != "}":
+                    nets.append(ipaddress.ip_network(value.rstrip(",")))
+                return _match(lambda f: any(ipaddress.ip_address(addr(f)) in n for n in nets) != negate)
             net = ipaddress.ip_network(value)
             return _match(lambda f: (ipaddress.ip_address(addr(f)) in net) != negate)
+        if word == "fib" and t[:3] == ["saddr", "type", "local"]:
+            del t[:3]
+            return _match(lambda f: f.pkt.src in NODE_ADDRESSES)
+        if word == "meta" and t[:5] == ["l4proto", ".", "th", "dport", "vmap"]:
+            del t[:5]
+            by_port = self.maps.setdefault(t.pop(0).removeprefix("@"), {})
+
+            def port_lookup(f: Flow) -> Step:
+                yield (by_port.get(("", f.pkt.proto, f.pkt.port)) or "no"), f
+            return port_lookup
         if word in ("tcp", "udp") and t[:1] == ["dport"]:
             port = int(t[1])
             del t[:2]
@@ -288,8 +339,10 @@ class NftablesTracer:
         for verdict, f in ways:
             if verdict == "reject":
                 yield Verdict("refused")
-            elif verdict == "drop" or f.pkt == pkt:  # dropped, or forwarded untranslated: nothing answers
+            elif verdict == "drop":
                 yield Verdict("no-answer")
+            elif f.pkt == pkt:
+                yield untranslated(pkt)
             else:
                 yield Verdict("dnat", f"{f.pkt.dst}:{f.pkt.port}", f.memory)
 

@@ -123,6 +123,25 @@ def test_nftables_tracer_fails_on_a_statement_it_does_not_know(first: list[Sync]
         nftables.NftablesTracer([script.replace("numgen random mod", "numgen inc mod", 1)])
 
 
+def test_nftables_tracer_sees_a_missing_firewall_and_a_lost_local_policy(first: list[Sync]) -> None:
+    [script] = nftables.scripts(first)
+    wrong = mismatches(nftables.NftablesTracer([re.sub(r"ip saddr != \{[^}]*\} drop; ", "", script)]), "nftables")
+    assert [w.split(" (")[0] for w in wrong] == [
+        "a load-balancer IP whose source ranges leave the client out: no answer"], wrong
+    # externalTrafficPolicy Local's external chain sent to the service chain: the other node's endpoint answers too.
+    unlocal = re.sub(r"goto (local-\S+); \}", lambda m: "goto service-" + m[1].removeprefix("local-") + "; }", script)
+    assert unlocal != script
+    wrong = mismatches(nftables.NftablesTracer([unlocal]), "nftables")
+    assert [w.split(" (")[0] for w in wrong] == ["externalTrafficPolicy Local: only this node's endpoint"], wrong
+
+
+def test_nftables_tracer_fails_on_an_external_form_it_does_not_know(first: list[Sync]) -> None:
+    [script] = nftables.scripts(first)
+    assert "fib saddr type local" in script
+    with pytest.raises(Unmodelled, match="fib daddr"):
+        nftables.NftablesTracer([script.replace("fib saddr type local", "fib daddr type local", 1)])
+
+
 def test_the_tracers_follow_every_case_but_the_nodes_own_traffic() -> None:
     """So an empty or shrinking selection cannot make the table pass: only node-originated cases are left to the
     privileged run."""

@@ -392,8 +392,9 @@ def test_notices_name_once_per_service_what_the_mode_does_not_render_yet() -> No
     assert endpoints.notices("bpf") == [], "endpoints changed, not the frontends: said already"
     services["default/web"] = replace(services["default/web"], external_ips=())
     fewer = update_desired_state(endpoints, services, lambda key: (), {"default/web"})
-    assert fewer.notices("nftables") == ["default/web: NodePort 30053/UDP, NodePort 30080/TCP not served by nftables "
+    assert fewer.notices("iptables") == ["default/web: NodePort 30053/UDP, NodePort 30080/TCP not served by iptables "
                                          "mode yet"]
+    assert first.notices("nftables") == [], "the nftables mode renders every kind"
 
 
 def test_rendered_keeps_the_cluster_ip_frontends() -> None:
@@ -405,8 +406,8 @@ def test_rendered_keeps_the_cluster_ip_frontends() -> None:
 
 def test_every_renderer_renders_exactly_what_its_mode_serves() -> None:
     """A Service with every kind of frontend programs what the frontends its mode serves alone program: the
-    ClusterIP ones in the modes that render no other kind yet, and in bpf mode also the external ones that need no
-    SNAT (externalTrafficPolicy Local)."""
+    ClusterIP ones in iptables and ipvs modes, which render no other kind yet; in bpf mode also the external ones
+    that need no SNAT (externalTrafficPolicy Local); nftables renders them all (test_nftables_render)."""
     services = cluster(svc("LoadBalancer", external_ips=("192.0.2.10",), load_balancer_ips=("203.0.113.10",),
                            external_traffic_policy=LOCAL, health_check_node_port=31000,
                            load_balancer_source_ranges=("198.51.100.0/24",)))
@@ -424,12 +425,14 @@ def test_every_renderer_renders_exactly_what_its_mode_serves() -> None:
 
     def plans(d: DesiredState) -> list[object]:
         return [
-            nftables_render(TableState(), d.services, MasqueradeSettings(), full=True).commands,
             iptables_render(d, set(d.services), {}, MasqueradeSettings()).text,
             ipvs_render(Observed(), Memory(), d.services, full=True, options=Options(), now=0.0).ops,
         ]
 
     assert plans(full) == plans(clusters)
+    nftables = [nftables_render(TableState(), d.services, MasqueradeSettings(), full=True).commands
+                for d in (full, clusters)]
+    assert nftables[0] != nftables[1]
 
 
 def test_contested_frontends_stay_consistent_across_random_partial_updates() -> None:

@@ -15,13 +15,20 @@ from pyproxy.dataplane.nftables.render import (
     Plan,
     affinity_set,
     endpoint_chain,
+    external_chain,
+    firewall_chain,
     fixed_chains,
+    local_chain,
     render,
     service_chain,
 )
 from pyproxy.dataplane.nftables.table import (
+    FIREWALL_IPS,
+    NO_ENDPOINT_NODEPORTS,
     NO_ENDPOINT_SERVICES,
     SERVICE_IPS,
+    SERVICE_NODEPORTS,
+    Elem,
     Hook,
     TableState,
     endpoint_of,
@@ -29,7 +36,7 @@ from pyproxy.dataplane.nftables.table import (
     parse_listing,
 )
 from pyproxy.model.objects import Protocol
-from pyproxy.model.state import Backend, Frontend, ServicePortState
+from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 MASQ = MasqueradeSettings()
 B1, B2, B3 = Backend("10.1.0.1", 8080), Backend("10.1.0.2", 8080), Backend("10.1.0.3", 8080)
@@ -115,8 +122,10 @@ def test_full_sync_from_nothing_writes_the_base_and_a_service() -> None:
     assert "add chain ip pyproxy nat-prerouting { type nat hook prerouting priority -100; policy accept; }" in cmds
     assert "add chain ip pyproxy filter-prerouting { type filter hook prerouting priority -110; policy accept; }" \
         in cmds
-    assert rules_of(plan, "services") == ["ip daddr . meta l4proto . th dport vmap @service-ips"]
-    assert rules_of(plan, "filter-output") == ["ct state new jump service-endpoints-check"]
+    assert rules_of(plan, "services") == ["ip daddr . meta l4proto . th dport vmap @service-ips",
+                                          "ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports"]
+    assert rules_of(plan, "filter-output") == ["ct state new jump firewall-check",
+                                               "ct state new jump service-endpoints-check"]
     assert rules_of(plan, "mark-for-masquerade") == ["mark set mark or 0x00004000"]
     s = sp()
     svc, e1, e2 = service_chain(s), endpoint_chain(s, B1), endpoint_chain(s, B2)
@@ -395,3 +404,147 @@ def test_lazy_deletes_keep_a_sync_that_only_adds_free_of_deletes() -> None:
     removal = partial(small.state, {"default/dns": ()}, pending={gone: True}, lazy_deletes=True)
     assert f"delete chain ip pyproxy {gone}" in removal.commands and removal.deferred == frozenset()
     assert f"delete chain ip pyproxy {gone}" in full(plan.state, web(B1), pending={gone: True}).commands
+
+
+# ------------------------------------------------------------------------- NodePort, ExternalIP, LoadBalancer
+
+NODE_IPS = ("10.0.0.5", "192.168.1.5")
+
+
+def ext(kind: FrontendKind, ip: str, port: int = 80, backends: tuple[Backend, ...] = (B1, B2),
+        external: tuple[Backend, ...] | None = None, local: bool = False, ranges: tuple[str, ...] = (),
+        service: str = "default/web", proto: str = "TCP") -> ServicePortState:
+    """An external frontend of default/web's http port: externalTrafficPolicy Cluster (masquerade, every
+    endpoint), or Local (`local`: `external`, this node's endpoints, and no masquerade)."""
+    return ServicePortState(service, "http", Frontend(ip, port, Protocol(proto)), backends, backends, 0, kind,
+                            backends if external is None else external, not local, ranges)
+
+
+def web_all(*extra: ServicePortState,
+            backends: tuple[Backend, ...] = (B1, B2)) -> dict[str, tuple[ServicePortState, ...]]:
+    return {"default/web": (sp(backends=backends), *extra)}
+
+
+def test_external_ip_and_load_balancer_ip_go_through_the_external_chain_which_masquerades() -> None:
+    plan = full(TableState(), web_all(ext(FrontendKind.EXTERNAL_IP, "192.0.2.10"),
+                                      ext(FrontendKind.LOAD_BALANCER, "203.0.113.10")), nodeport_ips=NODE_IPS)
+    s = sp()
+    svc, extc = service_chain(s), external_chain(s)
+    assert sorted(elements_of(plan, SERVICE_IPS)[0].split(", ")) == [
+        f"10.96.0.10 . tcp . 80 : goto {svc}", f"192.0.2.10 . tcp . 80 : goto {extc}",
+        f"203.0.113.10 . tcp . 80 : goto {extc}"]
+    # externalTrafficPolicy Cluster: every new flow is SNATed, so replies from another node's endpoint come back.
+    assert rules_of(plan, extc) == ["jump mark-for-masquerade", f"goto {svc}"]
+    assert rules_of(plan, svc) == [f"numgen random mod 2 0 goto {endpoint_chain(s, B1)}",
+                                   f"goto {endpoint_chain(s, B2)}"]
+    assert owner(extc) == "default/web"
+    assert plan.commands.index(lines_with(plan, f"add chain ip pyproxy {svc} ")[0]) < plan.commands.index(
+        lines_with(plan, f"add chain ip pyproxy {extc} ")[0]), "the service chain exists before the jump to it"
+
+
+def test_node_ports_are_one_element_per_protocol_and_port_on_the_nodeport_ips() -> None:
+    frontends = [ext(FrontendKind.NODE_PORT, ip, 30080) for ip in NODE_IPS]
+    plan = full(TableState(), web_all(*frontends), nodeport_ips=NODE_IPS)
+    assert elements_of(plan, SERVICE_NODEPORTS) == [f"tcp . 30080 : goto {external_chain(sp())}"]
+    assert ('add set ip pyproxy nodeport-ips { type ipv4_addr; comment "IPs that accept NodePort traffic"; '
+            'elements = { 10.0.0.5, 192.168.1.5 } }') in plan.commands
+    assert plan.state.nodeport_ips == frozenset(NODE_IPS)
+    assert rules_of(plan, "service-endpoints-check")[1] == (
+        "ip daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports")
+    # A partial sync leaves the set alone while the addresses stay, and rewrites it when they change.
+    same = partial(plan.state, web_all(*frontends), nodeport_ips=NODE_IPS)
+    assert not lines_with(same, "nodeport-ips")
+    moved = partial(plan.state, {}, nodeport_ips=("10.0.0.6",))
+    assert lines_with(moved, "flush set ip pyproxy nodeport-ips") and lines_with(moved, "elements = { 10.0.0.6 }")
+    assert moved.state.nodeport_ips == {"10.0.0.6"}
+    gone = partial(plan.state, {"default/web": ()}, nodeport_ips=NODE_IPS)
+    assert "delete element ip pyproxy service-nodeports { tcp . 30080 }" in gone.commands
+
+
+def test_without_endpoints_every_frontend_is_rejected() -> None:
+    none = ()
+    plan = full(TableState(), web_all(ext(FrontendKind.NODE_PORT, NODE_IPS[0], 30080, backends=none),
+                                      ext(FrontendKind.EXTERNAL_IP, "192.0.2.10", backends=none), backends=none),
+                nodeport_ips=NODE_IPS)
+    assert elements_of(plan, NO_ENDPOINT_NODEPORTS) == ['tcp . 30080 comment "default/web:http" : goto reject-chain']
+    assert sorted(elements_of(plan, NO_ENDPOINT_SERVICES)[0].split(", ")) == [
+        '10.96.0.10 . tcp . 80 comment "default/web:http" : goto reject-chain',
+        '192.0.2.10 . tcp . 80 comment "default/web:http" : goto reject-chain']
+    assert not [c for c in plan.state.chains if owner(c)]
+
+
+def test_local_policy_uses_this_nodes_endpoints_and_short_circuits_pods_and_the_node() -> None:
+    s = sp(backends=(B1, B2, B3))
+    frontend = ext(FrontendKind.NODE_PORT, NODE_IPS[0], 30080, backends=(B1, B2, B3), external=(B2,), local=True)
+    cidr = MasqueradeSettings(cluster_cidr="10.244.0.0/16")
+    plan = full(TableState(), web_all(frontend, backends=(B1, B2, B3)), cidr, nodeport_ips=NODE_IPS)
+    svc, extc, loc = service_chain(s), external_chain(s), local_chain(s)
+    assert rules_of(plan, extc) == [
+        f"ip saddr 10.244.0.0/16 goto {svc}",  # pods: every endpoint, their own address kept
+        "fib saddr type local jump mark-for-masquerade",  # the node: every endpoint, masqueraded
+        f"fib saddr type local goto {svc}",
+        f"goto {loc}"]  # the rest (outside the cluster): this node's endpoints, the client's address kept
+    assert rules_of(plan, loc) == [f"goto {endpoint_chain(s, B2)}"]
+    # Without --cluster-cidr nothing is known to be a pod: no short circuit.
+    bare = full(TableState(), web_all(frontend, backends=(B1, B2, B3)), nodeport_ips=NODE_IPS)
+    assert not [r for r in rules_of(bare, extc) if "saddr 10.244" in r]
+    # All endpoints local: the service chain serves both.
+    every = ext(FrontendKind.NODE_PORT, NODE_IPS[0], 30080, external=(B1, B2), local=True)
+    assert rules_of(full(TableState(), web_all(every)), extc)[-1] == f"goto {svc}"
+
+
+def test_local_policy_without_a_local_endpoint_drops_outside_traffic_only() -> None:
+    frontend = ext(FrontendKind.LOAD_BALANCER, "203.0.113.10", external=(), local=True)
+    plan = full(TableState(), web_all(frontend), MasqueradeSettings(cluster_cidr="10.244.0.0/16"))
+    extc = external_chain(sp())
+    assert rules_of(plan, extc)[-1] == "drop"
+    assert rules_of(plan, extc)[0].startswith("ip saddr 10.244.0.0/16 goto ")  # pods are still served
+    assert elements_of(plan, NO_ENDPOINT_SERVICES) == [], "not rejected: the cluster has endpoints"
+    assert f"203.0.113.10 . tcp . 80 : goto {extc}" in elements_of(plan, SERVICE_IPS)[0]
+
+
+def test_source_ranges_drop_other_sources_on_load_balancer_ips_only() -> None:
+    ranges = ("198.51.100.0/24", "203.0.113.10/32")
+    plan = full(TableState(), web_all(ext(FrontendKind.LOAD_BALANCER, "203.0.113.10", ranges=ranges),
+                                      ext(FrontendKind.NODE_PORT, NODE_IPS[0], 30080)), nodeport_ips=NODE_IPS)
+    fw = firewall_chain(sp())
+    assert elements_of(plan, FIREWALL_IPS) == [f"203.0.113.10 . tcp . 80 : goto {fw}"]
+    assert rules_of(plan, fw) == ["ip saddr != { 198.51.100.0/24, 203.0.113.10/32 } drop"]
+    assert rules_of(plan, "filter-prerouting") == ["ct state new jump firewall-check",
+                                                   "ct state new jump service-endpoints-check"]
+    assert owner(fw) == "default/web"
+    # The firewall holds also while the Service has no endpoints (upstream: the drop comes before the reject).
+    empty = full(TableState(), web_all(ext(FrontendKind.LOAD_BALANCER, "203.0.113.10", backends=(), ranges=ranges),
+                                       backends=()))
+    assert elements_of(empty, FIREWALL_IPS) == [f"203.0.113.10 . tcp . 80 : goto {fw}"]
+    gone = partial(plan.state, {"default/web": ()}, nodeport_ips=NODE_IPS)
+    assert "delete element ip pyproxy firewall-ips { 203.0.113.10 . tcp . 80 }" in gone.commands
+    assert f"flush chain ip pyproxy {fw}" in gone.commands
+
+
+def test_a_listing_with_node_ports_parses_back() -> None:
+    listing = {"nftables": [
+        {"table": {"family": "ip", "name": "pyproxy"}},
+        {"set": {"family": "ip", "table": "pyproxy", "name": "nodeport-ips", "type": "ipv4_addr",
+                 "elem": ["10.0.0.5", "192.168.1.5"]}},
+        {"map": {"family": "ip", "table": "pyproxy", "name": "service-nodeports",
+                 "type": ["inet_proto", "inet_service"], "map": "verdict",
+                 "elem": [[{"concat": ["tcp", 30080]}, {"goto": {"target": "external-X"}}]]}},
+    ]}
+    state = parse_listing(listing)
+    assert state.nodeport_ips == frozenset(NODE_IPS)
+    assert state.elems(SERVICE_NODEPORTS) == {("", "tcp", 30080): Elem("goto external-X")}
+
+
+def test_udp_node_port_flows_of_endpoints_that_left_are_flushed_by_port() -> None:
+    e1, e2 = Backend("10.1.0.1", 5353), Backend("10.1.0.2", 5353)
+    dns_np = {"default/dns": (ext(FrontendKind.NODE_PORT, NODE_IPS[0], 30053, backends=(e1, e2), proto="UDP",
+                                  service="default/dns"),)}
+    first = full(TableState(), dns_np, nodeport_ips=NODE_IPS)
+    assert ConntrackFlush("", 30053) in first.flushes, "a NodePort that just got endpoints forgets older flows"
+    fewer = {"default/dns": (ext(FrontendKind.NODE_PORT, NODE_IPS[0], 30053, backends=(e1,), proto="UDP",
+                                 service="default/dns"),)}
+    plan = partial(first.state, fewer, nodeport_ips=NODE_IPS)
+    assert plan.flushes == (ConntrackFlush("", 30053, e2),)
+    assert plan.flushes[0].argv() == ["conntrack", "-D", "-p", "udp", "--orig-port-dst", "30053",
+                                      "--dst-nat", "10.1.0.2", "--reply-port-src", "5353"]

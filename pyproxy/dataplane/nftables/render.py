@@ -3,14 +3,28 @@
 The ruleset is upstream kube-proxy's nftables mode (1.29+), in a table of pyproxy's own (`ip pyproxy`, so it
 never collides with a kube-proxy on the same node):
 
-- `nat-prerouting`/`nat-output` (priority dstnat) jump to `services`, whose one rule looks the packet's
-  `daddr . l4proto . dport` up in the verdict map `service-ips`: O(1) however many Services there are.
-  An element leads to `service-HASH-ns/name/proto/port`, which picks an endpoint at random with `numgen`
-  rules (ClientIP affinity first: `ip saddr @affinity-… goto endpoint-…`, one timed set per endpoint; see
-  endpoint_choice() for why not upstream's literal vmap), and
+- `nat-prerouting`/`nat-output` (priority dstnat) jump to `services`, which looks the packet's
+  `daddr . l4proto . dport` up in the verdict map `service-ips` (ClusterIPs, external IPs, load-balancer IPs),
+  and for a destination in the set `nodeport-ips` (the node addresses NodePorts are served on, from the node
+  inputs) its `l4proto . dport` in `service-nodeports`: O(1) however many Services there are.
+  A ClusterIP's element leads to `service-HASH-ns/name/proto/port`, which picks an endpoint at random with
+  `numgen` rules (ClientIP affinity first: `ip saddr @affinity-… goto endpoint-…`, one timed set per endpoint;
+  see endpoint_choice() for why not upstream's literal vmap), and
   `endpoint-HASH-…__ip/port` marks hairpin traffic for masquerade and DNATs.
-- A Service without ready endpoints is an element of `no-endpoint-services` instead, whose verdict
-  `goto reject-chain` refuses the packet, so a client fails at once with ECONNREFUSED. Upstream answers
+- The other frontends' elements lead to the port's `external-…` chain, as upstream's. externalTrafficPolicy
+  Cluster: mark for masquerade (replies from another node's endpoint must come back here), then the service
+  chain. Local: with --cluster-cidr, pods go to the service chain unmasqueraded (upstream's "short circuit"); the
+  node's own traffic (`fib saddr type local`) is marked and goes there too; the rest, clients outside the
+  cluster, goes to `local-…` (this node's endpoints; the service chain itself when they are all of them) keeping
+  its source address, or is dropped when the node has none while the cluster has some. Upstream drops that case
+  from a `no-endpoint-*` element checked after DNAT; pyproxy checks those maps before DNAT (below), where a drop
+  would also hit the short-circuited pods and the node, so the drop is the external chain's last rule instead.
+- `firewall-ips` (checked from `firewall-check`, jumped to from filter-prerouting and filter-output for new
+  flows, before DNAT) sends a load-balancer IP with loadBalancerSourceRanges to its port's `firewall-…` chain,
+  which drops sources outside the ranges. NodePorts, external IPs and the ClusterIP are not affected.
+- A Service without ready endpoints has its frontends in `no-endpoint-services` (a NodePort: in
+  `no-endpoint-nodeports`, looked up on `nodeport-ips`) instead, whose verdict `goto reject-chain` refuses the
+  packet, so a client fails at once with ECONNREFUSED. Upstream answers
   ICMP port-unreachable to everything; pyproxy answers TCP with a reset, because the kernel rate-limits ICMP
   errors per client (a burst of 6, then one a second): past that, upstream's refused connects turn into
   timeouts, while resets are not limited. UDP and SCTP still get ICMP port-unreachable.
@@ -21,8 +35,8 @@ never collides with a kube-proxy on the same node):
   Upstream's `cluster-ips-check` (reject other ports of a ClusterIP) is left out: traffic that is not to a
   frontend stays untouched here.
 - `mark-for-masquerade` sets the masquerade bit; `nat-postrouting` (priority srcnat) jumps to `masquerading`,
-  which masquerades marked packets. The service chain marks traffic from outside `cluster_cidr`, or all of
-  it with `masquerade_all`.
+  which masquerades marked packets. The service chain marks ClusterIP traffic from outside `cluster_cidr`, or
+  all of it with `masquerade_all`; the external chains mark as said above.
 
 A transaction replaces what it rewrites rather than flushing the table: a chain is flushed if it exists and
 added with its rules (`add chain NAME { rule; … }`); map elements are deleted and added, one command per map
@@ -43,16 +57,23 @@ from __future__ import annotations
 import base64
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pyproxy.dataplane.netfilter import MasqueradeSettings
 from pyproxy.dataplane.nftables.table import (
     AFFINITY_PREFIX,
     ENDPOINT_PREFIX,
     ENDPOINT_SEP,
+    EXTERNAL_PREFIX,
     FAMILY,
+    FIREWALL_IPS,
+    FIREWALL_PREFIX,
+    LOCAL_PREFIX,
+    NO_ENDPOINT_NODEPORTS,
     NO_ENDPOINT_SERVICES,
+    NODEPORT_IPS,
     SERVICE_IPS,
+    SERVICE_NODEPORTS,
     SERVICE_PREFIX,
     TABLE,
     Elem,
@@ -62,7 +83,7 @@ from pyproxy.dataplane.nftables.table import (
     elem_owner,
     owner,
 )
-from pyproxy.model.state import Backend, Frontend, ServicePortState, rendered
+from pyproxy.model.state import Backend, FrontendKind, ServicePortState, rendered
 
 # nft's object names are at most 256 bytes; prefixes ("endpoint-", …) stay within 16 (as upstream).
 NAME_BASE_MAX = 256 - 16
@@ -71,6 +92,7 @@ COMMENT_MAX = 128
 
 SERVICES_CHAIN = "services"
 ENDPOINTS_CHECK_CHAIN = "service-endpoints-check"
+FIREWALL_CHECK_CHAIN = "firewall-check"
 REJECT_CHAIN = "reject-chain"
 MARK_MASQ_CHAIN = "mark-for-masquerade"
 MASQUERADING_CHAIN = "masquerading"
@@ -83,25 +105,35 @@ BASE_CHAINS: Mapping[str, Hook] = {
     "nat-output": Hook("nat", "output", -100),
     "nat-postrouting": Hook("nat", "postrouting", 100),
 }
-MAPS: Mapping[str, str] = {
-    SERVICE_IPS: "ClusterIP traffic",
-    NO_ENDPOINT_SERVICES: "vmap to reject packets to services with no endpoints",
-}
 _MAP_TYPE = "ipv4_addr . inet_proto . inet_service : verdict"
+_NODEPORT_MAP_TYPE = "inet_proto . inet_service : verdict"
+MAPS: Mapping[str, tuple[str, str]] = {
+    SERVICE_IPS: (_MAP_TYPE, "ClusterIP, ExternalIP and LoadBalancer IP traffic"),
+    SERVICE_NODEPORTS: (_NODEPORT_MAP_TYPE, "NodePort traffic"),
+    NO_ENDPOINT_SERVICES: (_MAP_TYPE, "vmap to reject packets to services with no endpoints"),
+    NO_ENDPOINT_NODEPORTS: (_NODEPORT_MAP_TYPE, "vmap to reject packets to service nodeports with no endpoints"),
+    FIREWALL_IPS: (_MAP_TYPE, "destinations that are subject to LoadBalancerSourceRanges"),
+}
+"""Name -> (type, comment). Keys of the node-port maps are `proto . port`: ElemKeys with "" for the address."""
+_NODEPORT_IPS_SPEC = 'type ipv4_addr; comment "IPs that accept NodePort traffic";'
 _LOOKUP = "ip daddr . meta l4proto . th dport vmap @"
+_NODEPORT_LOOKUP = f"ip daddr @{NODEPORT_IPS} meta l4proto . th dport vmap @"
+# The kinds of frontend this mode renders: all of them.
 
 
 def fixed_chains(masq: MasqueradeSettings) -> dict[str, tuple[str, ...]]:
     """The chains every sync keeps as they are, base chains first, with their rules."""
     mark = masquerade_mark(masq.masquerade_bit)
+    checks = (f"ct state new jump {FIREWALL_CHECK_CHAIN}", f"ct state new jump {ENDPOINTS_CHECK_CHAIN}")
     return {
-        "filter-prerouting": (f"ct state new jump {ENDPOINTS_CHECK_CHAIN}",),
-        "filter-output": (f"ct state new jump {ENDPOINTS_CHECK_CHAIN}",),
+        "filter-prerouting": checks,
+        "filter-output": checks,
         "nat-prerouting": (f"jump {SERVICES_CHAIN}",),
         "nat-output": (f"jump {SERVICES_CHAIN}",),
         "nat-postrouting": (f"jump {MASQUERADING_CHAIN}",),
-        SERVICES_CHAIN: (_LOOKUP + SERVICE_IPS,),
-        ENDPOINTS_CHECK_CHAIN: (_LOOKUP + NO_ENDPOINT_SERVICES,),
+        SERVICES_CHAIN: (_LOOKUP + SERVICE_IPS, _NODEPORT_LOOKUP + SERVICE_NODEPORTS),
+        ENDPOINTS_CHECK_CHAIN: (_LOOKUP + NO_ENDPOINT_SERVICES, _NODEPORT_LOOKUP + NO_ENDPOINT_NODEPORTS),
+        FIREWALL_CHECK_CHAIN: (_LOOKUP + FIREWALL_IPS,),
         REJECT_CHAIN: ("meta l4proto tcp reject with tcp reset", "reject"),
         MARK_MASQ_CHAIN: (f"mark set mark or {mark}",),
         MASQUERADING_CHAIN: (f"mark and {mark} == 0 return", f"mark set mark xor {mark}", "masquerade fully-random"),
@@ -140,8 +172,22 @@ def affinity_set(sp: ServicePortState, b: Backend) -> str:
     return AFFINITY_PREFIX + _hashed(f"{_port_base(sp)}{ENDPOINT_SEP}{b.ip}/{b.port}")
 
 
-def elem_key(fe: Frontend) -> ElemKey:
-    return (fe.ip, fe.protocol.value.lower(), fe.port)
+def external_chain(sp: ServicePortState) -> str:
+    return EXTERNAL_PREFIX + _hashed(_port_base(sp))
+
+
+def local_chain(sp: ServicePortState) -> str:
+    return LOCAL_PREFIX + _hashed(_port_base(sp))
+
+
+def firewall_chain(sp: ServicePortState) -> str:
+    return FIREWALL_PREFIX + _hashed(_port_base(sp))
+
+
+def elem_key(sp: ServicePortState) -> ElemKey:
+    """A frontend's key in the verdict maps: a NodePort's is its protocol and port (on any of `nodeport-ips`)."""
+    fe = sp.frontend
+    return ("" if sp.kind is FrontendKind.NODE_PORT else fe.ip, fe.protocol.value.lower(), fe.port)
 
 
 # ------------------------------------------------------------------------------------------------- the plan
@@ -150,14 +196,16 @@ def elem_key(fe: Frontend) -> ElemKey:
 @dataclass(frozen=True, slots=True)
 class ConntrackFlush:
     """UDP flows to forget once the transaction is in: those to `vip:port` DNATed to `endpoint`, or all of them
-    (a frontend that just got endpoints: flows from before it had any were never DNATed)."""
+    (a frontend that just got endpoints: flows from before it had any were never DNATed). `vip` "": a NodePort,
+    whose flows are those to `port` on any address (as upstream clears them)."""
 
     vip: str
     port: int
     endpoint: Backend | None = None
 
     def argv(self) -> list[str]:
-        argv = ["conntrack", "-D", "-p", "udp", "--orig-dst", self.vip, "--orig-port-dst", str(self.port)]
+        argv = ["conntrack", "-D", "-p", "udp", *(["--orig-dst", self.vip] if self.vip else []),
+                "--orig-port-dst", str(self.port)]
         if self.endpoint is not None:
             argv += ["--dst-nat", self.endpoint.ip, "--reply-port-src", str(self.endpoint.port)]
         return argv
@@ -221,6 +269,7 @@ def base_commands(state: TableState, masq: MasqueradeSettings) -> list[str]:
     chains = fixed_chains(masq)
     cmds += [_t("add chain", name) for name in chains if name not in BASE_CHAINS]
     cmds += [_t("add map", name, f"{{ {_map_spec(name)} }}") for name in MAPS]
+    cmds.append(_t("add set", NODEPORT_IPS, f"{{ {_NODEPORT_IPS_SPEC} }}"))
     for name, rules in chains.items():
         cmds.append(_t("flush chain", name))
         cmds.append(_chain_with_rules(name, rules, BASE_CHAINS.get(name)))
@@ -235,16 +284,47 @@ def _chain_with_rules(name: str, rules: Iterable[str], hook: Hook | None = None)
 
 
 def _map_spec(name: str) -> str:
-    return f'type {_MAP_TYPE}; comment "{MAPS[name]}";'
+    kind, comment = MAPS[name]
+    return f'type {kind}; comment "{comment}";'
 
 
-def _port_objects(states: Sequence[ServicePortState], masq: MasqueradeSettings) -> _Port:
-    """The chains and sets of the frontends of one service port (one, unless a Service had two ClusterIPs)."""
+def nodeport_ips_commands(ips: Iterable[str]) -> list[str]:
+    """`nodeport-ips` made to hold exactly `ips`."""
+    ips = sorted(ips)
+    cmds = [_t("add set", NODEPORT_IPS, f"{{ {_NODEPORT_IPS_SPEC} }}"), _t("flush set", NODEPORT_IPS)]
+    if ips:
+        cmds.append(_t("add set", NODEPORT_IPS, f"{{ {_NODEPORT_IPS_SPEC} elements = {{ {', '.join(ips)} }} }}"))
+    return cmds
+
+
+def _port_objects(states: Sequence[ServicePortState], masq: MasqueradeSettings, wanted: _Wanted) -> _Port:
+    """The chains and sets of the frontends of one service port (all its frontends share its endpoints and
+    policy), and their map elements, added to `wanted`."""
     sp = states[0]
     port = _Port()
     proto = sp.frontend.protocol.value.lower()
+    ranges = next((st.source_ranges for st in states if st.source_ranges), ())
+    if ranges:
+        port_fw = firewall_chain(sp)
+    external = next((st for st in states if st.kind.external), None)  # the policy of the external frontends
+    for st in states:
+        key, node_port = elem_key(st), st.kind is FrontendKind.NODE_PORT
+        if st.source_ranges:
+            wanted.elements[FIREWALL_IPS][key] = Elem(f"goto {port_fw}")
+        wanted.known[key] = frozenset(st.known_backends) | frozenset(st.backends)
+        if not st.backends:
+            comment = st.display_name[:COMMENT_MAX]  # the owner, `ns/name`, comes first and fits
+            reject_map = NO_ENDPOINT_NODEPORTS if node_port else NO_ENDPOINT_SERVICES
+            wanted.elements[reject_map][key] = Elem(f"goto {REJECT_CHAIN}", comment)
+        else:
+            chain = external_chain(sp) if st.kind.external else service_chain(sp)
+            wanted.elements[SERVICE_NODEPORTS if node_port else SERVICE_IPS][key] = Elem(f"goto {chain}")
+    if ranges:
+        port.chains[port_fw] = (f"ip saddr != {{ {', '.join(ranges)} }} drop",)
+    if not sp.backends:
+        return port
     affinity = sp.session_affinity_seconds
-    for b in sp.backends:
+    for b in sorted(set(sp.backends) | set(external.external_backends if external else ())):
         rules = [f"ip saddr {b.ip} jump {MARK_MASQ_CHAIN}"]  # hairpin: an endpoint reaching itself
         if affinity:
             port.sets[affinity_set(sp, b)] = affinity
@@ -253,16 +333,51 @@ def _port_objects(states: Sequence[ServicePortState], masq: MasqueradeSettings) 
         port.chains[endpoint_chain(sp, b)] = tuple(rules)
     rules = []
     for st in states:
+        if st.kind is not FrontendKind.CLUSTER_IP:
+            continue
         match = f"ip daddr {st.frontend.ip} {proto} dport {st.frontend.port}"
         if masq.masquerade_all:
             rules.append(f"{match} jump {MARK_MASQ_CHAIN}")
         elif masq.cluster_cidr:
             rules.append(f"{match} ip saddr != {masq.cluster_cidr} jump {MARK_MASQ_CHAIN}")
-    if affinity:
-        rules += [f"ip saddr @{affinity_set(sp, b)} goto {endpoint_chain(sp, b)}" for b in sp.backends]
-    rules += endpoint_choice([endpoint_chain(sp, b) for b in sp.backends])
-    port.chains[service_chain(sp)] = tuple(rules)
+    port.chains[service_chain(sp)] = tuple(rules + _choice(sp, sp.backends))
+    if external:
+        port.chains.update(_external_chains(external, masq))
     return port
+
+
+def _choice(sp: ServicePortState, backends: Sequence[Backend]) -> list[str]:
+    """A policy chain's rules: affinity first, then a random endpoint among `backends`."""
+    rules = []
+    if sp.session_affinity_seconds:
+        rules += [f"ip saddr @{affinity_set(sp, b)} goto {endpoint_chain(sp, b)}" for b in backends]
+    return rules + endpoint_choice([endpoint_chain(sp, b) for b in backends])
+
+
+def _external_chains(sp: ServicePortState, masq: MasqueradeSettings) -> dict[str, tuple[str, ...]]:
+    """Upstream's `external-…` chain, where traffic to the port's NodePorts, external and load-balancer IPs goes,
+    and for externalTrafficPolicy Local the `local-…` chain of this node's endpoints it leads to (the service
+    chain itself when those are all the endpoints)."""
+    cluster = service_chain(sp)
+    if sp.masquerade:  # externalTrafficPolicy Cluster: replies must come back through this node
+        return {external_chain(sp): (f"jump {MARK_MASQ_CHAIN}", f"goto {cluster}")}
+    chains: dict[str, tuple[str, ...]] = {}
+    rules = []
+    if masq.cluster_cidr:
+        # Upstream's "short circuit": pods reach every endpoint, keeping their address, as if they had gone out
+        # to the load balancer and come back in.
+        rules.append(f"ip saddr {masq.cluster_cidr} goto {cluster}")
+    # The node's own traffic: every endpoint, masqueraded (its source is a node address, maybe the VIP itself).
+    rules += [f"fib saddr type local jump {MARK_MASQ_CHAIN}", f"fib saddr type local goto {cluster}"]
+    if not sp.external_backends:
+        rules.append("drop")  # no local endpoint while the cluster has some: the client waits for another node
+    elif tuple(sp.external_backends) == tuple(sp.backends):
+        rules.append(f"goto {cluster}")
+    else:
+        chains[local_chain(sp)] = tuple(_choice(sp, sp.external_backends))
+        rules.append(f"goto {local_chain(sp)}")
+    chains[external_chain(sp)] = tuple(rules)
+    return chains
 
 
 def endpoint_choice(chains: Sequence[str]) -> list[str]:
@@ -280,16 +395,10 @@ def _collect(services: Mapping[str, Iterable[ServicePortState]], masq: Masquerad
     wanted = _Wanted()
     by_port: dict[str, list[ServicePortState]] = {}
     for service in sorted(services):
-        for sp in rendered(services[service]):  # unique: the model decided which Service serves a frontend
-            key = elem_key(sp.frontend)
-            wanted.known[key] = frozenset(sp.known_backends) | frozenset(sp.backends)
-            if sp.backends:
-                by_port.setdefault(service_chain(sp), []).append(sp)
-                wanted.elements[SERVICE_IPS][key] = Elem(f"goto {service_chain(sp)}")
-            else:
-                comment = sp.display_name[:COMMENT_MAX]  # the owner, `ns/name`, comes first and fits
-                wanted.elements[NO_ENDPOINT_SERVICES][key] = Elem(f"goto {REJECT_CHAIN}", comment)
-    wanted.ports = [_port_objects(states, masq) for states in by_port.values()]
+        # Unique: the model decided which Service serves a frontend.
+        for sp in rendered(services[service], mode="nftables"):
+            by_port.setdefault(service_chain(sp), []).append(sp)
+    wanted.ports = [_port_objects(states, masq, wanted) for states in by_port.values()]
     return wanted
 
 
@@ -308,7 +417,7 @@ def _port_commands(port: _Port, state: TableState) -> list[str]:
 
 
 def _key_text(key: ElemKey) -> str:
-    return f"{key[0]} . {key[1]} . {key[2]}"
+    return f"{key[0]} . {key[1]} . {key[2]}" if key[0] else f"{key[1]} . {key[2]}"
 
 
 def _elem_text(key: ElemKey, e: Elem) -> str:
@@ -332,14 +441,16 @@ def _element_commands(old: Mapping[str, Mapping[ElemKey, Elem]], new: Mapping[st
     return deletes + adds
 
 
-def _flushes(old_service_ips: Mapping[ElemKey, Elem], old_known: Mapping[ElemKey, frozenset[Backend]],
+def _flushes(old_served: Mapping[ElemKey, Elem], old_known: Mapping[ElemKey, frozenset[Backend]],
              wanted: _Wanted) -> list[ConntrackFlush]:
+    """`old_served`: the elements of `service-ips` and `service-nodeports` in scope (their keys never collide)."""
+    served = {**wanted.elements[SERVICE_IPS], **wanted.elements[SERVICE_NODEPORTS]}
     flushes = []
     for key in sorted(set(old_known) | set(wanted.known)):
         vip, proto, port = key
         if proto != "udp":
             continue
-        if key in wanted.elements[SERVICE_IPS] and key not in old_service_ips:
+        if key in served and key not in old_served:
             flushes.append(ConntrackFlush(vip, port))
         gone = old_known.get(key, frozenset()) - wanted.known.get(key, frozenset())
         flushes += [ConntrackFlush(vip, port, b) for b in sorted(gone)]
@@ -348,14 +459,17 @@ def _flushes(old_service_ips: Mapping[ElemKey, Elem], old_known: Mapping[ElemKey
 
 def render(state: TableState, services: Mapping[str, Iterable[ServicePortState]], masq: MasqueradeSettings, *,
            full: bool, pending: Mapping[str, bool] | None = None, defer_deletes: bool = False,
-           lazy_deletes: bool = False) -> Plan:
+           lazy_deletes: bool = False, nodeport_ips: Iterable[str] = ()) -> Plan:
     """Plan one transaction. `full`: `services` is every Service, and whatever else the table holds goes.
     Otherwise `services` holds the changed Services only (an empty iterable: the Service is gone), and only
     their objects are touched. `pending`: chains an earlier plan deferred -> whether they may go now.
     `lazy_deletes`: stale chains are deferred (as with `defer_deletes`) unless the transaction deletes
     something else anyway: any delete makes nft list every chain of the table first, which costs seconds at
-    100,000 chains, so a sync that only adds and flushes stays small."""
+    100,000 chains, so a sync that only adds and flushes stays small. `nodeport_ips`: the node addresses
+    NodePorts are served on (`NodeInputs.nodeport_addresses`), the contents of `nodeport-ips`, written when a
+    full sync runs or they changed."""
     pending = pending or {}
+    nodeport_set = frozenset(nodeport_ips)
     services = {k: tuple(v) for k, v in services.items()}
     wanted = _collect(services, masq)
 
@@ -364,6 +478,8 @@ def render(state: TableState, services: Mapping[str, Iterable[ServicePortState]]
 
     fixed = fixed_chains(masq)
     cmds = base_commands(state, masq) if full else []
+    if full or nodeport_set != state.nodeport_ips:
+        cmds += nodeport_ips_commands(nodeport_set)
     for port in wanted.ports:
         cmds += _port_commands(port, state)
 
@@ -372,7 +488,7 @@ def render(state: TableState, services: Mapping[str, Iterable[ServicePortState]]
 
     wanted_chains = wanted.chains() | set(fixed)
     stale_chains = sorted(c for c in state.chains if c not in wanted_chains and (in_scope(owner(c)) or c in pending))
-    stale_sets = sorted(s for s in state.sets if s not in wanted.sets() and in_scope(owner(s)))
+    stale_sets = sorted(s for s in state.sets if s not in wanted.sets() and s != NODEPORT_IPS and in_scope(owner(s)))
     stale_maps = sorted(state.maps - set(MAPS)) if full else []
     other_deletes = any(c.startswith("delete ") for c in cmds) or stale_sets or stale_maps
     deleted = [c for c in stale_chains if (not defer_deletes or pending.get(c, False))
@@ -381,10 +497,13 @@ def render(state: TableState, services: Mapping[str, Iterable[ServicePortState]]
     cmds += [_t("delete set", s) for s in stale_sets] + [_t("delete map", m) for m in stale_maps]
     cmds += [_t("delete chain", c) for c in deleted]
 
-    scope_keys = set(old_elems[SERVICE_IPS]) | set(old_elems[NO_ENDPOINT_SERVICES])
+    scope_keys = {k for m in (SERVICE_IPS, NO_ENDPOINT_SERVICES, SERVICE_NODEPORTS, NO_ENDPOINT_NODEPORTS)
+                  for k in old_elems[m]}
     old_known = {k: v for k, v in state.known.items() if k in scope_keys}
-    after = _after(state, wanted, fixed, old_elems, deleted, stale_sets, stale_maps, full)
-    return Plan(commands=tuple(cmds), state=after, flushes=tuple(_flushes(old_elems[SERVICE_IPS], old_known, wanted)),
+    after = replace(_after(state, wanted, fixed, old_elems, deleted, stale_sets, stale_maps, full),
+                    nodeport_ips=nodeport_set)
+    old_served = {**old_elems[SERVICE_IPS], **old_elems[SERVICE_NODEPORTS]}
+    return Plan(commands=tuple(cmds), state=after, flushes=tuple(_flushes(old_served, old_known, wanted)),
                 deferred=frozenset(stale_chains) - frozenset(deleted))
 
 
@@ -398,6 +517,8 @@ def _after(state: TableState, wanted: _Wanted, fixed: Mapping[str, tuple[str, ..
         chains.update({name: BASE_CHAINS.get(name) for name in fixed})
     chains.update({name: None for name in wanted.chains()})
     sets = {s: t for s, t in state.sets.items() if s not in set(stale_sets)}
+    if full:
+        sets[NODEPORT_IPS] = None
     for p in wanted.ports:
         sets.update(p.sets)
     elements = {}

@@ -1,13 +1,14 @@
 """What pyproxy's nftables table holds, as the renderer needs to know it, and how to read that from the kernel.
 
-`TableState` is deliberately coarse: chains by name (with the hook of base chains), affinity sets with their
-timeouts, map names and the elements of the two verdict maps. Rules are not recorded: a chain pyproxy writes
-is always flushed and rewritten whole, so what rules it held before never matters.
+`TableState` is deliberately coarse: chains by name (with the hook of base chains), sets with their timeouts,
+the addresses of `nodeport-ips`, map names and the elements of the verdict maps. Rules are not recorded: a chain
+pyproxy writes is always flushed and rewritten whole, so what rules it held before never matters.
 
 Every object a Service owns carries its owner in its name (`service-HASH-ns/name/proto/port`,
-`endpoint-HASH-ns/name/proto/port__ip/port`, `affinity-…`, as upstream kube-proxy names them), and the
-elements of `no-endpoint-services` carry it in their comment. That is what lets a partial sync find a
-Service's objects, and a restarted pyproxy adopt a table it did not write, from the table alone.
+`endpoint-HASH-ns/name/proto/port__ip/port`, `external-…`, `local-…`, `firewall-…`, `affinity-…`, as upstream
+kube-proxy names them), and the elements of the `no-endpoint-*` maps carry it in their comment. That is what
+lets a partial sync find a Service's objects, and a restarted pyproxy adopt a table it did not write, from the
+table alone.
 
 `known` is the one thing the kernel does not hold: the endpoints (ready or not) each frontend knew, so a
 UDP flow whose endpoint left can be flushed from conntrack. Read back from a table, it is the endpoints that
@@ -25,16 +26,25 @@ from pyproxy.model.state import Backend
 FAMILY = "ip"
 TABLE = "pyproxy"
 SERVICE_IPS = "service-ips"
+SERVICE_NODEPORTS = "service-nodeports"
 NO_ENDPOINT_SERVICES = "no-endpoint-services"
+NO_ENDPOINT_NODEPORTS = "no-endpoint-nodeports"
+FIREWALL_IPS = "firewall-ips"
+NODEPORT_IPS = "nodeport-ips"
 
 SERVICE_PREFIX = "service-"
 ENDPOINT_PREFIX = "endpoint-"
 AFFINITY_PREFIX = "affinity-"
+EXTERNAL_PREFIX = "external-"
+LOCAL_PREFIX = "local-"
+FIREWALL_PREFIX = "firewall-"
 HASH_LEN = 8
 # Separates a service port's part of an endpoint chain's name from the endpoint's `ip/port`.
 ENDPOINT_SEP = "__"
 
-ElemKey = tuple[str, str, int]  # (ClusterIP, "tcp"|"udp"|"sctp", port): a key of both verdict maps
+ElemKey = tuple[str, str, int]
+"""(address, "tcp"|"udp"|"sctp", port): a key of the verdict maps. The node-port maps are keyed by protocol and
+port alone (`tcp . 30080`): their keys have "" for the address."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +71,8 @@ class TableState:
     sets: Mapping[str, int | None] = field(default_factory=dict)
     """Every set -> its timeout in seconds."""
     maps: frozenset[str] = frozenset()
+    nodeport_ips: frozenset[str] | None = None
+    """The addresses in the `nodeport-ips` set; None: not known (a full sync writes them anyway)."""
     elements: Mapping[str, Mapping[ElemKey, Elem]] = field(default_factory=dict)
     """Map name -> its elements."""
     known: Mapping[ElemKey, frozenset[Backend]] = field(default_factory=dict)
@@ -79,7 +91,7 @@ def _strip_hash(rest: str) -> str | None:
 
 def port_part(name: str) -> str | None:
     """`ns/name/proto/port` of a service, endpoint or affinity object's name; None for other names."""
-    for prefix in (SERVICE_PREFIX, ENDPOINT_PREFIX, AFFINITY_PREFIX):
+    for prefix in (SERVICE_PREFIX, ENDPOINT_PREFIX, AFFINITY_PREFIX, EXTERNAL_PREFIX, LOCAL_PREFIX, FIREWALL_PREFIX):
         if name.startswith(prefix):
             rest = _strip_hash(name[len(prefix):])
             return rest.split(ENDPOINT_SEP, 1)[0] if rest and "/" in rest else None
@@ -97,7 +109,7 @@ def owner(name: str) -> str | None:
 
 def elem_owner(map_name: str, elem: Elem) -> str | None:
     """The Service key owning a map element: named by its target chain, or by its comment (`ns/name:port`)."""
-    if map_name == SERVICE_IPS:
+    if map_name in (SERVICE_IPS, SERVICE_NODEPORTS, FIREWALL_IPS):
         return owner(verdict_target(elem.verdict))
     return elem.comment.split(":", 1)[0] if elem.comment else None
 
@@ -125,6 +137,7 @@ def parse_listing(doc: Mapping[str, Any]) -> TableState:
     maps: set[str] = set()
     elements: dict[str, dict[ElemKey, Elem]] = {}
     present = False
+    nodeport_ips = None
     for item in doc.get("nftables", []):
         obj = next(iter(item.values()), None)
         if not isinstance(obj, dict) or obj.get("table", TABLE) != TABLE or obj.get("family", FAMILY) != FAMILY:
@@ -139,12 +152,16 @@ def parse_listing(doc: Mapping[str, Any]) -> TableState:
         elif "set" in item:
             s = item["set"]
             sets[s["name"]] = s.get("timeout")
+            if s["name"] == NODEPORT_IPS:
+                nodeport_ips = frozenset(e for e in s.get("elem", []) if isinstance(e, str))
         elif "map" in item:
             m = item["map"]
             maps.add(m["name"])
             elements[m["name"]] = dict(_map_elements(m.get("elem", [])))
     return TableState(present=present, chains=chains, sets=sets, maps=frozenset(maps), elements=elements,
-                      known=_known_from_chains(chains, elements.get(SERVICE_IPS, {})))
+                      nodeport_ips=nodeport_ips,
+                      known=_known_from_chains(chains, {**elements.get(SERVICE_IPS, {}),
+                                                        **elements.get(SERVICE_NODEPORTS, {})}))
 
 
 def _map_elements(raw: list[Any]) -> Iterator[tuple[ElemKey, Elem]]:
@@ -155,8 +172,10 @@ def _map_elements(raw: list[Any]) -> Iterator[tuple[ElemKey, Elem]]:
             key = key["elem"]["val"]
         parts = key["concat"] if isinstance(key, dict) and "concat" in key else None
         verdict = next(iter(value.items()), None) if isinstance(value, dict) else None
-        if parts is None or len(parts) != 3 or verdict is None:
+        if parts is None or len(parts) not in (2, 3) or verdict is None:
             continue  # not an element pyproxy writes; a full sync replaces the map's contents anyway
+        if len(parts) == 2:
+            parts = ["", *parts]  # a node-port map's `proto . port`
         kind, arg = verdict
         target = arg.get("target", "") if isinstance(arg, dict) else ""
         yield (str(parts[0]), str(parts[1]), int(parts[2])), Elem(f"{kind} {target}".strip(), comment)
