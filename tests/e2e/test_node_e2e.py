@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from pyproxy.lab import describe
 from pyproxy.lab.manifests import Port, endpoint_slice, service
 from pyproxy.lab.netns import NODE_CLIENT_IP
 
@@ -82,12 +83,16 @@ def test_node_ports_use_the_nodes_addresses_as_they_change(make_env) -> None:
     started = proxy.log_text()
     assert "NodePorts use node addresses" in started and NODE_CLIENT_IP in started, proxy.log_tail()
     assert "default/lb: LoadBalancer" not in started  # no ingress IP: no load-balancer frontend
-    assert proxy.wait_for_log("default/lb: NodePort 30080/TCP not served by bpf mode yet", 2.0), proxy.log_tail()
+    # bpf mode serves this NodePort (externalTrafficPolicy Local: no SNAT needed) on the node's addresses.
+    env.assert_reaches("tcp", NODE_CLIENT_IP, 30080, {"b1:8080"})
     # An address added to the node is followed; one outside --nodeport-addresses is not chosen.
     env.lab.exec(env.lab.node, "ip", "addr", "add", "10.250.0.1/32", "dev", env.lab.node_client_ifname)
     env.lab.exec(env.lab.node, "ip", "addr", "add", "172.31.0.1/32", "dev", env.lab.node_client_ifname)
     assert proxy.wait_for_log("10.250.0.1 (--nodeport-addresses=10.0.0.0/8)", 5.0), proxy.log_tail()
     assert "172.31.0.1" not in proxy.log_text()
+    assert env.poll(lambda: env.probe("tcp", "10.250.0.1", 30080, 3)["replies"] == {"b1:8080": 3}, 5.0) is not None
+    outside = env.probe("tcp", "172.31.0.1", 30080, 3, timeout=0.5)
+    assert not outside["replies"] and set(outside["errors"]) == {"refused"}, describe(outside)  # the node's stack
     # The health check still answers after the node change recomputed every Service.
     answer = env.lab.http_get(env.lab.node, f"http://10.250.0.1:{HEALTH_PORT}/")
     assert answer["status"] == 200 and json.loads(answer["body"]) == body(1), answer
