@@ -3,7 +3,7 @@
 The programs (bpf/include/pyproxy/ct.h) keep one entry per direction of a flow, each with the flow's state
 (abi.CT_ST_*) and the tick of its last packet, and treat an entry idle for longer than its state's timeout
 as absent. The timeouts are constants of the loaded programs (.rodata, `CtTimeouts.ticks`); this module
-holds their defaults and the same expiry rule for the garbage collector and `pyproxy inspect`.
+holds their defaults and the per-state timeout the garbage collector applies (`timeout_ticks`, as ct.h).
 """
 
 from __future__ import annotations
@@ -59,7 +59,3 @@ def timeout_ticks(t: abi.CtTimeoutTicks, proto: int, state: int) -> int:
                     abi.CT_ST_CLOSED: t.tcp_closed}.get(state, t.tcp_established))
     return int(t.udp_new if state == abi.CT_ST_NEW else t.udp_established)
 
-
-def expired(t: abi.CtTimeoutTicks, proto: int, state: int, last_seen: int, now: int) -> bool:
-    """Whether the programs would treat a FORWARD or REVERSE entry as gone at tick `now`."""
-    return (now - last_seen) % 2**64 > timeout_ticks(t, proto, state)

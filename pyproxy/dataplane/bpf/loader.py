@@ -143,9 +143,6 @@ def mount(fstype: str, where: Path, what: str) -> None:
     log.info("mounted %s at %s", what, where)
 
 
-def _mount_bpffs(where: Path) -> None:
-    mount("bpf", where, "a bpffs")
-
 
 def unmount(where: Path) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
@@ -160,12 +157,12 @@ def ensure_bpffs(pin_dir: Path) -> None:
         return
     parent = pin_dir.parent
     if parent.exists() and fs_type(parent) != "bpf" and (parent == BPF_FS_ROOT or fs_type(parent) == "sysfs"):
-        _mount_bpffs(parent)
+        mount("bpf", parent, "a bpffs")
     if parent.exists() and fs_type(parent) == "bpf":
         pin_dir.mkdir(exist_ok=True)
         return
     pin_dir.mkdir(parents=True, exist_ok=True)
-    _mount_bpffs(pin_dir)
+    mount("bpf", pin_dir, "a bpffs")
 
 
 @dataclass
