@@ -105,9 +105,8 @@ class ServicePortState:
 
 # The kinds of frontend the dataplane modes render today. The model knows every kind; until a mode renders the
 # others, its renderer takes only these (`rendered`), and the proxier says once per Service what is left out
-# (`DesiredState.notices`). `MODE_KINDS` names the modes that render more, with their kinds.
+# (`DesiredState.notices`). `SERVES` names the modes that render more, with what they render.
 RENDERED_KINDS: frozenset[FrontendKind] = frozenset({FrontendKind.CLUSTER_IP})
-ALL_KINDS: frozenset[FrontendKind] = frozenset(FrontendKind)
 
 Serves = Callable[["ServicePortState"], bool]
 """Whether a mode renders a frontend (yet)."""
