@@ -74,7 +74,7 @@ int pyproxy_tc_ingress(struct __sk_buff *skb)
 	default:
 		return TC_ACT_OK;
 	}
-	switch (pyproxy_lb_forward(&p, skb->len, &be)) {
+	switch (pyproxy_lb_forward(skb, skb->ingress_ifindex, &p, skb->len, &be)) {
 	case PYPROXY_DNAT:
 		pyproxy_frag_record(&p);
 		if (pyproxy_tc_nat(skb, &p, PYPROXY_NAT_DST, be.addr, be.port))
@@ -125,7 +125,7 @@ int pyproxy_xdp_ingress(struct xdp_md *ctx)
 	/* Decided before the load balancer runs: TC ingress then makes the whole decision for this packet. */
 	if (pyproxy_xdp_csum_ambiguous(ctx, &p))
 		return XDP_PASS;
-	switch (pyproxy_lb_forward(&p, ctx->data_end - ctx->data, &be)) {
+	switch (pyproxy_lb_forward(ctx, ctx->ingress_ifindex, &p, ctx->data_end - ctx->data, &be)) {
 	case PYPROXY_DNAT:
 		/* Only a SYN or a datagram could look like a direct connection to TC (pyproxy_ct_untrack); a
 		 * segment of an established flow needs no mark. No room for it: TC translates instead, following

@@ -33,6 +33,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "xdp_devices": ("bpf.xdp_devices",),
     "bpf_socket_lb": ("bpf.socket_lb",),
     "cgroup_root": ("bpf.cgroup_root",),
+    "bpf_snat_port_range": ("bpf.snat_ports",),
     "cluster_cidr": ("masquerade.cluster_cidr",),
     "masquerade_all": ("masquerade.masquerade_all",),
     "iptables_masquerade_bit": ("masquerade.masquerade_bit",),
@@ -76,6 +77,15 @@ def _duration(value: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+def _port_range(value: str) -> tuple[int, int]:
+    """FIRST-LAST, as upstream's --service-node-port-range."""
+    lo, _, hi = value.partition("-")
+    try:
+        return int(lo), int(hi)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FIRST-LAST, such as 61000-65535, not {value!r}") from None
+
+
 def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
@@ -111,6 +121,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--cgroup-root", type=Path,
                      help="bpf mode: the cgroup v2 directory the socket hooks go on (default: the root of the "
                           "node's cgroup v2 hierarchy)")
+    run.add_argument("--bpf-snat-port-range", type=_port_range, metavar="FIRST-LAST",
+                     help="bpf mode: the source ports SNAT gives out; reserved from the node's ephemeral ports "
+                          f"where they overlap (default: {d.bpf.snat_ports[0]}-{d.bpf.snat_ports[1]})")
     run.add_argument("--cluster-cidr", help="masquerade ClusterIP traffic from outside this range (netfilter modes)")
     run.add_argument("--masquerade-all", action="store_true", default=None,
                      help="masquerade all ClusterIP traffic (netfilter modes)")

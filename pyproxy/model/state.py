@@ -112,13 +112,7 @@ Serves = Callable[["ServicePortState"], bool]
 """Whether a mode renders a frontend (yet)."""
 
 
-def _bpf_serves(sp: ServicePortState) -> bool:
-    """bpf mode: ClusterIP frontends, and the external ones that need no SNAT (externalTrafficPolicy Local: this
-    node's endpoints, the client's address kept). Those with Cluster policy wait for SNAT in the datapath."""
-    return sp.kind is FrontendKind.CLUSTER_IP or not sp.masquerade
-
-
-SERVES: Mapping[str, Serves] = {"nftables": lambda sp: True, "bpf": _bpf_serves}
+SERVES: Mapping[str, Serves] = {"nftables": lambda sp: True, "bpf": lambda sp: True}
 """What the modes that render more than RENDERED_KINDS render: the one place that says it (renderers filter with
 `rendered`, the log names what is left out with `DesiredState.notices`)."""
 

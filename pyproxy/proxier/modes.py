@@ -51,6 +51,7 @@ HONOURED_BY = (
     Honoured("--xdp-devices", lambda s: s.bpf.xdp_devices, _BPF),
     Honoured("--bpf-socket-lb", lambda s: s.bpf.socket_lb, _BPF),
     Honoured("--cgroup-root", lambda s: s.bpf.cgroup_root, _BPF),
+    Honoured("--bpf-snat-port-range", lambda s: s.bpf.snat_ports, _BPF),
     Honoured("--conntrack-tcp-timeout-established", lambda s: s.bpf.ct_timeouts.tcp_established, _BPF),
     Honoured("--conntrack-tcp-timeout-close-wait", lambda s: s.bpf.ct_timeouts.tcp_closing, _BPF),
     Honoured("--conntrack-udp-timeout", lambda s: s.bpf.ct_timeouts.udp_new, _BPF),

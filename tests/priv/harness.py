@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass
 
 import pytest
@@ -95,9 +96,11 @@ class Dataplane:
     def svc_id(self, state: ServicePortState) -> int:
         return self.applied.frontends[frontend_key(state.frontend)].svc_id
 
-    def run(self, prog: Prog, data: bytes) -> tuple[int, bytes]:
+    def run(self, prog: Prog, data: bytes, ifindex: int = 0) -> tuple[int, bytes]:
         """One BPF_PROG_TEST_RUN: the verdict and the frame as the program left it. XDP's test run returns the
-        packet's metadata in front of the frame: it goes to `self.meta` (the mark of a packet XDP translated)."""
+        packet's metadata in front of the frame: it goes to `self.meta` (the mark of a packet XDP translated).
+        `ifindex`: the device, of the calling thread's network namespace, the packet arrives on (else none for TC,
+        loopback for XDP): what SNAT's routing lookup starts from."""
         data_in = ffi.new("uint8_t[]", data)
         out = ffi.new("uint8_t[]", len(data) + 512)
         opts = ffi.new("struct bpf_test_run_opts *")
@@ -106,6 +109,11 @@ class Dataplane:
         opts.data_size_in = len(data)
         opts.data_out = out
         opts.data_size_out = len(out)
+        if ifindex:
+            ctx = _ctx(prog, len(data), ifindex)
+            ctx_in = ffi.new("uint8_t[]", ctx)
+            opts.ctx_in = ctx_in
+            opts.ctx_size_in = len(ctx)
         libbpf.check(libbpf.lib().bpf_prog_test_run_opts(self.obj.progs[prog.name], opts), f"test run {prog.name}")
         frame = bytes(ffi.buffer(out, opts.data_size_out))
         self.meta = b""
@@ -122,6 +130,14 @@ class Dataplane:
     def stats(self, svc_id: int) -> tuple[int, int]:
         per_cpu = self.maps.stats.get(svc_id)
         return sum(s.packets for s in per_cpu), sum(s.bytes for s in per_cpu)
+
+
+def _ctx(prog: Prog, size: int, ifindex: int) -> bytes:
+    """The context a test run starts from, as far as it names the device: struct xdp_md (data, data_end,
+    data_meta, ingress_ifindex) or the head of struct __sk_buff up to ingress_ifindex and ifindex."""
+    if prog.name == abi.PROG_XDP:
+        return struct.pack("=IIII", 0, size, 0, ifindex)
+    return bytes(36) + struct.pack("=II", ifindex, ifindex)
 
 
 def backend_of(out: bytes) -> Backend:

@@ -1,7 +1,7 @@
 """External frontends in bpf mode (NodePort, ExternalIP, LoadBalancer IP) with externalTrafficPolicy Local, packet
 by packet: outside clients reach only this node's endpoints and keep their address; with none here the flow is
 dropped (the client waits for another node, as upstream); loadBalancerSourceRanges keep new flows from other
-sources out. Frontends with policy Cluster need SNAT, which bpf mode does not do yet: they are not programmed."""
+sources out. Policy Cluster, which SNATs: test_snat.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 
 import pytest
 from harness import CLIENT, INGRESS, READY, ROOT, TC_INGRESS, Dataplane, Prog, backend_of, dnat
-from packets import TCP, Flow, frame
+from packets import Flow, frame
 
 from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.model.objects import Protocol
@@ -72,10 +72,3 @@ def test_changed_ranges_apply_to_new_flows_and_survive_a_restart(dp: Dataplane) 
         again.close()
     dp.apply()  # the Service goes: its ranges go with it
     assert len(dp.maps.srcranges) == 0
-
-
-def test_cluster_policy_needs_snat_and_is_not_programmed_yet(dp: Dataplane) -> None:
-    dp.apply(external(FrontendKind.NODE_PORT, NODE_IP, NODE_PORT, READY, masquerade=True))
-    data = frame(Flow(CLIENT, NODE_IP, 40400, NODE_PORT, TCP))
-    assert dp.run(TC_INGRESS, data) == (TC_INGRESS.ok, data)
-    assert len(dp.maps.services) == 0

@@ -23,6 +23,8 @@ from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict, untranslat
 
 CAPACITY = {abi.MAP_SERVICES: 65536, abi.MAP_SLOTS: 1 << 20, abi.MAP_BACKENDS: 65536, abi.MAP_STATS: 65536}
 _PROTO = {"tcp": "TCP", "udp": "UDP"}
+# SVC_F_MASQ changes the source the backend sees, not who answers.
+KNOWN_FLAGS = abi.SVC_F_AFFINITY | abi.SVC_F_DROP | abi.SVC_F_RANGES | abi.SVC_F_MASQ
 
 Maps = dict[str, dict[tuple, tuple | None]]
 
@@ -64,6 +66,8 @@ class BpfTracer:
             yield untranslated(pkt)
             return
         svc_id, count, flags, _affinity_seconds = svc
+        if flags & ~KNOWN_FLAGS:
+            raise Unmodelled(f"services map flags {flags:#x}")
         if flags & abi.SVC_F_RANGES and not any(
             ipaddress.IPv4Address(pkt.src) in ipaddress.IPv4Network(cidr)
             for sid, cidr in self.maps.get(abi.MAP_SRCRANGES, {}) if sid == svc_id

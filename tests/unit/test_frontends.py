@@ -385,11 +385,11 @@ def test_a_changed_node_recomputes_every_service() -> None:
 def test_notices_name_once_per_service_what_the_mode_does_not_render_yet() -> None:
     services = cluster(svc("LoadBalancer", external_ips=("192.0.2.10",)), svc("ClusterIP", "db", "10.96.0.20"))
     first = update_desired_state(DesiredState(), services, lambda key: (), set(services), NODE)
-    assert first.notices("bpf") == [
+    assert first.notices("fake") == [
         "default/web: ExternalIP 192.0.2.10:53/UDP, ExternalIP 192.0.2.10:80/TCP, NodePort 30053/UDP, "
-        "NodePort 30080/TCP not served by bpf mode yet"]
+        "NodePort 30080/TCP not served by fake mode yet"]
     endpoints = update_desired_state(first, services, lambda key: (slice_(ep("10.1.0.1")),), {"default/web"})
-    assert endpoints.notices("bpf") == [], "endpoints changed, not the frontends: said already"
+    assert endpoints.notices("fake") == [], "endpoints changed, not the frontends: said already"
     services["default/web"] = replace(services["default/web"], external_ips=())
     fewer = update_desired_state(endpoints, services, lambda key: (), {"default/web"})
     assert fewer.notices("iptables") == ["default/web: NodePort 30053/UDP, NodePort 30080/TCP not served by iptables "
@@ -406,8 +406,8 @@ def test_rendered_keeps_the_cluster_ip_frontends() -> None:
 
 def test_every_renderer_renders_exactly_what_its_mode_serves() -> None:
     """A Service with every kind of frontend programs what the frontends its mode serves alone program: the
-    ClusterIP ones in iptables and ipvs modes, which render no other kind yet; in bpf mode also the external ones
-    that need no SNAT (externalTrafficPolicy Local); nftables renders them all (test_nftables_render)."""
+    ClusterIP ones in iptables and ipvs modes, which render no other kind yet; bpf and nftables render them all
+    (test_nftables_render)."""
     services = cluster(svc("LoadBalancer", external_ips=("192.0.2.10",), load_balancer_ips=("203.0.113.10",),
                            external_traffic_policy=LOCAL, health_check_node_port=31000,
                            load_balancer_source_ranges=("198.51.100.0/24",)))
@@ -418,7 +418,7 @@ def test_every_renderer_renders_exactly_what_its_mode_serves() -> None:
     assert len(clusters.services["default/web"]) == 2
 
     served_by_bpf = DesiredState({k: rendered(v, mode="bpf") for k, v in full.services.items()})
-    assert len(served_by_bpf.services["default/web"]) == 10  # eTP=Local: every frontend needs no SNAT
+    assert len(served_by_bpf.services["default/web"]) == 10
     assert bpf_render(Applied(), full.services, {}).batches == bpf_render(Applied(), served_by_bpf.services,
                                                                           {}).batches
     assert bpf_render(Applied(), full.services, {}).batches != bpf_render(Applied(), clusters.services, {}).batches

@@ -19,7 +19,7 @@
 #define PYPROXY_MAP_BACKENDS  pyproxy_be_v1
 #define PYPROXY_MAP_CT        pyproxy_ct_v2    /* v2: last_seen in ticks, not ns */
 #define PYPROXY_MAP_STATS     pyproxy_stat_v1
-#define PYPROXY_MAP_COUNTERS  pyproxy_cnt_v2   /* v2: connection-tracking, ICMP and fragment counters */
+#define PYPROXY_MAP_COUNTERS  pyproxy_cnt_v3   /* v2: connection-tracking, ICMP and fragment counters; v3: SNAT */
 #define PYPROXY_MAP_NAMES     pyproxy_name_v1
 #define PYPROXY_MAP_EPOCH     pyproxy_epoch_v1
 #define PYPROXY_MAP_FRAGS     pyproxy_frag_v1
@@ -42,6 +42,7 @@
 #define PYPROXY_SVC_F_DROP      0x2    /* no backend: drop, not reject (externalTrafficPolicy Local, no local
                                         * endpoint while the cluster has some: the client waits for another node) */
 #define PYPROXY_SVC_F_RANGES    0x4    /* new flows only from the frontend's source ranges (PYPROXY_MAP_SRCRANGES) */
+#define PYPROXY_SVC_F_MASQ      0x8    /* new flows are SNATed to this node (externalTrafficPolicy Cluster): snat.h */
 
 /* struct pyproxy_ct_key.dir */
 #define PYPROXY_CT_FORWARD  0          /* client -> frontend, value holds the backend */
@@ -59,6 +60,14 @@
 /* struct pyproxy_ct_value.flags: the FINs seen, so the second one closes the flow. */
 #define PYPROXY_CT_F_FIN_FWD 0x1       /* client -> frontend */
 #define PYPROXY_CT_F_FIN_REV 0x2       /* backend -> client */
+/* The flow's source is translated too (masquerade, snat.h). A Service flow so translated has a second pair of
+ * entries, the SNAT pair, mirrored: its REVERSE entry is keyed as the client's packets leave toward the backend
+ * (client -> backend; holds the node's address and port to put in the source) and its FORWARD entry as the
+ * backend's replies arrive (backend -> node address and port; holds the client to put back in the
+ * destination). So the egress program's one lookup translates both the replies to clients and the
+ * masqueraded packets to backends, and the SNAT pair expires, refreshes and is collected like any pair. */
+#define PYPROXY_CT_F_MASQ    0x4       /* a Service flow's FORWARD entry: the flow has an SNAT pair */
+#define PYPROXY_CT_F_SNAT    0x8       /* an entry of an SNAT pair */
 
 /* Indices of PYPROXY_MAP_COUNTERS (per-CPU __u64 each). */
 enum pyproxy_counter {
@@ -78,6 +87,10 @@ enum pyproxy_counter {
 	PYPROXY_CNT_SOCK_REFUSED,      /* ... refused: the frontend has no usable endpoint */
 	PYPROXY_CNT_NO_LOCAL,          /* dropped: externalTrafficPolicy Local and no endpoint on this node */
 	PYPROXY_CNT_SOURCE_DENIED,     /* dropped: a new flow from outside the frontend's source ranges */
+	PYPROXY_CNT_SNAT,              /* a new flow's source was translated to a node address and port */
+	PYPROXY_CNT_SNAT_NO_PORT,      /* dropped: no free SNAT port for the flow's node address and backend */
+	PYPROXY_CNT_SNAT_NO_ROUTE,     /* a flow to SNAT had no route to its backend (nor a source address): left as it is */
+	PYPROXY_CNT_REVSNAT,           /* a backend's reply to a node address and SNAT port went back to its client */
 	PYPROXY_CNT_MAX,
 };
 
@@ -152,6 +165,22 @@ struct pyproxy_ct_timeouts {
 	__u32 udp_established;   /* UDP, replied */
 	__u32 shortest;          /* the smallest of the above: an entry idle for less is live in any state */
 	__u32 pad;               /* zero */
+};
+
+/* The source ports SNAT takes (host order, inclusive). Chosen outside the kernel's ephemeral range
+ * (net.ipv4.ip_local_port_range), so no node socket gets one of them unless it binds it explicitly: a reply
+ * to a node address and one of these ports is then an SNATed flow's (README, "SNAT"). */
+struct pyproxy_snat_ports {
+	__u16 min;
+	__u16 max;
+	__u32 pad;     /* zero */
+};
+
+/* The programs' constants: the .rodata variable the loader sets before load (the verifier then folds each read
+ * into the code). */
+struct pyproxy_config {
+	struct pyproxy_ct_timeouts ct;
+	struct pyproxy_snat_ports snat;
 };
 
 /* Key of PYPROXY_MAP_FRAGS: one IPv4 datagram in fragments, as its fragments carry it (before translation). */

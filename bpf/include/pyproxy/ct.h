@@ -4,7 +4,7 @@
  *
  * A flow has two entries, FORWARD (client -> frontend, holds the backend) and REVERSE (backend -> client,
  * holds the frontend), each with the flow's state and the tick of the last packet seen in its direction.
- * As in the kernel's conntrack and Cilium's, the state picks an idle timeout (pyproxy_ct_timeouts):
+ * As in the kernel's conntrack and Cilium's, the state picks an idle timeout (pyproxy_config.ct):
  *
  *   NEW --reply--> ESTABLISHED --FIN--> CLOSING --other FIN--> CLOSED;  RST from any state --> CLOSED
  *
@@ -23,15 +23,21 @@
 #include "pyproxy/maps.h"
 #include "pyproxy/parse.h"
 
-static __always_inline void pyproxy_ct_key_of(const struct pyproxy_pkt *p, __u8 dir, struct pyproxy_ct_key *k)
+static __always_inline void pyproxy_ct_key_set(struct pyproxy_ct_key *k, __be32 saddr, __be32 daddr, __be16 sport,
+					       __be16 dport, __u8 proto, __u8 dir)
 {
-	k->saddr = p->saddr;
-	k->daddr = p->daddr;
-	k->sport = p->sport;
-	k->dport = p->dport;
-	k->proto = p->proto;
+	k->saddr = saddr;
+	k->daddr = daddr;
+	k->sport = sport;
+	k->dport = dport;
+	k->proto = proto;
 	k->dir = dir;
 	k->pad = 0;
+}
+
+static __always_inline void pyproxy_ct_key_of(const struct pyproxy_pkt *p, __u8 dir, struct pyproxy_ct_key *k)
+{
+	pyproxy_ct_key_set(k, p->saddr, p->daddr, p->sport, p->dport, p->proto, dir);
 }
 
 /* The clock of last_seen and of ClientIP affinity, in ticks (jiffies; HZ per second, which the control plane
@@ -66,16 +72,16 @@ static __always_inline __u32 pyproxy_ct_timeout(__u8 proto, __u8 state)
 	if (proto == IPPROTO_TCP) {
 		switch (state) {
 		case PYPROXY_CT_ST_NEW:
-			return pyproxy_ct_timeouts.tcp_new;
+			return pyproxy_config.ct.tcp_new;
 		case PYPROXY_CT_ST_CLOSING:
-			return pyproxy_ct_timeouts.tcp_closing;
+			return pyproxy_config.ct.tcp_closing;
 		case PYPROXY_CT_ST_CLOSED:
-			return pyproxy_ct_timeouts.tcp_closed;
+			return pyproxy_config.ct.tcp_closed;
 		default:
-			return pyproxy_ct_timeouts.tcp_established;
+			return pyproxy_config.ct.tcp_established;
 		}
 	}
-	return state == PYPROXY_CT_ST_NEW ? pyproxy_ct_timeouts.udp_new : pyproxy_ct_timeouts.udp_established;
+	return state == PYPROXY_CT_ST_NEW ? pyproxy_config.ct.udp_new : pyproxy_config.ct.udp_established;
 }
 
 static __always_inline int pyproxy_ct_expired(const struct pyproxy_ct_value *v, __u8 proto, __u64 now)
@@ -83,7 +89,7 @@ static __always_inline int pyproxy_ct_expired(const struct pyproxy_ct_value *v, 
 	__u64 idle = now - v->last_seen;
 
 	/* Idle for less than the shortest timeout: live in any state, without working out which. */
-	return idle > pyproxy_ct_timeouts.shortest && idle > pyproxy_ct_timeout(proto, v->state);
+	return idle > pyproxy_config.ct.shortest && idle > pyproxy_ct_timeout(proto, v->state);
 }
 
 /* The key of the other direction's entry of the flow that `v`, found under `k`, belongs to:
@@ -152,13 +158,20 @@ static __always_inline void pyproxy_ct_next(__u8 dir, __u8 tcp_flags, __u8 *stat
 		*state = PYPROXY_CT_ST_ESTABLISHED;
 }
 
+/* The direction of the client's own packets is FORWARD: for an entry of an SNAT pair, whose REVERSE entry
+ * sees the client's packets (abi.h, PYPROXY_CT_F_SNAT), the other way round. */
+static __always_inline __u8 pyproxy_ct_orig_dir(const struct pyproxy_ct_key *k, const struct pyproxy_ct_value *v)
+{
+	return v->flags & PYPROXY_CT_F_SNAT ? k->dir ^ 1 : k->dir;
+}
+
 /* A packet of a live flow passed in the direction of entry `v` (under key `k`): refresh its clock and move
  * the flow's state. A state change is written to the peer entry too (one more lookup, a few times per
  * connection), so both directions expire alike. */
 static __always_inline void pyproxy_ct_seen(const struct pyproxy_ct_key *k, struct pyproxy_ct_value *v,
 					    __u8 tcp_flags, __u64 now)
 {
-	__u8 state = v->state, flags = v->flags;
+	__u8 state = v->state, flags = v->flags, dir = pyproxy_ct_orig_dir(k, v);
 	struct pyproxy_ct_value *peer;
 
 	/* Written once per tick, not per packet: a flow's packets on several CPUs then share the cache line. */
@@ -166,9 +179,9 @@ static __always_inline void pyproxy_ct_seen(const struct pyproxy_ct_key *k, stru
 		v->last_seen = now;
 	/* The common packet changes nothing: no FIN or RST, and no first reply. */
 	if (!(tcp_flags & (PYPROXY_TCP_FIN | PYPROXY_TCP_RST)) &&
-	    (k->dir == PYPROXY_CT_FORWARD || v->state != PYPROXY_CT_ST_NEW))
+	    (dir == PYPROXY_CT_FORWARD || v->state != PYPROXY_CT_ST_NEW))
 		return;
-	pyproxy_ct_next(k->dir, tcp_flags, &state, &flags);
+	pyproxy_ct_next(dir, tcp_flags, &state, &flags);
 	if (state == v->state && flags == v->flags)
 		return;
 	v->state = state;
@@ -180,9 +193,34 @@ static __always_inline void pyproxy_ct_seen(const struct pyproxy_ct_key *k, stru
 	}
 }
 
+/* The translation of a packet that follows a live flow's entry in direction `dir` (one carrying all of `flags`):
+ * *to gets the entry's address and port, and the entry sees the packet. 0: no such entry. */
+static __always_inline int pyproxy_ct_translate(const struct pyproxy_pkt *p, __u8 dir, __u8 flags,
+						struct pyproxy_backend *to)
+{
+	struct pyproxy_ct_value *ct;
+	struct pyproxy_ct_key k;
+	__u64 now;
+
+	pyproxy_ct_key_of(p, dir, &k);
+	ct = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &k);
+	if (!ct || (ct->flags & flags) != flags)
+		return 0;
+	now = pyproxy_now();
+	if (!pyproxy_ct_live(&k, ct, now)) {
+		pyproxy_count(PYPROXY_CNT_CT_EXPIRED);
+		return 0;
+	}
+	to->addr = ct->nat_addr;
+	to->port = ct->nat_port;
+	to->pad = 0;
+	pyproxy_ct_seen(&k, ct, p->tcp_flags, now);
+	return 1;
+}
+
 /* Removes the entry `v` under `k` and, when it is the other half of the same flow, its peer (the peer's key
  * may hold another live flow's entry, which stays). */
-static __always_inline void pyproxy_ct_delete(const struct pyproxy_ct_key *k, const struct pyproxy_ct_value *v)
+static __always_inline void pyproxy_ct_delete_pair(const struct pyproxy_ct_key *k, const struct pyproxy_ct_value *v)
 {
 	struct pyproxy_ct_key pk;
 
@@ -192,11 +230,35 @@ static __always_inline void pyproxy_ct_delete(const struct pyproxy_ct_key *k, co
 	bpf_map_delete_elem(&PYPROXY_MAP_CT, k);
 }
 
+/* The key of the SNAT pair's REVERSE entry of the Service flow whose FORWARD entry `v` is under `k`: the client's
+ * packets as they leave toward the backend. */
+static __always_inline void pyproxy_ct_snat_key(const struct pyproxy_ct_key *k, const struct pyproxy_ct_value *v,
+						struct pyproxy_ct_key *sk)
+{
+	pyproxy_ct_key_set(sk, k->saddr, v->nat_addr, k->sport, v->nat_port, k->proto, PYPROXY_CT_REVERSE);
+}
+
+/* Removes a flow: the pair of `v` under `k` and, for a Service flow's FORWARD entry that has one, its SNAT pair,
+ * so the node port it held is free at once. */
+static __always_inline void pyproxy_ct_delete(const struct pyproxy_ct_key *k, const struct pyproxy_ct_value *v)
+{
+	struct pyproxy_ct_key sk;
+	struct pyproxy_ct_value *sv;
+
+	if (k->dir == PYPROXY_CT_FORWARD && (v->flags & PYPROXY_CT_F_MASQ)) {
+		pyproxy_ct_snat_key(k, v, &sk);
+		sv = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &sk);
+		if (sv && (sv->flags & PYPROXY_CT_F_SNAT))
+			pyproxy_ct_delete_pair(&sk, sv);
+	}
+	pyproxy_ct_delete_pair(k, v);
+}
+
 /* Records both directions of a new flow: the forward entry for the client's later packets and the
  * reverse entry, keyed as the backend's replies will look, for reverse NAT. Returns non-zero when the
  * table refused (only possible under memory pressure: the LRU evicts rather than fills). */
 static __always_inline int pyproxy_ct_create(const struct pyproxy_pkt *p, const struct pyproxy_backend *be,
-					     __u32 svc_id, __u64 now, __u32 epoch)
+					     __u32 svc_id, __u64 now, __u32 epoch, __u8 fwd_flags)
 {
 	struct pyproxy_ct_key fwd, rev;
 	struct pyproxy_ct_value fv = {}, rv = {};
@@ -207,7 +269,7 @@ static __always_inline int pyproxy_ct_create(const struct pyproxy_pkt *p, const 
 	fv.nat_addr = be->addr;
 	fv.nat_port = be->port;
 	fv.state = state;
-	fv.flags = flags;
+	fv.flags = flags | fwd_flags;
 	fv.svc_id = svc_id;
 	fv.epoch = epoch;
 	fv.last_seen = now;
@@ -250,15 +312,11 @@ static __always_inline void pyproxy_ct_untrack(const struct pyproxy_pkt *p)
 		return;
 	if (!pyproxy_endpoint_port(p->dport))
 		return;
-	k.saddr = p->daddr;
-	k.daddr = p->saddr;
-	k.sport = p->dport;
-	k.dport = p->sport;
-	k.proto = p->proto;
-	k.dir = PYPROXY_CT_REVERSE;
-	k.pad = 0;
+	pyproxy_ct_key_set(&k, p->daddr, p->saddr, p->dport, p->sport, p->proto, PYPROXY_CT_REVERSE);
 	v = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &k);
-	if (!v)
+	/* An SNAT pair's REVERSE entry has the tuple of the client's packets to the backend, whose replies, once
+	 * given their client back, look like such a packet: they are the flow itself. */
+	if (!v || (v->flags & PYPROXY_CT_F_SNAT))
 		return;
 	pyproxy_ct_delete(&k, v);
 	pyproxy_count(PYPROXY_CNT_CT_UNTRACKED);

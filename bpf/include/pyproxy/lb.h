@@ -6,6 +6,7 @@
 
 #include "pyproxy/ct.h"
 #include "pyproxy/icmp.h"
+#include "pyproxy/snat.h"
 
 enum pyproxy_verdict {
 	PYPROXY_PASS = 0,   /* not a frontend: leave the packet alone */
@@ -99,21 +100,51 @@ static __always_inline int pyproxy_ct_follow(struct pyproxy_ct_value *ct, const 
 	return 1;
 }
 
-/* The forward decision for a packet entering the node. Cost for packets that are not ours: one hash
- * lookup (plus pyproxy_ct_untrack's array read for a SYN or a UDP datagram). For an established flow: two
- * (frontend, flow) and an array read (the epoch); a third (backend still an endpoint) once per flow after
- * backends were removed, and one on each state change (pyproxy_ct_seen). A later fragment (p->frag) only
- * follows its flow: it never starts one. */
-static __always_inline int pyproxy_lb_forward(const struct pyproxy_pkt *p, __u64 pkt_len, struct pyproxy_backend *be)
+/* A new flow that must be SNATed (snat.h): the frontend says so (externalTrafficPolicy Cluster), or the backend
+ * is the client itself (hairpin: the client would drop a reply from its own address, as upstream masquerades
+ * this case). Records the SNAT pair and returns the Service flow's FORWARD entry flags, or -1: no free port. */
+static __always_inline int pyproxy_lb_masquerade(void *ctx, __u32 ifindex, const struct pyproxy_pkt *p,
+						 const struct pyproxy_svc_value *svc,
+						 const struct pyproxy_backend *be, __u64 now)
+{
+	__be32 addr;
+
+	if (!(svc->flags & PYPROXY_SVC_F_MASQ) && be->addr != p->saddr)
+		return 0;
+	addr = pyproxy_snat_addr(ctx, ifindex, p, be);
+	if (!addr) {
+		pyproxy_count(PYPROXY_CNT_SNAT_NO_ROUTE);
+		return 0;
+	}
+	if (pyproxy_snat_create(p, be, addr, svc->svc_id, now)) {
+		pyproxy_count(PYPROXY_CNT_SNAT_NO_PORT);
+		return -1;
+	}
+	pyproxy_count(PYPROXY_CNT_SNAT);
+	return PYPROXY_CT_F_MASQ;
+}
+
+/* The forward decision for a packet entering the node on device `ifindex` (`ctx`: the program's context, for
+ * the routing lookup SNAT makes). Cost for packets that are not ours: one hash lookup (plus
+ * pyproxy_ct_untrack's array read for a SYN or a UDP datagram, and a flow lookup for one to an SNAT port). For an
+ * established flow: two (frontend, flow) and an array read (the epoch); a third (backend still an endpoint)
+ * once per flow after backends were removed, and one on each state change (pyproxy_ct_seen). A later fragment
+ * (p->frag) only follows its flow: it never starts one. A backend's reply to an SNATed flow comes back as
+ * PYPROXY_DNAT too, with *be its client. */
+static __always_inline int pyproxy_lb_forward(void *ctx, __u32 ifindex, const struct pyproxy_pkt *p, __u64 pkt_len,
+					      struct pyproxy_backend *be)
 {
 	struct pyproxy_svc_value *svc;
 	struct pyproxy_ct_value *ct;
 	struct pyproxy_ct_key k;
 	__u32 epoch;
 	__u64 now;
+	int masq;
 
 	svc = pyproxy_frontend_of(p);
 	if (!svc) {
+		if (pyproxy_snat_port(p->dport) && pyproxy_snat_reverse(p, be))
+			return PYPROXY_DNAT;
 		if (p->frag != PYPROXY_FRAG_LATER)
 			pyproxy_ct_untrack(p);
 		return PYPROXY_PASS;
@@ -166,9 +197,12 @@ static __always_inline int pyproxy_lb_forward(const struct pyproxy_pkt *p, __u64
 			return PYPROXY_DROP;
 		}
 	}
+	masq = pyproxy_lb_masquerade(ctx, ifindex, p, svc, be, now);
+	if (masq < 0)
+		return PYPROXY_DROP;
 	if (svc->flags & PYPROXY_SVC_F_AFFINITY)
 		pyproxy_affinity_record(p, be, svc->svc_id, now);
-	if (pyproxy_ct_create(p, be, svc->svc_id, now, epoch))
+	if (pyproxy_ct_create(p, be, svc->svc_id, now, epoch, masq))
 		pyproxy_count(PYPROXY_CNT_CT_FULL);
 	pyproxy_count(PYPROXY_CNT_NEW_FLOW);
 	pyproxy_count_svc(svc->svc_id, pkt_len);
@@ -176,26 +210,11 @@ static __always_inline int pyproxy_lb_forward(const struct pyproxy_pkt *p, __u64
 }
 
 /* The reverse decision for a packet leaving the node: a backend's reply gets its frontend back, while its
- * flow is live. */
+ * flow is live (and an SNATed flow's packet toward its backend gets its node address and port: snat.h). */
 static __always_inline int pyproxy_lb_reverse(const struct pyproxy_pkt *p, struct pyproxy_backend *fe)
 {
-	struct pyproxy_ct_value *ct;
-	struct pyproxy_ct_key k;
-	__u64 now;
-
-	pyproxy_ct_key_of(p, PYPROXY_CT_REVERSE, &k);
-	ct = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &k);
-	if (!ct)
+	if (!pyproxy_ct_translate(p, PYPROXY_CT_REVERSE, 0, fe))
 		return PYPROXY_PASS;
-	now = pyproxy_now();
-	if (!pyproxy_ct_live(&k, ct, now)) {
-		pyproxy_count(PYPROXY_CNT_CT_EXPIRED);
-		return PYPROXY_PASS;
-	}
-	fe->addr = ct->nat_addr;
-	fe->port = ct->nat_port;
-	fe->pad = 0;
-	pyproxy_ct_seen(&k, ct, p->tcp_flags, now);
 	pyproxy_count(PYPROXY_CNT_REVNAT);
 	return PYPROXY_DNAT;
 }

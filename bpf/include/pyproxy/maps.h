@@ -137,16 +137,19 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_NAMES SEC(".maps");
 
-/* The connection-tracking timeouts (abi.h). The loader always sets them from the settings and the kernel's
- * HZ; these defaults (at HZ=250) only serve a load that does not. */
-const volatile struct pyproxy_ct_timeouts pyproxy_ct_timeouts = {
-	.tcp_new = 60 * 250,
-	.tcp_established = 86400 * 250,
-	.tcp_closing = 3600 * 250,
-	.tcp_closed = 10 * 250,
-	.udp_new = 30 * 250,
-	.udp_established = 120 * 250,
-	.shortest = 10 * 250,
+/* The programs' constants (abi.h): connection-tracking timeouts and SNAT ports. The loader always sets them from
+ * the settings and the kernel's HZ; these defaults (at HZ=250) only serve a load that does not. */
+const volatile struct pyproxy_config pyproxy_config = {
+	.ct = {
+		.tcp_new = 60 * 250,
+		.tcp_established = 86400 * 250,
+		.tcp_closing = 3600 * 250,
+		.tcp_closed = 10 * 250,
+		.udp_new = 30 * 250,
+		.udp_established = 120 * 250,
+		.shortest = 10 * 250,
+	},
+	.snat = { .min = 61000, .max = 65535 },
 };
 
 #endif

@@ -17,7 +17,7 @@ MAP_SLOTS = "pyproxy_slot_v1"
 MAP_BACKENDS = "pyproxy_be_v1"
 MAP_CT = "pyproxy_ct_v2"
 MAP_STATS = "pyproxy_stat_v1"
-MAP_COUNTERS = "pyproxy_cnt_v2"
+MAP_COUNTERS = "pyproxy_cnt_v3"
 MAP_NAMES = "pyproxy_name_v1"
 MAP_EPOCH = "pyproxy_epoch_v1"
 MAP_FRAGS = "pyproxy_frag_v1"
@@ -30,8 +30,12 @@ ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTE
             MAP_FRAGS, MAP_PORTS, MAP_SOCKS, MAP_SRCRANGES)
 NAME_LEN = 128  # PYPROXY_NAME_LEN
 PORT_WORDS = 1024  # PYPROXY_PORT_WORDS
-CT_TIMEOUTS_VAR = "pyproxy_ct_timeouts"
-"""The .rodata variable (struct pyproxy_ct_timeouts) the loader sets before load."""
+CONFIG_VAR = "pyproxy_config"
+"""The .rodata variable (struct pyproxy_config: connection-tracking timeouts, SNAT ports) the loader sets before
+load."""
+DEFAULT_SNAT_PORTS = (61000, 65535)
+"""The source ports SNAT gives out by default (maps.h's pyproxy_config): above Linux's default ephemeral range,
+32768-60999, so no node socket picks one (pyproxy/dataplane/bpf/snat.py)."""
 
 # Program names in bpf/pyproxy.bpf.c; the "pyproxy_" prefix is how cleanup recognises ours.
 PROG_TC_INGRESS = "pyproxy_tc_ingress"
@@ -48,6 +52,7 @@ PROG_PREFIX = "pyproxy_"
 SVC_F_AFFINITY = 0x1  # PYPROXY_SVC_F_AFFINITY
 SVC_F_DROP = 0x2  # PYPROXY_SVC_F_DROP
 SVC_F_RANGES = 0x4  # PYPROXY_SVC_F_RANGES
+SVC_F_MASQ = 0x8  # PYPROXY_SVC_F_MASQ
 
 CT_FORWARD = 0  # PYPROXY_CT_FORWARD
 CT_REVERSE = 1  # PYPROXY_CT_REVERSE
@@ -63,6 +68,8 @@ CT_STATE_NAME = {CT_ST_ESTABLISHED: "established", CT_ST_NEW: "new", CT_ST_CLOSI
 # struct pyproxy_ct_value.flags (PYPROXY_CT_F_*)
 CT_F_FIN_FWD = 0x1
 CT_F_FIN_REV = 0x2
+CT_F_MASQ = 0x4  # a Service flow's FORWARD entry: the flow has an SNAT pair
+CT_F_SNAT = 0x8  # an entry of an SNAT pair (abi.h)
 
 # enum pyproxy_counter, in order.
 COUNTERS = (
@@ -82,6 +89,10 @@ COUNTERS = (
     "sock_refused",
     "no_local",
     "source_denied",
+    "snat",
+    "snat_no_port",
+    "snat_no_route",
+    "revsnat",
 )
 
 IPPROTO = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP}
@@ -186,7 +197,7 @@ class CtValue(ctypes.Structure):
 
 
 class CtTimeoutTicks(ctypes.Structure):
-    """struct pyproxy_ct_timeouts (the .rodata variable CT_TIMEOUTS_VAR), in ticks"""
+    """struct pyproxy_ct_timeouts, in ticks"""
 
     _fields_ = [
         ("tcp_new", ctypes.c_uint32),
@@ -198,6 +209,18 @@ class CtTimeoutTicks(ctypes.Structure):
         ("shortest", ctypes.c_uint32),  # the smallest of the above
         ("pad", ctypes.c_uint32),
     ]
+
+
+class SnatPorts(ctypes.Structure):
+    """struct pyproxy_snat_ports: the source ports SNAT gives out, inclusive, host order"""
+
+    _fields_ = [("min", ctypes.c_uint16), ("max", ctypes.c_uint16), ("pad", ctypes.c_uint32)]
+
+
+class Config(ctypes.Structure):
+    """struct pyproxy_config (the .rodata variable CONFIG_VAR)"""
+
+    _fields_ = [("ct", CtTimeoutTicks), ("snat", SnatPorts)]
 
 
 class FragKey(ctypes.Structure):
@@ -268,6 +291,8 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "pyproxy_ct_key": CtKey,
     "pyproxy_ct_value": CtValue,
     "pyproxy_ct_timeouts": CtTimeoutTicks,
+    "pyproxy_snat_ports": SnatPorts,
+    "pyproxy_config": Config,
     "pyproxy_frag_key": FragKey,
     "pyproxy_frag_value": FragValue,
     "pyproxy_sock_key": SockKey,

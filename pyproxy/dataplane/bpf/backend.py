@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import DataplaneError
-from pyproxy.dataplane.bpf import abi, attach, cgroup, clock, loader
+from pyproxy.dataplane.bpf import abi, attach, cgroup, clock, loader, snat
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.dataplane.bpf.gc import CtGarbageCollector, CtGcMetrics, CtGcSettings
 from pyproxy.dataplane.bpf.maps import BpfMap, PerCpuArray
@@ -64,6 +64,10 @@ class BpfSettings:
     cgroup_root: Path | None = None
     """The cgroup v2 directory the socket hooks go on; they act on every process in it and below. None: the root
     of the node's cgroup v2 hierarchy, mounted at /run/pyproxy/cgroup2 when the node has none."""
+    snat_ports: tuple[int, int] = abi.DEFAULT_SNAT_PORTS
+    """--bpf-snat-port-range: the source ports SNAT (masquerade) gives out, first and last. Kept out of the kernel's
+    ephemeral range so no node socket shares one (snat.py); its size bounds the SNATed flows open at once from one
+    node address to one backend address and port."""
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, one line each naming its flag (ProxySettings.validate). The
@@ -77,6 +81,9 @@ class BpfSettings:
             self.ct_timeouts.ticks(1000)
         except ValueError as e:
             out.append(str(e))
+        lo, hi = self.snat_ports
+        if not 1024 <= lo <= hi <= 65535:
+            out.append(f"--bpf-snat-port-range must be FIRST-LAST within 1024-65535, not {lo}-{hi}")
         return out
 
 
@@ -302,9 +309,16 @@ class BpfDataplane:
         # Before anything is changed: raises ClockError where the tick rate cannot be told.
         timeouts = s.ct_timeouts.ticks(clock.kernel_hz())
         loader.ensure_bpffs(s.pin_path)
+        try:
+            reserved = snat.reserve(s.snat_ports)
+        except OSError as e:
+            log.warning("cannot keep node sockets off the SNAT ports %d-%d: %s", *s.snat_ports, e)
+        else:
+            if reserved:
+                log.info("%s", reserved)
         adopt = self._previous_maps()
         try:
-            self._obj = loader.load(s.object_path, s.pin_path, s.max_entries, adopt, timeouts)
+            self._obj = loader.load(s.object_path, s.pin_path, s.max_entries, adopt, timeouts, s.snat_ports)
         finally:
             for fd in adopt.values():
                 os.close(fd)

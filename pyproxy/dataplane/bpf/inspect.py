@@ -101,6 +101,16 @@ def _with_stand_ins(fds: dict[str, int], object_path: Path) -> Maps:
         obj.close()
 
 
+def _snat_source(maps: Maps, k: abi.CtKey, v: abi.CtValue) -> str:
+    """The node address and port an SNATed flow leaves from: its SNAT pair's REVERSE entry (ct.h's
+    pyproxy_ct_snat_key)."""
+    snat = maps.ct.get(abi.CtKey(saddr=k.saddr, daddr=v.nat_addr, sport=k.sport, dport=v.nat_port, proto=k.proto,
+                                 dir=abi.CT_REVERSE))
+    if snat is None or not snat.flags & abi.CT_F_SNAT:
+        return "?"
+    return f"{abi.ip_of(snat.nat_addr)}:{abi.port_of(snat.nat_port)}"
+
+
 def report(maps: Maps, flows: bool = True) -> str:
     applied = maps.read_applied()
     lines = [f"{'SERVICE':40} {'FRONTEND':26} {'PACKETS':>9} {'BYTES':>11}  BACKENDS"]
@@ -121,13 +131,16 @@ def report(maps: Maps, flows: bool = True) -> str:
             if k.dir != abi.CT_FORWARD:
                 continue
             v = maps.ct.get(k)
-            if v is None:
+            # An SNAT pair's FORWARD entry is the reply side of a flow listed under its client (abi.h).
+            if v is None or v.flags & abi.CT_F_SNAT:
                 continue
             proto = abi.PROTO_NAME.get(k.proto, str(k.proto))
             flow = (f"{proto} {abi.ip_of(k.saddr)}:{abi.port_of(k.sport)} -> "
                     f"{abi.ip_of(k.daddr)}:{abi.port_of(k.dport)}")
             idle = max(0, now - v.last_seen) / hz
             backend = f"{abi.ip_of(v.nat_addr)}:{abi.port_of(v.nat_port)}"
+            if v.flags & abi.CT_F_MASQ:
+                backend += f" from {_snat_source(maps, k, v)}"
             state = abi.CT_STATE_NAME.get(v.state, str(v.state))
             lines.append(f"{flow:48} {backend:22} {names.get(v.svc_id, '?'):30} {state:12} {idle:.1f}s")
     return "\n".join(lines)

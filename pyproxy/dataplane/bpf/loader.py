@@ -219,15 +219,15 @@ def _unpin_other_layouts(pin_dir: Path, ours: set[str]) -> None:
             log.info("removed %s: a map of another layout version, replaced by this one", pin)
 
 
-def _set_rodata(m: Any, ct_timeouts: abi.CtTimeoutTicks) -> None:
-    """Write the programs' constants (the .rodata section: the connection-tracking timeouts) before load."""
+def _set_rodata(m: Any, config: abi.Config) -> None:
+    """Write the programs' constants (the .rodata section: struct pyproxy_config) before load."""
     lib = libbpf.lib()
     size = ffi.new("size_t *")
     current = lib.bpf_map__initial_value(m, size)
-    if current == ffi.NULL or size[0] != ctypes.sizeof(ct_timeouts):
-        raise BpfUnavailable(f"the object's .rodata holds {size[0]} bytes, not one {abi.CT_TIMEOUTS_VAR} "
-                             f"({ctypes.sizeof(ct_timeouts)} bytes): object and pyproxy do not match")
-    data = bytes(ct_timeouts)
+    if current == ffi.NULL or size[0] != ctypes.sizeof(config):
+        raise BpfUnavailable(f"the object's .rodata holds {size[0]} bytes, not one {abi.CONFIG_VAR} "
+                             f"({ctypes.sizeof(config)} bytes): object and pyproxy do not match")
+    data = bytes(config)
     libbpf.check(lib.bpf_map__set_initial_value(m, ffi.from_buffer(data), len(data)), "set .rodata")
 
 
@@ -237,15 +237,18 @@ def load(
     max_entries: dict[str, int] | None = None,
     adopt: dict[str, int] | None = None,
     ct_timeouts: abi.CtTimeoutTicks | None = None,
+    snat_ports: tuple[int, int] = abi.DEFAULT_SNAT_PORTS,
 ) -> LoadedObject:
     """Open and load the object. Maps come, in this order of preference, from their pin under `pin_dir`,
     from `adopt` (name -> fd of a previous run's map), or new (and then pinned). A pinned or adopted map of
     another shape (e.g. a changed capacity) is not reused: a warning says so and a new one replaces it.
-    `ct_timeouts` become the programs' constants (default: conntrack.CtTimeouts() at this kernel's HZ)."""
+    `ct_timeouts` (default: conntrack.CtTimeouts() at this kernel's HZ) and `snat_ports` (the first and last
+    source port SNAT gives out) become the programs' constants."""
     if ct_timeouts is None:
         from pyproxy.dataplane.bpf import clock, conntrack  # clock imports this module
 
         ct_timeouts = conntrack.CtTimeouts().ticks(clock.kernel_hz())
+    config = abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports))
     lib = libbpf.lib()
     if not obj_path.exists():
         raise BpfUnavailable(f"BPF object {obj_path} not found (run `make bpf`)")
@@ -260,7 +263,7 @@ def load(
                 # libbpf's own map of a data section ("pyproxy.rodata"): never pinned nor adopted, made anew
                 # at every load; .rodata holds the programs' constants.
                 if name.endswith(".rodata"):
-                    _set_rodata(m, ct_timeouts)
+                    _set_rodata(m, config)
                 continue
             if max_entries and name in max_entries:
                 libbpf.check(lib.bpf_map__set_max_entries(m, max_entries[name]), f"resize map {name}")

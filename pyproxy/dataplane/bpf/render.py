@@ -48,7 +48,7 @@ class AppliedFrontend:
     known: tuple[Backend, ...]
     affinity_sec: int
     flags: int = 0
-    """abi.SVC_F_DROP and abi.SVC_F_RANGES as the services map holds them (affinity is `affinity_sec`)."""
+    """abi.SVC_F_DROP, SVC_F_RANGES and SVC_F_MASQ as the services map holds them (affinity is `affinity_sec`)."""
     source_ranges: tuple[str, ...] = ()
     """The CIDRs of its entries in MAP_SRCRANGES (loadBalancerSourceRanges)."""
 
@@ -305,6 +305,8 @@ def render(
         flags = abi.SVC_F_RANGES if st.source_ranges else 0
         if st.kind.external and not backends and st.backends:
             flags |= abi.SVC_F_DROP
+        if st.masquerade:
+            flags |= abi.SVC_F_MASQ
         known = st.known_backends
         if known != backends and not set(backends).issubset(known):
             known = tuple(sorted(set(known) | set(backends)))

@@ -1,0 +1,126 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR Apache-2.0) */
+/*
+ * SNAT (masquerade): a new flow's source becomes an address of this node and a port of its own, so the
+ * backend's replies come back through this node, which gives them their client back. Upstream kube-proxy marks
+ * such flows for netfilter's MASQUERADE; here the translation is a pair of connection-tracking entries
+ * (abi.h, PYPROXY_CT_F_SNAT), and no packet of the flow goes through netfilter's NAT:
+ *
+ *   client C:c -> frontend F:f     ingress (TC or XDP): DNAT to backend B:b (lb.h), SNAT pair recorded here
+ *   C:c -> B:b                     egress (TC) toward B: the SNAT pair's REVERSE entry puts S:s in the source
+ *   B:b -> S:s                     ingress: the SNAT pair's FORWARD entry puts C:c back in the destination
+ *   B:b -> C:c                     egress toward C: the Service flow's REVERSE entry puts F:f in the source
+ *
+ * S is the address the node's routing picks toward B (the route's preferred source, else the outgoing device's
+ * address: what MASQUERADE would put), s a free port of the SNAT range (pyproxy_config.snat), free meaning that
+ * no live flow holds (B:b, S:s). The source is written on egress, after routing, because a packet arriving
+ * with one of the node's own addresses as its source would be dropped by the stack as a martian.
+ */
+#ifndef PYPROXY_SNAT_H
+#define PYPROXY_SNAT_H
+
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+#include "pyproxy/ct.h"
+
+#ifndef AF_INET
+#define AF_INET 2
+#endif
+
+/* Random ports tried for a new flow before it is dropped: with a range of a few thousand ports, eight misses in a
+ * row mean the range is nearly full for that backend. */
+#define PYPROXY_SNAT_TRIES 8
+
+/* Whether `port` (network order) is one SNAT gives out: only then may a packet entering the node be the reply to
+ * an SNATed flow. Two compares against constants; non-Service traffic pays nothing more. */
+static __always_inline int pyproxy_snat_port(__be16 port)
+{
+	__u16 p = bpf_ntohs(port);
+
+	return p >= pyproxy_config.snat.min && p <= pyproxy_config.snat.max;
+}
+
+/* The address this node sends from toward `be`, as its routing picks it. 0: none, and no SNAT (the backend is
+ * this node itself, delivered locally; or no route, and the stack drops the packet anyway). `ifindex` is the
+ * device the packet came in on: the lookup is the forwarding one the stack will make. */
+static __always_inline __be32 pyproxy_snat_addr(void *ctx, __u32 ifindex, const struct pyproxy_pkt *p,
+						const struct pyproxy_backend *be)
+{
+	struct bpf_fib_lookup fib = {
+		.family = AF_INET, .l4_protocol = p->proto, .sport = p->sport, .dport = be->port,
+		.ipv4_src = p->saddr, .ipv4_dst = be->addr, .ifindex = ifindex,
+	};
+	long rc = bpf_fib_lookup(ctx, &fib, sizeof(fib), BPF_FIB_LOOKUP_SRC | BPF_FIB_LOOKUP_SKIP_NEIGH);
+	/* FRAG_NEEDED (TC: the skb is larger than the route's MTU) still found the route and its source. */
+	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_FRAG_NEEDED)
+		return 0;
+	return fib.ipv4_src;
+}
+
+/* Whether the SNAT pair entry `v` under `k` may be taken over by a new flow: its flow is over (closed, or no
+ * packet within its timeout). */
+static __always_inline int pyproxy_snat_reusable(const struct pyproxy_ct_key *k, const struct pyproxy_ct_value *v,
+						 __u64 now)
+{
+	return (v->flags & PYPROXY_CT_F_SNAT) &&
+	       (v->state == PYPROXY_CT_ST_CLOSED || !pyproxy_ct_live(k, v, now));
+}
+
+/* Records the SNAT pair of the new flow `p` (client -> frontend) that goes to `be`, from `addr` and a free port.
+ * Returns non-zero when no port was free (or the table refused): the caller drops the packet, and the client's
+ * retransmission tries again. */
+static __always_inline int pyproxy_snat_create(const struct pyproxy_pkt *p, const struct pyproxy_backend *be,
+					       __be32 addr, __u32 svc_id, __u64 now)
+{
+	struct pyproxy_ct_key rk = {
+		.saddr = be->addr, .daddr = addr, .sport = be->port, .proto = p->proto, .dir = PYPROXY_CT_FORWARD,
+	};
+	struct pyproxy_ct_value rv = {
+		.nat_addr = p->saddr, .nat_port = p->sport, .state = PYPROXY_CT_ST_NEW, .flags = PYPROXY_CT_F_SNAT,
+		.svc_id = svc_id, .last_seen = now,
+	};
+	struct pyproxy_ct_key ek = {
+		.saddr = p->saddr, .daddr = be->addr, .sport = p->sport, .dport = be->port, .proto = p->proto,
+		.dir = PYPROXY_CT_REVERSE,
+	};
+	struct pyproxy_ct_value ev = {
+		.nat_addr = addr, .state = PYPROXY_CT_ST_NEW, .flags = PYPROXY_CT_F_SNAT, .svc_id = svc_id,
+		.last_seen = now,
+	};
+	__u32 span = (__u32)pyproxy_config.snat.max - pyproxy_config.snat.min + 1;
+	struct pyproxy_ct_value *old;
+	int i;
+
+	for (i = 0; i < PYPROXY_SNAT_TRIES; i++) {
+		rk.dport = bpf_htons(pyproxy_config.snat.min + bpf_get_prandom_u32() % span);
+		/* The reply side first, and only where no entry is: that is what makes the port this flow's. */
+		if (!bpf_map_update_elem(&PYPROXY_MAP_CT, &rk, &rv, BPF_NOEXIST))
+			goto found;
+		old = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &rk);
+		if (old && pyproxy_snat_reusable(&rk, old, now)) {
+			pyproxy_ct_delete_pair(&rk, old);
+			if (!bpf_map_update_elem(&PYPROXY_MAP_CT, &rk, &rv, BPF_NOEXIST))
+				goto found;
+		}
+	}
+	return -1;
+found:
+	ev.nat_port = rk.dport;
+	if (bpf_map_update_elem(&PYPROXY_MAP_CT, &ek, &ev, BPF_ANY)) {
+		bpf_map_delete_elem(&PYPROXY_MAP_CT, &rk);
+		return -1;
+	}
+	return 0;
+}
+
+/* A packet entering the node that may be a backend's reply to an SNATed flow (its destination port is an SNAT
+ * port): when the SNAT pair's FORWARD entry has its tuple, *client gets the address to put back in its
+ * destination. */
+static __always_inline int pyproxy_snat_reverse(const struct pyproxy_pkt *p, struct pyproxy_backend *client)
+{
+	if (!pyproxy_ct_translate(p, PYPROXY_CT_FORWARD, PYPROXY_CT_F_SNAT, client))
+		return 0;
+	pyproxy_count(PYPROXY_CNT_REVSNAT);
+	return 1;
+}
+
+#endif

@@ -1,0 +1,55 @@
+"""Keeping the node's own sockets off the source ports BPF SNAT gives out (bpf/include/pyproxy/snat.h).
+
+A backend's reply to an SNATed flow arrives at a node address and an SNAT port, and the ingress program takes
+every such packet whose flow it knows. A node socket using the same port toward the same backend would lose its
+replies to it; the kernel picks such ports only from its ephemeral range (net.ipv4.ip_local_port_range), so the
+SNAT range is kept out of it: by default it lies above it, and where a node's ephemeral range covers it,
+pyproxy adds it to net.ipv4.ip_local_reserved_ports, which the kernel then skips (as Cilium does for NodePorts).
+A socket that binds one of the ports explicitly is the operator's choice; only its flows to a backend's exact
+address and port could meet an SNATed flow.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SYSCTL = Path("/proc/sys/net/ipv4")
+
+
+def parse_ranges(text: str) -> list[tuple[int, int]]:
+    """ip_local_reserved_ports' form, "1000,2000-2005" (empty: none), as inclusive ranges."""
+    out = []
+    for part in text.replace("\n", "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out.append((int(lo), int(hi or lo)))
+    return out
+
+
+def format_ranges(ranges: list[tuple[int, int]]) -> str:
+    return ",".join(f"{lo}-{hi}" if lo != hi else str(lo) for lo, hi in ranges)
+
+
+def uncovered(ports: tuple[int, int], ephemeral: tuple[int, int], reserved: list[tuple[int, int]]) -> bool:
+    """Whether the kernel may give a node socket one of `ports`: some port is in the ephemeral range and not
+    reserved."""
+    lo, hi = max(ports[0], ephemeral[0]), min(ports[1], ephemeral[1])
+    return any(not any(r_lo <= p <= r_hi for r_lo, r_hi in reserved) for p in range(lo, hi + 1))
+
+
+def reserve(ports: tuple[int, int], sysctl: Path = SYSCTL) -> str | None:
+    """Adds `ports` to ip_local_reserved_ports when the ephemeral range reaches them unreserved; returns what it
+    did, for the log (None: nothing to do)."""
+    ephemeral = tuple(int(x) for x in (sysctl / "ip_local_port_range").read_text().split())
+    reserved_file = sysctl / "ip_local_reserved_ports"
+    reserved = parse_ranges(reserved_file.read_text())
+    if not uncovered(ports, (ephemeral[0], ephemeral[1]), reserved):
+        return None
+    reserved_file.write_text(format_ranges([*reserved, ports]) + "\n")
+    return (f"SNAT ports {ports[0]}-{ports[1]} overlap the ephemeral port range {ephemeral[0]}-{ephemeral[1]}: "
+            f"added them to net.ipv4.ip_local_reserved_ports")
