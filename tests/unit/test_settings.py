@@ -68,6 +68,8 @@ def test_the_defaults_are_valid() -> None:
     ({"bpf__devices": ("eth0",), "bpf__xdp_devices": ("eth1",)}, "--xdp-devices names eth1, which --devices"),
     ({"bpf__max_entries": {"pyproxy_ct_v2": 0}}, "the capacity of map pyproxy_ct_v2 must be"),
     ({"bpf__ct_timeouts": CtTimeouts(tcp_established=5e6)}, "tcp_established is too long"),
+    ({"bpf__snat_ports": (61000, 70000)}, "--bpf-snat-port-range must be FIRST-LAST within 1024-65535"),
+    ({"bpf__snat_ports": (62000, 61000)}, "--bpf-snat-port-range must be FIRST-LAST within 1024-65535"),
     ({"nodeport_addresses": ("10.0.0.0/33",)}, "--nodeport-addresses: '10.0.0.0/33' is not a CIDR"),
     ({"nodeport_addresses": ("10.0.0.1",)}, "--nodeport-addresses: '10.0.0.1' is not a CIDR"),
     ({"nodeport_addresses": ("primary", "10.0.0.0/8")}, "--nodeport-addresses: 'primary' is not a CIDR (or a lone"),
@@ -118,6 +120,13 @@ def test_flags_set_their_settings() -> None:
     assert s.iptables.backend == s.ipvs.iptables_backend == "nft"
     assert s.bpf.devices == ("eth0", "eth1") and s.bpf.xdp_devices == ("eth0",) and str(s.bpf.pin_path) == "/run/x"
     assert settings("--sync-period=45").sync_period == 45.0
+
+
+def test_the_snat_port_range_is_first_dash_last(capsys) -> None:
+    assert settings("--bpf-snat-port-range=40000-40100").bpf.snat_ports == (40000, 40100)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["run", "--bpf-snat-port-range=40000"])
+    assert exited.value.code == 2 and "expected FIRST-LAST" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("flag", "value"), [
