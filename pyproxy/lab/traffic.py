@@ -37,6 +37,8 @@ from typing import TypedDict
 READY_LINE = "ready"
 # How long a server waits for a client's request bytes before giving up on that connection.
 SERVER_REQUEST_TIMEOUT = 5.0
+# ... and for a held connection's next request.
+SERVER_HOLD_TIMEOUT = 60.0
 REQUEST = b"probe\n"
 
 
@@ -99,10 +101,11 @@ class _TCPHandler(socketserver.BaseRequestHandler):
         sock: socket.socket = self.request
         sock.settimeout(SERVER_REQUEST_TIMEOUT)
         try:
-            # Wait for the request so the reply proves data crossed the forward path, not just the handshake.
-            if not sock.recv(1024):
-                return
-            sock.sendall(format_reply(self.server.name, self.server.server_address[1], self.client_address))
+            # Wait for the request so the reply proves data crossed the forward path, not just the handshake;
+            # answer each later one too, so a client can hold the connection (across a proxy restart, say).
+            while sock.recv(1024):
+                sock.sendall(format_reply(self.server.name, self.server.server_address[1], self.client_address))
+                sock.settimeout(SERVER_HOLD_TIMEOUT)
         except OSError:
             pass
 
