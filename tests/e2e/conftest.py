@@ -162,6 +162,11 @@ class Env:
             found.append("link kube-ipvs0")
         return found
 
+    def cgroup_programs(self) -> list[str]:
+        """The programs attached to the lab's cgroup (where pyproxy's socket hooks go), as bpftool lists them."""
+        out = self.lab.exec(self.lab.node, "bpftool", "cgroup", "show", str(self.lab.cgroup)).stdout
+        return [line for line in out.splitlines() if line.strip() and not line.startswith("ID")]
+
     def leftovers(self, prog_ids: set[int]) -> list[str]:
         """What of pyproxy is still on the node: filters, clsact qdiscs, XDP, pins, or any of `prog_ids`."""
         found = []
@@ -178,6 +183,7 @@ class Env:
             found += [f"{dev}: {line.strip()}" for line in link.splitlines() if "prog/xdp" in line]
         net = self.lab.exec(self.lab.node, "bpftool", "net", "show").stdout
         found += [f"bpftool net: {line}" for line in net.splitlines() if " id " in line]
+        found += [f"cgroup {self.lab.cgroup}: {line}" for line in self.cgroup_programs()]
         pins = Path(self.lab.pin_path)
         if pins.exists():
             found += [f"pin {p}" for p in pins.rglob("*")]

@@ -117,6 +117,7 @@ def test_sigterm_keeps_the_dataplane_and_cleanup_removes_it(make_env, record_pro
     attached = env.attached_programs()
     prog_ids = {i for ids in attached.values() for i in ids}
     assert prog_ids, f"no BPF program attached to any node device: {attached}"
+    assert len(env.cgroup_programs()) == 4, "the socket hooks: connect4, sendmsg4, recvmsg4, getpeername4"
     # `pyproxy inspect` shows the service, its backends and that it counted the traffic.
     inspect = proxy.inspect()
     web_line = next((line for line in inspect.splitlines() if "default/web" in line), "")
