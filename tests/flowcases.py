@@ -181,11 +181,10 @@ EXTERNAL_CASES = (
     # they are not limited to this node's endpoints (upstream's short circuit: masqueraded, every endpoint).
     FlowCase("from the node itself to a NodePort", "tcp", NODE_IP, 30080, answered_by("b1:8080", "b2:8080"),
              src="node", by_mode=_not_rendered_yet(REFUSED)),
-    # bpf mode's socket hooks serve a node process from the frontend's own endpoints, this node's for Local: no
-    # short circuit to every endpoint yet, so none here refuses the connect().
     FlowCase("from the node, externalTrafficPolicy Local without a local endpoint: every endpoint", "tcp", NODE_IP,
-             30083, answered_by("b1:8080", "b2:8080"), src="node", by_mode={**_not_rendered_yet(REFUSED),
-                                                                             "bpf": REFUSED}),
+             30083, answered_by("b1:8080", "b2:8080"), src="node", by_mode=_not_rendered_yet(REFUSED)),
+    FlowCase("from the node, externalTrafficPolicy Local with a local endpoint: every endpoint", "tcp", NODE_IP,
+             30082, answered_by("b1:8080", "b2:8080"), src="node", by_mode=_not_rendered_yet(REFUSED)),
 )
 CASES += EXTERNAL_CASES
 

@@ -24,7 +24,8 @@ from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict, untranslat
 CAPACITY = {abi.MAP_SERVICES: 65536, abi.MAP_SLOTS: 1 << 20, abi.MAP_BACKENDS: 65536, abi.MAP_STATS: 65536}
 _PROTO = {"tcp": "TCP", "udp": "UDP"}
 # SVC_F_MASQ changes the source the backend sees, not who answers.
-KNOWN_FLAGS = abi.SVC_F_AFFINITY | abi.SVC_F_DROP | abi.SVC_F_RANGES | abi.SVC_F_MASQ
+# SVC_F_NODE_VIEW, which entry the node's own sockets use (not traced: no node-origin case is).
+KNOWN_FLAGS = abi.SVC_F_AFFINITY | abi.SVC_F_DROP | abi.SVC_F_RANGES | abi.SVC_F_MASQ | abi.SVC_F_NODE_VIEW
 
 Maps = dict[str, dict[tuple, tuple | None]]
 
@@ -61,7 +62,7 @@ class BpfTracer:
         self.maps = apply(plans)
 
     def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
-        svc = self.maps.get(abi.MAP_SERVICES, {}).get((pkt.dst, pkt.port, _PROTO[pkt.proto]))
+        svc = self.maps.get(abi.MAP_SERVICES, {}).get((pkt.dst, pkt.port, _PROTO[pkt.proto], abi.SVC_SCOPE_PACKETS))
         if svc is None:
             yield untranslated(pkt)
             return

@@ -12,13 +12,14 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 
 import pytest
 
 from pyproxy.dataplane.bpf import abi
-from pyproxy.dataplane.bpf.render import Applied, CapacityError, Op, Plan, next_epoch, render
+from pyproxy.dataplane.bpf.render import Applied, CapacityError, Op, Plan, frontend_key, next_epoch, render
 from pyproxy.model.objects import Protocol
-from pyproxy.model.state import Backend, Frontend, ServicePortState
+from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 WEB, DNS = "default/web", "kube-system/dns"
 A, B, C, D = (Backend(f"10.0.1.{i}", 8080) for i in (1, 2, 3, 4))
@@ -116,7 +117,7 @@ def contents(applied: Applied) -> MapContents:
     fes = applied.frontends
     return {
         abi.MAP_SERVICES: {
-            k: (f.svc_id, len(f.backends), abi.SVC_F_AFFINITY if f.affinity_sec else 0, f.affinity_sec)
+            k: (f.svc_id, len(f.backends), f.flags | (abi.SVC_F_AFFINITY if f.affinity_sec else 0), f.affinity_sec)
             for k, f in fes.items()
         },
         abi.MAP_SLOTS: {(f.svc_id, i): (b.ip, b.port) for f in fes.values() for i, b in enumerate(f.backends)},
@@ -166,7 +167,7 @@ class Cluster:
 
     def svc_id(self, st: ServicePortState) -> int:
         fe = st.frontend
-        return self.applied.frontends[fe.ip, fe.port, fe.protocol.value].svc_id
+        return self.applied.frontends[frontend_key(fe)].svc_id
 
 
 def positions(plan: Plan, verb: str, map_name: str) -> list[int]:
@@ -182,7 +183,7 @@ def test_new_service_writes_backends_then_slots_then_its_entry() -> None:
     assert len(backends) == 4 and len(slots) == 3  # not-ready D is known, never in a slot
     assert max(backends) < min(slots) and max(slots) < entry
     assert reset < entry  # counting starts from zero, never wiped after the first packet
-    assert plan.ops[entry] == Op("put", abi.MAP_SERVICES, ("10.96.0.10", 80, "TCP"), (0, 3, 0, 0))
+    assert plan.ops[entry] == Op("put", abi.MAP_SERVICES, ("10.96.0.10", 80, "TCP", 0), (0, 3, 0, 0))
 
 
 def test_shrinking_deletes_slots_after_the_count_shrinks() -> None:
@@ -191,7 +192,7 @@ def test_shrinking_deletes_slots_after_the_count_shrinks() -> None:
     plan = c.sync({WEB: [web(A)]})
     svc_id = c.svc_id(web(A))
     assert [(op.verb, op.map, op.key) for op in plan.ops] == [
-        ("put", abi.MAP_SERVICES, ("10.96.0.10", 80, "TCP")),
+        ("put", abi.MAP_SERVICES, ("10.96.0.10", 80, "TCP", 0)),
         ("del", abi.MAP_SLOTS, (svc_id, 1)),
         ("del", abi.MAP_SLOTS, (svc_id, 2)),
         ("del", abi.MAP_BACKENDS, (B.ip, B.port)),
@@ -217,7 +218,7 @@ def test_removing_a_service_deletes_its_entry_then_slots_then_backends() -> None
     svc_id = c.svc_id(web(A))
     plan = c.sync({WEB: []})
     assert [(op.verb, op.map, op.key) for op in plan.ops] == [
-        ("del", abi.MAP_SERVICES, ("10.96.0.10", 80, "TCP")),
+        ("del", abi.MAP_SERVICES, ("10.96.0.10", 80, "TCP", 0)),
         ("del", abi.MAP_SLOTS, (svc_id, 0)),
         ("del", abi.MAP_SLOTS, (svc_id, 1)),
         ("del", abi.MAP_NAMES, (svc_id,)),
@@ -242,7 +243,7 @@ def test_a_change_to_one_service_touches_only_that_service(web_in_plan: bool) ->
         if op.map in (abi.MAP_SLOTS, abi.MAP_NAMES, abi.MAP_STATS):
             assert op.key[0] == dns_id, op
         else:
-            assert op.key in {("10.96.0.53", 53, "UDP"), (X.ip, X.port), (Y.ip, Y.port)}, op
+            assert op.key in {("10.96.0.53", 53, "UDP", 0), (X.ip, X.port), (Y.ip, Y.port)}, op
     assert {k: f for k, f in c.applied.frontends.items() if f.service == WEB} == web_before
 
 
@@ -279,7 +280,7 @@ def test_a_frontend_replaced_within_one_plan_keeps_its_slots() -> None:
     c = Cluster()
     c.sync({WEB: [web(A, B)]})
     c.sync({WEB: [web(A, B, number=8080)]})
-    assert set(c.applied.frontends) == {("10.96.0.10", 8080, "TCP")}
+    assert set(c.applied.frontends) == {("10.96.0.10", 8080, "TCP", 0)}
 
 
 def test_a_frontend_moving_between_services_is_updated_in_place() -> None:
@@ -291,7 +292,7 @@ def test_a_frontend_moving_between_services_is_updated_in_place() -> None:
     plan = c.sync({WEB: [], "default/web2": [new_owner]})
     assert not positions(plan, "del", abi.MAP_SERVICES)
     assert c.svc_id(new_owner) == svc_id
-    assert c.applied.frontends["10.96.0.10", 80, "TCP"].service == "default/web2"
+    assert c.applied.frontends["10.96.0.10", 80, "TCP", 0].service == "default/web2"
 
 
 def test_client_ip_affinity_is_flagged_with_its_timeout() -> None:
@@ -321,7 +322,7 @@ def test_sctp_frontends_are_reported_skipped() -> None:
     plan = c.sync({WEB: [web(A), sctp]})
     assert len(plan.skipped) == 1 and "10.96.0.10:9000/SCTP" in plan.skipped[0]
     assert "default/web:sig" in plan.skipped[0]
-    assert set(c.applied.frontends) == {("10.96.0.10", 80, "TCP")}
+    assert set(c.applied.frontends) == {("10.96.0.10", 80, "TCP", 0)}
 
 
 def test_unreferenced_backends_read_back_after_a_restart_go_with_the_next_plan() -> None:
@@ -415,3 +416,19 @@ def test_random_partial_syncs_keep_the_maps_servable_and_the_indexes_exact(seed:
     c.sync(desired)
     held = copy.deepcopy(c.applied)
     assert c.sync(desired).ops == () and c.applied == held
+
+
+def test_a_local_policy_frontend_gives_the_node_every_endpoint_in_an_entry_of_its_own() -> None:
+    """externalTrafficPolicy Local: packets from outside get this node's endpoints, the node's own sockets every
+    endpoint (scope NODE, which the primary entry's SVC_F_NODE_VIEW points them to); once the policy is
+    Cluster, the node entry goes."""
+    c = Cluster()
+    local = replace(port(WEB, "192.168.1.5", 30080, (A, B)), kind=FrontendKind.NODE_PORT, external_backends=(A,))
+    c.sync({WEB: [local]})
+    services, slots = c.model.maps[abi.MAP_SERVICES], c.model.maps[abi.MAP_SLOTS]
+    outside = services["192.168.1.5", 30080, "TCP", abi.SVC_SCOPE_PACKETS]
+    node = services["192.168.1.5", 30080, "TCP", abi.SVC_SCOPE_NODE]
+    assert outside[1:3] == (1, abi.SVC_F_NODE_VIEW) and slots[outside[0], 0] == (A.ip, A.port)
+    assert node[1:3] == (2, 0) and {slots[node[0], i] for i in range(2)} == {(A.ip, A.port), (B.ip, B.port)}
+    c.sync({WEB: [replace(local, external_backends=(A, B), masquerade=True)]})
+    assert list(c.model.maps[abi.MAP_SERVICES].values()) == [(outside[0], 2, abi.SVC_F_MASQ, 0)]

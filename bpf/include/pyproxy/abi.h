@@ -43,6 +43,13 @@
                                         * endpoint while the cluster has some: the client waits for another node) */
 #define PYPROXY_SVC_F_RANGES    0x4    /* new flows only from the frontend's source ranges (PYPROXY_MAP_SRCRANGES) */
 #define PYPROXY_SVC_F_MASQ      0x8    /* new flows are SNATed to this node (externalTrafficPolicy Cluster): snat.h */
+#define PYPROXY_SVC_F_NODE_VIEW 0x10   /* the node's own sockets use the entry of scope PYPROXY_SVC_SCOPE_NODE */
+
+/* struct pyproxy_svc_key.scope: whose traffic an entry serves. The packet path looks up PACKETS only. An external
+ * frontend with externalTrafficPolicy Local serves clients from outside with this node's endpoints, and the
+ * node's own processes with every endpoint (upstream's short circuit): its NODE entry, with slots of its own. */
+#define PYPROXY_SVC_SCOPE_PACKETS 0
+#define PYPROXY_SVC_SCOPE_NODE    1
 
 /* struct pyproxy_ct_key.dir */
 #define PYPROXY_CT_FORWARD  0          /* client -> frontend, value holds the backend */
@@ -99,7 +106,7 @@ struct pyproxy_svc_key {
 	__be32 vip;    /* network byte order */
 	__be16 port;   /* network byte order */
 	__u8 proto;    /* IPPROTO_TCP or IPPROTO_UDP */
-	__u8 pad;      /* zero */
+	__u8 scope;    /* PYPROXY_SVC_SCOPE_*; took the place of a zero pad: older entries are PACKETS ones */
 };
 
 struct pyproxy_svc_value {

@@ -73,12 +73,18 @@ static __always_inline int pyproxy_source_allowed(const struct pyproxy_svc_value
 	return bpf_map_lookup_elem(&PYPROXY_MAP_SRCRANGES, &k) != NULL;
 }
 
-/* The frontend a packet is addressed to, if it is one: the first lookup of every packet. */
-static __always_inline struct pyproxy_svc_value *pyproxy_frontend_of(const struct pyproxy_pkt *p)
+/* The frontend a packet is addressed to, if it is one, in `scope` (PYPROXY_SVC_SCOPE_*): the first lookup of
+ * every packet. */
+static __always_inline struct pyproxy_svc_value *pyproxy_frontend_in(const struct pyproxy_pkt *p, __u8 scope)
 {
-	struct pyproxy_svc_key sk = { .vip = p->daddr, .port = p->dport, .proto = p->proto };
+	struct pyproxy_svc_key sk = { .vip = p->daddr, .port = p->dport, .proto = p->proto, .scope = scope };
 
 	return bpf_map_lookup_elem(&PYPROXY_MAP_SERVICES, &sk);
+}
+
+static __always_inline struct pyproxy_svc_value *pyproxy_frontend_of(const struct pyproxy_pkt *p)
+{
+	return pyproxy_frontend_in(p, PYPROXY_SVC_SCOPE_PACKETS);
 }
 
 /* An established flow keeps its backend while the flow still belongs to this frontend and the backend is

@@ -32,6 +32,13 @@ static __always_inline int pyproxy_sock_forward(struct bpf_sock_addr *ctx, __u8 
 
 	if (!svc)
 		return PYPROXY_SOCK_OK;
+	/* externalTrafficPolicy Local: the node's processes reach every endpoint, not only this node's. */
+	if (svc->flags & PYPROXY_SVC_F_NODE_VIEW) {
+		struct pyproxy_svc_value *node = pyproxy_frontend_in(&p, PYPROXY_SVC_SCOPE_NODE);
+
+		if (node)   /* else mid-update: this node's endpoints serve */
+			svc = node;
+	}
 	if (svc->backend_count == 0) {
 		pyproxy_count(PYPROXY_CNT_SOCK_REFUSED);
 		bpf_set_retval(-ECONNREFUSED);

@@ -53,6 +53,9 @@ SVC_F_AFFINITY = 0x1  # PYPROXY_SVC_F_AFFINITY
 SVC_F_DROP = 0x2  # PYPROXY_SVC_F_DROP
 SVC_F_RANGES = 0x4  # PYPROXY_SVC_F_RANGES
 SVC_F_MASQ = 0x8  # PYPROXY_SVC_F_MASQ
+SVC_F_NODE_VIEW = 0x10  # PYPROXY_SVC_F_NODE_VIEW
+SVC_SCOPE_PACKETS = 0  # PYPROXY_SVC_SCOPE_PACKETS
+SVC_SCOPE_NODE = 1  # PYPROXY_SVC_SCOPE_NODE
 
 CT_FORWARD = 0  # PYPROXY_CT_FORWARD
 CT_REVERSE = 1  # PYPROXY_CT_REVERSE
@@ -124,7 +127,7 @@ class SvcKey(ctypes.Structure):
         ("vip", ctypes.c_uint32),  # network order
         ("port", ctypes.c_uint16),  # network order
         ("proto", ctypes.c_uint8),
-        ("pad", ctypes.c_uint8),
+        ("scope", ctypes.c_uint8),  # SVC_SCOPE_*
     ]
 
 

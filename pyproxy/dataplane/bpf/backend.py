@@ -91,7 +91,7 @@ class BpfSettings:
 # against the ctypes structs), a whole batch at a time with map()/array(), whose loops run in C: building one
 # ctypes structure per entry cost more than the kernel's work at a quarter million entries. "!" fields are in
 # network order, "=" in host order; "x" is padding.
-_SVC_KEY = struct.Struct("!4sHBx")  # pyproxy_svc_key: vip, port, proto
+_SVC_KEY = struct.Struct("!4sHBB")  # pyproxy_svc_key: vip, port, proto, scope
 _SVC_VALUE = struct.Struct("=IHHIxxxx")  # pyproxy_svc_value: svc_id, backend_count, flags, affinity_ticks
 _BACKEND = struct.Struct("!4sHxx")  # pyproxy_backend: addr, port
 _BACKEND_INFO = struct.Struct("=Ixxxx")  # pyproxy_backend_info: flags
@@ -102,7 +102,7 @@ _SRCRANGE_KEY = struct.Struct("=I4s4s")  # pyproxy_srcrange_key: prefixlen, svc_
 _U32 = "I"  # array typecode of a host-order u32: packs many slot keys' fields or names keys at once
 _U64 = "Q"  # array typecode of a host-order u64: the port bitmap's words
 assert array.array(_U32).itemsize == 4 and array.array(_U64).itemsize == 8
-_ip, _port, _proto = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
+_ip, _port, _proto, _scope = (operator.itemgetter(i) for i in range(4))
 
 
 def _endpoints(items: Sequence[tuple]) -> bytes:
@@ -112,7 +112,8 @@ def _endpoints(items: Sequence[tuple]) -> bytes:
 
 def _svc_keys(keys: Sequence[tuple]) -> bytes:
     protos = map(abi.IPPROTO.__getitem__, map(_proto, keys))
-    return b"".join(map(_SVC_KEY.pack, map(socket.inet_aton, map(_ip, keys)), map(_port, keys), protos))
+    return b"".join(map(_SVC_KEY.pack, map(socket.inet_aton, map(_ip, keys)), map(_port, keys), protos,
+                        map(_scope, keys)))
 
 
 def _srcrange_keys(keys: Sequence[tuple]) -> bytes:
@@ -239,7 +240,7 @@ class Maps:
             ranges.setdefault(int.from_bytes(svc_id, "big"), []).append(f"{socket.inet_ntoa(addr)}/{prefixlen - 32}")
         frontends: dict[FrontendKey, AppliedFrontend] = {}
         keys, values = self.services.items_raw()
-        for (vip, port, proto), (svc_id, count, flags, ticks) in zip(
+        for (vip, port, proto, scope), (svc_id, count, flags, ticks) in zip(
             _SVC_KEY.iter_unpack(keys), _SVC_VALUE.iter_unpack(values), strict=True
         ):
             raw_name = names.get(svc_id)
@@ -251,14 +252,14 @@ class Maps:
                 for slot in (slots.get((svc_id, i)) for i in range(count))
                 if slot is not None
             )
-            frontends[(socket.inet_ntoa(vip), port, abi.PROTO_NAME.get(proto, str(proto)))] = AppliedFrontend(
+            frontends[(socket.inet_ntoa(vip), port, abi.PROTO_NAME.get(proto, str(proto)), scope)] = AppliedFrontend(
                 svc_id=svc_id,
                 name=name,
                 service=name.split(":", 1)[0],
                 backends=backends,
                 known=backends,
                 affinity_sec=ticks // self.hz if flags & abi.SVC_F_AFFINITY else 0,
-                flags=flags & (abi.SVC_F_DROP | abi.SVC_F_RANGES),
+                flags=flags & ~abi.SVC_F_AFFINITY,
                 source_ranges=tuple(sorted(ranges.get(svc_id, ()), key=_cidr_order)),
             )
         refs: dict[Backend, int] = {}

@@ -118,7 +118,8 @@ def report(maps: Maps, flows: bool = True) -> str:
         per_cpu = maps.stats.get(fe.svc_id)
         pkts, byts = sum(s.packets for s in per_cpu), sum(s.bytes for s in per_cpu)
         backends = ", ".join(str(b) for b in fe.backends) or "(none: refused)"
-        lines.append(f"{fe.name:40} {f'{key[0]}:{key[1]}/{key[2]}':26} {pkts:>9} {byts:>11}  {backends}")
+        frontend = f"{key[0]}:{key[1]}/{key[2]}" + (" node" if key[3] == abi.SVC_SCOPE_NODE else "")
+        lines.append(f"{fe.name:40} {frontend:26} {pkts:>9} {byts:>11}  {backends}")
     counters = [sum(v.value for v in maps.counters.get(i)) for i in range(len(abi.COUNTERS))]
     lines.append("")
     lines.append("datapath: " + ", ".join(f"{n}={c}" for n, c in zip(abi.COUNTERS, counters, strict=True)))

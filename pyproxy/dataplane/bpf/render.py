@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from pyproxy.dataplane.bpf import abi
-from pyproxy.model.state import Backend, Frontend, ServicePortState, rendered
+from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState, rendered
 
-FrontendKey = tuple[str, int, str]  # (ClusterIP, port, "TCP"|"UDP")
+FrontendKey = tuple[str, int, str, int]
+"""(address, port, "TCP"|"UDP", scope): a services map key. Scope abi.SVC_SCOPE_NODE is the entry an external
+frontend with externalTrafficPolicy Local has for the node's own processes, which reach every endpoint."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +50,8 @@ class AppliedFrontend:
     known: tuple[Backend, ...]
     affinity_sec: int
     flags: int = 0
-    """abi.SVC_F_DROP, SVC_F_RANGES and SVC_F_MASQ as the services map holds them (affinity is `affinity_sec`)."""
+    """abi.SVC_F_DROP, SVC_F_RANGES, SVC_F_MASQ and SVC_F_NODE_VIEW as the services map holds them (affinity is
+    `affinity_sec`)."""
     source_ranges: tuple[str, ...] = ()
     """The CIDRs of its entries in MAP_SRCRANGES (loadBalancerSourceRanges)."""
 
@@ -240,8 +243,18 @@ class CapacityError(RuntimeError):
     """A map would exceed its capacity; nothing was written."""
 
 
-def frontend_key(fe: Frontend) -> FrontendKey:
-    return (fe.ip, fe.port, fe.protocol.value)
+def frontend_key(fe: Frontend, scope: int = abi.SVC_SCOPE_PACKETS) -> FrontendKey:
+    return (fe.ip, fe.port, fe.protocol.value, scope)
+
+
+def _node_view(st: ServicePortState) -> ServicePortState | None:
+    """What the node's own processes reach at an external frontend, when it is not what its packets reach: with
+    externalTrafficPolicy Local, every endpoint (upstream's short circuit for local sources), as a ClusterIP
+    serves them. None: the same as the packets."""
+    if not st.kind.external or st.external_backends == st.backends:
+        return None
+    return replace(st, kind=FrontendKind.CLUSTER_IP, external_backends=(), masquerade=False,
+                               source_ranges=(), health_check_node_port=None, local_ready=False)
 
 
 def render(
@@ -270,6 +283,9 @@ def render(
                 skipped.append(f"{st.display_name} {st.frontend}: protocol not served by the bpf dataplane")
                 continue
             claims[key] = (service, st)
+            node = _node_view(st)
+            if node is not None:
+                claims[frontend_key(st.frontend, abi.SVC_SCOPE_NODE)] = (service, node)
 
     removed: list[FrontendKey] = []
     for service in desired:
@@ -307,6 +323,8 @@ def render(
             flags |= abi.SVC_F_DROP
         if st.masquerade:
             flags |= abi.SVC_F_MASQ
+        if _node_view(st) is not None:
+            flags |= abi.SVC_F_NODE_VIEW
         known = st.known_backends
         if known != backends and not set(backends).issubset(known):
             known = tuple(sorted(set(known) | set(backends)))
