@@ -124,9 +124,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--bpf-snat-port-range", type=_port_range, metavar="FIRST-LAST",
                      help="bpf mode: the source ports SNAT gives out; reserved from the node's ephemeral ports "
                           f"where they overlap (default: {d.bpf.snat_ports[0]}-{d.bpf.snat_ports[1]})")
-    run.add_argument("--cluster-cidr", help="masquerade ClusterIP traffic from outside this range (netfilter modes)")
+    run.add_argument("--cluster-cidr", help="masquerade ClusterIP traffic from outside this range")
     run.add_argument("--masquerade-all", action="store_true", default=None,
-                     help="masquerade all ClusterIP traffic (netfilter modes)")
+                     help="masquerade all ClusterIP traffic")
     run.add_argument("--iptables-masquerade-bit", type=int,
                      help=f"fwmark bit marking packets for SNAT (default: {d.masquerade.masquerade_bit})")
     run.add_argument("--iptables-backend", choices=("auto", "legacy", "nft"),

@@ -2,10 +2,35 @@
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Set
+from dataclasses import dataclass
 from typing import Protocol
 
 from pyproxy.model.state import DesiredState
+
+
+@dataclass
+class MasqueradeSettings:
+    cluster_cidr: str | None = None
+    """--cluster-cidr: traffic to a ClusterIP from outside this range is masqueraded (upstream); None: no
+    such rule, so clients keep their source address."""
+    masquerade_all: bool = False
+    """--masquerade-all: SNAT all traffic sent to a ClusterIP."""
+    masquerade_bit: int = 14
+    """--iptables-masquerade-bit: the fwmark bit (0-31) that marks a packet for SNAT (upstream: 14)."""
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, one line each naming its flag."""
+        out = []
+        if not 0 <= self.masquerade_bit <= 31:
+            out.append(f"--iptables-masquerade-bit must be 0..31, not {self.masquerade_bit}")
+        if self.cluster_cidr is not None:
+            try:
+                ipaddress.IPv4Network(self.cluster_cidr, strict=False)
+            except ValueError:
+                out.append(f"--cluster-cidr must be an IPv4 CIDR such as 10.244.0.0/16, not {self.cluster_cidr!r}")
+        return out
 
 
 class DataplaneError(RuntimeError):

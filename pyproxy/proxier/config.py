@@ -50,14 +50,14 @@ class ProxySettings:
     bpf: BpfSettings = field(default_factory=BpfSettings)
     """The BPF dataplane's own settings."""
     masquerade: MasqueradeSettings = field(default_factory=MasqueradeSettings)
-    """--cluster-cidr, --masquerade-all, --iptables-masquerade-bit: shared by the netfilter modes."""
+    """--cluster-cidr, --masquerade-all (every mode), --iptables-masquerade-bit (the netfilter modes)."""
     iptables: IptablesSettings = field(default_factory=IptablesSettings)
     nftables: NftablesSettings = field(default_factory=NftablesSettings)
     ipvs: IpvsSettings = field(default_factory=IpvsSettings)
 
     def __post_init__(self) -> None:
         # One masquerade policy for every mode, as upstream's single set of flags.
-        for mode in (self.iptables, self.nftables, self.ipvs):
+        for mode in (self.iptables, self.nftables, self.ipvs, self.bpf):
             mode.masquerade = self.masquerade
 
     def problems(self) -> list[str]:

@@ -58,8 +58,6 @@ HONOURED_BY = (
     Honoured("--conntrack-udp-timeout-stream", lambda s: s.bpf.ct_timeouts.udp_established, _BPF),
     Honoured("--bpf-ct-tcp-syn-timeout", lambda s: s.bpf.ct_timeouts.tcp_new, _BPF),
     Honoured("--bpf-ct-tcp-close-timeout", lambda s: s.bpf.ct_timeouts.tcp_closed, _BPF),
-    Honoured("--cluster-cidr", lambda s: s.masquerade.cluster_cidr, _NETFILTER),
-    Honoured("--masquerade-all", lambda s: s.masquerade.masquerade_all, _NETFILTER),
     Honoured("--iptables-masquerade-bit", lambda s: s.masquerade.masquerade_bit, _NETFILTER),
     Honoured("--iptables-backend", lambda s: s.iptables.backend, frozenset({"ipvs", "iptables"})),
     Honoured("--ipvs-scheduler", lambda s: s.ipvs.scheduler, frozenset({"ipvs"})),

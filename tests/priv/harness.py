@@ -10,10 +10,11 @@ from dataclasses import dataclass
 import pytest
 from packets import TCP, TCP_ACK, TCP_SYN, UDP, Flow, L4Csum, decode, frame
 
+from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, libbpf, loader
 from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.libbpf import ffi
-from pyproxy.dataplane.bpf.render import Applied, Plan, frontend_key, render
+from pyproxy.dataplane.bpf.render import NO_MASQUERADE, Applied, Plan, frontend_key, render
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, ServicePortState
 
@@ -87,8 +88,9 @@ class Dataplane:
         self.maps.close()
         self.obj.close()
 
-    def apply(self, *states: ServicePortState, service: str = SERVICE) -> Plan:
-        plan = render(self.applied, {service: states}, self.capacity)
+    def apply(self, *states: ServicePortState, service: str = SERVICE,
+              masq: MasqueradeSettings = NO_MASQUERADE) -> Plan:
+        plan = render(self.applied, {service: states}, self.capacity, masq)
         self.maps.run_batches(plan.batches)
         self.applied.commit(plan)
         return plan

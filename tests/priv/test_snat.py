@@ -21,6 +21,7 @@ from conftest import CAPACITY
 from harness import CLIENT, INGRESS, READY, ROOT, TC_EGRESS, TC_INGRESS, XDP, Dataplane, Prog, port_state
 from packets import TCP, UDP, Flow, decode, frame
 
+from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, inspect, loader
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
@@ -225,3 +226,22 @@ def test_inspect_shows_where_an_snated_flow_leaves_from(dp: Dataplane, netns: Ne
     assert len(flows) == 1, "one flow, its SNAT pair not listed as another"
     assert f"{CLIENT}:44200 -> {NODE_IP}:{NODE_PORT}" in flows[0]
     assert f"{READY[0]} from {NODE_SIDE}:{out.sport}" in flows[0]
+
+
+def test_masquerade_all_snats_every_clusterip_flow(dp: Dataplane, netns: Netns) -> None:
+    dp.apply(port_state(), masq=MasqueradeSettings(masquerade_all=True))
+    out = forward(dp, TC_INGRESS, Flow("10.0.1.77", "10.96.0.10", 45100, 80), netns.ifindex)
+    assert out.src == NODE_SIDE and out.sport in SNAT_PORTS
+
+
+def test_cluster_cidr_snats_clusterip_flows_from_outside_it(bpf_object: Path, netns: Netns) -> None:
+    cidr = "10.0.0.0/16"  # the pods: 10.0.1.0/24 is this node's share
+    dp = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY, cluster_cidr=cidr))
+    try:
+        dp.apply(port_state(), masq=MasqueradeSettings(cluster_cidr=cidr))
+        pod = forward(dp, TC_INGRESS, Flow("10.0.1.77", "10.96.0.10", 45200, 80), netns.ifindex)
+        assert (pod.src, pod.sport) == ("10.0.1.77", 45200), "a pod keeps its address"
+        outside = forward(dp, XDP, Flow(CLIENT, "10.96.0.10", 45201, 80), netns.ifindex)
+        assert outside.src == NODE_SIDE and outside.sport in SNAT_PORTS
+    finally:
+        dp.close()

@@ -185,10 +185,8 @@ def test_defaults_warn_of_nothing_in_any_mode() -> None:
 def test_a_setting_the_mode_does_not_act_on_is_named() -> None:
     s = settings("--masquerade-all", "--cluster-cidr=10.244.0.0/16", "--xdp-devices=eth0", "--ipvs-scheduler=lc")
     assert modes.unhonoured(s, "bpf") == [
-        "bpf mode does not honour --cluster-cidr (set to 10.244.0.0/16): only the ipvs, nftables, iptables modes do",
-        "bpf mode does not honour --masquerade-all (set to True): only the ipvs, nftables, iptables modes do",
         "bpf mode does not honour --ipvs-scheduler (set to lc): only the ipvs mode does",
-    ]
+    ], "every mode masquerades as --masquerade-all and --cluster-cidr say"
     assert [line.split(" (")[0] for line in modes.unhonoured(s, "iptables")] == [
         "iptables mode does not honour --xdp-devices", "iptables mode does not honour --ipvs-scheduler"]
     assert [line.split(" (")[0] for line in modes.unhonoured(s, "ipvs")] == ["ipvs mode does not honour --xdp-devices"]
@@ -204,7 +202,9 @@ def test_the_table_names_real_flags_and_every_mode_setting() -> None:
     listed = {h.flag for h in modes.HONOURED_BY}
     assert listed <= flags
     # The flags that set a mode's own settings (bpf.*, masquerade.*, iptables.*, ipvs.*) are all in the table,
-    # the pin path aside (every mode's start cleans up the bpf mode's pins).
+    # but the pin path (every mode's start cleans up the bpf mode's pins) and the masquerade policy every mode
+    # follows.
     mode_flags = {f"--{dest.replace('_', '-')}" for dest, paths in cli.SETTINGS.items()
                   if paths[0].split(".")[0] in ("bpf", "masquerade", "iptables", "ipvs", "nftables")}
-    assert mode_flags - {"--bpf-pin-path"} | {ct.flag for ct in cli.CT_FLAGS} == listed
+    every_mode = {"--bpf-pin-path", "--cluster-cidr", "--masquerade-all"}
+    assert mode_flags - every_mode | {ct.flag for ct in cli.CT_FLAGS} == listed

@@ -44,6 +44,8 @@
 #define PYPROXY_SVC_F_RANGES    0x4    /* new flows only from the frontend's source ranges (PYPROXY_MAP_SRCRANGES) */
 #define PYPROXY_SVC_F_MASQ      0x8    /* new flows are SNATed to this node (externalTrafficPolicy Cluster): snat.h */
 #define PYPROXY_SVC_F_NODE_VIEW 0x10   /* the node's own sockets use the entry of scope PYPROXY_SVC_SCOPE_NODE */
+#define PYPROXY_SVC_F_MASQ_OUTSIDE 0x20 /* new flows from outside the cluster CIDR (pyproxy_config.cluster) are
+					 * SNATed: a ClusterIP with --cluster-cidr, as upstream */
 
 /* struct pyproxy_svc_key.scope: whose traffic an entry serves. The packet path looks up PACKETS only. An external
  * frontend with externalTrafficPolicy Local serves clients from outside with this node's endpoints, and the
@@ -183,11 +185,18 @@ struct pyproxy_snat_ports {
 	__u32 pad;     /* zero */
 };
 
+/* An IPv4 prefix: the cluster CIDR (--cluster-cidr). mask 0: none given. */
+struct pyproxy_cidr {
+	__be32 addr;   /* network byte order; the network address */
+	__be32 mask;   /* network byte order */
+};
+
 /* The programs' constants: the .rodata variable the loader sets before load (the verifier then folds each read
  * into the code). */
 struct pyproxy_config {
 	struct pyproxy_ct_timeouts ct;
 	struct pyproxy_snat_ports snat;
+	struct pyproxy_cidr cluster;
 };
 
 /* Key of PYPROXY_MAP_FRAGS: one IPv4 datagram in fragments, as its fragments carry it (before translation). */

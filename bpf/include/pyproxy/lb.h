@@ -106,16 +106,29 @@ static __always_inline int pyproxy_ct_follow(struct pyproxy_ct_value *ct, const 
 	return 1;
 }
 
-/* A new flow that must be SNATed (snat.h): the frontend says so (externalTrafficPolicy Cluster), or the backend
- * is the client itself (hairpin: the client would drop a reply from its own address, as upstream masquerades
- * this case). Records the SNAT pair and returns the Service flow's FORWARD entry flags, or -1: no free port. */
+/* Whether a new flow must be SNATed (snat.h), by upstream's rules: the frontend says so (externalTrafficPolicy
+ * Cluster, --masquerade-all), its client is outside the cluster CIDR and the frontend says that counts
+ * (--cluster-cidr), or the backend is the client itself (hairpin: the client would drop a reply from its own
+ * address). */
+static __always_inline int pyproxy_lb_must_masquerade(const struct pyproxy_pkt *p,
+						      const struct pyproxy_svc_value *svc,
+						      const struct pyproxy_backend *be)
+{
+	if ((svc->flags & PYPROXY_SVC_F_MASQ) || be->addr == p->saddr)
+		return 1;
+	return (svc->flags & PYPROXY_SVC_F_MASQ_OUTSIDE) &&
+	       (p->saddr & pyproxy_config.cluster.mask) != pyproxy_config.cluster.addr;
+}
+
+/* SNAT for a new flow that needs it: records the SNAT pair and returns the Service flow's FORWARD entry flags,
+ * or -1: no free port. */
 static __always_inline int pyproxy_lb_masquerade(void *ctx, __u32 ifindex, const struct pyproxy_pkt *p,
 						 const struct pyproxy_svc_value *svc,
 						 const struct pyproxy_backend *be, __u64 now)
 {
 	__be32 addr;
 
-	if (!(svc->flags & PYPROXY_SVC_F_MASQ) && be->addr != p->saddr)
+	if (!pyproxy_lb_must_masquerade(p, svc, be))
 		return 0;
 	addr = pyproxy_snat_addr(ctx, ifindex, p, be);
 	if (!addr) {

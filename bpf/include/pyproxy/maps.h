@@ -137,7 +137,7 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_NAMES SEC(".maps");
 
-/* The programs' constants (abi.h): connection-tracking timeouts and SNAT ports. The loader always sets them from
+/* The programs' constants (abi.h): connection-tracking timeouts, SNAT ports, the cluster CIDR. The loader always sets them from
  * the settings and the kernel's HZ; these defaults (at HZ=250) only serve a load that does not. */
 const volatile struct pyproxy_config pyproxy_config = {
 	.ct = {
@@ -150,6 +150,7 @@ const volatile struct pyproxy_config pyproxy_config = {
 		.shortest = 10 * 250,
 	},
 	.snat = { .min = 61000, .max = 65535 },
+	.cluster = { .addr = 0, .mask = 0 },
 };
 
 #endif

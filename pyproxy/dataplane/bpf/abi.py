@@ -8,6 +8,7 @@ compared bytewise. tests/priv/test_abi.py checks sizes and offsets against the c
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import socket
 import struct
 
@@ -54,6 +55,7 @@ SVC_F_DROP = 0x2  # PYPROXY_SVC_F_DROP
 SVC_F_RANGES = 0x4  # PYPROXY_SVC_F_RANGES
 SVC_F_MASQ = 0x8  # PYPROXY_SVC_F_MASQ
 SVC_F_NODE_VIEW = 0x10  # PYPROXY_SVC_F_NODE_VIEW
+SVC_F_MASQ_OUTSIDE = 0x20  # PYPROXY_SVC_F_MASQ_OUTSIDE
 SVC_SCOPE_PACKETS = 0  # PYPROXY_SVC_SCOPE_PACKETS
 SVC_SCOPE_NODE = 1  # PYPROXY_SVC_SCOPE_NODE
 
@@ -220,10 +222,24 @@ class SnatPorts(ctypes.Structure):
     _fields_ = [("min", ctypes.c_uint16), ("max", ctypes.c_uint16), ("pad", ctypes.c_uint32)]
 
 
+class Cidr(ctypes.Structure):
+    """struct pyproxy_cidr"""
+
+    _fields_ = [("addr", ctypes.c_uint32), ("mask", ctypes.c_uint32)]  # network order
+
+    @classmethod
+    def of(cls, cidr: str | None) -> Cidr:
+        """The prefix `cidr` ("10.244.0.0/16"); None: none (mask 0)."""
+        if cidr is None:
+            return cls(0, 0)
+        net = ipaddress.IPv4Network(cidr, strict=False)
+        return cls(be32(str(net.network_address)), be32(str(net.netmask)))
+
+
 class Config(ctypes.Structure):
     """struct pyproxy_config (the .rodata variable CONFIG_VAR)"""
 
-    _fields_ = [("ct", CtTimeoutTicks), ("snat", SnatPorts)]
+    _fields_ = [("ct", CtTimeoutTicks), ("snat", SnatPorts), ("cluster", Cidr)]
 
 
 class FragKey(ctypes.Structure):
@@ -295,6 +311,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "pyproxy_ct_value": CtValue,
     "pyproxy_ct_timeouts": CtTimeoutTicks,
     "pyproxy_snat_ports": SnatPorts,
+    "pyproxy_cidr": Cidr,
     "pyproxy_config": Config,
     "pyproxy_frag_key": FragKey,
     "pyproxy_frag_value": FragValue,

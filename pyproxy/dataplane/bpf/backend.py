@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pyproxy.dataplane import netlink
-from pyproxy.dataplane.base import DataplaneError
+from pyproxy.dataplane.base import DataplaneError, MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, attach, cgroup, clock, loader, snat
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.dataplane.bpf.gc import CtGarbageCollector, CtGcMetrics, CtGcSettings
@@ -64,6 +64,9 @@ class BpfSettings:
     cgroup_root: Path | None = None
     """The cgroup v2 directory the socket hooks go on; they act on every process in it and below. None: the root
     of the node's cgroup v2 hierarchy, mounted at /run/pyproxy/cgroup2 when the node has none."""
+    masquerade: MasqueradeSettings = field(default_factory=MasqueradeSettings)
+    """--masquerade-all and --cluster-cidr, as every mode (ProxySettings sets the one shared policy); the
+    masquerade bit means nothing here: SNAT is decided per flow in the programs."""
     snat_ports: tuple[int, int] = abi.DEFAULT_SNAT_PORTS
     """--bpf-snat-port-range: the source ports SNAT (masquerade) gives out, first and last. Kept out of the kernel's
     ephemeral range so no node socket shares one (snat.py); its size bounds the SNATed flows open at once from one
@@ -319,7 +322,8 @@ class BpfDataplane:
                 log.info("%s", reserved)
         adopt = self._previous_maps()
         try:
-            self._obj = loader.load(s.object_path, s.pin_path, s.max_entries, adopt, timeouts, s.snat_ports)
+            self._obj = loader.load(s.object_path, s.pin_path, s.max_entries, adopt, timeouts, s.snat_ports,
+                                    s.masquerade.cluster_cidr)
         finally:
             for fd in adopt.values():
                 os.close(fd)
@@ -438,7 +442,8 @@ class BpfDataplane:
         assert self.maps is not None
         keys = set(changed) if changed is not None else set(desired.services) | self.applied.by_service.keys()
         try:
-            plan = render(self.applied, {k: desired.services.get(k, ()) for k in keys}, self._capacity)
+            plan = render(self.applied, {k: desired.services.get(k, ()) for k in keys}, self._capacity,
+                          self.settings.masquerade)
         except CapacityError as e:
             raise DataplaneError(str(e)) from e
         for line in plan.skipped:

@@ -238,17 +238,18 @@ def load(
     adopt: dict[str, int] | None = None,
     ct_timeouts: abi.CtTimeoutTicks | None = None,
     snat_ports: tuple[int, int] = abi.DEFAULT_SNAT_PORTS,
+    cluster_cidr: str | None = None,
 ) -> LoadedObject:
     """Open and load the object. Maps come, in this order of preference, from their pin under `pin_dir`,
     from `adopt` (name -> fd of a previous run's map), or new (and then pinned). A pinned or adopted map of
     another shape (e.g. a changed capacity) is not reused: a warning says so and a new one replaces it.
-    `ct_timeouts` (default: conntrack.CtTimeouts() at this kernel's HZ) and `snat_ports` (the first and last
-    source port SNAT gives out) become the programs' constants."""
+    `ct_timeouts` (default: conntrack.CtTimeouts() at this kernel's HZ), `snat_ports` (the first and last
+    source port SNAT gives out) and `cluster_cidr` (--cluster-cidr) become the programs' constants."""
     if ct_timeouts is None:
         from pyproxy.dataplane.bpf import clock, conntrack  # clock imports this module
 
         ct_timeouts = conntrack.CtTimeouts().ticks(clock.kernel_hz())
-    config = abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports))
+    config = abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(cluster_cidr))
     lib = libbpf.lib()
     if not obj_path.exists():
         raise BpfUnavailable(f"BPF object {obj_path} not found (run `make bpf`)")

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState, rendered
 
@@ -243,6 +244,9 @@ class CapacityError(RuntimeError):
     """A map would exceed its capacity; nothing was written."""
 
 
+NO_MASQUERADE = MasqueradeSettings()
+
+
 def frontend_key(fe: Frontend, scope: int = abi.SVC_SCOPE_PACKETS) -> FrontendKey:
     return (fe.ip, fe.port, fe.protocol.value, scope)
 
@@ -261,9 +265,11 @@ def render(
     applied: Applied,
     desired: Mapping[str, Iterable[ServicePortState]],
     capacity: Mapping[str, int],
+    masq: MasqueradeSettings = NO_MASQUERADE,
 ) -> Plan:
     """Plan the changes for the Services in `desired` (Service key -> its frontends; an empty iterable
-    means the Service is gone). Services not in `desired` are untouched. `applied` is only read."""
+    means the Service is gone). Services not in `desired` are untouched. `applied` is only read. `masq`: the
+    ClusterIP frontends' masquerade flags (--masquerade-all, --cluster-cidr, whose prefix the programs hold)."""
     current = applied.frontends
     applied_refs = applied.backend_refs
     refs: dict[Backend, int] = {}
@@ -321,8 +327,10 @@ def render(
         flags = abi.SVC_F_RANGES if st.source_ranges else 0
         if st.kind.external and not backends and st.backends:
             flags |= abi.SVC_F_DROP
-        if st.masquerade:
+        if st.masquerade or (masq.masquerade_all and not st.kind.external):
             flags |= abi.SVC_F_MASQ
+        elif masq.cluster_cidr and not st.kind.external:
+            flags |= abi.SVC_F_MASQ_OUTSIDE
         if _node_view(st) is not None:
             flags |= abi.SVC_F_NODE_VIEW
         known = st.known_backends
