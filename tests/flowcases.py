@@ -142,10 +142,11 @@ CASES = (
 
 
 # Modes that render only ClusterIP frontends so far (pyproxy.model.state.SERVES; bpf mode also renders external
-# frontends with externalTrafficPolicy Local, which need no SNAT). What a client sees of a
-# frontend such a mode does not render: an external or load-balancer IP is routed on, untranslated, and nothing
-# answers; a NodePort reaches the node's own stack, where nothing listens on it, which refuses the flow.
-_CLUSTER_IP_ONLY = ("bpf", "iptables", "ipvs")
+# frontends with externalTrafficPolicy Local, which need no SNAT; nftables and iptables render every kind). What a
+# client sees of a frontend such a mode does not render: an external or load-balancer IP is routed on,
+# untranslated, and nothing answers; a NodePort reaches the node's own stack, where nothing listens on it, which
+# refuses the flow.
+_CLUSTER_IP_ONLY = ("bpf", "ipvs")
 
 
 def _not_rendered_yet(outcome: Outcome, modes: tuple[str, ...] = _CLUSTER_IP_ONLY) -> dict[str, Outcome]:
@@ -169,17 +170,18 @@ EXTERNAL_CASES = (
              answered_by("b1:5353", "b2:5353"), by_mode=_not_rendered_yet(REFUSED)),
     # externalTrafficPolicy Local: only this node's endpoints serve clients from outside the cluster.
     FlowCase("externalTrafficPolicy Local: only this node's endpoint", "tcp", NODE_IP, 30082, answered_by("b1:8080"),
-             by_mode=_not_rendered_yet(REFUSED, ("iptables", "ipvs"))),
+             by_mode=_not_rendered_yet(REFUSED, ("ipvs",))),
     # ... and with none on this node while the cluster has some, the flow is dropped (the client's load balancer
     # tries another node), as upstream's DROP; the same Service's ClusterIP still answers.
     FlowCase("externalTrafficPolicy Local, no endpoint on this node: no answer", "tcp", NODE_IP, 30083, NO_ANSWER,
-             by_mode=_not_rendered_yet(REFUSED, ("iptables", "ipvs"))),
+             by_mode=_not_rendered_yet(REFUSED, ("ipvs",))),
     FlowCase("externalTrafficPolicy Local, no endpoint on this node: the ClusterIP answers", "tcp", "10.96.20.13", 80,
              answered_by("b1:8080", "b2:8080")),
     # Refused in every mode: by the rules, or by the node's stack where a mode does not render NodePorts yet.
     FlowCase("a NodePort of a Service without endpoints: refused", "tcp", NODE_IP, 30084, REFUSED),
-    # The node's own processes reach NodePorts (nat OUTPUT in nftables mode); with externalTrafficPolicy Local
-    # they are not limited to this node's endpoints (upstream's short circuit: masqueraded, every endpoint).
+    # The node's own processes reach NodePorts (nat OUTPUT in the nftables and iptables modes); with
+    # externalTrafficPolicy Local they are not limited to this node's endpoints (upstream's short circuit:
+    # masqueraded, every endpoint).
     FlowCase("from the node itself to a NodePort", "tcp", NODE_IP, 30080, answered_by("b1:8080", "b2:8080"),
              src="node", by_mode=_not_rendered_yet(REFUSED)),
     # bpf mode's socket hooks serve a node process from the frontend's own endpoints, this node's for Local: no
