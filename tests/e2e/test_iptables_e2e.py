@@ -35,13 +35,14 @@ from scenarios import (
 )
 
 from pyproxy.lab import describe
-from pyproxy.lab.manifests import endpoint_slice, service
+from pyproxy.lab.manifests import Port, endpoint_slice, service
 
 pytestmark = pytest.mark.root
 
 MODE = "iptables"
 BACKENDS = ["legacy", "nft"]
-EMPTY_IP, STICKY_IP = "10.96.0.30", "10.96.0.40"
+EMPTY_IP, STICKY_IP, LB_CLUSTER_IP = "10.96.0.30", "10.96.0.40", "10.96.0.50"
+LB_PORTS = [Port("http", 80, 8080, node_port=30080)]
 
 
 def start(env, backend: str):
@@ -283,6 +284,12 @@ def test_cleanup_removes_ours_and_leaves_everyone_elses(make_env, backend: str) 
     env = make_env(2)
     env.write("web.yaml", *web(all_ready(env)))
     env.write("empty.yaml", service("empty", EMPTY_IP, WEB_PORTS), endpoint_slice("empty", {}, WEB_PORTS))
+    # Every per-service chain kind: KUBE-EXT (and KUBE-NODEPORTS), KUBE-SVL (Local, b1 on this node), KUBE-FW.
+    b1 = env.lab.backends[0]
+    env.write("lb.yaml", service("lb", LB_CLUSTER_IP, LB_PORTS, type="LoadBalancer", external_traffic_policy="Local",
+                                 health_check_node_port=32100, load_balancer_ips=["203.0.113.10"],
+                                 external_ips=["192.0.2.10"], source_ranges=["198.51.100.0/24"]),
+              endpoint_slice("lb", {b1.ip: True}, LB_PORTS, node_names={b1.ip: "lab-node"}))
     ipt = f"iptables-{backend}"
     node = env.lab.node
     # Someone else's rules, in the chains ours jump from and in a chain of their own.
@@ -290,9 +297,13 @@ def test_cleanup_removes_ours_and_leaves_everyone_elses(make_env, backend: str) 
     env.lab.exec(node, ipt, "-t", "nat", "-A", "PREROUTING", "-p", "tcp", "--dport", "5555", "-j", "OTHER")
     env.lab.exec(node, ipt, "-t", "filter", "-A", "FORWARD", "-p", "tcp", "--dport", "5555", "-j", "ACCEPT")
     # With the masquerade rules too, which KUBE-SERVICES holds besides the jumps.
-    proxy = env.start(mode=MODE, args=[f"--iptables-backend={backend}", "--cluster-cidr=10.201.0.0/16"])
+    proxy = env.start(mode=MODE, args=[f"--iptables-backend={backend}", "--cluster-cidr=10.201.0.0/16",
+                                       "--hostname-override=lab-node"])
     env.probe("tcp", WEB_IP, 80, 3)
     assert any("KUBE-MARK-MASQ" in line for line in kube_rules(env, backend) if "cluster IP" in line)
+    made = [line.split()[0][1:] for line in save(env, backend).splitlines() if line.startswith(":KUBE-")]
+    assert {"KUBE-NODEPORTS", "KUBE-EXTERNAL-SERVICES", "KUBE-PROXY-FIREWALL"} <= set(made), made
+    assert all(any(c.startswith(prefix) for c in made) for prefix in ("KUBE-EXT-", "KUBE-SVL-", "KUBE-FW-")), made
     assert proxy.terminate(10.0) == 0
     out = proxy.cleanup().stdout
     assert "KUBE-SERVICES" in out, out
