@@ -264,18 +264,19 @@ def shared_rules(desired: DesiredState, m: nf.MasqueradeSettings) -> SharedRules
 
 
 def by_port(states: Iterable[ServicePortState]) -> list[list[ServicePortState]]:
-    """A Service's frontends grouped by service port (its KUBE-SVC chain), in order: they share endpoints and
-    policy, so one set of chains serves them all."""
-    ports: dict[str, list[ServicePortState]] = {}
+    """A Service's frontends grouped by service port (name and protocol: what its chains' hash covers), in order:
+    they share endpoints and policy, so one set of chains serves them all."""
+    ports: dict[tuple[str, Protocol], list[ServicePortState]] = {}
     for sp in states:
-        ports.setdefault(svc_chain(sp), []).append(sp)
+        ports.setdefault((sp.port_name, sp.frontend.protocol), []).append(sp)
     return list(ports.values())
 
 
-def _choice(sp: ServicePortState, backends: Sequence[Backend]) -> tuple[str, ...]:
-    """A policy chain's rules (KUBE-SVC, KUBE-SVL): affinity first, then one of `backends` at random."""
+def _choice(sp: ServicePortState, backends: Sequence[Backend], names: Mapping[Backend, str]) -> tuple[str, ...]:
+    """A policy chain's rules (KUBE-SVC, KUBE-SVL): affinity first, then one of `backends` at random; `names`
+    names their KUBE-SEP chains (hashing is most of a cold start's cost: once per endpoint)."""
     comment = _comment(port_name(sp))
-    seps = [sep_chain(sp, b) for b in backends]
+    seps = [names[b] for b in backends]
     rules: list[str] = []
     if sp.session_affinity_seconds:
         rules += [f"{comment} -m recent --name {sep} --rcheck --seconds {sp.session_affinity_seconds} --reap -j {sep}"
@@ -287,7 +288,8 @@ def _choice(sp: ServicePortState, backends: Sequence[Backend]) -> tuple[str, ...
     return tuple(rules)
 
 
-def _external_chains(sp: ServicePortState, m: nf.MasqueradeSettings) -> list[nf.Chain]:
+def _external_chains(sp: ServicePortState, m: nf.MasqueradeSettings, seps: Mapping[Backend, str]
+                     ) -> list[nf.Chain]:
     """KUBE-EXT for the port's external frontends (`sp` is one of them: they share the policy), and KUBE-SVL for
     externalTrafficPolicy Local."""
     name, cluster = port_name(sp), svc_chain(sp)
@@ -309,7 +311,7 @@ def _external_chains(sp: ServicePortState, m: nf.MasqueradeSettings) -> list[nf.
     chains = []
     if sp.external_backends:
         rules.append(f"-j {svl_chain(sp)}")
-        chains.append(nf.Chain(svl_chain(sp), _choice(sp, sp.external_backends)))
+        chains.append(nf.Chain(svl_chain(sp), _choice(sp, sp.external_backends, seps)))
     # Else the flow goes on untranslated, and filter KUBE-EXTERNAL-SERVICES drops it.
     return [nf.Chain(ext_chain(sp), tuple(rules)), *chains]
 
@@ -322,13 +324,13 @@ def port_chains(states: Sequence[ServicePortState], m: nf.MasqueradeSettings) ->
     if not sp.backends:
         return []
     external = next((st for st in states if st.kind.external), None)
-    chains = [nf.Chain(svc_chain(sp), _choice(sp, sp.backends))]
     # With Local, this node's endpoints may be serving-and-terminating ones the cluster-wide choice leaves out.
-    endpoints = set(sp.backends) | set(external.external_backends if external else ())
+    endpoints = sorted(set(sp.backends) | set(external.external_backends if external else ()))
+    seps = {b: sep_chain(sp, b) for b in endpoints}
+    chains = [nf.Chain(svc_chain(sp), _choice(sp, sp.backends, seps))]
     comment = _comment(port_name(sp))
     p = _proto(sp.frontend)
-    for b in sorted(endpoints):
-        sep = sep_chain(sp, b)
+    for b, sep in seps.items():
         affinity = f" -m recent --name {sep} --set" if sp.session_affinity_seconds else ""
         chains.append(nf.Chain(sep, (
             # Hairpin: an endpoint reaching its own Service must see the reply come from the Service's address.
@@ -337,7 +339,7 @@ def port_chains(states: Sequence[ServicePortState], m: nf.MasqueradeSettings) ->
         )))
     if external is None:
         return chains
-    chains += _external_chains(external, m)
+    chains += _external_chains(external, m, seps)
     ranges = next((st.source_ranges for st in states if st.source_ranges), ())
     if ranges:
         # Only sources in the ranges go on; the rest leaves untranslated, for filter KUBE-PROXY-FIREWALL to drop.
