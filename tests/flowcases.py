@@ -144,7 +144,7 @@ CASES = (
 # Modes that render only ClusterIP frontends so far (pyproxy.model.state.SERVES). What a client sees of a frontend
 # such a mode does not render: an external or load-balancer IP is routed on, untranslated, and nothing answers; a
 # NodePort reaches the node's own stack, where nothing listens on it, which refuses the flow.
-_CLUSTER_IP_ONLY = ("iptables", "ipvs")
+_CLUSTER_IP_ONLY = ("ipvs",)
 
 
 def _not_rendered_yet(outcome: Outcome, modes: tuple[str, ...] = _CLUSTER_IP_ONLY) -> dict[str, Outcome]:
@@ -177,8 +177,9 @@ EXTERNAL_CASES = (
              answered_by("b1:8080", "b2:8080")),
     # Refused in every mode: by the rules, or by the node's stack where a mode does not render NodePorts yet.
     FlowCase("a NodePort of a Service without endpoints: refused", "tcp", NODE_IP, 30084, REFUSED),
-    # The node's own processes reach NodePorts (nat OUTPUT in nftables mode); with externalTrafficPolicy Local
-    # they are not limited to this node's endpoints (upstream's short circuit: masqueraded, every endpoint).
+    # The node's own processes reach NodePorts (nat OUTPUT in the nftables and iptables modes); with
+    # externalTrafficPolicy Local they are not limited to this node's endpoints (upstream's short circuit:
+    # masqueraded, every endpoint).
     FlowCase("from the node itself to a NodePort", "tcp", NODE_IP, 30080, answered_by("b1:8080", "b2:8080"),
              src="node", by_mode=_not_rendered_yet(REFUSED)),
     FlowCase("from the node, externalTrafficPolicy Local without a local endpoint: every endpoint", "tcp", NODE_IP,

@@ -36,7 +36,9 @@ Cleanup
     when empty). With `shared=False` it leaves every shared chain, for `cleanup_shared(keep)` to remove
     afterwards: what the mode starting up runs after the other modes' cleanups, so that a shared chain is
     reported as no one mode's and the running mode's stay.
-    `mode_chain(table, chain)` says which chains only that mode makes; `mode_rule(table, chain, body)` which
+    `mode_chain(table, chain)` says which chains only that mode makes (the iptables mode's: nat KUBE-SVC-, -SEP-,
+    -EXT-, -SVL-, -FW-* and KUBE-NODEPORTS, filter KUBE-NODEPORTS, KUBE-EXTERNAL-SERVICES and KUBE-PROXY-FIREWALL,
+    so another mode must not write into those); `mode_rule(table, chain, body)` which
     of its rules sit in shared chains without jumping to one of its own (found by their comments: the
     iptables mode claims `"<service> cluster IP"` in nat KUBE-SERVICES and `"<service> has no endpoints"`
     in filter KUBE-SERVICES, so another mode must not write rules with those comments there).

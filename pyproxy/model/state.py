@@ -112,7 +112,7 @@ Serves = Callable[["ServicePortState"], bool]
 """Whether a mode renders a frontend (yet)."""
 
 
-SERVES: Mapping[str, Serves] = {"nftables": lambda sp: True, "bpf": lambda sp: True}
+SERVES: Mapping[str, Serves] = {"nftables": lambda sp: True, "iptables": lambda sp: True, "bpf": lambda sp: True}
 """What the modes that render more than RENDERED_KINDS render: the one place that says it (renderers filter with
 `rendered`, the log names what is left out with `DesiredState.notices`)."""
 

@@ -35,13 +35,16 @@ from scenarios import (
 )
 
 from pyproxy.lab import describe
-from pyproxy.lab.manifests import endpoint_slice, service
+from pyproxy.lab.manifests import Port, endpoint_slice, service
+from pyproxy.lab.netns import NODE_CLIENT_IP
 
 pytestmark = pytest.mark.root
 
 MODE = "iptables"
 BACKENDS = ["legacy", "nft"]
-EMPTY_IP, STICKY_IP = "10.96.0.30", "10.96.0.40"
+EMPTY_IP, STICKY_IP, LB_CLUSTER_IP = "10.96.0.30", "10.96.0.40", "10.96.0.50"
+LB_PORTS = [Port("http", 80, 8080, node_port=30080)]
+NODE = "lab-node"
 
 
 def start(env, backend: str):
@@ -156,6 +159,47 @@ def test_masquerade_flags(make_env, flags: list[str], client_masqueraded: bool, 
     from_pod = env.lab.probe("tcp", WEB_IP, 80, 5, ns=b1.ns)
     assert from_pod["replies"] == {"b2:8080": 5}, describe(from_pod)
     assert set(from_pod["seen_from"]) == {b2.node_ip if pod_masqueraded else b1.ip}
+
+
+EXT_PORTS = [Port("http", 80, 8080, node_port=30090)]
+LOCAL_PORTS = [Port("http", 80, 8080, node_port=30091)]
+ELSEWHERE_PORTS = [Port("http", 80, 8080, node_port=30092)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_external_frontends_masquerade_and_short_circuit_as_upstream(make_env, backend: str) -> None:
+    """Who the endpoints see, per source and externalTrafficPolicy (the flow table checks who answers):
+    Cluster SNATs every flow to a node address; Local keeps an external client's address and limits it to this
+    node's endpoint; pods (--cluster-cidr) reach every endpoint keeping theirs; the node's own processes reach
+    external IPs, load-balancer IPs and NodePorts on the OUTPUT path, masqueraded."""
+    env = make_env(3, distro=True)  # a default route: the node's own flows to an external IP need one
+    b1, b2, b3 = env.lab.backends
+    elsewhere = {b1.ip: "other-node", b2.ip: "other-node"}
+    env.write("ext.yaml",
+              service("ext", "10.96.0.60", EXT_PORTS, type="LoadBalancer", external_ips=["192.0.2.20"],
+                      load_balancer_ips=["203.0.113.20"]),
+              endpoint_slice("ext", {b2.ip: True}, EXT_PORTS),
+              service("local", "10.96.0.61", LOCAL_PORTS, type="NodePort", external_traffic_policy="Local",
+                      external_ips=["192.0.2.21"]),
+              endpoint_slice("local", {b1.ip: True, b2.ip: True}, LOCAL_PORTS, node_names={**elsewhere, b1.ip: NODE}),
+              service("elsewhere", "10.96.0.62", ELSEWHERE_PORTS, type="NodePort", external_traffic_policy="Local"),
+              endpoint_slice("elsewhere", {b2.ip: True}, ELSEWHERE_PORTS, node_names=elsewhere))
+    env.start(mode=MODE, args=[f"--iptables-backend={backend}", "--cluster-cidr=10.201.0.0/16",
+                               f"--hostname-override={NODE}"])
+
+    def seen(ip: str, port: int, ns: object = None) -> tuple[dict[str, int], set[str]]:
+        result = env.lab.probe("tcp", ip, port, 8, ns=ns)
+        assert result["failures"] == 0, describe(result)
+        return result["replies"], set(result["seen_from"])
+
+    assert seen("192.0.2.20", 80) == ({"b2:8080": 8}, {b2.node_ip})  # Cluster: SNATed, from the client too
+    assert seen(NODE_CLIENT_IP, 30090) == ({"b2:8080": 8}, {b2.node_ip})
+    assert seen(NODE_CLIENT_IP, 30091) == ({"b1:8080": 8}, {env.lab.client_ip})  # Local: this node's, unSNATed
+    replies, sources = seen("192.0.2.21", 80, b3.ns)  # a pod: every endpoint, its own address
+    assert set(replies) == {"b1:8080", "b2:8080"} and sources == {b3.ip}, (replies, sources)
+    assert seen(NODE_CLIENT_IP, 30092, b3.ns) == ({"b2:8080": 8}, {b3.ip})  # no local endpoint: short circuit
+    for ip, port in (("192.0.2.20", 80), ("203.0.113.20", 80), (NODE_CLIENT_IP, 30090), (NODE_CLIENT_IP, 30092)):
+        assert seen(ip, port, env.lab.node) == ({"b2:8080": 8}, {b2.node_ip}), (ip, port)  # the node: SNATed
 
 
 # A UDP "flow" from one socket: `find NAME` sends from fresh sockets until NAME answers and keeps that socket;
@@ -283,6 +327,12 @@ def test_cleanup_removes_ours_and_leaves_everyone_elses(make_env, backend: str) 
     env = make_env(2)
     env.write("web.yaml", *web(all_ready(env)))
     env.write("empty.yaml", service("empty", EMPTY_IP, WEB_PORTS), endpoint_slice("empty", {}, WEB_PORTS))
+    # Every per-service chain kind: KUBE-EXT (and KUBE-NODEPORTS), KUBE-SVL (Local, b1 on this node), KUBE-FW.
+    b1 = env.lab.backends[0]
+    env.write("lb.yaml", service("lb", LB_CLUSTER_IP, LB_PORTS, type="LoadBalancer", external_traffic_policy="Local",
+                                 health_check_node_port=32100, load_balancer_ips=["203.0.113.10"],
+                                 external_ips=["192.0.2.10"], source_ranges=["198.51.100.0/24"]),
+              endpoint_slice("lb", {b1.ip: True}, LB_PORTS, node_names={b1.ip: NODE}))
     ipt = f"iptables-{backend}"
     node = env.lab.node
     # Someone else's rules, in the chains ours jump from and in a chain of their own.
@@ -290,9 +340,13 @@ def test_cleanup_removes_ours_and_leaves_everyone_elses(make_env, backend: str) 
     env.lab.exec(node, ipt, "-t", "nat", "-A", "PREROUTING", "-p", "tcp", "--dport", "5555", "-j", "OTHER")
     env.lab.exec(node, ipt, "-t", "filter", "-A", "FORWARD", "-p", "tcp", "--dport", "5555", "-j", "ACCEPT")
     # With the masquerade rules too, which KUBE-SERVICES holds besides the jumps.
-    proxy = env.start(mode=MODE, args=[f"--iptables-backend={backend}", "--cluster-cidr=10.201.0.0/16"])
+    proxy = env.start(mode=MODE, args=[f"--iptables-backend={backend}", "--cluster-cidr=10.201.0.0/16",
+                                       f"--hostname-override={NODE}"])
     env.probe("tcp", WEB_IP, 80, 3)
     assert any("KUBE-MARK-MASQ" in line for line in kube_rules(env, backend) if "cluster IP" in line)
+    made = [line.split()[0][1:] for line in save(env, backend).splitlines() if line.startswith(":KUBE-")]
+    assert {"KUBE-NODEPORTS", "KUBE-EXTERNAL-SERVICES", "KUBE-PROXY-FIREWALL"} <= set(made), made
+    assert all(any(c.startswith(prefix) for c in made) for prefix in ("KUBE-EXT-", "KUBE-SVL-", "KUBE-FW-")), made
     assert proxy.terminate(10.0) == 0
     out = proxy.cleanup().stdout
     assert "KUBE-SERVICES" in out, out

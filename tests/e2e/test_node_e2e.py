@@ -75,15 +75,18 @@ def test_healthz_answers_upstreams_json(make_env) -> None:
     assert env.lab.http_get(env.lab.node, proxy.healthz_url.replace("/healthz", "/livez"))["status"] == 200
 
 
-def test_node_ports_use_the_nodes_addresses_as_they_change(make_env) -> None:
+@pytest.mark.parametrize("mode", ["bpf", "iptables"])
+def test_node_ports_use_the_nodes_addresses_as_they_change(make_env, mode: str) -> None:
     env = make_env(1)
     (b1,) = env.lab.backends
     env.write("lb.yaml", *lb(env, {b1.ip: NODE}))
-    proxy = env.start(args=[f"--hostname-override={NODE}", "--nodeport-addresses=10.0.0.0/8"])
+    proxy = env.start(mode=mode, args=[f"--hostname-override={NODE}", "--nodeport-addresses=10.0.0.0/8"])
     started = proxy.log_text()
     assert "NodePorts use node addresses" in started and NODE_CLIENT_IP in started, proxy.log_tail()
     assert "default/lb: LoadBalancer" not in started  # no ingress IP: no load-balancer frontend
-    # bpf mode serves this NodePort (externalTrafficPolicy Local: no SNAT needed) on the node's addresses.
+    assert "not served" not in started, proxy.log_tail()
+    # bpf mode serves this NodePort (externalTrafficPolicy Local: no SNAT needed) on the node's addresses, iptables
+    # mode every NodePort (KUBE-SERVICES jumps to KUBE-NODEPORTS from each of them, rewritten when they change).
     env.assert_reaches("tcp", NODE_CLIENT_IP, 30080, {"b1:8080"})
     # An address added to the node is followed; one outside --nodeport-addresses is not chosen.
     env.lab.exec(env.lab.node, "ip", "addr", "add", "10.250.0.1/32", "dev", env.lab.node_client_ifname)

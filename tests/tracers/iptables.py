@@ -2,12 +2,14 @@
 chains, then partial ones, each restored with --noflush onto what the ones before left) walked for a new flow
 entering the node from a pod or a routed client.
 
-Models (see netfilter.py for the rule forms): nat PREROUTING (KUBE-SERVICES -> KUBE-SVC-* -> every KUBE-SEP-*
-the `statistic` rules can reach -> DNAT), then routing: the ClusterIPs are not the node's, so the flow is
-forwarded, through filter FORWARD (KUBE-FORWARD, and KUBE-SERVICES' REJECT of frontends without endpoints) to
-the endpoint it was DNATed to; an untranslated flow to a node address is the node's own stack's, else it leaves
-the node (common.untranslated). `-m recent` affinity
-makes a second flow find the first one's endpoint.
+Models (see netfilter.py for the rule forms): nat PREROUTING (KUBE-SERVICES -> KUBE-SVC-*, or for external
+frontends KUBE-FW-* / KUBE-NODEPORTS -> KUBE-EXT-* -> KUBE-SVC-* or KUBE-SVL-* -> every KUBE-SEP-* the
+`statistic` rules can reach -> DNAT), then routing: a flow DNATed to an endpoint, or untranslated to an address
+that is not the node's, is forwarded, through filter FORWARD (KUBE-PROXY-FIREWALL, KUBE-FORWARD, KUBE-SERVICES,
+KUBE-EXTERNAL-SERVICES: their REJECTs and DROPs); an untranslated flow to a node address goes through filter
+INPUT (the same chains' verdicts) to the node's own stack; an untranslated flow nothing stopped is the node's
+stack's or leaves the node (common.untranslated). `-m recent` affinity makes a second flow find the first one's
+endpoint.
 Does not model: the node's own traffic (OUTPUT), POSTROUTING (masquerade changes who answers, not whether),
 conntrack beyond a first packet, the affinity timeout, real randomness, ICMP rate limits.
 """
@@ -38,11 +40,17 @@ def restore_texts(syncs: Sequence[Sync], masquerade: nf.MasqueradeSettings | Non
 
 def forwarded(tables: Tables, flow: Flow, translated: bool) -> Iterator[Verdict]:
     """A flow the node forwards, through filter FORWARD: to its endpoint if `translated`, else away."""
-    for verdict, f in tables.walk("filter", "FORWARD", flow):
+    return _through(tables, "FORWARD", flow, translated)
+
+
+def _through(tables: Tables, chain: str, flow: Flow, translated: bool) -> Iterator[Verdict]:
+    for verdict, f in tables.walk("filter", chain, flow):
         if verdict == "REJECT":
             yield Verdict("refused")
-        elif verdict == "DROP" or not translated:
+        elif verdict == "DROP":
             yield Verdict("no-answer")
+        elif not translated:
+            yield untranslated(f.pkt)
         else:
             yield Verdict("dnat", f"{f.pkt.dst}:{f.pkt.port}", f.memory)
 
@@ -54,9 +62,9 @@ class IptablesTracer:
     def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
         for verdict, f in self.tables.walk("nat", "PREROUTING", Flow(pkt, memory=memory)):
             if verdict == "DROP":
-                yield Verdict("no-answer")
-            elif verdict != "DNAT" and f.pkt.dst in NODE_ADDRESSES:
-                yield untranslated(f.pkt)  # to the node's own stack
+                raise Unmodelled(f"DROP in nat (iptables refuses it) for {pkt}")
+            if verdict != "DNAT" and f.pkt.dst in NODE_ADDRESSES:
+                yield from _through(self.tables, "INPUT", f, False)  # to the node's own stack
             else:
                 yield from forwarded(self.tables, f, verdict == "DNAT")
 

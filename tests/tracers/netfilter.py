@@ -5,7 +5,8 @@ Only the rule forms pyproxy's netfilter modes write are parsed; any other option
 A walk follows every branch a rule may take (`-m statistic` both ways), so it answers every way the flow may
 end. Models: addresses and ports, `-m statistic --mode random` (both branches), `-m recent` (`--set` records
 the source in the flow's memory, `--rcheck` finds it there: no timeout), `-m conntrack --ctstate` (the flow is
-NEW), `-m mark`, `-m set` over the ipsets given (contents as `ipset save` prints them), the targets DNAT,
+NEW), `-m mark`, `-m set` over the ipsets given (contents as `ipset save` prints them), `-m addrtype --src-type
+LOCAL` (a source that is one of the node's addresses, common.NODE_ADDRESSES), the targets DNAT,
 REJECT, MARK, MASQUERADE (ends the chain), ACCEPT, DROP, RETURN and jumps. Not modelled: the kernel's
 conntrack beyond a first packet, interfaces, counters, the order of tables on one hook but nat before filter.
 """
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pyproxy.dataplane import netfilter as nf
-from tracers.common import Memory, Packet, Unmodelled
+from tracers.common import NODE_ADDRESSES, Memory, Packet, Unmodelled
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def parse_rule(body: str, ipsets: IpSets) -> Rule:
             target = next(it)
         elif tok == "-m":
             module = next(it)
-            if module not in ("comment", "tcp", "udp", "statistic", "recent", "conntrack", "mark", "set"):
+            if module not in ("comment", "tcp", "udp", "statistic", "recent", "conntrack", "mark", "set", "addrtype"):
                 raise Unmodelled(f"match -m {module} in: {body}")
         elif tok == "--comment":
             next(it)
@@ -133,6 +134,11 @@ def parse_rule(body: str, ipsets: IpSets) -> Rule:
             next(it)  # the affinity timeout: flows here are never that far apart
         elif tok == "--reap":
             pass
+        elif tok == "--src-type":
+            kind = next(it)
+            if kind != "LOCAL":
+                raise Unmodelled(f"-m addrtype --src-type {kind} in: {body}")
+            matches.append(_always(lambda f: f.pkt.src in NODE_ADDRESSES, negate=negate))
         elif tok == "--ctstate":
             states = next(it).split(",")
             matches.append(_always(lambda f, s: "NEW" in s, states, negate=negate))

@@ -98,6 +98,31 @@ def test_iptables_tracer_fails_on_a_rule_it_does_not_know(first: list[Sync]) -> 
         iptables.IptablesTracer([text.replace("-m statistic --mode random", "-m nth --every 2", 1)])
 
 
+def test_iptables_tracer_sees_a_lost_firewall_local_policy_and_local_drop(first: list[Sync]) -> None:
+    [text] = iptables.restore_texts(first)
+
+    def wrong_after(broken: str) -> list[str]:
+        assert broken != text
+        return [w.split(" (")[0] for w in mismatches(iptables.IptablesTracer([broken]), "iptables")]
+
+    # KUBE-FW lets every source on: the client outside loadBalancerSourceRanges is answered.
+    assert wrong_after(re.sub(r"-s \S+ (-j KUBE-EXT-)", r"\1", text)) == [
+        "a load-balancer IP whose source ranges leave the client out: no answer"]
+    # externalTrafficPolicy Local's KUBE-EXT sent to KUBE-SVC: the other node's endpoint answers too.
+    assert wrong_after(re.sub(r"^(-A KUBE-EXT-\S+) -j KUBE-SVL-", r"\1 -j KUBE-SVC-", text, flags=re.M)) == [
+        "externalTrafficPolicy Local: only this node's endpoint"]
+    # Without filter's "has no local endpoints" DROP, the untranslated flow reaches the node's stack: refused.
+    assert wrong_after(_without_lines(text, "has no local endpoints")) == [
+        "externalTrafficPolicy Local, no endpoint on this node: no answer"]
+
+
+def test_iptables_tracer_fails_on_an_external_form_it_does_not_know(first: list[Sync]) -> None:
+    [text] = iptables.restore_texts(first)
+    assert "--src-type LOCAL" in text
+    with pytest.raises(Unmodelled, match="dst-type"):
+        iptables.IptablesTracer([text.replace("--src-type LOCAL", "--dst-type LOCAL", 1)])
+
+
 def test_ipvs_tracer_sees_a_missing_filter(first: list[Sync]) -> None:
     # Without KUBE-IPVS-FILTER's reject, a ClusterIP's other ports reach the node's own listeners.
     wrong = mismatches(ipvs.IpvsTracer(ipvs.plans(first), _without_lines(ipvs.rules_text(), "-j REJECT")), "ipvs")

@@ -392,9 +392,9 @@ def test_notices_name_once_per_service_what_the_mode_does_not_render_yet() -> No
     assert endpoints.notices("fake") == [], "endpoints changed, not the frontends: said already"
     services["default/web"] = replace(services["default/web"], external_ips=())
     fewer = update_desired_state(endpoints, services, lambda key: (), {"default/web"})
-    assert fewer.notices("iptables") == ["default/web: NodePort 30053/UDP, NodePort 30080/TCP not served by iptables "
-                                         "mode yet"]
-    assert first.notices("nftables") == [], "the nftables mode renders every kind"
+    assert fewer.notices("ipvs") == ["default/web: NodePort 30053/UDP, NodePort 30080/TCP not served by ipvs "
+                                     "mode yet"]
+    assert first.notices("nftables") == first.notices("iptables") == [], "these modes render every kind"
 
 
 def test_rendered_keeps_the_cluster_ip_frontends() -> None:
@@ -406,8 +406,8 @@ def test_rendered_keeps_the_cluster_ip_frontends() -> None:
 
 def test_every_renderer_renders_exactly_what_its_mode_serves() -> None:
     """A Service with every kind of frontend programs what the frontends its mode serves alone program: the
-    ClusterIP ones in iptables and ipvs modes, which render no other kind yet; bpf and nftables render them all
-    (test_nftables_render)."""
+    ClusterIP ones in ipvs mode, which renders no other kind yet; bpf, nftables and iptables render them all
+    (test_nftables_render, test_iptables_render)."""
     services = cluster(svc("LoadBalancer", external_ips=("192.0.2.10",), load_balancer_ips=("203.0.113.10",),
                            external_traffic_policy=LOCAL, health_check_node_port=31000,
                            load_balancer_source_ranges=("198.51.100.0/24",)))
@@ -423,13 +423,16 @@ def test_every_renderer_renders_exactly_what_its_mode_serves() -> None:
                                                                           {}).batches
     assert bpf_render(Applied(), full.services, {}).batches != bpf_render(Applied(), clusters.services, {}).batches
 
-    def plans(d: DesiredState) -> list[object]:
-        return [
-            iptables_render(d, set(d.services), {}, MasqueradeSettings()).text,
-            ipvs_render(Observed(), Memory(), d.services, full=True, options=Options(), now=0.0).ops,
-        ]
+    def ipvs_ops(d: DesiredState) -> object:
+        return ipvs_render(Observed(), Memory(), d.services, full=True, options=Options(), now=0.0).ops
 
-    assert plans(full) == plans(clusters)
+    assert ipvs_ops(full) == ipvs_ops(clusters)
+
+    def iptables_text(d: DesiredState) -> str:
+        return iptables_render(d, set(d.services), {}, MasqueradeSettings()).text
+
+    assert iptables_text(full) != iptables_text(clusters)
+    assert "KUBE-EXT-" in iptables_text(full) and "KUBE-EXT-" not in iptables_text(clusters)
     nftables = [nftables_render(TableState(), d.services, MasqueradeSettings(), full=True).commands
                 for d in (full, clusters)]
     assert nftables[0] != nftables[1]

@@ -16,19 +16,25 @@ from pyproxy.dataplane.iptables.render import (
     AppliedService,
     ConntrackFlush,
     Plan,
+    ext_chain,
+    fw_chain,
     is_mode_chain,
     is_mode_rule,
     probability,
     render,
     sep_chain,
     svc_chain,
+    svl_chain,
     udp_flushes,
 )
+from pyproxy.model.node import NodeInputs
 from pyproxy.model.objects import Protocol
-from pyproxy.model.state import Backend, DesiredState, Frontend, ServicePortState
+from pyproxy.model.state import Backend, DesiredState, Frontend, FrontendKind, ServicePortState
 
 A, B, C = (Backend(f"10.180.0.{i}", 80) for i in (1, 2, 3))
 NO_MASQ = nf.MasqueradeSettings()
+EVERY_SERVICES = {"KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-EXTERNAL-SERVICES", "KUBE-PROXY-FIREWALL"}
+"""The chains holding every Service's rules, which each sync rewrites whole (KUBE-NODEPORTS: in nat and filter)."""
 
 
 def port(service: str, ip: str, number: int, backends: Iterable[Backend], *, name: str = "",
@@ -51,11 +57,11 @@ def dns(*backends: Backend, not_ready: Iterable[Backend] = ()) -> ServicePortSta
                 not_ready=not_ready)
 
 
-def state(*ports: ServicePortState) -> DesiredState:
+def state(*ports: ServicePortState, node: NodeInputs | None = None) -> DesiredState:
     services: dict[str, tuple[ServicePortState, ...]] = {}
     for sp in ports:
         services[sp.service] = (*services.get(sp.service, ()), sp)
-    return DesiredState(services)
+    return DesiredState(services, node=node or NodeInputs())
 
 
 def saved_from(plan: Plan) -> dict[str, nf.SavedTable]:
@@ -125,6 +131,7 @@ def test_full_sync_on_empty_tables() -> None:
         f":{sep_a} - [0:0]",
         f":{sep_b} - [0:0]",
         ":KUBE-SERVICES - [0:0]",
+        ":KUBE-NODEPORTS - [0:0]",
         ":KUBE-MARK-MASQ - [0:0]",
         ":KUBE-POSTROUTING - [0:0]",
         '-I POSTROUTING 1 -m comment --comment "kubernetes postrouting rules" -j KUBE-POSTROUTING',
@@ -146,11 +153,21 @@ def test_full_sync_on_empty_tables() -> None:
         "COMMIT",
         "*filter",
         ":KUBE-SERVICES - [0:0]",
+        ":KUBE-EXTERNAL-SERVICES - [0:0]",
+        ":KUBE-PROXY-FIREWALL - [0:0]",
+        ":KUBE-NODEPORTS - [0:0]",
         ":KUBE-FORWARD - [0:0]",
+        '-I INPUT 1 -m conntrack --ctstate NEW -m comment --comment "kubernetes externally-visible service portals" '
+        "-j KUBE-EXTERNAL-SERVICES",
+        '-I FORWARD 1 -m conntrack --ctstate NEW -m comment --comment "kubernetes externally-visible service portals" '
+        "-j KUBE-EXTERNAL-SERVICES",
+        '-I INPUT 1 -m comment --comment "kubernetes health check service ports" -j KUBE-NODEPORTS',
         '-I INPUT 1 -m conntrack --ctstate NEW -m comment --comment "kubernetes service portals" -j KUBE-SERVICES',
         '-I FORWARD 1 -m conntrack --ctstate NEW -m comment --comment "kubernetes service portals" -j KUBE-SERVICES',
         '-I OUTPUT 1 -m conntrack --ctstate NEW -m comment --comment "kubernetes service portals" -j KUBE-SERVICES',
         '-I FORWARD 1 -m comment --comment "kubernetes forwarding rules" -j KUBE-FORWARD',
+        *(f'-I {chain} 1 -m conntrack --ctstate NEW -m comment --comment "kubernetes load balancer firewall" '
+          "-j KUBE-PROXY-FIREWALL" for chain in ("INPUT", "OUTPUT", "FORWARD")),
         '-A KUBE-SERVICES -m comment --comment "ns2/svc2 has no endpoints" -m tcp -p tcp -d 172.30.0.42/32 '
         "--dport 80 -j REJECT --reject-with tcp-reset",
         "-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP",
@@ -159,7 +176,7 @@ def test_full_sync_on_empty_tables() -> None:
     ]
     assert plan.applied == {"ns1/svc1": AppliedService((svc1(A, B),), frozenset({svc, sep_a, sep_b})),
                             "ns2/svc2": AppliedService((svc2(),), frozenset())}
-    assert (plan.written, plan.removed) == (8, 0)
+    assert (plan.written, plan.removed) == (12, 0)
 
 
 def test_jumps_already_there_are_not_added_again() -> None:
@@ -202,7 +219,7 @@ def test_full_sync_trusts_iptables_save_not_applied() -> None:
 def test_partial_sync_writes_only_the_changed_service_and_kube_services() -> None:
     before = full(state(svc1(A), svc2(B)))
     plan = render(state(svc1(A, B), svc2(B)), {"ns1/svc1"}, before.applied, NO_MASQ)
-    assert declared(plan) == {svc_chain(svc1(A)), sep_chain(svc1(A), A), sep_chain(svc1(A), B), "KUBE-SERVICES"}
+    assert declared(plan) == {svc_chain(svc1(A)), sep_chain(svc1(A), A), sep_chain(svc1(A), B), *EVERY_SERVICES}
     assert "-I " not in plan.text and "KUBE-POSTROUTING" not in plan.text
     # KUBE-SERVICES is rewritten whole: the unchanged Service keeps its jump.
     assert f"-j {svc_chain(svc2(B))}" in plan.text
@@ -400,3 +417,196 @@ def test_another_modes_cleanup_leaves_the_running_modes_chains_even_empty() -> N
     edits, done = nf.removal_plan(_tables(nat, filter), ipvs_chain, ipvs_rule)
     assert "filter chain KUBE-SERVICES (shared, and no rule left uses it)" in done
     assert "filter rule in INPUT: " + portals + " (jumps to a removed chain)" in done
+
+
+# ------------------------------------------------------------------------------------- external frontends
+
+NODE_IPS = ("10.0.0.5", "192.168.1.5")
+NODE = NodeInputs(name="node-a", nodeport_addresses=NODE_IPS)
+EXTERNAL_IP, LB_IP = "192.0.2.10", "203.0.113.10"
+
+
+def web(backends: Iterable[Backend] = (A, B), *, local: Iterable[Backend] | None = None, ranges: tuple[str, ...] = (),
+        protocol: Protocol = Protocol.TCP, health: int | None = None) -> list[ServicePortState]:
+    """Every frontend of one service port of a LoadBalancer Service (ClusterIP, external IP, LB IP, NodePort on
+    each node address), with the policy the model gives them: externalTrafficPolicy Cluster, or Local with
+    `local` this node's endpoints."""
+    ready = tuple(sorted(backends))
+    cluster = local is None
+    outside = ready if cluster else tuple(sorted(local or ()))
+    base = ServicePortState("ns3/web", "http", Frontend("10.96.0.30", 80, protocol), ready, ready,
+                            health_check_node_port=health)
+    kinds = [(FrontendKind.EXTERNAL_IP, Frontend(EXTERNAL_IP, 80, protocol)),
+             (FrontendKind.LOAD_BALANCER, Frontend(LB_IP, 80, protocol)),
+             *((FrontendKind.NODE_PORT, Frontend(ip, 30080, protocol)) for ip in NODE_IPS)]
+    return [base, *(ServicePortState("ns3/web", "http", fe, ready, ready, 0, kind, outside, cluster,
+                                     ranges if kind is FrontendKind.LOAD_BALANCER else (), health)
+                    for kind, fe in kinds)]
+
+
+def chain_rules(plan: Plan, chain: str, table: str = "nat") -> list[str]:
+    """The rule bodies `plan` writes into `chain` of `table`."""
+    part = plan.text.split(f"*{table}\n", 1)[1].split("COMMIT", 1)[0]
+    return [line.split(" ", 2)[2] for line in part.splitlines() if line.startswith(f"-A {chain} ")]
+
+
+def targets(plan: Plan, chain: str, table: str = "nat") -> list[str]:
+    return [nf.target(body) or "" for body in chain_rules(plan, chain, table)]
+
+
+SP = web()[0]
+
+
+def test_external_frontends_lead_to_the_external_chain_which_masquerades_with_cluster_policy() -> None:
+    plan = full(state(*web(), node=NODE))
+    ext, svc = ext_chain(SP), svc_chain(SP)
+    assert ext == "KUBE-EXT-" + svc.removeprefix("KUBE-SVC-"), "upstream: one hash for every chain of a port"
+    assert chain_rules(plan, "KUBE-SERVICES") == [
+        f'-m comment --comment "ns3/web:http cluster IP" -m tcp -p tcp -d 10.96.0.30/32 --dport 80 -j {svc}',
+        f'-m comment --comment "ns3/web:http external IP" -m tcp -p tcp -d {EXTERNAL_IP}/32 --dport 80 -j {ext}',
+        f'-m comment --comment "ns3/web:http loadbalancer IP" -m tcp -p tcp -d {LB_IP}/32 --dport 80 -j {ext}',
+        # Last: only the node-port addresses the model chose.
+        *(f'-m comment --comment "kubernetes service nodeports; NOTE: this must be the last rule in this chain" '
+          f"-d {ip}/32 -j KUBE-NODEPORTS" for ip in NODE_IPS),
+    ]
+    # One rule per service port, whatever the number of node addresses.
+    assert chain_rules(plan, "KUBE-NODEPORTS") == [f'-m comment --comment "ns3/web:http" -m tcp -p tcp --dport 30080 '
+                                                   f"-j {ext}"]
+    assert chain_rules(plan, ext) == [
+        '-m comment --comment "masquerade traffic for ns3/web:http external destinations" -j KUBE-MARK-MASQ',
+        f"-j {svc}"]
+    assert svl_chain(SP) not in plan.text and "KUBE-FW-" not in plan.text
+    # Every frontend of the port shares one KUBE-SVC and its KUBE-SEPs, declared once.
+    assert sorted(declared(plan) - EVERY_SERVICES - {"KUBE-MARK-MASQ", "KUBE-POSTROUTING", "KUBE-FORWARD"}) == sorted(
+        {svc, ext, sep_chain(SP, A), sep_chain(SP, B)})
+    assert plan.applied["ns3/web"].chains == {svc, ext, sep_chain(SP, A), sep_chain(SP, B)}
+    assert not chain_rules(plan, "KUBE-EXTERNAL-SERVICES", "filter")
+
+
+@pytest.mark.parametrize("cidr", [None, "10.244.0.0/16"])
+def test_local_policy_short_circuits_pods_and_the_node_and_keeps_clients_on_local_endpoints(cidr: str | None) -> None:
+    # B is this node's, serving and terminating: not among the cluster-wide endpoints (A is ready elsewhere).
+    plan = full(state(*web([A], local=[B]), node=NODE), m=nf.MasqueradeSettings(cluster_cidr=cidr))
+    ext, svc, svl = ext_chain(SP), svc_chain(SP), svl_chain(SP)
+    pods = [f'-m comment --comment "pod traffic for ns3/web:http external destinations" -s {cidr} -j {svc}'] \
+        if cidr else []
+    assert chain_rules(plan, ext) == [
+        *pods,
+        '-m comment --comment "masquerade LOCAL traffic for ns3/web:http external destinations" '
+        "-m addrtype --src-type LOCAL -j KUBE-MARK-MASQ",
+        '-m comment --comment "route LOCAL traffic for ns3/web:http external destinations" '
+        f"-m addrtype --src-type LOCAL -j {svc}",
+        f"-j {svl}",
+    ]
+    assert targets(plan, svl) == [sep_chain(SP, B)]
+    assert targets(plan, svc) == [sep_chain(SP, A)]
+    assert chain_rules(plan, sep_chain(SP, B))[-1].endswith("-j DNAT --to-destination 10.180.0.2:80")
+    assert not chain_rules(plan, "KUBE-EXTERNAL-SERVICES", "filter")
+
+
+def test_local_policy_without_a_local_endpoint_drops_what_is_not_short_circuited() -> None:
+    plan = full(state(*web([A, B], local=[]), node=NODE))
+    ext = ext_chain(SP)
+    assert targets(plan, ext) == ["KUBE-MARK-MASQ", svc_chain(SP)]  # the node's own traffic only
+    assert svl_chain(SP) not in plan.text
+    # In filter, after DNAT: only flows no nat rule translated are still addressed to a frontend.
+    drops = chain_rules(plan, "KUBE-EXTERNAL-SERVICES", "filter")
+    assert [r.split("/32")[0].rsplit(" ", 1)[1] for r in drops] == [EXTERNAL_IP, LB_IP, *NODE_IPS]
+    assert all('"ns3/web:http has no local endpoints"' in r and r.endswith(" -j DROP") for r in drops), drops
+    assert "-j KUBE-NODEPORTS" in plan.text and ext in chain_rules(plan, "KUBE-NODEPORTS")[0]
+
+
+def test_external_frontends_without_endpoints_are_rejected_in_filter() -> None:
+    plan = full(state(*web([]), node=NODE))
+    assert chain_rules(plan, "KUBE-SERVICES", "filter") == [
+        '-m comment --comment "ns3/web:http has no endpoints" -m tcp -p tcp -d 10.96.0.30/32 --dport 80 '
+        "-j REJECT --reject-with tcp-reset"]
+    assert chain_rules(plan, "KUBE-EXTERNAL-SERVICES", "filter") == [
+        f'-m comment --comment "ns3/web:http has no endpoints" -m tcp -p tcp -d {ip}/32 --dport {port} '
+        "-j REJECT --reject-with tcp-reset"
+        for ip, port in [(EXTERNAL_IP, 80), (LB_IP, 80), *((ip, 30080) for ip in NODE_IPS)]]
+    assert not chain_rules(plan, "KUBE-NODEPORTS")
+    assert targets(plan, "KUBE-SERVICES") == ["KUBE-NODEPORTS"] * len(NODE_IPS)
+    assert plan.applied["ns3/web"].chains == frozenset()
+
+
+def test_source_ranges_lead_the_load_balancer_ip_through_the_firewall_chain() -> None:
+    plan = full(state(*web(ranges=("198.51.100.0/24", "10.0.0.5/32")), node=NODE))
+    fw, ext = fw_chain(SP), ext_chain(SP)
+    assert [t for t in targets(plan, "KUBE-SERVICES") if t.startswith(("KUBE-FW-", "KUBE-EXT-"))] == [ext, fw]
+    assert chain_rules(plan, fw) == [f'-m comment --comment "ns3/web:http loadbalancer IP" -s {r} -j {ext}'
+                                     for r in ("198.51.100.0/24", "10.0.0.5/32")]
+    # What KUBE-FW did not let on is still addressed to the load-balancer IP in filter: dropped. Not the other
+    # frontends (the NodePort bypasses the ranges, as upstream's).
+    assert chain_rules(plan, "KUBE-PROXY-FIREWALL", "filter") == [
+        f'-m comment --comment "ns3/web:http traffic not accepted by {fw}" -m tcp -p tcp -d {LB_IP}/32 --dport 80 '
+        "-j DROP"]
+    assert chain_rules(plan, "KUBE-NODEPORTS")[0].endswith(f"-j {ext}")
+
+
+def test_the_health_check_node_port_is_accepted_once_per_service() -> None:
+    plan = full(state(*web(local=[A], health=31000), node=NODE))
+    assert chain_rules(plan, "KUBE-NODEPORTS", "filter") == [
+        '-m comment --comment "ns3/web health check node port" -m tcp -p tcp --dport 31000 -j ACCEPT']
+    assert not chain_rules(full(state(*web(), node=NODE)), "KUBE-NODEPORTS", "filter")
+
+
+def test_partial_sync_rewrites_and_removes_the_external_chains_of_the_changed_service() -> None:
+    ranged = web(ranges=("198.51.100.0/24",))
+    before = full(state(*ranged, svc1(A), node=NODE))
+    assert {fw_chain(SP), ext_chain(SP)} <= before.applied["ns3/web"].chains
+
+    # Cluster -> Local, ranges gone: KUBE-SVL comes, KUBE-FW goes; svc1 is not touched.
+    plan = render(state(*web(local=[A]), svc1(A), node=NODE), {"ns3/web"}, before.applied, NO_MASQ)
+    assert deleted(plan) == [fw_chain(SP)]  # B stays: still a cluster-wide endpoint
+    assert {svl_chain(SP), ext_chain(SP), svc_chain(SP)} <= declared(plan)
+    assert svc_chain(svc1(A)) not in declared(plan) and declared(plan) >= EVERY_SERVICES
+    assert plan.text.index(f"-X {fw_chain(SP)}") > plan.text.index("-A KUBE-SERVICES")
+    assert "KUBE-PROXY-FIREWALL -m" not in plan.text and f"-j {fw_chain(SP)}" not in plan.text
+
+    # Local -> Cluster: KUBE-SVL goes.
+    local = render(state(*web(local=[A]), svc1(A), node=NODE), {"ns3/web"}, before.applied, NO_MASQ)
+    back = render(state(*web(), svc1(A), node=NODE), {"ns3/web"}, local.applied, NO_MASQ)
+    assert deleted(back) == [svl_chain(SP)]
+
+    # The Service goes: every chain of it, and its rules in the shared chains.
+    gone = render(state(svc1(A), node=NODE), {"ns3/web"}, before.applied, NO_MASQ)
+    assert set(deleted(gone)) == before.applied["ns3/web"].chains
+    assert not chain_rules(gone, "KUBE-NODEPORTS") and not chain_rules(gone, "KUBE-PROXY-FIREWALL", "filter")
+
+
+def test_full_sync_removes_stale_external_chains_and_keeps_the_fixed_ones() -> None:
+    stale = ["KUBE-EXT-AAAAAAAAAAAAAAAA", "KUBE-FW-AAAAAAAAAAAAAAAA", "KUBE-SVL-AAAAAAAAAAAAAAAA"]
+    saved = {"nat": nf.SavedTable({"PREROUTING": [], "KUBE-NODEPORTS": [], **{c: [] for c in stale}}),
+             "filter": nf.SavedTable({"INPUT": [], "KUBE-EXTERNAL-SERVICES": [], "KUBE-PROXY-FIREWALL": []})}
+    plan = full(state(*web(local=[A]), node=NODE), saved=saved)
+    assert deleted(plan) == stale
+    assert {ext_chain(SP), svl_chain(SP)} <= declared(plan)
+
+
+def test_udp_node_port_flows_are_flushed_per_node_address() -> None:
+    before = web([A, B], protocol=Protocol.UDP)
+    after = web([A], protocol=Protocol.UDP)
+    flushes = udp_flushes(tuple(before), tuple(after))
+    assert flushes == [ConntrackFlush(sp.frontend, B.ip) for sp in after]
+    assert {f.frontend.ip for f in flushes} == {"10.96.0.30", EXTERNAL_IP, LB_IP, *NODE_IPS}
+    # A first endpoint: the un-NATed flows of every frontend, NodePorts on each address included.
+    assert udp_flushes(tuple(web([], protocol=Protocol.UDP)), tuple(after)) == [
+        ConntrackFlush(sp.frontend, None) for sp in after]
+    plan = render(state(*after, node=NODE), {"ns3/web"}, full(state(*before, node=NODE)).applied, NO_MASQ)
+    assert plan.flushes == tuple(flushes)
+
+
+def test_cleanup_removes_the_external_chains_and_their_jumps() -> None:
+    plan = full(state(*web(local=[A], ranges=("198.51.100.0/24",), health=31000), svc2(), node=NODE))
+    saved = saved_from(plan)
+    edits, done = nf.removal_plan(saved, *IPTABLES_MODE)
+    removed = {(t, c) for t, e in edits.items() for c in e.removed}
+    assert {("nat", "KUBE-NODEPORTS"), ("filter", "KUBE-NODEPORTS"), ("filter", "KUBE-EXTERNAL-SERVICES"),
+            ("filter", "KUBE-PROXY-FIREWALL"), ("nat", ext_chain(SP)), ("nat", fw_chain(SP)),
+            ("nat", svl_chain(SP))} <= removed
+    left = {c for t, st in saved.items() for c in st.chains if (t, c) not in removed}
+    assert not [c for c in left if c.startswith("KUBE-")], left
+    # Every jump from a built-in chain the first sync inserted goes with them.
+    jumps = [line for line in done if line.split(" rule in ")[-1].split(":")[0] in nf.BUILTIN_CHAINS]
+    assert len(jumps) == len([line for line in plan.text.splitlines() if line.startswith("-I ")]), jumps

@@ -56,14 +56,15 @@ class IptablesDataplane:
             log.info("removed what the iptables mode left on the other backend: %s", line)
         kept = [c for c in nf.save(t, ("nat",))["nat"].chains if is_mode_chain("nat", c)]
         if kept:
-            log.info("kept %d KUBE-SVC/KUBE-SEP chains of the previous run until the first sync", len(kept))
+            log.info("kept %d KUBE-SVC/SEP/EXT/SVL/FW/NODEPORTS chains of the previous run until the first sync",
+                     len(kept))
         log.info("iptables mode on the %s backend (%s)", t.backend, t.restore)
 
     def stop(self) -> None:
         """Nothing to release: the rules stay, so traffic keeps flowing."""
 
     def chains(self) -> frozenset[nf.ChainRef]:
-        """The shared chains this mode writes (its KUBE-SVC/KUBE-SEP chains are no other mode's to remove)."""
+        """The shared chains this mode writes (its own chains, `is_mode_chain`, are no other mode's to remove)."""
         assert self.tools is not None, "start() first"
         return frozenset((self.tools.backend, table, chain) for table, chain in nf.SHARED_CHAINS)
 

@@ -1,46 +1,85 @@
 """From desired state to one iptables-restore input: pure, no kernel.
 
-The rules are upstream kube-proxy's (iptables mode, v1.20), so a node moving between kube-proxy and pyproxy
-sees the same chains under the same names:
+The rules are upstream kube-proxy's (iptables mode, v1.2x), so a node moving between kube-proxy and pyproxy
+sees the same chains under the same names. Per service port (`HASH` = upstream's hash of its name and protocol):
 
-    nat     PREROUTING, OUTPUT -> KUBE-SERVICES: per frontend, [mark for SNAT,] jump to KUBE-SVC-<hash>
-            KUBE-SVC-<hash>: [affinity: -m recent --rcheck per endpoint,] one endpoint at random
+    nat     PREROUTING, OUTPUT -> KUBE-SERVICES, per frontend:
+              ClusterIP: [mark for SNAT (--masquerade-all / --cluster-cidr),] -> KUBE-SVC-HASH
+              external IP -> KUBE-EXT-HASH; load-balancer IP -> KUBE-FW-HASH (loadBalancerSourceRanges) or KUBE-EXT
+              last: the node-port addresses -> KUBE-NODEPORTS: per nodePort -> KUBE-EXT-HASH
+            KUBE-SVC-HASH: [affinity: -m recent --rcheck per endpoint,] one endpoint at random
                 (`-m statistic --probability 1/(n-i)`, the last rule unconditional)
             KUBE-SEP-<hash>: hairpin (-s endpoint) -> KUBE-MARK-MASQ; [affinity: --set;] DNAT
+            KUBE-EXT-HASH: externalTrafficPolicy Cluster: mark for SNAT, -> KUBE-SVC. Local: pods (--cluster-cidr)
+                -> KUBE-SVC; the node's own traffic (`addrtype --src-type LOCAL`) marked, -> KUBE-SVC; the rest
+                -> KUBE-SVL-HASH (this node's endpoints), or on through untranslated when it has none
+            KUBE-FW-HASH: sources in the ranges -> KUBE-EXT; the rest goes on untranslated
             POSTROUTING -> KUBE-POSTROUTING: MASQUERADE what carries the mark
-    filter  INPUT, FORWARD, OUTPUT (new connections) -> KUBE-SERVICES: REJECT frontends without endpoints
-                (TCP with a reset where upstream sends ICMP port-unreachable: see `_reject_with`)
+    filter  INPUT, FORWARD, OUTPUT (new connections) -> KUBE-SERVICES: REJECT ClusterIPs without endpoints
+            INPUT, FORWARD (new connections) -> KUBE-EXTERNAL-SERVICES: REJECT the other frontends without
+                endpoints, DROP those of externalTrafficPolicy Local without one on this node
+            INPUT, FORWARD, OUTPUT (new connections) -> KUBE-PROXY-FIREWALL: DROP what is still addressed to a
+                load-balancer IP with source ranges (its KUBE-FW chain let it through untranslated)
+            INPUT -> KUBE-NODEPORTS: ACCEPT the healthCheckNodePorts
             FORWARD -> KUBE-FORWARD: accept what is marked for SNAT
+    (REJECT with a TCP reset where upstream sends ICMP port-unreachable: see `_reject_with`.)
+
+The drops are in filter, as upstream's, for two reasons: iptables refuses DROP in nat, and filter sees a flow
+after DNAT, so a rule matching the frontend's own address catches exactly the flows no nat rule translated
+(the short-circuited pod and node flows of a Local frontend are already DNATed and pass).
 
 `render()` returns a `Plan`: the restore text, the `Applied` state that holds once it ran, and the UDP
 conntrack entries to delete afterwards. A partial sync (`changed` = Service keys) rewrites only those
-Services' chains, plus both KUBE-SERVICES chains, which are rewritten whole every time (as upstream) so a
-frontend's position never depends on sync history. Chains of a Service that went, or of its endpoints that
-went, are flushed and deleted (`-X` at the end, after the rules that jumped to them are gone). A full sync
-(`changed=None`) also reconciles against what iptables-save shows: every KUBE-SVC-/KUBE-SEP- chain not
-wanted goes, and missing jumps from the built-in chains are inserted (never duplicated).
+Services' chains, plus the chains that hold every Service's rules (both KUBE-SERVICES, KUBE-NODEPORTS in nat
+and filter, KUBE-EXTERNAL-SERVICES, KUBE-PROXY-FIREWALL), which are rewritten whole every time (as upstream) so
+a frontend's position never depends on sync history. Chains of a Service that went, or of its endpoints or
+frontends that went, are flushed and deleted (`-X` at the end, after the rules that jumped to them are gone). A
+full sync (`changed=None`) also reconciles against what iptables-save shows: every per-service chain of ours
+(KUBE-SVC-, -SEP-, -EXT-, -FW-, -SVL-) not wanted goes, and missing jumps from the built-in chains are inserted
+(never duplicated).
 
 iptables-restore applies each table's part as one transaction, so a failed sync leaves the previous rules.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 from pyproxy.dataplane import netfilter as nf
 from pyproxy.model.objects import Protocol
-from pyproxy.model.state import Backend, DesiredState, Frontend, ServicePortState, rendered
+from pyproxy.model.state import Backend, DesiredState, Frontend, FrontendKind, ServicePortState, rendered
+
+MODE = "iptables"
 
 SVC_PREFIX = "KUBE-SVC-"
 SEP_PREFIX = "KUBE-SEP-"
+EXT_PREFIX = "KUBE-EXT-"
+FW_PREFIX = "KUBE-FW-"
+SVL_PREFIX = "KUBE-SVL-"
+SERVICE_PREFIXES = (SVC_PREFIX, SEP_PREFIX, EXT_PREFIX, FW_PREFIX, SVL_PREFIX)
+"""The per-service chains (all in nat): a partial sync writes and removes them per Service."""
+
+NODEPORTS_CHAIN = "KUBE-NODEPORTS"
+EXTERNAL_SERVICES_CHAIN = "KUBE-EXTERNAL-SERVICES"
+FIREWALL_CHAIN = "KUBE-PROXY-FIREWALL"
+FIXED_CHAINS = frozenset({("nat", NODEPORTS_CHAIN), ("filter", NODEPORTS_CHAIN), ("filter", EXTERNAL_SERVICES_CHAIN),
+                          ("filter", FIREWALL_CHAIN)})
+"""(table, chain): the chains only this mode makes that hold every Service's rules, rewritten whole each sync."""
 
 PORTALS = "kubernetes service portals"
 NEW_ONLY = ("-m", "conntrack", "--ctstate", "NEW")
-# Upstream's order: each is inserted at the top of its chain, so in FORWARD, KUBE-FORWARD ends up first.
+NODEPORTS_COMMENT = "kubernetes service nodeports; NOTE: this must be the last rule in this chain"
+# Upstream's order: each is inserted at the top of its chain, so in FORWARD, KUBE-PROXY-FIREWALL ends up first,
+# then KUBE-FORWARD.
 JUMPS = (
+    *(nf.Jump("filter", chain, EXTERNAL_SERVICES_CHAIN, "kubernetes externally-visible service portals", NEW_ONLY)
+      for chain in ("INPUT", "FORWARD")),
+    nf.Jump("filter", "INPUT", NODEPORTS_CHAIN, "kubernetes health check service ports"),
     *(nf.Jump("filter", chain, nf.SERVICES_CHAIN, PORTALS, NEW_ONLY) for chain in ("INPUT", "FORWARD", "OUTPUT")),
     *nf.MASQUERADE_JUMPS,
+    *(nf.Jump("filter", chain, FIREWALL_CHAIN, "kubernetes load balancer firewall", NEW_ONLY)
+      for chain in ("INPUT", "OUTPUT", "FORWARD")),
     nf.Jump("nat", "OUTPUT", nf.SERVICES_CHAIN, PORTALS),
     nf.Jump("nat", "PREROUTING", nf.SERVICES_CHAIN, PORTALS),
 )
@@ -51,7 +90,7 @@ class AppliedService:
     ports: tuple[ServicePortState, ...]
     """The frontends as last programmed (for conntrack: which endpoints left)."""
     chains: frozenset[str]
-    """The KUBE-SVC-/KUBE-SEP- chains in nat that belong to this Service."""
+    """The per-service chains (SERVICE_PREFIXES) in nat that belong to this Service."""
 
 
 Applied = Mapping[str, AppliedService]
@@ -90,9 +129,29 @@ def port_name(sp: ServicePortState) -> str:
     return nf.service_port_name(sp.service, sp.port_name)
 
 
+def _port_hash(sp: ServicePortState) -> str:
+    """Upstream's portProtoHash: of servicePortName + lowercase protocol, shared by the port's chains."""
+    return nf.chain_hash(port_name(sp) + _proto(sp.frontend))
+
+
 def svc_chain(sp: ServicePortState) -> str:
-    """Upstream's servicePortChainName: hash of servicePortName + lowercase protocol."""
-    return SVC_PREFIX + nf.chain_hash(port_name(sp) + _proto(sp.frontend))
+    """Upstream's servicePortPolicyClusterChain: every endpoint of the port."""
+    return SVC_PREFIX + _port_hash(sp)
+
+
+def ext_chain(sp: ServicePortState) -> str:
+    """Upstream's serviceExternalChainName: where the port's NodePorts, external and load-balancer IPs lead."""
+    return EXT_PREFIX + _port_hash(sp)
+
+
+def svl_chain(sp: ServicePortState) -> str:
+    """Upstream's servicePortPolicyLocalChainName: this node's endpoints (externalTrafficPolicy Local)."""
+    return SVL_PREFIX + _port_hash(sp)
+
+
+def fw_chain(sp: ServicePortState) -> str:
+    """Upstream's serviceFirewallChainName: loadBalancerSourceRanges."""
+    return FW_PREFIX + _port_hash(sp)
 
 
 def sep_chain(sp: ServicePortState, backend: Backend) -> str:
@@ -107,7 +166,7 @@ def probability(n: int) -> str:
 
 def is_mode_chain(table: str, chain: str) -> bool:
     """Chains only the iptables mode makes (for cleanup)."""
-    return table == "nat" and chain.startswith((SVC_PREFIX, SEP_PREFIX))
+    return (table == "nat" and chain.startswith(SERVICE_PREFIXES)) or (table, chain) in FIXED_CHAINS
 
 
 def is_mode_rule(table: str, chain: str, body: str) -> bool:
@@ -137,48 +196,155 @@ def _reject_with(sp: ServicePortState) -> str:
     return " --reject-with tcp-reset" if sp.frontend.protocol is Protocol.TCP else ""
 
 
-def services_rules(desired: DesiredState, m: nf.MasqueradeSettings) -> tuple[list[str], list[str]]:
-    """Bodies of nat KUBE-SERVICES and filter KUBE-SERVICES for every frontend, in a stable order."""
-    nat: list[str] = []
-    reject: list[str] = []
-    for key in sorted(desired.services):
-        for sp in rendered(desired.services[key]):
-            match = _match(sp.frontend)
+@dataclass
+class SharedRules:
+    """Bodies of the chains that hold every Service's rules, in a stable order."""
+
+    services: list[str] = field(default_factory=list)
+    """nat KUBE-SERVICES."""
+    nodeports: dict[str, str] = field(default_factory=dict)
+    """nat KUBE-NODEPORTS: one rule per service port (by its KUBE-EXT chain), whatever its node addresses."""
+    reject: list[str] = field(default_factory=list)
+    """filter KUBE-SERVICES."""
+    external: list[str] = field(default_factory=list)
+    """filter KUBE-EXTERNAL-SERVICES."""
+    firewall: list[str] = field(default_factory=list)
+    """filter KUBE-PROXY-FIREWALL."""
+    health: dict[int, str] = field(default_factory=dict)
+    """filter KUBE-NODEPORTS, by healthCheckNodePort."""
+
+    def add(self, sp: ServicePortState, m: nf.MasqueradeSettings) -> None:
+        name, match = port_name(sp), _match(sp.frontend)
+        if sp.health_check_node_port is not None:
+            self.health.setdefault(sp.health_check_node_port, f"{_comment(sp.service + ' health check node port')} "
+                                   f"-m tcp -p tcp --dport {sp.health_check_node_port} -j ACCEPT")
+        if sp.kind is FrontendKind.CLUSTER_IP:
             if not sp.backends:
-                reject.append(f"{_comment(port_name(sp) + ' has no endpoints')} {match} -j REJECT{_reject_with(sp)}")
-                continue
-            cluster_ip = f"{_comment(port_name(sp) + ' cluster IP')} {match}"
+                self.reject.append(f"{_comment(name + ' has no endpoints')} {match} -j REJECT{_reject_with(sp)}")
+                return
+            cluster_ip = f"{_comment(name + ' cluster IP')} {match}"
             masq = nf.mark_masq_rule(m, cluster_ip)
             if masq:
-                nat.append(masq)
-            nat.append(f"{cluster_ip} -j {svc_chain(sp)}")
-    return nat, reject
+                self.services.append(masq)
+            self.services.append(f"{cluster_ip} -j {svc_chain(sp)}")
+            return
+        if not sp.backends:
+            self.external.append(f"{_comment(name + ' has no endpoints')} {match} -j REJECT{_reject_with(sp)}")
+        elif not sp.external_backends:
+            # externalTrafficPolicy Local without an endpoint here: what KUBE-EXT did not short-circuit (pods,
+            # the node) is still addressed to the frontend; the client waits and its load balancer tries another
+            # node.
+            self.external.append(f"{_comment(name + ' has no local endpoints')} {match} -j DROP")
+        if sp.source_ranges:
+            self.firewall.append(f"{_comment(f'{name} traffic not accepted by {fw_chain(sp)}')} {match} -j DROP")
+        if not sp.backends:
+            return
+        if sp.kind is FrontendKind.NODE_PORT:
+            p = _proto(sp.frontend)
+            self.nodeports.setdefault(ext_chain(sp), f"{_comment(name)} -m {p} -p {p} --dport {sp.frontend.port} "
+                                                     f"-j {ext_chain(sp)}")
+        elif sp.kind is FrontendKind.EXTERNAL_IP:
+            self.services.append(f"{_comment(name + ' external IP')} {match} -j {ext_chain(sp)}")
+        else:
+            target = fw_chain(sp) if sp.source_ranges else ext_chain(sp)
+            self.services.append(f"{_comment(name + ' loadbalancer IP')} {match} -j {target}")
 
 
-def service_chains(sp: ServicePortState) -> list[nf.Chain]:
-    """KUBE-SVC and its KUBE-SEP chains for a frontend with endpoints."""
-    if not sp.backends:
-        return []
-    name = port_name(sp)
-    comment = _comment(name)
-    seps = [sep_chain(sp, b) for b in sp.backends]
-    svc: list[str] = []
+def shared_rules(desired: DesiredState, m: nf.MasqueradeSettings) -> SharedRules:
+    out = SharedRules()
+    for key in sorted(desired.services):
+        for sp in rendered(desired.services[key], mode=MODE):
+            out.add(sp, m)
+    # Last, as upstream: a node-port address's other ports (and a ClusterIP's) must not reach KUBE-NODEPORTS
+    # before their own rules. Only the addresses the model chose (--nodeport-addresses, never loopback), rather
+    # than upstream's `addrtype --dst-type LOCAL`, which would also take 127.0.0.1 (it needs route_localnet).
+    out.services += [f"{_comment(NODEPORTS_COMMENT)} -d {ip}/32 -j {NODEPORTS_CHAIN}"
+                     for ip in desired.node.nodeport_addresses]
+    return out
+
+
+def by_port(states: Iterable[ServicePortState]) -> list[list[ServicePortState]]:
+    """A Service's frontends grouped by service port (name and protocol: what its chains' hash covers), in order:
+    they share endpoints and policy, so one set of chains serves them all."""
+    ports: dict[tuple[str, Protocol], list[ServicePortState]] = {}
+    for sp in states:
+        ports.setdefault((sp.port_name, sp.frontend.protocol), []).append(sp)
+    return list(ports.values())
+
+
+def _choice(sp: ServicePortState, backends: Sequence[Backend], names: Mapping[Backend, str]) -> tuple[str, ...]:
+    """A policy chain's rules (KUBE-SVC, KUBE-SVL): affinity first, then one of `backends` at random; `names`
+    names their KUBE-SEP chains (hashing is most of a cold start's cost: once per endpoint)."""
+    comment = _comment(port_name(sp))
+    seps = [names[b] for b in backends]
+    rules: list[str] = []
     if sp.session_affinity_seconds:
-        svc += [f"{comment} -m recent --name {sep} --rcheck --seconds {sp.session_affinity_seconds} --reap -j {sep}"
-                for sep in seps]
+        rules += [f"{comment} -m recent --name {sep} --rcheck --seconds {sp.session_affinity_seconds} --reap -j {sep}"
+                  for sep in seps]
     n = len(seps)
     for i, sep in enumerate(seps):
         chance = f" -m statistic --mode random --probability {probability(n - i)}" if i < n - 1 else ""
-        svc.append(f"{comment}{chance} -j {sep}")
-    chains = [nf.Chain(svc_chain(sp), tuple(svc))]
+        rules.append(f"{comment}{chance} -j {sep}")
+    return tuple(rules)
+
+
+def _external_chains(sp: ServicePortState, m: nf.MasqueradeSettings, seps: Mapping[Backend, str]
+                     ) -> list[nf.Chain]:
+    """KUBE-EXT for the port's external frontends (`sp` is one of them: they share the policy), and KUBE-SVL for
+    externalTrafficPolicy Local."""
+    name, cluster = port_name(sp), svc_chain(sp)
+    if sp.masquerade:  # externalTrafficPolicy Cluster: replies from another node's endpoint must come back here
+        return [nf.Chain(ext_chain(sp), (
+            f"{_comment(f'masquerade traffic for {name} external destinations')} -j {nf.MARK_MASQ_CHAIN}",
+            f"-j {cluster}",
+        ))]
+    rules = []
+    if m.cluster_cidr:
+        # Upstream's "short circuit": pods reach every endpoint, keeping their address, as if they had gone out
+        # to the load balancer and come back in.
+        rules.append(f"{_comment(f'pod traffic for {name} external destinations')} -s {m.cluster_cidr} -j {cluster}")
+    # The node's own traffic: every endpoint, masqueraded (its source is a node address, maybe the VIP itself).
+    local = "-m addrtype --src-type LOCAL"
+    rules += [f"{_comment(f'masquerade LOCAL traffic for {name} external destinations')} {local} "
+              f"-j {nf.MARK_MASQ_CHAIN}",
+              f"{_comment(f'route LOCAL traffic for {name} external destinations')} {local} -j {cluster}"]
+    chains = []
+    if sp.external_backends:
+        rules.append(f"-j {svl_chain(sp)}")
+        chains.append(nf.Chain(svl_chain(sp), _choice(sp, sp.external_backends, seps)))
+    # Else the flow goes on untranslated, and filter KUBE-EXTERNAL-SERVICES drops it.
+    return [nf.Chain(ext_chain(sp), tuple(rules)), *chains]
+
+
+def port_chains(states: Sequence[ServicePortState], m: nf.MasqueradeSettings) -> list[nf.Chain]:
+    """The chains of one service port's frontends (`by_port`): none without endpoints (its frontends are
+    rejected in filter); else KUBE-SVC, a KUBE-SEP per endpoint, and with external frontends KUBE-EXT, for
+    Local KUBE-SVL, and with source ranges KUBE-FW."""
+    sp = states[0]
+    if not sp.backends:
+        return []
+    external = next((st for st in states if st.kind.external), None)
+    # With Local, this node's endpoints may be serving-and-terminating ones the cluster-wide choice leaves out.
+    endpoints = sorted(set(sp.backends) | set(external.external_backends if external else ()))
+    seps = {b: sep_chain(sp, b) for b in endpoints}
+    chains = [nf.Chain(svc_chain(sp), _choice(sp, sp.backends, seps))]
+    comment = _comment(port_name(sp))
     p = _proto(sp.frontend)
-    for b, sep in zip(sp.backends, seps, strict=True):
+    for b, sep in seps.items():
         affinity = f" -m recent --name {sep} --set" if sp.session_affinity_seconds else ""
         chains.append(nf.Chain(sep, (
-            # Hairpin: an endpoint reaching its own Service must see the reply come from the ClusterIP.
+            # Hairpin: an endpoint reaching its own Service must see the reply come from the Service's address.
             f"{comment} -s {b.ip}/32 -j {nf.MARK_MASQ_CHAIN}",
             f"{comment}{affinity} -m {p} -p {p} -j DNAT --to-destination {b}",
         )))
+    if external is None:
+        return chains
+    chains += _external_chains(external, m, seps)
+    ranges = next((st.source_ranges for st in states if st.source_ranges), ())
+    if ranges:
+        # Only sources in the ranges go on; the rest leaves untranslated, for filter KUBE-PROXY-FIREWALL to drop.
+        fw_comment = _comment(f"{port_name(sp)} loadbalancer IP")
+        chains.append(nf.Chain(fw_chain(sp), tuple(f"{fw_comment} -s {r} -j {ext_chain(sp)}" for r in ranges)))
     return chains
 
 
@@ -237,8 +403,8 @@ def render(desired: DesiredState, changed: Set[str] | None, applied: Applied, m:
     new_applied = dict(applied)
     flushes: list[ConntrackFlush] = []
     for key in sorted(keys):
-        ports = rendered(desired.services.get(key, ()))
-        chains = [c for sp in ports for c in service_chains(sp)]
+        ports = rendered(desired.services.get(key, ()), mode=MODE)
+        chains = [c for states in by_port(ports) for c in port_chains(states, m)]
         for chain in chains:
             out.write(out.nat, chain)
         names = frozenset(c.name for c in chains)
@@ -253,19 +419,24 @@ def render(desired: DesiredState, changed: Set[str] | None, applied: Applied, m:
         else:
             new_applied.pop(key, None)
 
-    nat_rules, reject_rules = services_rules(desired, m)
-    out.write(out.nat, nf.Chain(nf.SERVICES_CHAIN, tuple(nat_rules)))
-    out.write(out.filter, nf.Chain(nf.SERVICES_CHAIN, tuple(reject_rules)))
+    rules = shared_rules(desired, m)
+    out.write(out.nat, nf.Chain(nf.SERVICES_CHAIN, tuple(rules.services)))
+    out.write(out.nat, nf.Chain(NODEPORTS_CHAIN, tuple(rules.nodeports.values())))
+    out.write(out.filter, nf.Chain(nf.SERVICES_CHAIN, tuple(rules.reject)))
+    out.write(out.filter, nf.Chain(EXTERNAL_SERVICES_CHAIN, tuple(rules.external)))
+    out.write(out.filter, nf.Chain(FIREWALL_CHAIN, tuple(rules.firewall)))
+    out.write(out.filter, nf.Chain(NODEPORTS_CHAIN, tuple(rules.health[port] for port in sorted(rules.health))))
     if saved is not None:
         _reconcile(out, saved, new_applied, m)
     text = nf.restore_input({"nat": out.nat, "filter": out.filter})
-    rules = sum(1 for line in text.splitlines() if line.startswith(("-A ", "-I ")))
-    return Plan(text, new_applied, tuple(flushes), out.written, out.removed, rules)
+    count = sum(1 for line in text.splitlines() if line.startswith(("-A ", "-I ")))
+    return Plan(text, new_applied, tuple(flushes), out.written, out.removed, count)
 
 
 def _reconcile(out: _Builder, saved: Mapping[str, nf.SavedTable], applied: Applied,
                m: nf.MasqueradeSettings) -> None:
-    """Full sync only: the fixed chains, the jumps into them, and no chain of ours that is not wanted."""
+    """Full sync only: the fixed chains, the jumps into them, and no per-service chain of ours that is not
+    wanted."""
     mark_masq, postrouting = nf.masquerade_chains(m)
     out.write(out.nat, mark_masq)
     out.write(out.nat, postrouting)
@@ -276,5 +447,5 @@ def _reconcile(out: _Builder, saved: Mapping[str, nf.SavedTable], applied: Appli
     wanted = {c for svc in applied.values() for c in svc.chains}
     nat = saved.get("nat", nf.SavedTable())
     for chain in sorted(nat.chains):
-        if is_mode_chain("nat", chain) and chain not in wanted:
+        if chain.startswith(SERVICE_PREFIXES) and chain not in wanted:
             out.remove(chain)
