@@ -58,7 +58,7 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
     if (collector := getattr(dataplane, "collector", None)) is not None:
         metrics.registry.register(collector)  # the dataplane's own metrics (bpf: connection-tracking GC)
     health = ProxyHealth(settings.sync_period)
-    service_health = ServiceHealthServers(health)
+    service_health = ServiceHealthServers(health, on_nodeport_addresses=bool(settings.nodeport_addresses))
     node = node_name(settings)
     proxier = Proxier(
         dataplane,

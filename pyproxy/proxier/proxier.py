@@ -194,4 +194,5 @@ class Proxier:
         """Tell the healthCheckNodePort servers what the Services just applied now have."""
         if self.service_health is not None:
             services = self.desired.services
-            self.service_health.update({key: health_check(services.get(key, ())) for key in applied})
+            self.service_health.update({key: health_check(services.get(key, ())) for key in applied},
+                                       self.desired.node.nodeport_addresses)

@@ -121,6 +121,10 @@ class HttpServer:
         self._httpd.shutdown()
         self._httpd.server_close()
 
+    def close(self) -> None:
+        """Release the socket of a server never started (stop() would wait for a loop that never ran)."""
+        self._httpd.server_close()
+
 
 JSON = {"Content-Type": "application/json", "X-Content-Type-Options": "nosniff"}
 """Upstream's headers on every health answer."""

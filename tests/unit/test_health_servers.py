@@ -36,10 +36,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def get(port: int, path: str = "/") -> tuple[int, dict[str, str], str]:
+def get(port: int, path: str = "/", host: str = "127.0.0.1") -> tuple[int, dict[str, str], str]:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with opener.open(f"http://127.0.0.1:{port}{path}", timeout=2) as resp:
+        with opener.open(f"http://{host}:{port}{path}", timeout=2) as resp:
             return resp.status, dict(resp.headers), resp.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), e.read().decode()
@@ -186,5 +186,27 @@ def test_the_proxier_serves_each_services_health_check_from_the_desired_state() 
         p.set_service("default/lb", None)
         p.sync()
         assert hs.port("default/lb") is None
+    finally:
+        hs.stop()
+
+
+def test_with_nodeport_addresses_the_servers_listen_on_them_and_follow_them() -> None:
+    """Upstream binds the health check node ports to the --nodeport-addresses addresses when given (here two of
+    the loopback's), and moves with them."""
+    health = ProxyHealth(sync_period=30)
+    health.updated()
+    hs = ServiceHealthServers(health, on_nodeport_addresses=True)
+    port = free_port()
+    try:
+        hs.update({"default/web": HealthCheck(port, 1)}, ("127.0.0.2",))
+        assert get(port, host="127.0.0.2")[0] == 200
+        with pytest.raises(urllib.error.URLError):
+            get(port, host="127.0.0.1")
+        hs.update({}, ("127.0.0.1", "127.0.0.3"))  # the node's addresses changed: the servers move
+        assert get(port, host="127.0.0.1")[0] == get(port, host="127.0.0.3")[0] == 200
+        with pytest.raises(urllib.error.URLError):
+            get(port, host="127.0.0.2")
+        hs.update({}, ())
+        assert hs.port("default/web") is None, "no node-port address: no server, as upstream"
     finally:
         hs.stop()
