@@ -711,9 +711,11 @@ class Lab:
                 proc.wait(timeout=5)
 
     def probe(self, proto: str, ip: str, port: int, count: int = 20, *, timeout: float = 1.0,
-              deadline: float | None = None, interval: float = 0.0, ns: str | None = None) -> ProbeResult:
+              deadline: float | None = None, interval: float = 0.0, ns: str | None = None,
+              max_failures: int | None = None) -> ProbeResult:
         """Send `count` requests (a new TCP connection / UDP socket each) from the client (or `ns`) to
-        ip:port. Returns {"replies": {"b1:8080": n, ...}, "failures": k, "errors": {...}, ...}."""
+        ip:port, stopping after `max_failures` failed ones if given.
+        Returns {"replies": {"b1:8080": n, ...}, "failures": k, "errors": {...}, ...}."""
         if proto not in ("tcp", "udp"):
             raise ValueError("proto must be tcp or udp")
         if deadline is None:
@@ -721,6 +723,7 @@ class Lab:
         out = self.python(self.client if ns is None else ns, "-m", "pyproxy.lab.traffic", "probe",
                           f"--{proto}", ip, str(port), "--count", str(count), "--timeout", str(timeout),
                           "--deadline", str(deadline), "--interval", str(interval),
+                          *([] if max_failures is None else ["--max-failures", str(max_failures)]),
                           timeout=deadline + 15.0).stdout
         result: ProbeResult = json.loads(out)
         return result
