@@ -1,24 +1,22 @@
 """Issue 10's acceptance with real packets: the two-node flow table (tests/twonode.py) against every mode this
-kernel has, one lab and one pyproxy per mode. IPVS, which this kernel lacks, is for the qemu guest (tests/guest_ipvs)
-to run with the same `mismatches`.
+kernel has, one lab and one pyproxy per mode (about 10 s for a mode that passes, 30 s for one that does not). IPVS,
+which this kernel lacks, runs the same table in the qemu guest (tests/guest_ipvs, test_the_two_node_table_agrees).
 
-PENDING_MODES are the modes that do not do all of it yet (bpf: no SNAT, so no externalTrafficPolicy Cluster
-frontend and no hairpin; iptables: no external frontends), being added on other branches. Their runs are
-expected to fail (strict: a pending mode that passes fails the run, so it is taken off the list), and the
-failure lists which checks are left (`pytest --runxfail tests/e2e/test_twonode.py` shows it). Whoever merges the
-last of that work empties PENDING_MODES.
+twonode.PENDING_MODES are the runs that do not do all of it yet (bpf: no SNAT, so no externalTrafficPolicy Cluster
+frontend and no hairpin; iptables and ipvs: no external frontends), being added on other branches. They are expected to
+fail (strict: a pending run that passes fails, so it is taken off the list); `pytest --runxfail
+tests/e2e/test_twonode.py` shows which checks each still misses.
 """
 
 from __future__ import annotations
 
 import pytest
-from twonode import LOCAL_PODS, MANIFESTS, NODE_NAME, REMOTE_PODS, mismatches
+from twonode import LOCAL_PODS, MANIFESTS, NODE_NAME, PENDING_MODES, REMOTE_PODS, mismatches
 
 from pyproxy.lab.netns import NODE_CLIENT2_IFNAME
 
 pytestmark = pytest.mark.root
 
-PENDING_MODES = frozenset({"bpf", "bpf-xdp", "iptables-legacy", "iptables-nft"})
 # (id, --proxy-mode, more flags, XDP on the client-facing devices): bpf also with XDP, as the bpf e2e tests run it.
 MODES = [
     ("bpf", "bpf", [], False),
@@ -30,7 +28,7 @@ MODES = [
 
 
 def _param(name: str, mode: str, args: list[str], xdp: bool) -> object:
-    marks = [pytest.mark.xfail(strict=True, reason=f"{name} does not serve all of issue 10 yet (PENDING_MODES)")
+    marks = [pytest.mark.xfail(strict=True, reason=f"{name} does not serve all of issue 10 yet (twonode.PENDING_MODES)")
              ] if name in PENDING_MODES else []
     return pytest.param(mode, args, xdp, id=name, marks=marks)
 
