@@ -16,7 +16,7 @@ a slice may still say another `nodeName`, which is what externalTrafficPolicy Lo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,9 +108,13 @@ class FlowCase:
     expect: Outcome
     src: str = "client"
     """"client", a backend's name ("b1") for traffic from a pod of the cluster, or "node" for the node's own
-    processes (in the node's namespace and the lab's cgroup, where bpf mode's socket hooks act)."""
+    processes (in the node's namespace and the lab's cgroup, where bpf mode's socket hooks act); any role of
+    the lab (`Lab.probe`'s `ns`: "client2", "r1", ...)."""
     by_mode: Mapping[str, Outcome] = field(default_factory=dict)
     """Deliberate per-mode differences from `expect` (the reason is in the case's comment)."""
+    sees: str | None = None
+    """The source address every answering endpoint must have seen: "source", the sender's own (not SNATed);
+    "node", one of the node's addresses (SNATed, masqueraded); None: not checked."""
 
     def expected(self, mode: str) -> Outcome:
         return self.by_mode.get(mode, self.expect)
@@ -212,20 +216,41 @@ def matches(expected: Outcome, seen: Outcome) -> bool:
     return seen == expected
 
 
-def mismatches(lab: Any, mode: str) -> list[str]:
-    """Run every case with real flows in `lab` (a started pyproxy.lab.Lab whose node runs pyproxy in `mode`
-    on MANIFESTS); one line per case whose outcome differs from what `mode` must do."""
-    wrong = []
-    for case in CASES:
+def results(lab: Any, mode: str, cases: Sequence[FlowCase] = CASES) -> list[tuple[FlowCase, str | None]]:
+    """Run `cases` with real flows in `lab` (a started pyproxy.lab.Lab whose node runs pyproxy in `mode` on the
+    cases' manifests): each case with None when it did what `mode` must, else what was wrong."""
+    addresses: dict[str, set[str]] = {}
+
+    def sources(role: str) -> set[str]:
+        if role not in addresses:
+            addresses[role] = lab.addresses(role)
+        return addresses[role]
+
+    done: list[tuple[FlowCase, str | None]] = []
+    for case in cases:
         expected = case.expected(mode)
-        pods = {b.name: b.ns for b in lab.backends}
-        ns = None if case.src == "client" else lab.node if case.src == "node" else pods[case.src]
         positive = expected.kind in ("backends", "sticky")
-        # Enough flows that a missing backend or a broken affinity shows; few where nothing should answer.
+        # Enough flows that a missing backend or a broken affinity shows; few where nothing should answer. A case
+        # that must answer every flow stops after a few failures: a mode that cannot serve it is told as surely,
+        # without waiting out a timeout per flow. Refused means refused within the 0.5 s a flow gets: at once.
         result = lab.probe(case.proto, case.dst, case.port, 30 if positive else 4, timeout=1.0 if positive else 0.5,
-                           ns=ns)
+                           ns=case.src, max_failures=3 if positive else None)
         seen = outcome_of(result)
+        problem = None
         if not matches(expected, seen):
-            wrong.append(f"{case.name} ({case.src} -> {case.proto} {case.dst}:{case.port}): "
-                         f"expected {expected}, saw {seen}")
-    return wrong
+            problem = f"expected {expected}, saw {seen}"
+        elif positive and case.sees is not None:
+            allowed = sources(case.src if case.sees == "source" else "node")
+            if not set(result["seen_from"]) <= allowed:
+                problem = f"endpoints saw {result['seen_from']}, expected the {case.sees}'s {sorted(allowed)}"
+        done.append((case, problem))
+    return done
+
+
+def describe_case(case: FlowCase) -> str:
+    return f"{case.name} ({case.src} -> {case.proto} {case.dst}:{case.port})"
+
+
+def mismatches(lab: Any, mode: str, cases: Sequence[FlowCase] = CASES) -> list[str]:
+    """`results` of the cases that went wrong, one line each."""
+    return [f"{describe_case(case)}: {problem}" for case, problem in results(lab, mode, cases) if problem]

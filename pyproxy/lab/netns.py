@@ -11,6 +11,21 @@ the client does (a path with a smaller MTU on the way, where a router answers "f
 
 `router_mtu` sets the MTU of both ends of the node-router link.
 
+With `remote_backends=N` a second node joins (as an operator builds a two-node lab: node 1 runs pyproxy, pods on
+both nodes, node 2 with no route back to the external network), and with `second_client=True` a second client
+outside the cluster, on a subnet of its own (for loadBalancerSourceRanges that hold one client and not the other):
+
+    client2 10.200.1.2 --eth0/to-client2-- node
+    node --to-node2/eth0-- node2 10.197.0.2 --to-rJ/eth0-- remote pod J 10.202.J.2   (J = 1..N)
+
+node2 forwards, and its ONLY routes are its connected links and 10.201.0.0/16 (node 1's pods) via the node: a
+reply to a client outside the cluster that was not SNATed to a node address dies there, as it would on a real
+second node. The node routes 10.202.0.0/16 via node2, and its default route goes via node2 too, the node network
+being where a real node's default route leads: the node's own traffic then leaves from 10.197.0.1, an address
+node2 reaches, and what the node forwards untranslated dies at node2. (So a two-node lab has no uplink namespace;
+`distro=True` still sets its rp_filter and INVALID drop.) Remote pods are named rJ; their slices name
+REMOTE_NODE_NAME.
+
 The node routes (ip_forward=1 in the node namespace only; it is per netns); the client and every backend have
 their default route via the node, so traffic to a ClusterIP goes client -> node -> backend and back. The
 addressing is deterministic (backend I is always 10.201.I.2) so shipped demo manifests can name backends; the
@@ -61,6 +76,14 @@ MARKER_DIR = RUN_DIR / "labs"
 
 CLIENT_IP = "10.200.0.2"
 NODE_CLIENT_IP = "10.200.0.1"
+CLIENT2_IP = "10.200.1.2"
+NODE_CLIENT2_IP = "10.200.1.1"
+NODE_CLIENT2_IFNAME = "to-client2"
+NODE2_IP = "10.197.0.2"
+NODE_NODE2_IP = "10.197.0.1"
+NODE_NODE2_IFNAME = "to-node2"
+REMOTE_NODE_NAME = "lab-node-2"
+"""The second node's name, for the nodeName of its pods' endpoints (the lab does not run pyproxy there)."""
 UPLINK_IP = "10.199.0.2"
 NODE_UPLINK_IP = "10.199.0.1"
 NODE_CLIENT_IFNAME = "to-client"
@@ -102,6 +125,11 @@ class Backend:
 def backend_ip(index: int) -> str:
     """Backend `index`'s address; fixed, so manifests written ahead of time match the lab."""
     return f"10.201.{index}.2"
+
+
+def remote_backend_ip(index: int) -> str:
+    """Remote pod `index`'s address (behind node2); fixed like backend_ip()."""
+    return f"10.202.{index}.2"
 
 
 # ------------------------------------------------------------------------------------------------- commands
@@ -278,9 +306,12 @@ class Lab:
 
     def __init__(self, backends: int = 3, *, prefix: str = "pyp", distro: bool = False,
                  csum_offload: bool = False, rp_filter: int = 1, router: str | None = None,
-                 router_mtu: int | None = None) -> None:
-        if not 0 <= backends <= MAX_BACKENDS:
-            raise ValueError(f"backends must be 0..{MAX_BACKENDS}")
+                 router_mtu: int | None = None, remote_backends: int = 0, second_client: bool = False) -> None:
+        if not 0 <= backends <= MAX_BACKENDS or not 0 <= remote_backends <= MAX_BACKENDS:
+            raise ValueError(f"backends and remote_backends must be 0..{MAX_BACKENDS}")
+        if router is not None and (remote_backends or second_client):
+            # Both would need their own routes through the router: not built, so refused rather than half-wired.
+            raise ValueError("a router does not combine with remote_backends or second_client")
         if rp_filter not in (0, 1, 2):
             raise ValueError("rp_filter must be 0, 1 or 2")
         if router is not None and router not in ROUTER_SIDES:
@@ -295,8 +326,11 @@ class Lab:
         self.csum_offload = csum_offload
         self.rp_filter = rp_filter
         self._initial_backends = backends
+        self._initial_remote = remote_backends
+        self.second_client = second_client
         self.id = ""
         self._backends: list[Backend] = []
+        self._remote: list[Backend] = []
         self._namespaces: list[str] = []
         self._procs: list[subprocess.Popen[Any]] = []
         self._servers: dict[str, subprocess.Popen[bytes]] = {}
@@ -321,7 +355,17 @@ class Lab:
 
     @property
     def uplink(self) -> str | None:
-        return self._ns("uplink") if self.distro else None
+        return self._ns("uplink") if self.distro and not self._initial_remote else None
+
+    @property
+    def node2(self) -> str | None:
+        """The second node's namespace (remote_backends > 0), else None."""
+        return self._ns("node2") if self._initial_remote else None
+
+    @property
+    def client2(self) -> str | None:
+        """The second client's namespace (second_client=True), else None."""
+        return self._ns("client2") if self.second_client else None
 
     @property
     def router(self) -> str | None:
@@ -329,7 +373,13 @@ class Lab:
 
     @property
     def backends(self) -> list[Backend]:
+        """The pods of the node (the one running pyproxy)."""
         return list(self._backends)
+
+    @property
+    def remote_backends(self) -> list[Backend]:
+        """The pods behind node2 (`node_ip`/`node_ifname` are node2's address and interface on their link)."""
+        return list(self._remote)
 
     @property
     def namespaces(self) -> list[str]:
@@ -350,7 +400,9 @@ class Lab:
         backend_side = ([NODE_ROUTER_IFNAME] if self.router_side == "backends"
                         else [b.node_ifname for b in self._backends])
         names = [self.node_client_ifname] + backend_side
-        return (names + [NODE_UPLINK_IFNAME]) if self.distro else names
+        names += [NODE_CLIENT2_IFNAME] if self.second_client else []
+        names += [NODE_NODE2_IFNAME] if self.node2 else []
+        return (names + [NODE_UPLINK_IFNAME]) if self.uplink else names
 
     @property
     def pin_path(self) -> str:
@@ -427,10 +479,11 @@ class Lab:
         run(["ip", "-n", ns, "link", "set", "lo", "up"])
         return ns
 
-    def _link(self, node_ifname: str, peer_ns: str, node_cidr: str, peer_cidr: str, gateway: str, *,
+    def _link(self, node_ifname: str, peer_ns: str, node_cidr: str, peer_cidr: str, gateway: str | None, *,
               upstream: str | None = None, mtu: int | None = None) -> None:
-        """A veth pair node:node_ifname <-> peer_ns:eth0, addressed and up; the peer routes via the node.
-        `upstream` puts the first end in that namespace (a router) instead of the node; `mtu` sets both ends'."""
+        """A veth pair node:node_ifname <-> peer_ns:eth0, addressed and up; the peer's default route goes via
+        `gateway` (None: no default route). `upstream` puts the first end in that namespace (a router, node2)
+        instead of the node; `mtu` sets both ends'."""
         up = self.node if upstream is None else upstream
         if len(node_ifname) > IFNAMSIZ:
             raise LabError(f"interface name too long: {node_ifname}")
@@ -450,7 +503,8 @@ class Lab:
             self.exec(peer_ns, "ethtool", "-K", PEER_IFNAME, "tx", "off")
         run(["ip", "-n", up, "link", "set", node_ifname, "up"])
         run(["ip", "-n", peer_ns, "link", "set", PEER_IFNAME, "up"])
-        run(["ip", "-n", peer_ns, "route", "add", "default", "via", gateway])
+        if gateway is not None:
+            run(["ip", "-n", peer_ns, "route", "add", "default", "via", gateway])
 
     def _build(self) -> None:
         self._add_ns("node")
@@ -473,7 +527,10 @@ class Lab:
         self._add_ns("client")
         self._link(NODE_CLIENT_IFNAME, self.client, f"{NODE_CLIENT_IP}/24", f"{CLIENT_IP}/24", NODE_CLIENT_IP,
                    upstream=self.router if self.router_side == "client" else None)
-        if self.distro:
+        if self.second_client:
+            self._link(NODE_CLIENT2_IFNAME, self._add_ns("client2"), f"{NODE_CLIENT2_IP}/24", f"{CLIENT2_IP}/24",
+                       NODE_CLIENT2_IP)
+        if self.uplink:
             uplink = self._add_ns("uplink")
             self._link(NODE_UPLINK_IFNAME, uplink, f"{NODE_UPLINK_IP}/24", f"{UPLINK_IP}/24", NODE_UPLINK_IP)
             # The node's default route leaves through the uplink, as a real node's does: traffic the dataplane
@@ -481,6 +538,24 @@ class Lab:
             run(["ip", "-n", self.node, "route", "add", "default", "via", UPLINK_IP])
         for _ in range(self._initial_backends):
             self._add_backend()
+        if self.node2:
+            self._build_node2()
+
+    def _build_node2(self) -> None:
+        node2 = self._add_ns("node2")
+        self.sysctl(node2, {"net.ipv4.ip_forward": 1})
+        # No default route on node2: whatever it must send to an address it has no route for dies there.
+        self._link(NODE_NODE2_IFNAME, node2, f"{NODE_NODE2_IP}/24", f"{NODE2_IP}/24", None)
+        run(["ip", "-n", node2, "route", "add", "10.201.0.0/16", "via", NODE_NODE2_IP])
+        run(["ip", "-n", self.node, "route", "add", "10.202.0.0/16", "via", NODE2_IP])
+        # The node network is where the node's default route leads (see the module's docstring).
+        run(["ip", "-n", self.node, "route", "add", "default", "via", NODE2_IP])
+        for index in range(1, self._initial_remote + 1):
+            name = f"r{index}"
+            pod = Backend(index=index, name=name, ns=self._add_ns(name), ip=remote_backend_ip(index),
+                          node_ip=f"10.202.{index}.1", node_ifname=f"to-{name}")
+            self._link(pod.node_ifname, pod.ns, f"{pod.node_ip}/24", f"{pod.ip}/24", pod.node_ip, upstream=node2)
+            self._remote.append(pod)
 
     def _add_backend(self) -> Backend:
         index = len(self._backends) + 1
@@ -590,12 +665,13 @@ class Lab:
 
     def start_servers(self, tcp: Iterable[int] = (), udp: Iterable[int] = (),
                       backends: Iterable[Backend] | None = None, timeout: float = 10.0) -> None:
-        """Run the traffic server in each backend (all by default) on these ports; returns once all listen.
+        """Run the traffic server in each backend (all by default, remote pods too) on these ports; returns once
+        all listen.
 
         Backends added later with add_backend() get the same servers."""
         tcp_ports, udp_ports = tuple(tcp), tuple(udp)
         self._server_ports = (tcp_ports, udp_ports)
-        targets = list(self._backends if backends is None else backends)
+        targets = list(self._backends + self._remote if backends is None else backends)
         started = []
         for b in targets:
             if b.name in self._servers:
@@ -621,7 +697,7 @@ class Lab:
                 raise LabError(f"server in {b.name} did not start (rc={proc.returncode}): {err[-2000:]}")
 
     def stop_servers(self, backends: Iterable[Backend] | None = None) -> None:
-        names = [b.name for b in (self._backends if backends is None else backends)]
+        names = [b.name for b in (self._backends + self._remote if backends is None else backends)]
         for name in names:
             proc = self._servers.pop(name, None)
             if proc is None:
@@ -635,9 +711,11 @@ class Lab:
                 proc.wait(timeout=5)
 
     def probe(self, proto: str, ip: str, port: int, count: int = 20, *, timeout: float = 1.0,
-              deadline: float | None = None, interval: float = 0.0, ns: str | None = None) -> ProbeResult:
+              deadline: float | None = None, interval: float = 0.0, ns: str | None = None,
+              max_failures: int | None = None) -> ProbeResult:
         """Send `count` requests (a new TCP connection / UDP socket each) from the client (or `ns`) to
-        ip:port. Returns {"replies": {"b1:8080": n, ...}, "failures": k, "errors": {...}, ...}."""
+        ip:port, stopping after `max_failures` failed ones if given.
+        Returns {"replies": {"b1:8080": n, ...}, "failures": k, "errors": {...}, ...}."""
         if proto not in ("tcp", "udp"):
             raise ValueError("proto must be tcp or udp")
         if deadline is None:
@@ -645,6 +723,7 @@ class Lab:
         out = self.python(self.client if ns is None else ns, "-m", "pyproxy.lab.traffic", "probe",
                           f"--{proto}", ip, str(port), "--count", str(count), "--timeout", str(timeout),
                           "--deadline", str(deadline), "--interval", str(interval),
+                          *([] if max_failures is None else ["--max-failures", str(max_failures)]),
                           timeout=deadline + 15.0).stdout
         result: ProbeResult = json.loads(out)
         return result
@@ -662,16 +741,22 @@ class Lab:
     # ---- observation
 
     def checksum_errors(self, namespaces: Iterable[str] | None = None) -> dict[str, dict[str, int]]:
-        """Checksum error counters per namespace, {role: {TcpInCsumErrors: n, ...}}, of the client, the
-        backends, the node (and the router), read from /proc/net/snmp and /proc/net/netstat inside each."""
-        routers = [self.router] if self.router else []
+        """Checksum error counters per namespace, {role: {TcpInCsumErrors: n, ...}}, of the clients, the
+        backends, the node (and the router, node2 and its pods), read from /proc/net/snmp and /proc/net/netstat
+        inside each."""
+        extra = [ns for ns in (self.router, self.client2, self.node2) if ns]
         targets = (list(namespaces) if namespaces is not None
-                   else [self.client, *(b.ns for b in self._backends), self.node, *routers])
+                   else [self.client, *(b.ns for b in self._backends + self._remote), self.node, *extra])
         result = {}
         for ns in targets:
             counters = self.net_counters(ns)
             result[self._role(self._resolve(ns))] = {k: counters.get(k, 0) for k in CHECKSUM_COUNTERS}
         return result
+
+    def addresses(self, ns: str) -> set[str]:
+        """The IPv4 addresses of `ns` (a role or a full name), except loopback's, as the kernel lists them."""
+        links = json.loads(self.exec(ns, "ip", "-j", "-4", "addr", "show").stdout or "[]")
+        return {a["local"] for link in links if link.get("ifname") != "lo" for a in link.get("addr_info", [])}
 
     def net_counters(self, ns: str) -> dict[str, int]:
         """Every counter of /proc/net/snmp and /proc/net/netstat inside `ns`, named as nstat names them

@@ -191,7 +191,9 @@ def _udp_request(ip: str, port: int, timeout: float) -> bytes:
 
 
 def probe(proto: str, ip: str, port: int, count: int, timeout: float = 1.0, deadline: float = 60.0,
-          interval: float = 0.0) -> ProbeResult:
+          interval: float = 0.0, max_failures: int | None = None) -> ProbeResult:
+    """`count` requests; with `max_failures`, the run stops once that many failed (a caller that must see every
+    flow answered need not wait out the timeouts of all the others: what was seen so far is returned)."""
     request = _tcp_request if proto == "tcp" else _udp_request
     replies: Counter[str] = Counter()
     errors: Counter[str] = Counter()
@@ -211,6 +213,8 @@ def probe(proto: str, ip: str, port: int, count: int, timeout: float = 1.0, dead
             else:
                 replies[parsed[0]] += 1
                 seen_from[parsed[1]] += 1
+        if max_failures is not None and sum(errors.values()) >= max_failures:
+            break
         if interval:
             time.sleep(interval)
     return ProbeResult(replies=dict(sorted(replies.items())), failures=sum(errors.values()),
@@ -279,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_probe.add_argument("--timeout", type=float, default=1.0, help="seconds per request")
     p_probe.add_argument("--deadline", type=float, default=60.0, help="seconds for the whole run")
     p_probe.add_argument("--interval", type=float, default=0.0, help="seconds between requests")
+    p_probe.add_argument("--max-failures", type=int, default=None, help="stop once this many requests failed")
 
     p_http = sub.add_parser("http", help="GET a URL, print JSON {status, body, error, elapsed}")
     p_http.add_argument("url")
@@ -294,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return serve(args.name, args.tcp, args.udp, args.bind, args.exit_on_stdin_eof)
         if args.cmd == "probe":
             print(json.dumps(probe(args.proto, args.ip, args.port, args.count, args.timeout, args.deadline,
-                                   args.interval)))
+                                   args.interval, args.max_failures)))
             return 0
         if args.wait and args.expect is not None:
             result = wait_http(args.url, args.expect, args.wait, args.timeout)

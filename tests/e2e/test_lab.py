@@ -196,6 +196,34 @@ def test_distro_node(rp_filter: int) -> None:
 
 
 @pytest.mark.root
+def test_two_node_lab_pods_behind_node2_and_no_way_back_to_the_client() -> None:
+    """What the two-node acceptance relies on: node 1 and its pods reach node 2's pods (and are reached back),
+    the client outside the cluster does not (node2 has no route to it: only SNAT to a node address can make
+    a remote endpoint answer it), and a second client on its own subnet is routed like the first."""
+    with Lab(1, remote_backends=2, second_client=True, distro=True) as lab:
+        assert lab.uplink is None and lab.node2 is not None and lab.client2 is not None
+        assert [(r.name, r.ip) for r in lab.remote_backends] == [("r1", "10.202.1.2"), ("r2", "10.202.2.2")]
+        assert {"to-client2", "to-node2"} <= set(lab.node_ifnames) and "to-uplink" not in lab.node_ifnames
+        routes = lab.exec(lab.node2, "ip", "-4", "route").stdout
+        assert "default" not in routes and "10.200." not in routes, routes
+        lab.start_servers(tcp=[8080], udp=[5353])
+        for r in lab.remote_backends:
+            for src in ("node", "b1"):
+                result = lab.probe("tcp", r.ip, 8080, 3, ns=src)
+                assert result["replies"] == {f"{r.name}:8080": 3}, describe(result)
+            # The node's own traffic leaves from its node-network address, which node2 reaches.
+            assert lab.probe("udp", r.ip, 5353, 3, ns="node")["seen_from"] == {"10.197.0.1": 3}
+            lost = lab.probe("tcp", r.ip, 8080, 2, timeout=0.5)
+            assert not lost["replies"] and set(lost["errors"]) == {"timeout"}, describe(lost)
+        assert lab.probe("tcp", "10.201.1.2", 8080, 3, ns="client2")["seen_from"] == {"10.200.1.2": 3}
+        assert not nonzero_checksum_errors(lab.checksum_errors())
+        assert {"client2", "node2", "r1", "r2"} <= set(lab.checksum_errors())
+        namespaces, pids = lab.namespaces, _pids(lab.namespaces)
+        assert len(namespaces) == 7 and pids
+    _assert_gone(lab.id, namespaces, pids)
+
+
+@pytest.mark.root
 def test_http_helper_waits_for_a_server() -> None:
     with Lab(0) as lab:
         url = "http://127.0.0.1:18080/"
