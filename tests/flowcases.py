@@ -145,7 +145,7 @@ CASES = (
 # frontends with externalTrafficPolicy Local, which need no SNAT). What a client sees of a
 # frontend such a mode does not render: an external or load-balancer IP is routed on, untranslated, and nothing
 # answers; a NodePort reaches the node's own stack, where nothing listens on it, which refuses the flow.
-_CLUSTER_IP_ONLY = ("bpf", "iptables", "ipvs")
+_CLUSTER_IP_ONLY = ("bpf", "iptables")
 
 
 def _not_rendered_yet(outcome: Outcome, modes: tuple[str, ...] = _CLUSTER_IP_ONLY) -> dict[str, Outcome]:
@@ -169,11 +169,11 @@ EXTERNAL_CASES = (
              answered_by("b1:5353", "b2:5353"), by_mode=_not_rendered_yet(REFUSED)),
     # externalTrafficPolicy Local: only this node's endpoints serve clients from outside the cluster.
     FlowCase("externalTrafficPolicy Local: only this node's endpoint", "tcp", NODE_IP, 30082, answered_by("b1:8080"),
-             by_mode=_not_rendered_yet(REFUSED, ("iptables", "ipvs"))),
+             by_mode=_not_rendered_yet(REFUSED, ("iptables",))),
     # ... and with none on this node while the cluster has some, the flow is dropped (the client's load balancer
     # tries another node), as upstream's DROP; the same Service's ClusterIP still answers.
     FlowCase("externalTrafficPolicy Local, no endpoint on this node: no answer", "tcp", NODE_IP, 30083, NO_ANSWER,
-             by_mode=_not_rendered_yet(REFUSED, ("iptables", "ipvs"))),
+             by_mode=_not_rendered_yet(REFUSED, ("iptables",))),
     FlowCase("externalTrafficPolicy Local, no endpoint on this node: the ClusterIP answers", "tcp", "10.96.20.13", 80,
              answered_by("b1:8080", "b2:8080")),
     # Refused in every mode: by the rules, or by the node's stack where a mode does not render NodePorts yet.
@@ -183,7 +183,10 @@ EXTERNAL_CASES = (
     FlowCase("from the node itself to a NodePort", "tcp", NODE_IP, 30080, answered_by("b1:8080", "b2:8080"),
              src="node", by_mode=_not_rendered_yet(REFUSED)),
     # bpf mode's socket hooks serve a node process from the frontend's own endpoints, this node's for Local: no
-    # short circuit to every endpoint yet, so none here refuses the connect().
+    # short circuit to every endpoint yet, so none here refuses the connect(). ipvs mode gets every endpoint here
+    # as upstream's IPVS proxier (PR 97081): one virtual server serves all sources, its real servers are every
+    # endpoint while this node has none, and only sources from outside the cluster are dropped (a filter rule);
+    # with a local endpoint, that one virtual server serves the node and pods this node's endpoints only.
     FlowCase("from the node, externalTrafficPolicy Local without a local endpoint: every endpoint", "tcp", NODE_IP,
              30083, answered_by("b1:8080", "b2:8080"), src="node", by_mode=_not_rendered_yet(REFUSED)),
 )

@@ -118,7 +118,7 @@ def _bpf_serves(sp: ServicePortState) -> bool:
     return sp.kind is FrontendKind.CLUSTER_IP or not sp.masquerade
 
 
-SERVES: Mapping[str, Serves] = {"nftables": lambda sp: True, "bpf": _bpf_serves}
+SERVES: Mapping[str, Serves] = {"nftables": lambda sp: True, "ipvs": lambda sp: True, "bpf": _bpf_serves}
 """What the modes that render more than RENDERED_KINDS render: the one place that says it (renderers filter with
 `rendered`, the log names what is left out with `DesiredState.notices`)."""
 
