@@ -74,7 +74,8 @@ def plans(syncs: Sequence[Sync]) -> list[tuple[Op, ...]]:
         full = changed is None
         keys = set(desired.services) | set(memory.owners.values()) if changed is None else changed
         plan = ipvs_render.render(kernel.observed(), memory, {k: desired.services.get(k, ()) for k in keys},
-                                  full=full, options=ipvs_render.Options(), now=0.0)
+                                  full=full, options=ipvs_render.Options(), now=0.0,
+                                  node_addresses=desired.node.nodeport_addresses)
         for op in plan.ops:
             kernel.run(op)
         memory = plan.memory

@@ -81,6 +81,8 @@ class KernelModel:
     """Members of each set (an untouched set: none)."""
     conns: dict[tuple[VSKey, Backend], int] = field(default_factory=dict)
     """Active connections per real server, as a test sets them."""
+    node: tuple[str, ...] = NODE_IPS
+    """The node's addresses as the last sync was told them."""
 
     def observed(self) -> Observed:
         virtuals = {k: Virtual(s, t, {b: Real(w, self.conns.get((k, b), 0)) for b, w in reals.items()})
@@ -114,7 +116,7 @@ class KernelModel:
     def check(self) -> None:
         """What must hold between any two operations."""
         for ip in self.addresses:
-            assert ip not in NODE_IPS, f"node address {ip} bound to kube-ipvs0"
+            assert ip not in self.node, f"node address {ip} bound to kube-ipvs0"
             served = [k for k in self.virtuals if k[0] == ip]
             assert served, f"{ip} is local but no virtual server serves it"
             for k in served:
@@ -122,9 +124,10 @@ class KernelModel:
                 assert listed, f"{k} local but not accepted"
 
     def sync(self, memory: Memory, desired: Mapping[str, Iterable[ServicePortState]], *, full: bool = True,
-             options: Options | None = None, now: float = 0.0) -> Plan:
+             options: Options | None = None, now: float = 0.0, node: Iterable[str] = NODE_IPS) -> Plan:
         before = self.observed()
-        plan = render(before, memory, desired, full=full, options=options or Options(), now=now)
+        self.node = tuple(node)
+        plan = render(before, memory, desired, full=full, options=options or Options(), now=now, node_addresses=node)
         for op in plan.ops:
             self.run(op)
         # What a partial sync of the backend starts from instead of reading everything back.
@@ -458,3 +461,16 @@ def test_cleanup_can_tell_every_rule_of_ours_in_the_shared_services_chain() -> N
     assert ours
     for body in ours:
         assert is_mode_rule("nat", "KUBE-SERVICES", body) or is_mode_chain("nat", body.rsplit("-j ", 1)[1]), body
+
+
+def test_an_external_ip_that_is_a_node_address_is_served_but_never_bound() -> None:
+    # Bound, it would be in KUBE-IPVS-IPS, and KUBE-IPVS-FILTER would reject the node's own services on it.
+    k = KernelModel()
+    state = [web(A), ext(FrontendKind.EXTERNAL_IP, NODE_IPS[1], 80, [A])]
+    memory = k.sync(Memory(), {WEB: state}).memory
+    assert k.virtuals[(NODE_IPS[1], 80, "TCP")][2] == {A: 1}
+    assert k.addresses == {"10.96.0.10"} and k.sets[IPVS_IPS_SET] == {"10.96.0.10"}
+    assert k.sets[EXTERNAL_IP_SET] == {f"{NODE_IPS[1]},tcp:80"}
+    # The node loses that address: the model recomputes the Service, which binds it now.
+    k.sync(memory, {WEB: state}, full=False, node=NODE_IPS[:1])
+    assert k.addresses == {"10.96.0.10", NODE_IPS[1]}

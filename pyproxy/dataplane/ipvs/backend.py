@@ -299,7 +299,7 @@ class IpvsDataplane:
         observed = self._observe(ipvs, fresh)
         plan = render(observed, self.memory, {k: desired.services.get(k, ()) for k in keys}, full=full,
                       options=Options(self.settings.scheduler, self.settings.graceful_termination_seconds),
-                      now=self._clock())
+                      now=self._clock(), node_addresses=desired.node.nodeport_addresses)
         try:
             self._run(ipvs, plan.ops)
             if full:

@@ -28,7 +28,7 @@ Upstream kube-proxy's IPVS semantics:
   every later sync; UDP and SCTP ones are deleted at once (upstream: there is no connection to wait for);
 - every ClusterIP, external IP and load-balancer IP is a /32 on the dummy device kube-ipvs0 (so the node
   accepts packets for it and IPVS sees them in LOCAL_IN); NodePort addresses are the node's own already and
-  are never bound. The ipsets tell the iptables rules (backend.py) what each frontend is: KUBE-CLUSTER-IP,
+  are never bound, nor is an external or load-balancer IP that is one of them (as upstream). The ipsets tell the iptables rules (backend.py) what each frontend is: KUBE-CLUSTER-IP,
   KUBE-EXTERNAL-IP / KUBE-EXTERNAL-IP-LOCAL (by policy), KUBE-LOAD-BALANCER (+ -LOCAL for Local policy, -FW
   and -SOURCE-CIDR for loadBalancerSourceRanges), KUBE-NODE-PORT-TCP/-UDP (+ -LOCAL-*; bitmaps of node ports,
   and for SCTP the hash:ip,port sets upstream uses), KUBE-IPVS-IPS (the bound addresses), KUBE-LOOP-BACK
@@ -49,7 +49,7 @@ IPVS serves it); removals run last: addresses, then virtual servers, then ipset 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState, rendered
@@ -211,9 +211,11 @@ def real_servers(st: ServicePortState) -> tuple[Backend, ...]:
     return st.backends
 
 
-def members(key: VSKey, st: ServicePortState) -> frozenset[tuple[str, str]]:
+def members(key: VSKey, st: ServicePortState, node_addresses: Set[str] = frozenset()) -> frozenset[tuple[str, str]]:
     """The (ipset, member) pairs of one frontend, as upstream's proxier puts them (its address on kube-ipvs0 as
-    a KUBE-IPVS-IPS member), and KUBE-NO-LOCAL-ENDPOINTS for a Local one the node has no endpoint for."""
+    a KUBE-IPVS-IPS member), and KUBE-NO-LOCAL-ENDPOINTS for a Local one the node has no endpoint for.
+    `node_addresses`: the node's own, never bound (upstream binds an external or load-balancer IP only when it
+    is no node address: KUBE-IPVS-FILTER would otherwise reject the node's own services on it, ssh included)."""
     entry = cluster_entry(key)
     local = st.kind.external and not st.masquerade  # externalTrafficPolicy Local
     out: set[tuple[str, str]] = set()
@@ -223,7 +225,8 @@ def members(key: VSKey, st: ServicePortState) -> frozenset[tuple[str, str]]:
         if local:
             out.add((local_set, node_port_entry(key)))
     else:
-        out.add((IPVS_IPS_SET, key[0]))
+        if st.kind is FrontendKind.CLUSTER_IP or key[0] not in node_addresses:
+            out.add((IPVS_IPS_SET, key[0]))
         if st.kind is FrontendKind.CLUSTER_IP:
             out.add((CLUSTER_IP_SET, entry))
         elif st.kind is FrontendKind.EXTERNAL_IP:
@@ -292,9 +295,12 @@ def _reconcile_reals(key: VSKey, current: Mapping[Backend, Real], wanted: Iterab
 
 
 def render(observed: Observed, memory: Memory, desired: Mapping[str, Iterable[ServicePortState]], *,
-           full: bool, options: Options, now: float) -> Plan:
+           full: bool, options: Options, now: float, node_addresses: Iterable[str] = ()) -> Plan:
     """Plan the changes for the Services in `desired` (Service key -> its frontends; an empty iterable means
-    the Service is gone), or, with `full`, for everything of ours (`desired` then holds every Service)."""
+    the Service is gone), or, with `full`, for everything of ours (`desired` then holds every Service).
+    `node_addresses`: the node's addresses the model knows (`NodeInputs.nodeport_addresses`), which are never
+    bound to kube-ipvs0; the model recomputes every Service when they change, so each is synced then."""
+    node_set = frozenset(node_addresses)
     mine = ours(observed, memory)
     # Unique: the model decided which Service serves a frontend.
     claims = {vs_key(st.frontend): (service, st) for service in sorted(desired)
@@ -321,7 +327,7 @@ def render(observed: Observed, memory: Memory, desired: Mapping[str, Iterable[Se
         reals_after[key] = r.after
         draining.update({(key, b): t for b, t in r.draining.items()})
         owners[key] = service
-        accounted[key] = members(key, st)
+        accounted[key] = members(key, st, node_set)
 
     for key in sorted(mine - claims.keys() - gone):
         # Not synced now (partial sync) but ours: only its draining real servers may be due.
