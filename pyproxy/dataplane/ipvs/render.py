@@ -28,11 +28,12 @@ Upstream kube-proxy's IPVS semantics:
   every later sync; UDP and SCTP ones are deleted at once (upstream: there is no connection to wait for);
 - every ClusterIP, external IP and load-balancer IP is a /32 on the dummy device kube-ipvs0 (so the node
   accepts packets for it and IPVS sees them in LOCAL_IN); NodePort addresses are the node's own already and
-  are never bound, nor is an external or load-balancer IP that is one of them (as upstream). The ipsets tell the iptables rules (backend.py) what each frontend is: KUBE-CLUSTER-IP,
-  KUBE-EXTERNAL-IP / KUBE-EXTERNAL-IP-LOCAL (by policy), KUBE-LOAD-BALANCER (+ -LOCAL for Local policy, -FW
-  and -SOURCE-CIDR for loadBalancerSourceRanges), KUBE-NODE-PORT-TCP/-UDP (+ -LOCAL-*; bitmaps of node ports,
-  and for SCTP the hash:ip,port sets upstream uses), KUBE-IPVS-IPS (the bound addresses), KUBE-LOOP-BACK
-  (endpoint ip,port,ip: the hairpin flows to masquerade) and pyproxy's KUBE-NO-LOCAL-ENDPOINTS (above).
+  are never bound, nor is an external or load-balancer IP that is one of them (as upstream). The ipsets tell
+  the iptables rules (backend.py) what each frontend is: KUBE-CLUSTER-IP, KUBE-EXTERNAL-IP /
+  KUBE-EXTERNAL-IP-LOCAL (by policy), KUBE-LOAD-BALANCER (+ -LOCAL for Local policy, -FW and -SOURCE-CIDR for
+  loadBalancerSourceRanges), KUBE-NODE-PORT-TCP/-UDP (+ -LOCAL-*; bitmaps of node ports, and for SCTP the
+  hash:ip,port sets upstream uses), KUBE-IPVS-IPS (the bound addresses), KUBE-LOOP-BACK (endpoint
+  ip,port,ip: the hairpin flows to masquerade) and pyproxy's KUBE-NO-LOCAL-ENDPOINTS (above).
 
 Which virtual servers are ours: those this process made (`Memory.owners`), and any on an address of
 kube-ipvs0 or listed in one of the frontend ipsets (a previous run's; upstream judges by kube-ipvs0's addresses
