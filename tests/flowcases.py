@@ -145,51 +145,39 @@ CASES = (
 )
 
 
-# Modes that render only ClusterIP frontends so far (pyproxy.model.state.SERVES). What a client sees of a frontend
-# such a mode does not render: an external or load-balancer IP is routed on, untranslated, and nothing answers; a
-# NodePort reaches the node's own stack, where nothing listens on it, which refuses the flow.
-_CLUSTER_IP_ONLY = ("ipvs",)
-
-
-def _not_rendered_yet(outcome: Outcome, modes: tuple[str, ...] = _CLUSTER_IP_ONLY) -> dict[str, Outcome]:
-    """`by_mode` of a case whose frontend is not rendered by these modes yet (issue 10): `outcome` in each."""
-    return dict.fromkeys(modes, outcome)
-
-
 EXTERNAL_CASES = (
-    FlowCase("an external IP reaches the endpoints", "tcp", EXTERNAL_IP, 80, answered_by("b1:8080", "b2:8080"),
-             by_mode=_not_rendered_yet(NO_ANSWER)),
-    FlowCase("a load-balancer IP reaches the endpoints", "tcp", LB_IP, 80, answered_by("b1:8080", "b2:8080"),
-             by_mode=_not_rendered_yet(NO_ANSWER)),
+    FlowCase("an external IP reaches the endpoints", "tcp", EXTERNAL_IP, 80, answered_by("b1:8080", "b2:8080")),
+    FlowCase("a load-balancer IP reaches the endpoints", "tcp", LB_IP, 80, answered_by("b1:8080", "b2:8080")),
     # Sources outside loadBalancerSourceRanges are dropped (upstream's firewall chain), so the client waits.
     FlowCase("a load-balancer IP whose source ranges leave the client out: no answer", "tcp", LB_CLOSED_IP, 80,
              NO_ANSWER),
     FlowCase("a load-balancer IP whose source ranges hold the client", "tcp", LB_OPEN_IP, 80,
-             answered_by("b1:8080", "b2:8080"), by_mode=_not_rendered_yet(NO_ANSWER)),
+             answered_by("b1:8080", "b2:8080")),
     FlowCase("a NodePort on the node's address reaches the endpoints", "tcp", NODE_IP, 30080,
-             answered_by("b1:8080", "b2:8080"), by_mode=_not_rendered_yet(REFUSED)),
+             answered_by("b1:8080", "b2:8080")),
     FlowCase("a NodePort on the node's address reaches the endpoints, udp", "udp", NODE_IP, 30053,
-             answered_by("b1:5353", "b2:5353"), by_mode=_not_rendered_yet(REFUSED)),
+             answered_by("b1:5353", "b2:5353")),
     # externalTrafficPolicy Local: only this node's endpoints serve clients from outside the cluster.
-    FlowCase("externalTrafficPolicy Local: only this node's endpoint", "tcp", NODE_IP, 30082, answered_by("b1:8080"),
-             by_mode=_not_rendered_yet(REFUSED)),
+    FlowCase("externalTrafficPolicy Local: only this node's endpoint", "tcp", NODE_IP, 30082, answered_by("b1:8080")),
     # ... and with none on this node while the cluster has some, the flow is dropped (the client's load balancer
     # tries another node), as upstream's DROP; the same Service's ClusterIP still answers.
-    FlowCase("externalTrafficPolicy Local, no endpoint on this node: no answer", "tcp", NODE_IP, 30083, NO_ANSWER,
-             by_mode=_not_rendered_yet(REFUSED)),
+    FlowCase("externalTrafficPolicy Local, no endpoint on this node: no answer", "tcp", NODE_IP, 30083, NO_ANSWER),
     FlowCase("externalTrafficPolicy Local, no endpoint on this node: the ClusterIP answers", "tcp", "10.96.20.13", 80,
              answered_by("b1:8080", "b2:8080")),
-    # Refused in every mode: by the rules, or by the node's stack where a mode does not render NodePorts yet.
+    # Refused in every mode, as upstream's REJECT.
     FlowCase("a NodePort of a Service without endpoints: refused", "tcp", NODE_IP, 30084, REFUSED),
-    # The node's own processes reach NodePorts (nat OUTPUT in the nftables and iptables modes); with
-    # externalTrafficPolicy Local they are not limited to this node's endpoints (upstream's short circuit:
-    # masqueraded, every endpoint).
+    # The node's own processes reach NodePorts (nat OUTPUT in the nftables and iptables modes, IPVS's local-out
+    # hook, bpf's socket hooks); with externalTrafficPolicy Local they are not limited to this node's endpoints
+    # (upstream's short circuit: masqueraded, every endpoint).
     FlowCase("from the node itself to a NodePort", "tcp", NODE_IP, 30080, answered_by("b1:8080", "b2:8080"),
-             src="node", by_mode=_not_rendered_yet(REFUSED)),
+             src="node"),
     FlowCase("from the node, externalTrafficPolicy Local without a local endpoint: every endpoint", "tcp", NODE_IP,
-             30083, answered_by("b1:8080", "b2:8080"), src="node", by_mode=_not_rendered_yet(REFUSED)),
+             30083, answered_by("b1:8080", "b2:8080"), src="node"),
+    # ipvs mode, as upstream's IPVS proxier, has one virtual server for every source: with a local endpoint it
+    # serves the node (and pods) this node's endpoints only; without one, every endpoint (upstream's PR 97081),
+    # while a filter rule drops sources from outside the cluster.
     FlowCase("from the node, externalTrafficPolicy Local with a local endpoint: every endpoint", "tcp", NODE_IP,
-             30082, answered_by("b1:8080", "b2:8080"), src="node", by_mode=_not_rendered_yet(REFUSED)),
+             30082, answered_by("b1:8080", "b2:8080"), src="node", by_mode={"ipvs": answered_by("b1:8080")}),
 )
 CASES += EXTERNAL_CASES
 

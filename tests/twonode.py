@@ -46,10 +46,9 @@ ELSEWHERE_HTTP, STICKY_HTTP = Port("http", 80, 8080, node_port=30184), Port("htt
 SELF_HTTP = Port("http", 80, 8080)
 EMPTY_HTTP, EMPTY_DNS = Port("http", 80, 8080, node_port=30186), Port("dns", 53, 5353, "UDP", node_port=30156)
 LOCAL_HEALTH, ELSEWHERE_HEALTH = 32183, 32184
-PENDING_MODES = frozenset({"ipvs"})
+PENDING_MODES: frozenset[str] = frozenset()
 """The runs (mode ids of tests/e2e/test_twonode.py, and "ipvs" in the guest) that do not do all of this yet and are
-expected to fail, strictly: ipvs has no external frontends yet. A run that passes while listed fails, so it is
-taken off then."""
+expected to fail, strictly (a run that passes while listed fails): none now, every mode does it all."""
 CLIENT_RANGE = "10.200.0.0/24"
 """Holds the first client, not client2 (10.200.1.2)."""
 

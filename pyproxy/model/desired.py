@@ -236,10 +236,6 @@ class _Update:
                 self.waiting[key] = still
 
 
-def _shape(states: Iterable[ServicePortState]) -> set[tuple[FrontendKind, Frontend]]:
-    return {(st.kind, st.frontend) for st in states}
-
-
 def update_desired_state(
     prev: DesiredState,
     services: Mapping[str, Service],
@@ -265,7 +261,6 @@ def update_desired_state(
     served = update.served
     recomputed = keys | update.promoted.keys()
     also = {k for k in recomputed if k not in changed and served.get(k) != prev.services.get(k)}
-    reshaped = {k for k in recomputed if _shape(served.get(k, ())) != _shape(prev.services.get(k, ()))}
     return DesiredState(
         services=served,
         holders=update.holders,
@@ -274,7 +269,6 @@ def update_desired_state(
         node=node,
         rejected=tuple(sorted(update.rejected, key=lambda c: (c.claim.service, c.claim.frontend))),
         also_changed=frozenset(also),
-        reshaped=frozenset(reshaped),
     )
 
 

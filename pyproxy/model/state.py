@@ -9,7 +9,7 @@ assigns slots by position changes as little as possible when one endpoint comes 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -103,36 +103,6 @@ class ServicePortState:
         return f"{self.service}:{self.port_name}" if self.port_name else self.service
 
 
-# The kinds of frontend the dataplane modes render today. The model knows every kind; until a mode renders the
-# others, its renderer takes only these (`rendered`), and the proxier says once per Service what is left out
-# (`DesiredState.notices`). `SERVES` names the modes that render more, with what they render.
-RENDERED_KINDS: frozenset[FrontendKind] = frozenset({FrontendKind.CLUSTER_IP})
-
-Serves = Callable[["ServicePortState"], bool]
-"""Whether a mode renders a frontend (yet)."""
-
-
-SERVES: Mapping[str, Serves] = {"nftables": lambda sp: True, "iptables": lambda sp: True, "bpf": lambda sp: True}
-"""What the modes that render more than RENDERED_KINDS render: the one place that says it (renderers filter with
-`rendered`, the log names what is left out with `DesiredState.notices`)."""
-
-
-def serves(mode: str | None, kinds: frozenset[FrontendKind] = RENDERED_KINDS) -> Serves:
-    """Whether `mode` renders a frontend; a mode not in SERVES renders `kinds`."""
-    return SERVES.get(mode or "", lambda sp: sp.kind in kinds)
-
-
-def rendered(states: Iterable[ServicePortState], kinds: frozenset[FrontendKind] = RENDERED_KINDS,
-             mode: str | None = None) -> tuple[ServicePortState, ...]:
-    """The frontends of `states` that a mode renders (`serves`): the one filter every renderer applies."""
-    states = tuple(states)
-    keep = serves(mode, kinds)
-    for sp in states:
-        if not keep(sp):
-            return tuple(sp for sp in states if keep(sp))
-    return states
-
-
 @dataclass(frozen=True, slots=True)
 class RejectedClaim:
     """A frontend a Service claims that another Service serves."""
@@ -168,23 +138,13 @@ class DesiredState:
     also_changed: frozenset[str] = field(default=frozenset(), compare=False)
     """Services whose entry in `services` the update changed though they were not among the keys it was asked
     about (a frontend freed by one of those went to them; the node changed): a partial apply includes them."""
-    reshaped: frozenset[str] = field(default=frozenset(), compare=False)
-    """Services whose set of frontends (kind and address) the update changed: what `notices` looks at."""
 
     def frontends(self) -> dict[Frontend, ServicePortState]:
         return {sp.frontend: sp for states in self.services.values() for sp in states}
 
-    def notices(self, mode: str, kinds: frozenset[FrontendKind] = RENDERED_KINDS) -> list[str]:
-        """Lines for the log, once per change: the rejected claims, and per Service whose frontends changed,
-        those `mode` does not render (`serves`), e.g. "default/web: NodePort 30080/TCP not served by iptables
-        mode yet"."""
-        lines = [str(c) for c in self.rejected]
-        keep = serves(mode, kinds)
-        for key in sorted(self.reshaped):
-            left = [sp for sp in self.services.get(key, ()) if not keep(sp)]
-            if left:
-                lines.append(f"{key}: {describe_frontends(left)} not served by {mode} mode yet")
-        return lines
+    def notices(self) -> list[str]:
+        """Lines for the log, once per change: the claims the update rejected."""
+        return [str(c) for c in self.rejected]
 
 
 class HealthCheck(NamedTuple):
@@ -210,15 +170,3 @@ def health_check(states: Iterable[ServicePortState]) -> HealthCheck | None:
         if sp.local_ready:
             local.update(b.ip for b in sp.external_backends)
     return None if port is None else HealthCheck(port, len(local))
-
-
-def describe_frontends(states: Iterable[ServicePortState]) -> str:
-    """Frontends for a log line, by kind; a node port once, whatever the number of node addresses."""
-    parts: dict[str, None] = {}
-    for sp in sorted(states, key=lambda sp: (list(FrontendKind).index(sp.kind), sp.frontend)):
-        fe = sp.frontend
-        if sp.kind is FrontendKind.NODE_PORT:
-            parts[f"{sp.kind} {fe.port}/{fe.protocol.value}"] = None
-        else:
-            parts[f"{sp.kind} {fe}"] = None
-    return ", ".join(parts)

@@ -157,7 +157,7 @@ class Proxier:
             self.desired, self.cluster.services.current, self.cluster.slices_for, changed, node
         )
         changed |= self.desired.also_changed  # waiting Services that got a frontend a changed one let go of
-        for notice in self.desired.notices(self.dataplane.mode):  # rejected claims, frontends not rendered yet
+        for notice in self.desired.notices():  # rejected claims
             log.warning("%s", notice)
         if not changed and not full and not self.dataplane.housekeeping_due():
             self._update_service_health(())  # ports that could not be bound are tried again

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not Path("/proc/sys/net/ipv
                                 reason="runs as root in the IPVS guest (tests/guest/run.py)")
 
 WEB_IP, DNS_IP, MULTI_IP, HOLD_IP, EMPTY_IP = "10.96.0.10", "10.96.0.53", "10.96.0.20", "10.96.0.30", "10.96.0.40"
+EDGE_IP, EDGE_EXTERNAL_IP, EDGE_LB_IP = "10.96.0.50", "192.0.2.50", "203.0.113.50"
 WEB_PORTS = [Port("http", 80, 8080)]
 DNS_PORTS = [Port("dns", 53, 5353, "UDP")]
 MULTI_PORTS = [Port("http", 80, 8080), Port("admin", 90, 9090)]
@@ -294,15 +295,26 @@ def test_hairpin_is_masqueraded(env: Env) -> None:
 
 def test_restart_keeps_traffic_and_cleanup_leaves_nothing(env: Env) -> None:
     env.write("web.yaml", *web(ready(env.lab)))
-    proxy = env.start()
+    # Every kind of frontend, with every set and rule of theirs in use: cleanup must remove them all.
+    edge_ports = [Port("http", 80, 8080, node_port=30090), Port("dns", 53, 5353, "UDP", node_port=30091)]
+    env.write("edge.yaml", service("edge", EDGE_IP, edge_ports, type="LoadBalancer", external_ips=[EDGE_EXTERNAL_IP],
+                                   load_balancer_ips=[EDGE_LB_IP], source_ranges=["10.0.0.0/8"],
+                                   external_traffic_policy="Local", health_check_node_port=30092),
+              endpoint_slice("edge", ready(env.lab), edge_ports,
+                             node_names={env.lab.backends[0].ip: NODE_NAME, env.lab.backends[1].ip: "other"}))
+    proxy = env.start(f"--hostname-override={NODE_NAME}")
     env.reaches("tcp", WEB_IP, 80, names(env.lab, 8080))
+    node_ip = env.lab.backends[0].node_ip
+    env.eventually(lambda: f"TCP  {node_ip}:30090 rr" in env.ipvsadm(), "a NodePort virtual server per node address")
     before = env.layout()
+    assert f"TCP {EDGE_LB_IP}:80 rr" in before and f"UDP {EDGE_EXTERNAL_IP}:53 rr" in before, before  # one space
     assert proxy.terminate(20.0) == 0
     env.reaches("tcp", WEB_IP, 80, names(env.lab, 8080))  # rules stay while pyproxy is down
-    proxy = env.start()
+    proxy = env.start(f"--hostname-override={NODE_NAME}")
     env.reaches("tcp", WEB_IP, 80, names(env.lab, 8080))
     assert env.layout() == before  # adopted as it was, nothing re-created
     assert proxy.terminate(20.0) == 0
+    assert "KUBE-NODE-PORT-TCP" in env.node("ipset", "list", "-n")
     proxy.cleanup()
     assert env.layout()[3:] == [], env.ipvsadm()  # the three header lines only
     assert env.lab.exec(env.lab.node, "ip", "link", "show", "kube-ipvs0", check=False).returncode != 0

@@ -57,7 +57,8 @@ def _through(tables: Tables, chain: str, flow: Flow, translated: bool) -> Iterat
 
 class IptablesTracer:
     def __init__(self, texts: Sequence[str]) -> None:
-        self.tables = Tables("".join(texts))  # iptables-restore --noflush, one input after the other
+        # iptables-restore --noflush, one input after the other
+        self.tables = Tables("".join(texts), local=NODE_ADDRESSES.__contains__)
 
     def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
         for verdict, f in self.tables.walk("nat", "PREROUTING", Flow(pkt, memory=memory)):

@@ -3,15 +3,19 @@ left, and the iptables rules of pyproxy/dataplane/ipvs/backend.py with their jum
 entering the node.
 
 Models: the plans' ops applied in order (virtual and real servers, kube-ipvs0's addresses, ipset members);
-nat PREROUTING walked over those ipsets (netfilter.py); a destination on kube-ipvs0 is the node's own, so the
-flow goes through filter INPUT (KUBE-IPVS-FILTER rejects a new flow to a ClusterIP on a port that is no
-Service's) to IPVS: the virtual server of (address, port, protocol) sends it to any real server of weight > 0,
-a persistent one (ClientIP affinity) sends a second flow from the client where the first went, and one with
-no such real server refuses it (ip_vs_leave's port unreachable); a local flow no virtual server takes reaches
-the node's own stack ("node", which no case expects). Other node addresses are the node's own stack's
-(common.untranslated); other destinations are forwarded through filter FORWARD and nothing answers them.
+nat PREROUTING walked over those ipsets (netfilter.py; `-m addrtype LOCAL` is a node address or one on
+kube-ipvs0); a destination on kube-ipvs0 or a node address is the node's own, so the flow goes through filter
+INPUT (KUBE-PROXY-FIREWALL drops sources outside a load balancer's source ranges and outside flows to a Local
+frontend without a local endpoint; KUBE-IPVS-FILTER rejects a new flow to a kube-ipvs0 address on a port that
+is no frontend's) to IPVS: the virtual server of (address, port, protocol) sends it to any real server of
+weight > 0, a persistent one (ClientIP affinity) sends a second flow from the client where the first went, and
+one with no such real server refuses it (ip_vs_leave's port unreachable). A local flow no virtual server takes
+reaches the node's own stack: on kube-ipvs0 "node" (which no case expects), on a node address refused, as
+nothing listens there (common.untranslated). Other destinations are forwarded through filter FORWARD and
+nothing answers them.
 Does not model: the kernel's IPVS (schedulers: every real server of weight > 0 is a possible pick; connection
-counts, draining), conntrack, timeouts, masquerade (POSTROUTING), the node's own traffic (OUTPUT).
+counts, draining), conntrack, timeouts, masquerade (POSTROUTING; its marks are walked, not checked), the node's
+own traffic (OUTPUT and IPVS's local-out hook).
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ def plans(syncs: Sequence[Sync]) -> list[tuple[Op, ...]]:
         full = changed is None
         keys = set(desired.services) | set(memory.owners.values()) if changed is None else changed
         plan = ipvs_render.render(kernel.observed(), memory, {k: desired.services.get(k, ()) for k in keys},
-                                  full=full, options=ipvs_render.Options(), now=0.0)
+                                  full=full, options=ipvs_render.Options(), now=0.0,
+                                  node_addresses=desired.node.nodeport_addresses)
         for op in plan.ops:
             kernel.run(op)
         memory = plan.memory
@@ -92,7 +97,11 @@ class IpvsTracer:
         for op in (op for ops in plans for op in ops):
             self.kernel.run(op)
         ipsets = {name: (kind, frozenset(self.kernel.members[name])) for name, kind in ipvs_render.SET_TYPES.items()}
-        self.tables = Tables(rules if rules is not None else rules_text(), ipsets)
+        self.tables = Tables(rules if rules is not None else rules_text(), ipsets, self._local)
+
+    def _local(self, ip: str) -> bool:
+        """`-m addrtype --*-type LOCAL`: the node's addresses, those on kube-ipvs0 and loopback."""
+        return ip in NODE_ADDRESSES or ip in self.kernel.addresses or ip.startswith("127.")
 
     def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
         for verdict, f in self.tables.walk("nat", "PREROUTING", Flow(pkt, memory=memory)):
@@ -100,14 +109,12 @@ class IpvsTracer:
                 yield Verdict("no-answer")
             elif verdict == "DNAT":
                 raise Unmodelled("a DNAT rule in ipvs mode")
-            elif f.pkt.dst in self.kernel.addresses:
-                yield from self._local(f)
-            elif f.pkt.dst in NODE_ADDRESSES:
-                yield untranslated(f.pkt)  # the node's own address: its stack, where nothing listens
+            elif self._local(f.pkt.dst):
+                yield from self._input(f)
             else:
                 yield from forwarded(self.tables, f, translated=False)
 
-    def _local(self, flow: Flow) -> Iterator[Verdict]:
+    def _input(self, flow: Flow) -> Iterator[Verdict]:
         for verdict, f in self.tables.walk("filter", "INPUT", flow):
             if verdict in ("REJECT", "DROP"):
                 yield Verdict("refused" if verdict == "REJECT" else "no-answer")
@@ -115,7 +122,9 @@ class IpvsTracer:
             pkt = f.pkt
             virtual = self.kernel.virtuals.get((pkt.dst, pkt.port, pkt.proto.upper()))
             if virtual is None:
-                yield Verdict("node")
+                # The node's own stack: a node address's listeners refuse the table's ports; an address on
+                # kube-ipvs0 must not get there (KUBE-IPVS-FILTER).
+                yield Verdict("node") if pkt.dst in self.kernel.addresses else untranslated(pkt)
                 continue
             _, persistence, weights = virtual
             reals = {str(b): w for b, w in weights.items()}

@@ -5,8 +5,9 @@ Only the rule forms pyproxy's netfilter modes write are parsed; any other option
 A walk follows every branch a rule may take (`-m statistic` both ways), so it answers every way the flow may
 end. Models: addresses and ports, `-m statistic --mode random` (both branches), `-m recent` (`--set` records
 the source in the flow's memory, `--rcheck` finds it there: no timeout), `-m conntrack --ctstate` (the flow is
-NEW), `-m mark`, `-m set` over the ipsets given (contents as `ipset save` prints them), `-m addrtype --src-type
-LOCAL` (a source that is one of the node's addresses, common.NODE_ADDRESSES), the targets DNAT,
+NEW), `-m mark`, `-m set` over the ipsets given (contents as `ipset save` prints them: hash:ip,port and the
+like, bitmap:port, hash:…,net by containment), `-m addrtype --src-type/--dst-type LOCAL` (the node's addresses,
+as the tracer says them), the targets DNAT,
 REJECT, MARK, MASQUERADE (ends the chain), ACCEPT, DROP, RETURN and jumps. Not modelled: the kernel's
 conntrack beyond a first packet, interfaces, counters, the order of tables on one hook but nat before filter.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pyproxy.dataplane import netfilter as nf
-from tracers.common import NODE_ADDRESSES, Memory, Packet, Unmodelled
+from tracers.common import Memory, Packet, Unmodelled
 
 
 @dataclass(frozen=True)
@@ -75,19 +76,27 @@ IpSets = Mapping[str, tuple[str, frozenset[str]]]
 """Set name -> (type, e.g. "hash:ip,port"; members as `ipset save` prints them)."""
 
 
-def _set_entry(kind: str, flags: str, pkt: Packet) -> str:
-    parts = []
+def _in_set(kind: str, flags: str, members: frozenset[str], pkt: Packet) -> bool:
+    """Whether `pkt`, looked at by `flags` (e.g. "dst,dst,src"), is in a set of type `kind` with `members`."""
+    parts, net = [], None
     for dim, flag in zip(kind.split(":")[1].split(","), flags.split(","), strict=True):
         if dim == "ip":
             parts.append(pkt.src if flag == "src" else pkt.dst)
         elif dim == "port" and flag == "dst":
-            parts.append(f"{pkt.proto}:{pkt.port}")
+            # A bitmap holds port numbers; a hash's members name the protocol too.
+            parts.append(str(pkt.port) if kind.startswith("bitmap:") else f"{pkt.proto}:{pkt.port}")
+        elif dim == "net" and flag == "src" and net is None:
+            net = pkt.src
         else:
             raise Unmodelled(f"ipset dimension {dim} by {flag}")
-    return ",".join(parts)
+    entry = ",".join(parts)
+    if net is None:
+        return entry in members
+    # hash:...,net: a member is the other dimensions and a network (a /32 printed as a plain address).
+    return any(m.rsplit(",", 1)[0] == entry and _in(m.rsplit(",", 1)[1])(net) for m in members)
 
 
-def parse_rule(body: str, ipsets: IpSets) -> Rule:
+def parse_rule(body: str, ipsets: IpSets, local: Callable[[str], bool] | None = None) -> Rule:
     tokens = shlex.split(body)
     matches: list[Match] = []
     args: dict[str, str] = {}
@@ -134,11 +143,11 @@ def parse_rule(body: str, ipsets: IpSets) -> Rule:
             next(it)  # the affinity timeout: flows here are never that far apart
         elif tok == "--reap":
             pass
-        elif tok == "--src-type":
-            kind = next(it)
-            if kind != "LOCAL":
-                raise Unmodelled(f"-m addrtype --src-type {kind} in: {body}")
-            matches.append(_always(lambda f: f.pkt.src in NODE_ADDRESSES, negate=negate))
+        elif tok in ("--src-type", "--dst-type"):
+            if next(it) != "LOCAL" or local is None:
+                raise Unmodelled(f"addrtype {tok} in: {body}")
+            matches.append(_always(lambda f, d, is_local: is_local(f.pkt.dst if d else f.pkt.src), tok == "--dst-type",
+                                   local, negate=negate))
         elif tok == "--ctstate":
             states = next(it).split(",")
             matches.append(_always(lambda f, s: "NEW" in s, states, negate=negate))
@@ -150,8 +159,7 @@ def parse_rule(body: str, ipsets: IpSets) -> Rule:
             if name not in ipsets:
                 raise Unmodelled(f"ipset {name} that the plan does not make: {body}")
             kind, members = ipsets[name]
-            matches.append(_always(lambda f, k, fl, m: _set_entry(k, fl, f.pkt) in m, kind, flags, members,
-                                   negate=negate))
+            matches.append(_always(lambda f, k, fl, m: _in_set(k, fl, m, f.pkt), kind, flags, members, negate=negate))
         else:
             raise Unmodelled(f"option {tok} in: {body}")
         negate = False
@@ -163,7 +171,8 @@ def parse_rule(body: str, ipsets: IpSets) -> Rule:
 class Tables:
     """An iptables-restore text (one or more `*table ... COMMIT` parts) as {table: {chain: [Rule]}}."""
 
-    def __init__(self, text: str, ipsets: IpSets | None = None) -> None:
+    def __init__(self, text: str, ipsets: IpSets | None = None, local: Callable[[str], bool] | None = None) -> None:
+        """`local`: whether an address is the node's own (`-m addrtype ... LOCAL`); None: such rules fail."""
         self.chains: dict[str, dict[str, list[Rule]]] = {}
         table: dict[str, list[Rule]] = {}
         for line in text.splitlines():
@@ -177,7 +186,7 @@ class Tables:
                     position, rest = rest.split(" ", 1)
                     if position != "1":
                         raise Unmodelled(f"insert at {position}: {line}")
-                rule = parse_rule(rest, ipsets or {})
+                rule = parse_rule(rest, ipsets or {}, local)
                 if chain not in table and chain not in nf.BUILTIN_CHAINS:
                     raise Unmodelled(f"a rule in chain {chain}, which the text does not declare: {line}")
                 rules = table.setdefault(chain, [])

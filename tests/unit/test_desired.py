@@ -171,7 +171,7 @@ def test_of_two_services_claiming_one_frontend_the_first_by_name_serves_it() -> 
     assert [str(c) for c in desired.rejected] == [
         "default/zzz ClusterIP 10.96.0.10:80/TCP: frontend already served by default/web"
     ]
-    assert desired.notices("bpf") == [str(desired.rejected[0])]
+    assert desired.notices() == [str(desired.rejected[0])]
 
 
 def test_a_partial_update_never_takes_a_frontend_another_service_serves() -> None:

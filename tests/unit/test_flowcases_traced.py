@@ -20,6 +20,7 @@ from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.render import Batch
 from pyproxy.dataplane.ipvs.render import RealOp
 from pyproxy.dataplane.netfilter import MasqueradeSettings
+from pyproxy.model.state import Backend
 
 TRACERS: dict[str, Callable[[Sequence[Sync]], Tracer]] = {
     "bpf": bpf.tracer,
@@ -119,8 +120,8 @@ def test_iptables_tracer_sees_a_lost_firewall_local_policy_and_local_drop(first:
 def test_iptables_tracer_fails_on_an_external_form_it_does_not_know(first: list[Sync]) -> None:
     [text] = iptables.restore_texts(first)
     assert "--src-type LOCAL" in text
-    with pytest.raises(Unmodelled, match="dst-type"):
-        iptables.IptablesTracer([text.replace("--src-type LOCAL", "--dst-type LOCAL", 1)])
+    with pytest.raises(Unmodelled, match="addrtype --src-type"):
+        iptables.IptablesTracer([text.replace("--src-type LOCAL", "--src-type UNICAST", 1)])
 
 
 def test_ipvs_tracer_sees_a_missing_filter(first: list[Sync]) -> None:
@@ -134,6 +135,31 @@ def test_ipvs_tracer_sees_a_lost_real_server(first: list[Sync]) -> None:
     lost = next(op for op in ops if isinstance(op, RealOp) and op.key == ("10.96.20.2", 80, "TCP"))
     wrong = mismatches(ipvs.IpvsTracer([tuple(op for op in ops if op != lost)]), "ipvs")
     assert len(wrong) == 1 and "endpoints from two slices" in wrong[0], wrong
+
+
+def test_ipvs_tracer_sees_a_missing_firewall_and_a_lost_local_policy(first: list[Sync]) -> None:
+    [ops] = ipvs.plans(first)
+    wrong = mismatches(ipvs.IpvsTracer([ops], _without_lines(ipvs.rules_text(), "KUBE-SOURCE-RANGES-FIREWALL -j DROP")),
+                       "ipvs")
+    assert [w.split(" (")[0] for w in wrong] == [
+        "a load-balancer IP whose source ranges leave the client out: no answer"], wrong
+    wrong = mismatches(ipvs.IpvsTracer([ops], _without_lines(ipvs.rules_text(), "KUBE-NO-LOCAL-ENDPOINTS")), "ipvs")
+    assert [w.split(" (")[0] for w in wrong] == [
+        "externalTrafficPolicy Local, no endpoint on this node: no answer"], wrong
+    # externalTrafficPolicy Local's virtual servers given the other node's endpoint too.
+    local = [op for op in ops if isinstance(op, RealOp) and op.key[1] == flowcases.LOCAL_HTTP.node_port]
+    assert local and all(op.backend.ip == flowcases.B1 for op in local)
+    unlocal = tuple(ops) + tuple(dataclasses.replace(op, backend=Backend(flowcases.B2, op.backend.port))
+                                 for op in local)
+    wrong = mismatches(ipvs.IpvsTracer([unlocal]), "ipvs")
+    assert [w.split(" (")[0] for w in wrong] == ["externalTrafficPolicy Local: only this node's endpoint"], wrong
+
+
+def test_ipvs_tracer_fails_on_a_rule_form_it_does_not_know(first: list[Sync]) -> None:
+    text = ipvs.rules_text()
+    assert "--dst-type LOCAL" in text
+    with pytest.raises(Unmodelled, match="addrtype"):
+        ipvs.IpvsTracer(ipvs.plans(first), text.replace("--dst-type LOCAL", "--dst-type UNICAST", 1))
 
 
 def test_nftables_tracer_sees_a_lost_affinity_update(first: list[Sync]) -> None:

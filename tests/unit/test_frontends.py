@@ -38,7 +38,6 @@ from pyproxy.model.state import (
     HealthCheck,
     ServicePortState,
     health_check,
-    rendered,
 )
 
 TCP, UDP = Protocol.TCP, Protocol.UDP
@@ -382,60 +381,24 @@ def test_a_changed_node_recomputes_every_service() -> None:
 # ------------------------------------------------------------------------------------------- what is rendered
 
 
-def test_notices_name_once_per_service_what_the_mode_does_not_render_yet() -> None:
-    services = cluster(svc("LoadBalancer", external_ips=("192.0.2.10",)), svc("ClusterIP", "db", "10.96.0.20"))
-    first = update_desired_state(DesiredState(), services, lambda key: (), set(services), NODE)
-    assert first.notices("fake") == [
-        "default/web: ExternalIP 192.0.2.10:53/UDP, ExternalIP 192.0.2.10:80/TCP, NodePort 30053/UDP, "
-        "NodePort 30080/TCP not served by fake mode yet"]
-    endpoints = update_desired_state(first, services, lambda key: (slice_(ep("10.1.0.1")),), {"default/web"})
-    assert endpoints.notices("fake") == [], "endpoints changed, not the frontends: said already"
-    services["default/web"] = replace(services["default/web"], external_ips=())
-    fewer = update_desired_state(endpoints, services, lambda key: (), {"default/web"})
-    assert fewer.notices("ipvs") == ["default/web: NodePort 30053/UDP, NodePort 30080/TCP not served by ipvs "
-                                     "mode yet"]
-    assert first.notices("nftables") == first.notices("iptables") == [], "these modes render every kind"
-
-
-def test_rendered_keeps_the_cluster_ip_frontends() -> None:
-    states = compute_service_state(svc("LoadBalancer", load_balancer_ips=("203.0.113.10",)), [], NODE)
-    assert shown(rendered(states)) == ["ClusterIP 10.96.0.10:53/UDP", "ClusterIP 10.96.0.10:80/TCP"]
-    only = rendered(states)
-    assert rendered(only) is only
-
-
-def test_every_renderer_renders_exactly_what_its_mode_serves() -> None:
-    """A Service with every kind of frontend programs what the frontends its mode serves alone program: the
-    ClusterIP ones in ipvs mode, which renders no other kind yet; bpf, nftables and iptables render them all
-    (test_nftables_render, test_iptables_render)."""
+def test_every_renderer_programs_every_kind_of_frontend() -> None:
+    """A Service with every kind of frontend: each mode's plan holds its external and load-balancer addresses and
+    its node ports, not its ClusterIP alone (each renderer's own tests say how)."""
     services = cluster(svc("LoadBalancer", external_ips=("192.0.2.10",), load_balancer_ips=("203.0.113.10",),
                            external_traffic_policy=LOCAL, health_check_node_port=31000,
                            load_balancer_source_ranges=("198.51.100.0/24",)))
     full = update_desired_state(DesiredState(), services, lambda key: (slice_(ep("10.1.0.1", "node-a")),),
                                 set(services), NODE)
     assert len(full.services["default/web"]) == 10
-    clusters = DesiredState({k: rendered(v) for k, v in full.services.items()})
-    assert len(clusters.services["default/web"]) == 2
-
-    served_by_bpf = DesiredState({k: rendered(v, mode="bpf") for k, v in full.services.items()})
-    assert len(served_by_bpf.services["default/web"]) == 10
-    assert bpf_render(Applied(), full.services, {}).batches == bpf_render(Applied(), served_by_bpf.services,
-                                                                          {}).batches
-    assert bpf_render(Applied(), full.services, {}).batches != bpf_render(Applied(), clusters.services, {}).batches
-
-    def ipvs_ops(d: DesiredState) -> object:
-        return ipvs_render(Observed(), Memory(), d.services, full=True, options=Options(), now=0.0).ops
-
-    assert ipvs_ops(full) == ipvs_ops(clusters)
-
-    def iptables_text(d: DesiredState) -> str:
-        return iptables_render(d, set(d.services), {}, MasqueradeSettings()).text
-
-    assert iptables_text(full) != iptables_text(clusters)
-    assert "KUBE-EXT-" in iptables_text(full) and "KUBE-EXT-" not in iptables_text(clusters)
-    nftables = [nftables_render(TableState(), d.services, MasqueradeSettings(), full=True).commands
-                for d in (full, clusters)]
-    assert nftables[0] != nftables[1]
+    plans = {
+        "bpf": str(bpf_render(Applied(), full.services, {}).batches),
+        "iptables": iptables_render(full, set(full.services), {}, MasqueradeSettings()).text,
+        "ipvs": str(ipvs_render(Observed(), Memory(), full.services, full=True, options=Options(), now=0.0).ops),
+        "nftables": "\n".join(nftables_render(TableState(), full.services, MasqueradeSettings(), full=True).commands),
+    }
+    for mode, plan in plans.items():
+        for frontend in ("192.0.2.10", "203.0.113.10", "30080", "30053"):
+            assert frontend in plan, f"{mode} mode leaves {frontend} out"
 
 
 def test_contested_frontends_stay_consistent_across_random_partial_updates() -> None:

@@ -9,16 +9,25 @@ which a partial sync starts from instead, must predict the model exactly.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import pytest
 
-from pyproxy.dataplane.ipvs.backend import is_mode_rule, rule_edits
+from pyproxy.dataplane.ipvs.backend import is_mode_chain, is_mode_rule, rule_edits
 from pyproxy.dataplane.ipvs.render import (
     CLUSTER_IP_SET,
+    EXTERNAL_IP_LOCAL_SET,
+    EXTERNAL_IP_SET,
+    FRONTEND_SETS,
     IPVS_IPS_SET,
+    LOAD_BALANCER_FW_SET,
+    LOAD_BALANCER_LOCAL_SET,
+    LOAD_BALANCER_SET,
+    LOAD_BALANCER_SOURCE_CIDR_SET,
     LOOPBACK_SET,
+    NO_LOCAL_SET,
     AddressOp,
     Memory,
     Observed,
@@ -38,12 +47,14 @@ from pyproxy.dataplane.ipvs.render import (
 )
 from pyproxy.dataplane.netfilter import MasqueradeSettings, restore_input
 from pyproxy.model.objects import Protocol
-from pyproxy.model.state import Backend, Frontend, ServicePortState
+from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 WEB, DNS = "default/web", "kube-system/dns"
 A, B, C = (Backend(f"10.0.1.{i}", 8080) for i in (1, 2, 3))
 X, Y = Backend("10.0.2.1", 53), Backend("10.0.2.2", 53)
 WEB_KEY: VSKey = ("10.96.0.10", 80, "TCP")
+NODE_IPS = ("10.0.0.5", "192.168.1.5")
+EXT_IP, LB_IP = "192.0.2.10", "203.0.113.10"
 DNS_KEY: VSKey = ("10.96.0.53", 53, "UDP")
 
 
@@ -66,9 +77,12 @@ def dns(*backends: Backend) -> ServicePortState:
 class KernelModel:
     virtuals: dict[VSKey, tuple[str, int, dict[Backend, int]]] = field(default_factory=dict)
     addresses: set[str] = field(default_factory=set)
-    sets: dict[str, set[str]] = field(default_factory=dict)
+    sets: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    """Members of each set (an untouched set: none)."""
     conns: dict[tuple[VSKey, Backend], int] = field(default_factory=dict)
     """Active connections per real server, as a test sets them."""
+    node: tuple[str, ...] = NODE_IPS
+    """The node's addresses as the last sync was told them."""
 
     def observed(self) -> Observed:
         virtuals = {k: Virtual(s, t, {b: Real(w, self.conns.get((k, b), 0)) for b, w in reals.items()})
@@ -102,15 +116,18 @@ class KernelModel:
     def check(self) -> None:
         """What must hold between any two operations."""
         for ip in self.addresses:
+            assert ip not in self.node, f"node address {ip} bound to kube-ipvs0"
             served = [k for k in self.virtuals if k[0] == ip]
             assert served, f"{ip} is local but no virtual server serves it"
             for k in served:
-                assert cluster_entry(k) in self.sets.get(CLUSTER_IP_SET, set()), f"{k} local but not accepted"
+                listed = [name for name in FRONTEND_SETS if cluster_entry(k) in self.sets.get(name, set())]
+                assert listed, f"{k} local but not accepted"
 
     def sync(self, memory: Memory, desired: Mapping[str, Iterable[ServicePortState]], *, full: bool = True,
-             options: Options | None = None, now: float = 0.0) -> Plan:
+             options: Options | None = None, now: float = 0.0, node: Iterable[str] = NODE_IPS) -> Plan:
         before = self.observed()
-        plan = render(before, memory, desired, full=full, options=options or Options(), now=now)
+        self.node = tuple(node)
+        plan = render(before, memory, desired, full=full, options=options or Options(), now=now, node_addresses=node)
         for op in plan.ops:
             self.run(op)
         # What a partial sync of the backend starts from instead of reading everything back.
@@ -274,9 +291,11 @@ def test_ipset_members_are_stable_strings() -> None:
 def test_rules_mark_masquerade_per_settings(m: MasqueradeSettings, marking: str) -> None:
     text = restore_input(rule_edits(m))
     services = [line for line in text.splitlines() if line.startswith("-A KUBE-SERVICES ")]
-    assert len(services) == 2
-    assert services[0].endswith(marking)
-    assert services[1] == "-A KUBE-SERVICES -m set --match-set KUBE-CLUSTER-IP dst,dst -j ACCEPT"
+    marks = [i for i, line in enumerate(services) if "KUBE-CLUSTER-IP" in line and "KUBE-MARK-MASQ" in line]
+    accepts = [i for i, line in enumerate(services)
+               if line == "-A KUBE-SERVICES -m set --match-set KUBE-CLUSTER-IP dst,dst -j ACCEPT"]
+    assert len(marks) == len(accepts) == 1 and marks[0] < accepts[0], services
+    assert services[marks[0]].endswith(marking)
     postrouting = [line for line in text.splitlines() if line.startswith("-A KUBE-POSTROUTING ")]
     # The hairpin rule comes before the RETURN of unmarked packets, or it would never match.
     assert "--match-set KUBE-LOOP-BACK dst,dst,src -j MASQUERADE" in postrouting[0]
@@ -287,3 +306,171 @@ def test_rules_mark_masquerade_per_settings(m: MasqueradeSettings, marking: str)
 def test_mode_rules_are_recognised_by_their_ipsets() -> None:
     assert is_mode_rule("nat", "KUBE-SERVICES", "-m set --match-set KUBE-CLUSTER-IP dst,dst -j ACCEPT")
     assert not is_mode_rule("nat", "KUBE-SERVICES", "-m comment --comment x -j KUBE-SVC-ABCDEFGHIJKLMNOP")
+
+
+# ------------------------------------------------------------------------------- NodePort, ExternalIP, LB
+
+
+def ext(kind: FrontendKind, ip: str, number: int, backends: Iterable[Backend], local: Iterable[Backend] | None = None,
+        *, ranges: tuple[str, ...] = (), service: str = WEB, protocol: Protocol = Protocol.TCP) -> ServicePortState:
+    """An external frontend as the model makes it: `local` None is externalTrafficPolicy Cluster (every endpoint,
+    masqueraded), else Local with this node's endpoints `local`."""
+    ready = tuple(sorted(backends))
+    outside = ready if local is None else tuple(sorted(local))
+    return ServicePortState(service=service, port_name="", frontend=Frontend(ip, number, protocol), backends=ready,
+                            known_backends=ready, kind=kind, external_backends=outside, masquerade=local is None,
+                            source_ranges=ranges)
+
+
+def node_ports(number: int, backends: Iterable[Backend], local: Iterable[Backend] | None = None,
+               ips: Iterable[str] = NODE_IPS, protocol: Protocol = Protocol.TCP) -> list[ServicePortState]:
+    return [ext(FrontendKind.NODE_PORT, ip, number, backends, local, protocol=protocol) for ip in ips]
+
+
+def test_a_node_port_is_a_virtual_server_on_each_node_address_never_bound() -> None:
+    k = KernelModel()
+    k.sync(Memory(), {WEB: [web(A, B), *node_ports(30080, [A, B])],
+                      DNS: [dns(X), *node_ports(30053, [X], protocol=Protocol.UDP)]})
+    for ip in NODE_IPS:
+        assert k.virtuals[(ip, 30080, "TCP")] == ("rr", 0, {A: 1, B: 1})
+        assert k.virtuals[(ip, 30053, "UDP")] == ("rr", 0, {X: 1})
+    assert k.addresses == {"10.96.0.10", "10.96.0.53"}
+    assert k.sets["KUBE-NODE-PORT-TCP"] == {"30080"} and k.sets["KUBE-NODE-PORT-UDP"] == {"30053"}
+    assert not k.sets["KUBE-NODE-PORT-LOCAL-TCP"] and not k.sets["KUBE-NODE-PORT-LOCAL-UDP"]
+    assert k.sets[IPVS_IPS_SET] == {"10.96.0.10", "10.96.0.53"}
+
+
+def test_node_port_virtual_servers_follow_the_node_addresses() -> None:
+    k = KernelModel()
+    memory = k.sync(Memory(), {WEB: [web(A), *node_ports(30080, [A], ips=NODE_IPS[:1])], DNS: [dns(X)]}).memory
+    # The node gained an address and lost the other: the model recomputes the Service, the proxier syncs it.
+    plan = k.sync(memory, {WEB: [web(A), *node_ports(30080, [A], ips=["172.16.0.9"])]}, full=False)
+    assert {key for key in k.virtuals if key[1] == 30080} == {("172.16.0.9", 30080, "TCP")}
+    assert VirtualOp("del", (NODE_IPS[0], 30080, "TCP")) in plan.ops
+    assert not any(isinstance(op, AddressOp) for op in plan.ops), "node addresses are never bound"
+    assert k.sets["KUBE-NODE-PORT-TCP"] == {"30080"}
+    # Its last node-port address gone: the virtual server and the set member go.
+    k.sync(plan.memory, {WEB: [web(A)]}, full=False)
+    assert not any(key[1] == 30080 for key in k.virtuals) and not k.sets["KUBE-NODE-PORT-TCP"]
+    assert DNS_KEY in k.virtuals
+
+
+def test_external_and_load_balancer_ips_are_bound_and_listed_by_policy() -> None:
+    k = KernelModel()
+    k.sync(Memory(), {WEB: [web(A, B), ext(FrontendKind.EXTERNAL_IP, EXT_IP, 80, [A, B]),
+                            ext(FrontendKind.LOAD_BALANCER, LB_IP, 80, [A, B], [A])]})
+    assert k.virtuals[(EXT_IP, 80, "TCP")][2] == {A: 1, B: 1}
+    assert k.virtuals[(LB_IP, 80, "TCP")][2] == {A: 1}  # Local: this node's endpoints
+    assert k.addresses == {"10.96.0.10", EXT_IP, LB_IP}
+    assert k.sets[EXTERNAL_IP_SET] == {f"{EXT_IP},tcp:80"} and not k.sets[EXTERNAL_IP_LOCAL_SET]
+    assert k.sets[LOAD_BALANCER_SET] == k.sets[LOAD_BALANCER_LOCAL_SET] == {f"{LB_IP},tcp:80"}
+    # The policy flips: the members move between the sets, the virtual servers stay.
+    plan = k.sync(Memory(), {WEB: [web(A, B), ext(FrontendKind.EXTERNAL_IP, EXT_IP, 80, [A, B], [A]),
+                                   ext(FrontendKind.LOAD_BALANCER, LB_IP, 80, [A, B])]})
+    assert not any(isinstance(op, VirtualOp) for op in plan.ops)
+    assert k.sets[EXTERNAL_IP_LOCAL_SET] == {f"{EXT_IP},tcp:80"} and not k.sets[EXTERNAL_IP_SET]
+    assert not k.sets[LOAD_BALANCER_LOCAL_SET]
+    assert k.virtuals[(LB_IP, 80, "TCP")][2] == {A: 1, B: 1}
+
+
+def test_source_ranges_are_listed_as_ipset_prints_them() -> None:
+    k = KernelModel()
+    k.sync(Memory(), {WEB: [web(A), ext(FrontendKind.LOAD_BALANCER, LB_IP, 80, [A],
+                                        ranges=("198.51.100.0/24", " 10.1.2.3/16", f"{LB_IP}/32"))]})
+    assert k.sets[LOAD_BALANCER_FW_SET] == {f"{LB_IP},tcp:80"}
+    assert k.sets[LOAD_BALANCER_SOURCE_CIDR_SET] == {
+        f"{LB_IP},tcp:80,198.51.100.0/24", f"{LB_IP},tcp:80,10.1.0.0/16", f"{LB_IP},tcp:80,{LB_IP}"}
+
+
+def test_local_policy_without_a_local_endpoint_serves_all_and_is_listed_for_the_drop() -> None:
+    k = KernelModel()
+    # The cluster has endpoints, none on this node: every endpoint serves pods and the node; outside sources
+    # are dropped by the rule over KUBE-NO-LOCAL-ENDPOINTS.
+    memory = k.sync(Memory(), {WEB: [web(A, B), *node_ports(30080, [A, B], [])]}).memory
+    assert k.virtuals[(NODE_IPS[0], 30080, "TCP")][2] == {A: 1, B: 1}
+    assert k.sets[NO_LOCAL_SET] == {f"{ip},tcp:30080" for ip in NODE_IPS}
+    assert k.sets["KUBE-NODE-PORT-LOCAL-TCP"] == {"30080"}
+    # A local endpoint comes: only it serves, and the drop goes.
+    memory = k.sync(memory, {WEB: [web(A, B), *node_ports(30080, [A, B], [A])]}, full=False).memory
+    assert k.virtuals[(NODE_IPS[0], 30080, "TCP")][2] == {A: 1}
+    assert not k.sets[NO_LOCAL_SET]
+    # No endpoint anywhere: no real server (refused), and nothing to drop.
+    k.sync(memory, {WEB: [web(), *node_ports(30080, [], [])]}, full=False)
+    assert k.virtuals[(NODE_IPS[0], 30080, "TCP")][2] == {}
+    assert not k.sets[NO_LOCAL_SET]
+
+
+def test_a_partial_sync_keeps_what_other_services_account_for() -> None:
+    k = KernelModel()
+    lb = ext(FrontendKind.LOAD_BALANCER, LB_IP, 80, [A], [A], ranges=("10.0.0.0/8",))
+    memory = k.sync(Memory(), {WEB: [web(A), lb, *node_ports(30080, [A], [A])], DNS: [dns(X)]}).memory
+    before = {name: set(m) for name, m in k.sets.items()}
+    plan = k.sync(memory, {DNS: [dns(X, Y)]}, full=False)
+    assert {name: set(m) for name, m in k.sets.items() if name != LOOPBACK_SET} == {
+        name: m for name, m in before.items() if name != LOOPBACK_SET}
+    assert all(isinstance(op, (RealOp, SetOp)) and getattr(op, "verb", "") == "add" for op in plan.ops), plan.ops
+    # Removing the Service takes all of it, across kinds.
+    k.sync(plan.memory, {WEB: []}, full=False)
+    assert set(k.virtuals) == {DNS_KEY}
+    assert k.addresses == {"10.96.0.53"}
+    assert all(not m for name, m in k.sets.items() if name not in (CLUSTER_IP_SET, IPVS_IPS_SET, LOOPBACK_SET))
+
+
+def test_a_restart_removes_stale_node_ports_of_a_previous_run_only() -> None:
+    k = KernelModel()
+    k.sync(Memory(), {WEB: [web(A), *node_ports(30080, [A])], DNS: [dns(X), *node_ports(30053, [X])]})
+    foreign: VSKey = (NODE_IPS[0], 8443, "TCP")  # someone else's, on a node address
+    k.virtuals[foreign] = ("wlc", 0, {C: 1})
+    # DNS deleted while pyproxy was down: nothing remembered, its node ports are known by the node-port set.
+    k.sync(Memory(), {WEB: [web(A), *node_ports(30080, [A])]})
+    assert set(k.virtuals) == {WEB_KEY, foreign, *((ip, 30080, "TCP") for ip in NODE_IPS)}
+    assert k.sets["KUBE-NODE-PORT-TCP"] == {"30080"}
+
+
+def test_rules_for_external_frontends() -> None:
+    text = restore_input(rule_edits(MasqueradeSettings(cluster_cidr="10.244.0.0/16")))
+    lines = text.splitlines()
+    # Cluster policy marks for SNAT; Local returns first, but for the node's own flows.
+    assert ("-A KUBE-NODE-PORT -p tcp -m comment --comment \"Kubernetes nodeport TCP port with "
+            "externalTrafficPolicy=local\" -m set --match-set KUBE-NODE-PORT-LOCAL-TCP dst -m addrtype ! "
+            "--src-type LOCAL -j RETURN") in lines
+    node_port = [line for line in lines if line.startswith("-A KUBE-NODE-PORT -p tcp")]
+    assert node_port[1].endswith("--match-set KUBE-NODE-PORT-TCP dst -j KUBE-MARK-MASQ")
+    assert lines.index("-A KUBE-LOAD-BALANCER -j KUBE-MARK-MASQ") > lines.index(
+        "-A KUBE-LOAD-BALANCER -m set --match-set KUBE-LOAD-BALANCER-LOCAL dst,dst -m addrtype ! --src-type LOCAL "
+        "-j RETURN")
+    # Source ranges and the Local drop, before IPVS; pods (--cluster-cidr) are not dropped.
+    assert "-A KUBE-SOURCE-RANGES-FIREWALL -j DROP" in lines
+    drop = next(line for line in lines if "KUBE-NO-LOCAL-ENDPOINTS" in line)
+    assert "! -s 10.244.0.0/16" in drop and drop.endswith("-j DROP") and "--ctstate NEW" in drop
+    # The node-port jump comes after every accept, so it sees no other frontend.
+    services = [line for line in lines if line.startswith("-A KUBE-SERVICES")]
+    assert services[-1] == "-A KUBE-SERVICES -m addrtype --dst-type LOCAL -j KUBE-NODE-PORT"
+    for chain in ("KUBE-NODE-PORT", "KUBE-LOAD-BALANCER"):
+        assert is_mode_chain("nat", chain)
+    for chain in ("KUBE-PROXY-FIREWALL", "KUBE-SOURCE-RANGES-FIREWALL", "KUBE-IPVS-FILTER"):
+        assert is_mode_chain("filter", chain)
+    assert not is_mode_chain("nat", "KUBE-SERVICES")
+
+
+def test_cleanup_can_tell_every_rule_of_ours_in_the_shared_services_chain() -> None:
+    # KUBE-SERVICES is shared with the iptables mode: cleanup removes our rules there by their ipsets, or as
+    # jumps to our own chains; any other rule would keep the chain, and the jumps to it, after a cleanup.
+    nat = rule_edits(MasqueradeSettings(cluster_cidr="10.244.0.0/16"))["nat"]
+    ours = [line.split(" ", 2)[2] for line in nat.rules if line.startswith("-A KUBE-SERVICES ")]
+    assert ours
+    for body in ours:
+        assert is_mode_rule("nat", "KUBE-SERVICES", body) or is_mode_chain("nat", body.rsplit("-j ", 1)[1]), body
+
+
+def test_an_external_ip_that_is_a_node_address_is_served_but_never_bound() -> None:
+    # Bound, it would be in KUBE-IPVS-IPS, and KUBE-IPVS-FILTER would reject the node's own services on it.
+    k = KernelModel()
+    state = [web(A), ext(FrontendKind.EXTERNAL_IP, NODE_IPS[1], 80, [A])]
+    memory = k.sync(Memory(), {WEB: state}).memory
+    assert k.virtuals[(NODE_IPS[1], 80, "TCP")][2] == {A: 1}
+    assert k.addresses == {"10.96.0.10"} and k.sets[IPVS_IPS_SET] == {"10.96.0.10"}
+    assert k.sets[EXTERNAL_IP_SET] == {f"{NODE_IPS[1]},tcp:80"}
+    # The node loses that address: the model recomputes the Service, which binds it now.
+    k.sync(memory, {WEB: state}, full=False, node=NODE_IPS[:1])
+    assert k.addresses == {"10.96.0.10", NODE_IPS[1]}

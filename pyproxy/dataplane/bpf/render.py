@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi
-from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState, rendered
+from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 FrontendKey = tuple[str, int, str, int]
 """(address, port, "TCP"|"UDP", scope): a services map key. Scope abi.SVC_SCOPE_NODE is the entry an external
@@ -283,7 +283,7 @@ def render(
     # deleted after its new owner wrote it. Which Service serves a frontend the model decided: each is unique.
     claims: dict[FrontendKey, tuple[str, ServicePortState]] = {}
     for service in sorted(desired):
-        for st in rendered(desired[service], mode="bpf"):
+        for st in desired[service]:
             key = frontend_key(st.frontend)
             if key[2] not in abi.IPPROTO:
                 skipped.append(f"{st.display_name} {st.frontend}: protocol not served by the bpf dataplane")

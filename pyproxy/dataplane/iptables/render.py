@@ -48,9 +48,7 @@ from dataclasses import dataclass, field
 
 from pyproxy.dataplane import netfilter as nf
 from pyproxy.model.objects import Protocol
-from pyproxy.model.state import Backend, DesiredState, Frontend, FrontendKind, ServicePortState, rendered
-
-MODE = "iptables"
+from pyproxy.model.state import Backend, DesiredState, Frontend, FrontendKind, ServicePortState
 
 SVC_PREFIX = "KUBE-SVC-"
 SEP_PREFIX = "KUBE-SEP-"
@@ -253,7 +251,7 @@ class SharedRules:
 def shared_rules(desired: DesiredState, m: nf.MasqueradeSettings) -> SharedRules:
     out = SharedRules()
     for key in sorted(desired.services):
-        for sp in rendered(desired.services[key], mode=MODE):
+        for sp in desired.services[key]:
             out.add(sp, m)
     # Last, as upstream: a node-port address's other ports (and a ClusterIP's) must not reach KUBE-NODEPORTS
     # before their own rules. Only the addresses the model chose (--nodeport-addresses, never loopback), rather
@@ -403,7 +401,7 @@ def render(desired: DesiredState, changed: Set[str] | None, applied: Applied, m:
     new_applied = dict(applied)
     flushes: list[ConntrackFlush] = []
     for key in sorted(keys):
-        ports = rendered(desired.services.get(key, ()), mode=MODE)
+        ports = tuple(desired.services.get(key, ()))
         chains = [c for states in by_port(ports) for c in port_chains(states, m)]
         for chain in chains:
             out.write(out.nat, chain)

@@ -7,22 +7,32 @@ kernel's state; a partial one re-reads only the virtual servers it syncs and tho
 servers, and takes the rest from what the last sync left (render.after): one netlink dump per virtual server
 is what makes reading slow. What is where:
 
-- IPVS (netlink, kernel.py): a virtual server per frontend, real servers = ready endpoints, graceful
-  termination of the ones that leave (render.py);
-- kube-ipvs0: every ClusterIP as a /32, so the node takes packets for it into LOCAL_IN, where IPVS is;
-- ipsets KUBE-CLUSTER-IP, KUBE-LOOP-BACK, KUBE-IPVS-IPS, and through netfilter.py (iptables-restore):
-    nat KUBE-SERVICES (from PREROUTING and OUTPUT): mark ClusterIP traffic for SNAT per --masquerade-all /
-      --cluster-cidr, then ACCEPT it (no other nat rule may touch what IPVS translates);
+- IPVS (netlink, kernel.py): a virtual server per frontend (ClusterIP, external IP, load-balancer IP, and a
+  NodePort on each node address it is served on), real servers = the frontend's endpoints, graceful termination
+  of the ones that leave (render.py);
+- kube-ipvs0: every ClusterIP, external IP and load-balancer IP as a /32, so the node takes packets for them
+  into LOCAL_IN, where IPVS is (node addresses are the node's already);
+- upstream's ipsets (render.py says which) and, through netfilter.py (iptables-restore), upstream's rules over
+  them:
+    nat KUBE-SERVICES (from PREROUTING and OUTPUT): mark for SNAT ClusterIP traffic per --masquerade-all /
+      --cluster-cidr, externalTrafficPolicy Cluster traffic to external IPs (and, through KUBE-LOAD-BALANCER
+      and KUBE-NODE-PORT, to load-balancer IPs and node ports), and the node's own flows to any external
+      frontend; then ACCEPT every frontend (no other nat rule may touch what IPVS translates);
     nat KUBE-POSTROUTING: masquerade hairpin flows (KUBE-LOOP-BACK dst,dst,src) and marked packets;
-    filter KUBE-IPVS-FILTER (from INPUT): reject new connections to a ClusterIP on a port that is no
-      Service's: the address is local on kube-ipvs0, so the node's own listeners would otherwise answer there
-      (upstream issue 72236);
+    filter KUBE-PROXY-FIREWALL (from INPUT and FORWARD, before IPVS's LOCAL_IN hook): drop sources outside a
+      load balancer's loadBalancerSourceRanges (KUBE-SOURCE-RANGES-FIREWALL), and new flows from outside the
+      cluster to an externalTrafficPolicy Local frontend this node has no endpoint for;
+    filter KUBE-IPVS-FILTER (from INPUT): reject new connections to an address of kube-ipvs0 on a port that is
+      no frontend's: the address is local, so the node's own listeners would otherwise answer there (upstream
+      issue 72236);
     filter KUBE-FORWARD: accept marked traffic, drop conntrack-INVALID;
 - sysctls net.ipv4.vs.conntrack=1 (iptables must see IPVS flows to masquerade them), expire_nodest_conn=1,
   expire_quiescent_template=1, ip_forward=1, as upstream.
 
-A Service without ready endpoints keeps its virtual server with no real server: the kernel answers a new
+A frontend without usable endpoints keeps its virtual server with no real server: the kernel answers a new
 connection with ICMP port unreachable, so clients see "connection refused" at once (as upstream IPVS mode).
+The node's own flows to a frontend are IPVS's too: its local-out hook translates them, after nat OUTPUT marked
+them for SNAT.
 
 Not atomic: IPVS has no transactions. A failing step raises DataplaneError naming it; what ran stays, and
 because every sync starts from what the kernel really holds, the next one (the proxier retries) completes it.
@@ -45,10 +55,19 @@ from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import DataplaneError, ModeUnavailable
 from pyproxy.dataplane.ipvs import kernel
 from pyproxy.dataplane.ipvs.render import (
+    BITMAP_PORT,
     CLUSTER_IP_SET,
     DUMMY_DEVICE,
+    EXTERNAL_IP_LOCAL_SET,
+    EXTERNAL_IP_SET,
     IPVS_IPS_SET,
+    LOAD_BALANCER_FW_SET,
+    LOAD_BALANCER_LOCAL_SET,
+    LOAD_BALANCER_SET,
+    LOAD_BALANCER_SOURCE_CIDR_SET,
     LOOPBACK_SET,
+    NO_LOCAL_SET,
+    NODE_PORT_SETS,
     SET_TYPES,
     AddressOp,
     Memory,
@@ -65,16 +84,24 @@ from pyproxy.dataplane.ipvs.render import (
     vs_key,
 )
 from pyproxy.dataplane.netfilter import MasqueradeSettings
-from pyproxy.model.state import DesiredState, rendered
+from pyproxy.model.state import DesiredState
 
 log = logging.getLogger(__name__)
 
 IPVS_FILTER_CHAIN = "KUBE-IPVS-FILTER"
+NODE_PORT_CHAIN, LOAD_BALANCER_CHAIN = "KUBE-NODE-PORT", "KUBE-LOAD-BALANCER"  # nat
+FIREWALL_CHAIN, SOURCE_RANGES_CHAIN = "KUBE-PROXY-FIREWALL", "KUBE-SOURCE-RANGES-FIREWALL"  # filter
+MODE_CHAINS = frozenset({("filter", IPVS_FILTER_CHAIN), ("nat", NODE_PORT_CHAIN), ("nat", LOAD_BALANCER_CHAIN),
+                         ("filter", FIREWALL_CHAIN), ("filter", SOURCE_RANGES_CHAIN)})
+"""(table, chain) of the chains only this mode writes (upstream's IPVS proxier's names)."""
 JUMPS = (
     nf.Jump("nat", "PREROUTING", nf.SERVICES_CHAIN, "kubernetes service portals"),
     nf.Jump("nat", "OUTPUT", nf.SERVICES_CHAIN, "kubernetes service portals"),
     nf.Jump("filter", "INPUT", IPVS_FILTER_CHAIN, "kubernetes ipvs access filter"),
     *nf.MASQUERADE_JUMPS,
+    # Inserted last, so first in INPUT: source ranges and the Local drop act before anything accepts.
+    nf.Jump("filter", "INPUT", FIREWALL_CHAIN, "kube-proxy firewall rules"),
+    nf.Jump("filter", "FORWARD", FIREWALL_CHAIN, "kube-proxy firewall rules"),
 )
 
 
@@ -105,8 +132,28 @@ def _set_match(name: str, flags: str) -> str:
     return f"-m set --match-set {name} {flags}"
 
 
+_NOT_FROM_NODE = "-m addrtype ! --src-type LOCAL"
+"""Sources that are not the node itself: the node's own flows to external frontends are always masqueraded (the
+model's rule; their source may be an address of kube-ipvs0, which an endpoint on another node cannot answer)."""
+
+
+def _node_port_rules() -> list[str]:
+    """nat KUBE-NODE-PORT, per protocol: Local node ports keep the client's address, the others are marked for
+    SNAT (upstream's rules; SCTP's sets hold address and port)."""
+    rules = []
+    for proto, (every, local) in NODE_PORT_SETS.items():
+        flags = "dst" if SET_TYPES[every] == BITMAP_PORT else "dst,dst"
+        p = f"-p {proto.lower()}"
+        rules.append(f'{p} -m comment --comment "Kubernetes nodeport {proto} port with externalTrafficPolicy=local" '
+                     f"{_set_match(local, flags)} {_NOT_FROM_NODE} -j RETURN")
+        rules.append(f'{p} -m comment --comment "Kubernetes nodeport {proto} port for masquerade purpose" '
+                     f"{_set_match(every, flags)} -j {nf.MARK_MASQ_CHAIN}")
+    return rules
+
+
 def rule_edits(m: MasqueradeSettings) -> dict[str, nf.TableEdit]:
-    """The chains this mode writes (as upstream's IPVS proxier), without the jumps into them."""
+    """The chains this mode writes (as upstream's IPVS proxier), without the jumps into them. They match the
+    ipsets only, so they depend on the settings, never on Services."""
     cluster_ip = _set_match(CLUSTER_IP_SET, "dst,dst")
     marking = nf.mark_masq_rule(
         m, f'-m comment --comment "Kubernetes service cluster ip + port for masquerade purpose" {cluster_ip}')
@@ -117,24 +164,68 @@ def rule_edits(m: MasqueradeSettings) -> dict[str, nf.TableEdit]:
     mark_masq, postrouting = nf.masquerade_chains(m)
     hairpin = ('-m comment --comment "Kubernetes endpoints dst ip:port, source ip for solving hairpin purpose" '
                f"{_set_match(LOOPBACK_SET, 'dst,dst,src')} -j MASQUERADE")
+    load_balancer = _set_match(LOAD_BALANCER_SET, "dst,dst")
+    external, external_local = _set_match(EXTERNAL_IP_SET, "dst,dst"), _set_match(EXTERNAL_IP_LOCAL_SET, "dst,dst")
     nat, flt = nf.TableEdit(), nf.TableEdit()
-    nat.write(nf.Chain(nf.SERVICES_CHAIN, (marking, f"{cluster_ip} -j ACCEPT")))
+    # Upstream's first rule here, `-s 127.0.0.0/8 -j RETURN`, is left out: it matches none of our sets, so
+    # cleanup could not tell it from another mode's rule in this shared chain; without it a localhost flow to a
+    # node port's number on 127.0.0.1 (no virtual server there) is only marked, and masqueraded to itself.
+    nat.write(nf.Chain(nf.SERVICES_CHAIN, (
+        f'-m comment --comment "Kubernetes service lb portal" {load_balancer} -j {LOAD_BALANCER_CHAIN}',
+        marking,
+        # externalTrafficPolicy Cluster: replies from another node's endpoint must come back through this node.
+        '-m comment --comment "Kubernetes service external ip + port for masquerade and filter purpose" '
+        f"{external} -j {nf.MARK_MASQ_CHAIN}",
+        f"{external_local} -m addrtype --src-type LOCAL -j {nf.MARK_MASQ_CHAIN}",
+        # No other nat rule may touch what IPVS translates. (Upstream accepts external IPs from off the machine
+        # or when they are local; pyproxy always binds them to kube-ipvs0, so they are always local.)
+        f"{external} -j ACCEPT",
+        f"{external_local} -j ACCEPT",
+        f"{cluster_ip} -j ACCEPT",
+        f"{load_balancer} -j ACCEPT",
+        # Last, unlike upstream: only a local destination that is no other frontend can be a node port, so a
+        # ClusterIP or load-balancer port that happens to be some node port's number is not marked by its rules.
+        f"-m addrtype --dst-type LOCAL -j {NODE_PORT_CHAIN}",
+    )))
+    nat.write(nf.Chain(LOAD_BALANCER_CHAIN, (
+        f"{_set_match(LOAD_BALANCER_LOCAL_SET, 'dst,dst')} {_NOT_FROM_NODE} -j RETURN",
+        f"-j {nf.MARK_MASQ_CHAIN}",
+    )))
+    nat.write(nf.Chain(NODE_PORT_CHAIN, tuple(_node_port_rules())))
     nat.write(mark_masq)
     nat.write(nf.Chain(postrouting.name, (hairpin, *postrouting.rules)))
     flt.write(nf.forward_chain(m))
+    # Before IPVS (its LOCAL_IN hook runs after filter INPUT): sources outside loadBalancerSourceRanges are
+    # dropped, and so are new flows from outside the cluster to a Local frontend this node has no endpoint for
+    # (render.py); pods (by --cluster-cidr) and the node reach every endpoint there.
+    pods = f" ! -s {m.cluster_cidr}" if m.cluster_cidr else ""
+    flt.write(nf.Chain(FIREWALL_CHAIN, (
+        '-m comment --comment "Kubernetes service load balancer ip + port for load balancer with sourceRange" '
+        f"{_set_match(LOAD_BALANCER_FW_SET, 'dst,dst')} -j {SOURCE_RANGES_CHAIN}",
+        '-m comment --comment "externalTrafficPolicy Local without a local endpoint" -m conntrack --ctstate NEW '
+        f"{_set_match(NO_LOCAL_SET, 'dst,dst')}{pods} {_NOT_FROM_NODE} -j DROP",
+    )))
+    flt.write(nf.Chain(SOURCE_RANGES_CHAIN, (
+        f"{_set_match(LOAD_BALANCER_SOURCE_CIDR_SET, 'dst,dst,src')} -j RETURN",
+        "-j DROP",
+    )))
+    # The node's own listeners must not answer on a frontend's address (upstream issue 72236): only the
+    # frontends pass, other new flows to an address of kube-ipvs0 are rejected.
     flt.write(nf.Chain(IPVS_FILTER_CHAIN, (
-        f"{cluster_ip} -j RETURN",
+        *(f"{_set_match(name, 'dst,dst')} -j RETURN"
+          for name in (LOAD_BALANCER_SET, CLUSTER_IP_SET, EXTERNAL_IP_SET, EXTERNAL_IP_LOCAL_SET)),
         f"-m conntrack --ctstate NEW {_set_match(IPVS_IPS_SET, 'dst')} -j REJECT",
     )))
     return {"nat": nat, "filter": flt}
 
 
 def is_mode_chain(table: str, chain: str) -> bool:
-    return (table, chain) == ("filter", IPVS_FILTER_CHAIN)
+    return (table, chain) in MODE_CHAINS
 
 
 def is_mode_rule(table: str, chain: str, body: str) -> bool:
-    """A rule of this mode in a shared chain: it matches one of our ipsets."""
+    """A rule of this mode in a shared chain: it matches one of our ipsets (the jump to KUBE-NODE-PORT goes
+    with that chain)."""
     return any(f"--match-set {name} " in body for name in SET_TYPES)
 
 
@@ -201,21 +292,22 @@ class IpvsDataplane:
     def _sync(self, ipvs: IPVS, desired: DesiredState, keys: set[str], full: bool) -> None:
         fresh = None
         if not full:
-            fresh = {vs_key(st.frontend) for k in keys for st in rendered(desired.services.get(k, ()))}
+            fresh = {vs_key(st.frontend) for k in keys for st in desired.services.get(k, ())}
             fresh |= {key for key, svc in self.memory.owners.items() if svc in keys}
             fresh |= {key for key, _ in self.memory.draining_since}
         observed = self._observe(ipvs, fresh)
         plan = render(observed, self.memory, {k: desired.services.get(k, ()) for k in keys}, full=full,
                       options=Options(self.settings.scheduler, self.settings.graceful_termination_seconds),
-                      now=self._clock())
+                      now=self._clock(), node_addresses=desired.node.nodeport_addresses)
         try:
             self._run(ipvs, plan.ops)
             if full:
                 self._write_rules()
         except DataplaneError:
             # Keep knowing who owns what was made: the retry is a partial sync of the same Services.
-            self.memory = Memory({**self.memory.owners, **plan.memory.owners},
-                                 {**self.memory.draining_since, **plan.memory.draining_since})
+            self.memory = Memory(owners={**self.memory.owners, **plan.memory.owners},
+                                 members={**self.memory.members, **plan.memory.members},
+                                 draining_since={**self.memory.draining_since, **plan.memory.draining_since})
             self._last = None
             raise
         self.memory = plan.memory
@@ -312,9 +404,10 @@ def _key(key: tuple[str, int, str]) -> str:
 
 
 def cleanup(settings: IpvsSettings, shared: bool = True) -> list[str]:
-    """Remove what IPVS mode made here: its virtual servers (those on kube-ipvs0's addresses or listed in
-    KUBE-CLUSTER-IP; unlike upstream, which flushes every virtual server, others' are left alone), its
-    iptables rules and chains (with `shared`, shared ones once unused), its ipsets and kube-ipvs0."""
+    """Remove what IPVS mode made here: its virtual servers (those on kube-ipvs0's addresses or listed in our
+    frontend ipsets, NodePorts by their port in the node-port sets: render.ours; unlike upstream, which flushes
+    every virtual server, others' are left alone), its iptables rules and chains (with `shared`, shared ones
+    once unused), its ipsets and kube-ipvs0."""
     done: list[str] = []
     sets = _read_sets_or_none()
     with netlink.rtnl() as ipr:

@@ -25,7 +25,7 @@ from pyroute2 import IPVS, IPVSDest, IPVSService
 from pyroute2.netlink.exceptions import NetlinkError
 
 from pyproxy.dataplane.base import DataplaneError, ModeUnavailable
-from pyproxy.dataplane.ipvs.render import SET_TYPES, Real, Virtual, VSKey
+from pyproxy.dataplane.ipvs.render import BITMAP_PORT, SET_TYPES, Real, Virtual, VSKey
 from pyproxy.model.state import Backend
 
 IPSET_TIMEOUT = 30.0
@@ -169,10 +169,14 @@ def read_sets(names: Iterable[str] = SET_TYPES) -> dict[str, frozenset[str]]:
     return {name: frozenset(m) for name, m in members.items()}
 
 
+# A bitmap has no address family; it needs its range (every port, as upstream).
+_CREATE_OPTIONS = {BITMAP_PORT: "range 0-65535"}
+
+
 def change_sets(adds: Iterable[tuple[str, str]] = (), dels: Iterable[tuple[str, str]] = (),
                 create: Mapping[str, str] = SET_TYPES) -> None:
     """Create the sets (if missing), then add and delete members, in one `ipset restore -exist`."""
-    lines = [f"create {name} {kind} family inet" for name, kind in create.items()]
+    lines = [f"create {name} {kind} {_CREATE_OPTIONS.get(kind, 'family inet')}" for name, kind in create.items()]
     lines += [f"add {name} {entry}" for name, entry in adds]
     lines += [f"del {name} {entry}" for name, entry in dels]
     _ipset("restore", "-exist", input="\n".join(lines) + "\n")

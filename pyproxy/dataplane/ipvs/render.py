@@ -2,49 +2,94 @@
 
 `render()` compares what the kernel holds (`Observed`: virtual servers with their real servers and connection
 counts, the addresses on kube-ipvs0, the members of our ipsets) and what this process remembers (`Memory`:
-which Service owns which virtual server, since when a real server drains) with the desired frontends of the
-Services being synced, and returns a `Plan`: ordered operations plus the memory that holds once they ran.
+which Service owns which virtual server, the ipset members each one accounts for, since when a real server
+drains) with the desired frontends of the Services being synced, and returns a `Plan`: ordered operations plus
+the memory that holds once they ran.
 
 Upstream kube-proxy's IPVS semantics:
 
-- one virtual server per frontend (ClusterIP:port/protocol), NAT forwarding ("masq"), the configured scheduler;
-  ClientIP affinity makes it persistent with the affinity timeout;
-- real servers are the ready endpoints, weight 1. A Service without ready endpoints keeps its virtual server
-  with no real servers: the kernel then answers every new connection with ICMP port unreachable (ip_vs_leave),
-  so a client gets "connection refused" at once, as the other modes' REJECT gives;
+- one virtual server per frontend, NAT forwarding ("masq"), the configured scheduler; ClientIP affinity makes
+  it persistent with the affinity timeout. Frontends are every kind the model gives: each ClusterIP, each
+  external IP, each load-balancer IP, and a NodePort on each node address it is served on (the model's
+  `NodeInputs.nodeport_addresses`, one frontend per address);
+- real servers, weight 1: a ClusterIP's `backends`; an external frontend's `external_backends` (with
+  externalTrafficPolicy Cluster the same; with Local this node's). One virtual server serves every source, so
+  unlike the netfilter modes IPVS cannot give pods and the node all endpoints while outside clients get this
+  node's (upstream IPVS cannot either): with Local, pods and the node reach this node's endpoints too.
+  A Local frontend without a local endpoint while the cluster has some gets all the `backends` (as upstream,
+  kubernetes PR 97081: pods and the node still reach the Service) and its (address, port) goes into
+  KUBE-NO-LOCAL-ENDPOINTS, whose filter rule drops new flows from outside the cluster: the model's drop, where
+  upstream IPVS would forward them without SNAT and the endpoint's reply would never reach the client;
+- a frontend without usable endpoints keeps its virtual server with no real servers: the kernel answers every
+  new connection with ICMP port unreachable (ip_vs_leave), so a client gets "connection refused" at once, as
+  the other modes' REJECT gives;
 - a real server that leaves drains (graceful termination): TCP ones go to weight 0 and are deleted once they
   have no active or inactive connections, or after `grace_seconds` (upstream's original 15 minutes), checked at
   every later sync; UDP and SCTP ones are deleted at once (upstream: there is no connection to wait for);
-- every ClusterIP is a /32 on the dummy device kube-ipvs0 (so the node accepts packets for it and IPVS sees
-  them in LOCAL_IN); the ipsets KUBE-CLUSTER-IP (ip,port) and KUBE-IPVS-IPS (ip) list the frontends and
-  addresses for the iptables rules, KUBE-LOOP-BACK (endpoint ip,port,ip) the hairpin flows to masquerade.
+- every ClusterIP, external IP and load-balancer IP is a /32 on the dummy device kube-ipvs0 (so the node
+  accepts packets for it and IPVS sees them in LOCAL_IN); NodePort addresses are the node's own already and
+  are never bound, nor is an external or load-balancer IP that is one of them (as upstream). The ipsets tell
+  the iptables rules (backend.py) what each frontend is: KUBE-CLUSTER-IP, KUBE-EXTERNAL-IP /
+  KUBE-EXTERNAL-IP-LOCAL (by policy), KUBE-LOAD-BALANCER (+ -LOCAL for Local policy, -FW and -SOURCE-CIDR for
+  loadBalancerSourceRanges), KUBE-NODE-PORT-TCP/-UDP (+ -LOCAL-*; bitmaps of node ports, and for SCTP the
+  hash:ip,port sets upstream uses), KUBE-IPVS-IPS (the bound addresses), KUBE-LOOP-BACK (endpoint
+  ip,port,ip: the hairpin flows to masquerade) and pyproxy's KUBE-NO-LOCAL-ENDPOINTS (above).
 
 Which virtual servers are ours: those this process made (`Memory.owners`), and any on an address of
-kube-ipvs0 or listed in KUBE-CLUSTER-IP (a previous run's; upstream judges by kube-ipvs0's addresses too). A full
-sync removes ours that nothing wants; a partial sync only touches the Services it is given, plus draining real
-servers anywhere. Virtual servers of anyone else are never touched.
+kube-ipvs0 or listed in one of the frontend ipsets (a previous run's; upstream judges by kube-ipvs0's addresses
+and flushes the rest); a NodePort one is known by its port in the node-port set of its protocol. A full sync
+removes ours that nothing wants; a partial sync only touches the Services it is given (their virtual servers,
+and the ipset members those account for), plus draining real servers anywhere. Virtual servers of anyone else
+are never touched.
 
-Order keeps traffic sane while the plan runs: ipset members are added first (the iptables rules accept and
-mark by them), virtual and real servers next, then the new addresses (a ClusterIP becomes local only once IPVS
-serves it); removals run last: addresses, then virtual servers, then ipset members.
+Order keeps traffic sane while the plan runs: ipset members are added first (the iptables rules accept, mark
+and drop by them), virtual and real servers next, then the new addresses (an address becomes local only once
+IPVS serves it); removals run last: addresses, then virtual servers, then ipset members.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import ipaddress
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 
-from pyproxy.model.state import Backend, Frontend, ServicePortState, rendered
+from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 VSKey = tuple[str, int, str]
-"""(ClusterIP, port, "TCP" | "UDP" | "SCTP")."""
+"""(address, port, "TCP" | "UDP" | "SCTP")."""
 
 DUMMY_DEVICE = "kube-ipvs0"
 CLUSTER_IP_SET = "KUBE-CLUSTER-IP"
 LOOPBACK_SET = "KUBE-LOOP-BACK"
 IPVS_IPS_SET = "KUBE-IPVS-IPS"
-SET_TYPES = {CLUSTER_IP_SET: "hash:ip,port", LOOPBACK_SET: "hash:ip,port,ip", IPVS_IPS_SET: "hash:ip"}
-"""Our ipsets and their types, as upstream."""
+EXTERNAL_IP_SET = "KUBE-EXTERNAL-IP"
+EXTERNAL_IP_LOCAL_SET = "KUBE-EXTERNAL-IP-LOCAL"
+LOAD_BALANCER_SET = "KUBE-LOAD-BALANCER"
+LOAD_BALANCER_LOCAL_SET = "KUBE-LOAD-BALANCER-LOCAL"
+LOAD_BALANCER_FW_SET = "KUBE-LOAD-BALANCER-FW"
+LOAD_BALANCER_SOURCE_CIDR_SET = "KUBE-LOAD-BALANCER-SOURCE-CIDR"
+NO_LOCAL_SET = "KUBE-NO-LOCAL-ENDPOINTS"
+"""pyproxy's own: externalTrafficPolicy Local frontends without a local endpoint while the cluster has some."""
+NODE_PORT_SETS: Mapping[str, tuple[str, str]] = {
+    "TCP": ("KUBE-NODE-PORT-TCP", "KUBE-NODE-PORT-LOCAL-TCP"),
+    "UDP": ("KUBE-NODE-PORT-UDP", "KUBE-NODE-PORT-LOCAL-UDP"),
+    "SCTP": ("KUBE-NODE-PORT-SCTP-HASH", "KUBE-NODE-PORT-LOCAL-SCTP-HASH"),
+}
+"""Per protocol, the sets of every node port and of those with externalTrafficPolicy Local (upstream's names)."""
+BITMAP_PORT = "bitmap:port"
+SET_TYPES: Mapping[str, str] = {
+    CLUSTER_IP_SET: "hash:ip,port", LOOPBACK_SET: "hash:ip,port,ip", IPVS_IPS_SET: "hash:ip",
+    EXTERNAL_IP_SET: "hash:ip,port", EXTERNAL_IP_LOCAL_SET: "hash:ip,port",
+    LOAD_BALANCER_SET: "hash:ip,port", LOAD_BALANCER_LOCAL_SET: "hash:ip,port",
+    LOAD_BALANCER_FW_SET: "hash:ip,port", LOAD_BALANCER_SOURCE_CIDR_SET: "hash:ip,port,net",
+    NO_LOCAL_SET: "hash:ip,port",
+    # Upstream: bitmaps of ports for TCP and UDP (one member serves every node address); SCTP by address.
+    **{name: BITMAP_PORT if proto != "SCTP" else "hash:ip,port" for proto, names in NODE_PORT_SETS.items()
+       for name in names},
+}
+"""Our ipsets and their types, as upstream (but KUBE-NO-LOCAL-ENDPOINTS)."""
+FRONTEND_SETS = frozenset({CLUSTER_IP_SET, EXTERNAL_IP_SET, EXTERNAL_IP_LOCAL_SET, LOAD_BALANCER_SET})
+"""The sets that list every ClusterIP, external IP and load-balancer frontend (ip,proto:port)."""
 
 WEIGHT = 1
 """Every ready endpoint's weight (upstream); 0 marks a draining one."""
@@ -83,6 +128,9 @@ class Memory:
     """What the kernel cannot tell: which Service owns a virtual server, and since when a real server drains."""
 
     owners: Mapping[VSKey, str] = field(default_factory=dict)
+    members: Mapping[VSKey, frozenset[tuple[str, str]]] = field(default_factory=dict)
+    """The (ipset, member) pairs each virtual server's frontend accounts for, its address on kube-ipvs0 as a
+    KUBE-IPVS-IPS member: what a partial sync keeps for the Services it does not sync."""
     draining_since: Mapping[tuple[VSKey, Backend], float] = field(default_factory=dict)
 
 
@@ -144,10 +192,66 @@ def loopback_entry(key: VSKey, b: Backend) -> str:
     return f"{b.ip},{key[2].lower()}:{b.port},{b.ip}"
 
 
+def node_port_entry(key: VSKey) -> str:
+    """The member of a NodePort in its protocol's node-port sets: the port (a bitmap), for SCTP ip,proto:port."""
+    return cluster_entry(key) if SET_TYPES[NODE_PORT_SETS[key[2]][0]] != BITMAP_PORT else str(key[1])
+
+
+def source_cidr_entry(key: VSKey, cidr: str) -> str:
+    """A KUBE-LOAD-BALANCER-SOURCE-CIDR member, as `ipset save` prints it: the network normalised, a /32
+    without its length."""
+    net = ipaddress.ip_network(cidr.strip(), strict=False)
+    return f"{cluster_entry(key)},{net.network_address if net.prefixlen == net.max_prefixlen else net}"
+
+
+def real_servers(st: ServicePortState) -> tuple[Backend, ...]:
+    """The real servers of a frontend's virtual server: see the module's docstring."""
+    if st.kind.external and st.external_backends:
+        return st.external_backends
+    return st.backends
+
+
+def members(key: VSKey, st: ServicePortState, node_addresses: Set[str] = frozenset()) -> frozenset[tuple[str, str]]:
+    """The (ipset, member) pairs of one frontend, as upstream's proxier puts them (its address on kube-ipvs0 as
+    a KUBE-IPVS-IPS member), and KUBE-NO-LOCAL-ENDPOINTS for a Local one the node has no endpoint for.
+    `node_addresses`: the node's own, never bound (upstream binds an external or load-balancer IP only when it
+    is no node address: KUBE-IPVS-FILTER would otherwise reject the node's own services on it, ssh included)."""
+    entry = cluster_entry(key)
+    local = st.kind.external and not st.masquerade  # externalTrafficPolicy Local
+    out: set[tuple[str, str]] = set()
+    if st.kind is FrontendKind.NODE_PORT:
+        every, local_set = NODE_PORT_SETS[key[2]]
+        out.add((every, node_port_entry(key)))
+        if local:
+            out.add((local_set, node_port_entry(key)))
+    else:
+        if st.kind is FrontendKind.CLUSTER_IP or key[0] not in node_addresses:
+            out.add((IPVS_IPS_SET, key[0]))
+        if st.kind is FrontendKind.CLUSTER_IP:
+            out.add((CLUSTER_IP_SET, entry))
+        elif st.kind is FrontendKind.EXTERNAL_IP:
+            out.add((EXTERNAL_IP_LOCAL_SET if local else EXTERNAL_IP_SET, entry))
+        else:
+            out.add((LOAD_BALANCER_SET, entry))
+            if local:
+                out.add((LOAD_BALANCER_LOCAL_SET, entry))
+            if st.source_ranges:
+                out.add((LOAD_BALANCER_FW_SET, entry))
+                out.update((LOAD_BALANCER_SOURCE_CIDR_SET, source_cidr_entry(key, r)) for r in st.source_ranges)
+    if local and st.backends and not st.external_backends:
+        out.add((NO_LOCAL_SET, entry))
+    return frozenset(out)
+
+
 def ours(observed: Observed, memory: Memory) -> set[VSKey]:
-    listed = observed.ipsets.get(CLUSTER_IP_SET, frozenset())
-    return {k for k in observed.virtuals
-            if k in memory.owners or k[0] in observed.addresses or cluster_entry(k) in listed}
+    def listed(k: VSKey) -> bool:
+        if any(cluster_entry(k) in observed.ipsets.get(name, ()) for name in FRONTEND_SETS):
+            return True
+        # A NodePort: not on kube-ipvs0; its port (SCTP: address and port) is in our node-port set.
+        node_ports = NODE_PORT_SETS.get(k[2])
+        return node_ports is not None and node_port_entry(k) in observed.ipsets.get(node_ports[0], ())
+
+    return {k for k in observed.virtuals if k in memory.owners or k[0] in observed.addresses or listed(k)}
 
 
 @dataclass
@@ -191,12 +295,16 @@ def _reconcile_reals(key: VSKey, current: Mapping[Backend, Real], wanted: Iterab
 
 
 def render(observed: Observed, memory: Memory, desired: Mapping[str, Iterable[ServicePortState]], *,
-           full: bool, options: Options, now: float) -> Plan:
+           full: bool, options: Options, now: float, node_addresses: Iterable[str] = ()) -> Plan:
     """Plan the changes for the Services in `desired` (Service key -> its frontends; an empty iterable means
-    the Service is gone), or, with `full`, for everything of ours (`desired` then holds every Service)."""
+    the Service is gone), or, with `full`, for everything of ours (`desired` then holds every Service).
+    `node_addresses`: the node's addresses the model knows (`NodeInputs.nodeport_addresses`), which are never
+    bound to kube-ipvs0; the model recomputes every Service when they change, so each is synced then."""
+    node_set = frozenset(node_addresses)
     mine = ours(observed, memory)
     # Unique: the model decided which Service serves a frontend.
-    claims = {vs_key(st.frontend): (service, st) for service in sorted(desired) for st in rendered(desired[service])}
+    claims = {vs_key(st.frontend): (service, st) for service in sorted(desired)
+              for st in desired[service]}
     scope = mine if full else {k for k in mine if memory.owners.get(k) in desired}
     gone = (scope - claims.keys()) & observed.virtuals.keys()
 
@@ -205,6 +313,7 @@ def render(observed: Observed, memory: Memory, desired: Mapping[str, Iterable[Se
     reals_after: dict[VSKey, Mapping[Backend, Real]] = {}
     draining: dict[tuple[VSKey, Backend], float] = {}
     owners = {k: s for k, s in memory.owners.items() if k in mine and k not in gone}
+    accounted = {k: m for k, m in memory.members.items() if k in mine and k not in gone}
 
     for key in sorted(claims):
         service, st = claims[key]
@@ -213,11 +322,12 @@ def render(observed: Observed, memory: Memory, desired: Mapping[str, Iterable[Se
             virtual_ops.append(VirtualOp("add", key, options.scheduler, st.session_affinity_seconds))
         elif (cur.scheduler, cur.timeout) != (options.scheduler, st.session_affinity_seconds):
             virtual_ops.append(VirtualOp("set", key, options.scheduler, st.session_affinity_seconds))
-        r = _reconcile_reals(key, cur.reals if cur else {}, st.backends, memory.draining_since, options, now)
+        r = _reconcile_reals(key, cur.reals if cur else {}, real_servers(st), memory.draining_since, options, now)
         real_ops += r.ops
         reals_after[key] = r.after
         draining.update({(key, b): t for b, t in r.draining.items()})
         owners[key] = service
+        accounted[key] = members(key, st, node_set)
 
     for key in sorted(mine - claims.keys() - gone):
         # Not synced now (partial sync) but ours: only its draining real servers may be due.
@@ -226,12 +336,14 @@ def render(observed: Observed, memory: Memory, desired: Mapping[str, Iterable[Se
         reals_after[key] = r.after
         draining.update({(key, b): t for b, t in r.draining.items()})
 
-    addresses = {key[0] for key in reals_after}
-    sets_after = {
-        CLUSTER_IP_SET: {cluster_entry(k) for k in reals_after},
-        LOOPBACK_SET: {loopback_entry(k, b) for k, reals in reals_after.items() for b in reals},
-        IPVS_IPS_SET: addresses,
-    }
+    # What every virtual server kept accounts for: this sync's frontends, and what the last sync recorded for
+    # the others (a partial sync is not given their Services).
+    sets_after: dict[str, set[str]] = {name: set() for name in SET_TYPES}
+    for key in reals_after:
+        for name, entry in accounted.get(key, ()):
+            sets_after[name].add(entry)
+    sets_after[LOOPBACK_SET] = {loopback_entry(k, b) for k, reals in reals_after.items() for b in reals}
+    addresses = sets_after[IPVS_IPS_SET]
     set_adds, set_dels = [], []
     for name, entries in sets_after.items():
         have = observed.ipsets.get(name, frozenset())
@@ -243,7 +355,8 @@ def render(observed: Observed, memory: Memory, desired: Mapping[str, Iterable[Se
     ops += [AddressOp("del", ip) for ip in sorted(observed.addresses - addresses)]
     ops += [VirtualOp("del", key) for key in sorted(gone)]
     ops += set_dels
-    return Plan(tuple(ops), Memory(owners=owners, draining_since=draining))
+    return Plan(tuple(ops), Memory(owners=owners, members={k: m for k, m in accounted.items() if k in reals_after},
+                                   draining_since=draining))
 
 
 def after(observed: Observed, ops: Iterable[Op]) -> Observed:

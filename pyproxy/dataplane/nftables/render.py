@@ -83,7 +83,7 @@ from pyproxy.dataplane.nftables.table import (
     elem_owner,
     owner,
 )
-from pyproxy.model.state import Backend, FrontendKind, ServicePortState, rendered
+from pyproxy.model.state import Backend, FrontendKind, ServicePortState
 
 # nft's object names are at most 256 bytes; prefixes ("endpoint-", …) stay within 16 (as upstream).
 NAME_BASE_MAX = 256 - 16
@@ -396,7 +396,7 @@ def _collect(services: Mapping[str, Iterable[ServicePortState]], masq: Masquerad
     by_port: dict[str, list[ServicePortState]] = {}
     for service in sorted(services):
         # Unique: the model decided which Service serves a frontend.
-        for sp in rendered(services[service], mode="nftables"):
+        for sp in services[service]:
             by_port.setdefault(service_chain(sp), []).append(sp)
     wanted.ports = [_port_objects(states, masq, wanted) for states in by_port.values()]
     return wanted
