@@ -27,6 +27,7 @@ from pyproxy.dataplane.ipvs.render import (
     LOAD_BALANCER_SET,
     LOAD_BALANCER_SOURCE_CIDR_SET,
     LOOPBACK_SET,
+    NO_ENDPOINTS_SET,
     NO_LOCAL_SET,
     AddressOp,
     Memory,
@@ -394,10 +395,15 @@ def test_local_policy_without_a_local_endpoint_serves_all_and_is_listed_for_the_
     memory = k.sync(memory, {WEB: [web(A, B), *node_ports(30080, [A, B], [A])]}, full=False).memory
     assert k.virtuals[(NODE_IPS[0], 30080, "TCP")][2] == {A: 1}
     assert not k.sets[NO_LOCAL_SET]
-    # No endpoint anywhere: no real server (refused), and nothing to drop.
-    k.sync(memory, {WEB: [web(), *node_ports(30080, [], [])]}, full=False)
+    assert not k.sets[NO_ENDPOINTS_SET]
+    # No endpoint anywhere: no real server (refused), and nothing to drop; new TCP flows are reset by the rule
+    # over KUBE-NO-ENDPOINTS before IPVS's rate-limited ICMP answer.
+    memory = k.sync(memory, {WEB: [web(), *node_ports(30080, [], [])]}, full=False).memory
     assert k.virtuals[(NODE_IPS[0], 30080, "TCP")][2] == {}
     assert not k.sets[NO_LOCAL_SET]
+    assert k.sets[NO_ENDPOINTS_SET] == {"10.96.0.10,tcp:80", *(f"{ip},tcp:30080" for ip in NODE_IPS)}
+    k.sync(memory, {WEB: [web(A), *node_ports(30080, [A], [A])]}, full=False)
+    assert not k.sets[NO_ENDPOINTS_SET]
 
 
 def test_a_partial_sync_keeps_what_other_services_account_for() -> None:
@@ -443,6 +449,9 @@ def test_rules_for_external_frontends() -> None:
     assert "-A KUBE-SOURCE-RANGES-FIREWALL -j DROP" in lines
     drop = next(line for line in lines if "KUBE-NO-LOCAL-ENDPOINTS" in line)
     assert "! -s 10.244.0.0/16" in drop and drop.endswith("-j DROP") and "--ctstate NEW" in drop
+    reset = next(line for line in lines if "KUBE-NO-ENDPOINTS" in line)
+    assert reset.startswith("-A KUBE-PROXY-FIREWALL") and "-p tcp" in reset
+    assert reset.endswith("-j REJECT --reject-with tcp-reset")
     # The node-port jump comes after every accept, so it sees no other frontend.
     services = [line for line in lines if line.startswith("-A KUBE-SERVICES")]
     assert services[-1] == "-A KUBE-SERVICES -m addrtype --dst-type LOCAL -j KUBE-NODE-PORT"

@@ -21,8 +21,10 @@ Upstream kube-proxy's IPVS semantics:
   KUBE-NO-LOCAL-ENDPOINTS, whose filter rule drops new flows from outside the cluster: the model's drop, where
   upstream IPVS would forward them without SNAT and the endpoint's reply would never reach the client;
 - a frontend without usable endpoints keeps its virtual server with no real servers: the kernel answers every
-  new connection with ICMP port unreachable (ip_vs_leave), so a client gets "connection refused" at once, as
-  the other modes' REJECT gives;
+  new connection with ICMP port unreachable (ip_vs_leave). The kernel sends a client only so many ICMP errors (a
+  burst of six, then one a second: net.ipv4.icmp_ratelimit), so a client's later TCP flows would wait for their
+  timeout instead: the frontend also goes into pyproxy's KUBE-NO-ENDPOINTS, whose filter rule answers new TCP
+  flows with a reset before IPVS sees them, as the other modes' REJECT does;
 - a real server that leaves drains (graceful termination): TCP ones go to weight 0 and are deleted once they
   have no active or inactive connections, or after `grace_seconds` (upstream's original 15 minutes), checked at
   every later sync; UDP and SCTP ones are deleted at once (upstream: there is no connection to wait for);
@@ -70,6 +72,8 @@ LOAD_BALANCER_FW_SET = "KUBE-LOAD-BALANCER-FW"
 LOAD_BALANCER_SOURCE_CIDR_SET = "KUBE-LOAD-BALANCER-SOURCE-CIDR"
 NO_LOCAL_SET = "KUBE-NO-LOCAL-ENDPOINTS"
 """pyproxy's own: externalTrafficPolicy Local frontends without a local endpoint while the cluster has some."""
+NO_ENDPOINTS_SET = "KUBE-NO-ENDPOINTS"
+"""pyproxy's own: frontends without a usable endpoint, whose new TCP flows a filter rule resets at once."""
 NODE_PORT_SETS: Mapping[str, tuple[str, str]] = {
     "TCP": ("KUBE-NODE-PORT-TCP", "KUBE-NODE-PORT-LOCAL-TCP"),
     "UDP": ("KUBE-NODE-PORT-UDP", "KUBE-NODE-PORT-LOCAL-UDP"),
@@ -82,12 +86,12 @@ SET_TYPES: Mapping[str, str] = {
     EXTERNAL_IP_SET: "hash:ip,port", EXTERNAL_IP_LOCAL_SET: "hash:ip,port",
     LOAD_BALANCER_SET: "hash:ip,port", LOAD_BALANCER_LOCAL_SET: "hash:ip,port",
     LOAD_BALANCER_FW_SET: "hash:ip,port", LOAD_BALANCER_SOURCE_CIDR_SET: "hash:ip,port,net",
-    NO_LOCAL_SET: "hash:ip,port",
+    NO_LOCAL_SET: "hash:ip,port", NO_ENDPOINTS_SET: "hash:ip,port",
     # Upstream: bitmaps of ports for TCP and UDP (one member serves every node address); SCTP by address.
     **{name: BITMAP_PORT if proto != "SCTP" else "hash:ip,port" for proto, names in NODE_PORT_SETS.items()
        for name in names},
 }
-"""Our ipsets and their types, as upstream (but KUBE-NO-LOCAL-ENDPOINTS)."""
+"""Our ipsets and their types, as upstream (but KUBE-NO-LOCAL-ENDPOINTS and KUBE-NO-ENDPOINTS)."""
 FRONTEND_SETS = frozenset({CLUSTER_IP_SET, EXTERNAL_IP_SET, EXTERNAL_IP_LOCAL_SET, LOAD_BALANCER_SET})
 """The sets that list every ClusterIP, external IP and load-balancer frontend (ip,proto:port)."""
 
@@ -213,7 +217,8 @@ def real_servers(st: ServicePortState) -> tuple[Backend, ...]:
 
 def members(key: VSKey, st: ServicePortState, node_addresses: Set[str] = frozenset()) -> frozenset[tuple[str, str]]:
     """The (ipset, member) pairs of one frontend, as upstream's proxier puts them (its address on kube-ipvs0 as
-    a KUBE-IPVS-IPS member), and KUBE-NO-LOCAL-ENDPOINTS for a Local one the node has no endpoint for.
+    a KUBE-IPVS-IPS member), KUBE-NO-LOCAL-ENDPOINTS for a Local one the node has no endpoint for, and
+    KUBE-NO-ENDPOINTS for one without any usable endpoint.
     `node_addresses`: the node's own, never bound (upstream binds an external or load-balancer IP only when it
     is no node address: KUBE-IPVS-FILTER would otherwise reject the node's own services on it, ssh included)."""
     entry = cluster_entry(key)
@@ -240,6 +245,8 @@ def members(key: VSKey, st: ServicePortState, node_addresses: Set[str] = frozens
                 out.update((LOAD_BALANCER_SOURCE_CIDR_SET, source_cidr_entry(key, r)) for r in st.source_ranges)
     if local and st.backends and not st.external_backends:
         out.add((NO_LOCAL_SET, entry))
+    if not real_servers(st):
+        out.add((NO_ENDPOINTS_SET, entry))
     return frozenset(out)
 
 
