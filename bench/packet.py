@@ -33,7 +33,9 @@ import ipaddress
 import os
 import random
 import secrets
+import socket
 import statistics
+import struct
 import subprocess
 import sys
 import time
@@ -71,7 +73,7 @@ SNAT_ADDR, NEXT_HOP = "10.198.0.1", "10.198.0.2"
 class TestRun:
     """BPF_PROG_TEST_RUN of one program on one packet, buffers allocated once."""
 
-    def __init__(self, prog_fd: int, data: bytes) -> None:
+    def __init__(self, prog_fd: int, data: bytes, ctx: bytes = b"") -> None:
         self.prog_fd = prog_fd
         self.data = data
         self._in = ffi.new("uint8_t[]", data)
@@ -81,6 +83,10 @@ class TestRun:
         self.opts.data_in = self._in
         self.opts.data_size_in = len(data)
         self.opts.data_out = self._out
+        if ctx:
+            self._ctx = ffi.new("uint8_t[]", ctx)
+            self.opts.ctx_in = self._ctx
+            self.opts.ctx_size_in = len(ctx)
 
     def __call__(self, repeat: int) -> tuple[int, int]:
         """(verdict, ns per run as the kernel measured it)."""
@@ -408,6 +414,15 @@ def nodeport_netns() -> Iterator[rules.NetnsThread]:
         subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True, timeout=30)
 
 
+def skb_ctx(ingress_ifindex: int, ifindex: int) -> bytes:
+    """The head of a struct __sk_buff for a TC test run, up to `ifindex`: the device the packet arrived on
+    (skb->ingress_ifindex, which SNAT's route lookup starts from) and the one it is on. A test run without it
+    has no ingress device; the rest stays zero, as the kernel wants."""
+    ctx = bytearray(44)
+    struct.pack_into("=II", ctx, 36, ingress_ifindex, ifindex)  # offsetof(struct __sk_buff, ingress_ifindex)
+    return bytes(ctx)
+
+
 class Unserved(Exception):
     """The datapath does not translate a NodePort path as it should: the rows say why instead of a number."""
 
@@ -429,25 +444,29 @@ def nodeport_samples(dp: Loaded, singles: int) -> dict[str, list[float]] | str:
         return "not served: render() leaves out a NodePort with externalTrafficPolicy Cluster (no SNAT in bpf yet)"
     progs = dp.obj.progs
     xdp, tc, egress = progs[abi.PROG_XDP], progs[abi.PROG_TC_INGRESS], progs[abi.PROG_TC_EGRESS]
+    # The client's side and node 2's (the endpoints'): where packets arrive and leave in each direction.
+    client_dev, node2_dev = socket.if_nametoindex("np-client"), socket.if_nametoindex("np-node2")
+    from_client, to_node2 = skb_ctx(client_dev, client_dev), skb_ctx(client_dev, node2_dev)
+    from_node2, to_client = skb_ctx(node2_dev, node2_dev), skb_ctx(node2_dev, client_dev)
     out: dict[str, list[float]] = {k: [] for k in NODEPORT}
     try:
         # One established flow, followed through all four translations; its runs are repeated below.
         est = Flow("192.168.7.10", NODE_ADDR, 40000, NODE_PORT, TCP)
-        syn = TestRun(tc, frame(est))
+        syn = TestRun(tc, frame(est), from_client)
         dnat = translated(syn, lambda f: f.dst != NODE_ADDR and f.src == est.src, "ingress DNAT of a NodePort SYN")
-        snat = translated(TestRun(egress, syn.output()), lambda f: f.src == SNAT_ADDR and f.dst == dnat.dst,
-                          "egress SNAT toward the endpoint")
+        snat = translated(TestRun(egress, syn.output(), to_node2),
+                          lambda f: f.src == SNAT_ADDR and f.dst == dnat.dst, "egress SNAT toward the endpoint")
         back = Flow(snat.dst, SNAT_ADDR, snat.dport, snat.sport, TCP)
-        reply_in = TestRun(tc, frame(back, tcp_flags=TCP_SYN | TCP_ACK))
+        reply_in = TestRun(tc, frame(back, tcp_flags=TCP_SYN | TCP_ACK), from_node2)
         translated(reply_in, lambda f: (f.dst, f.dport) == (est.src, est.sport), "ingress reverse SNAT of the reply")
-        reply_out = TestRun(egress, reply_in.output())
+        reply_out = TestRun(egress, reply_in.output(), to_client)
         translated(reply_out, lambda f: (f.src, f.sport) == (NODE_ADDR, NODE_PORT), "egress reverse DNAT of the reply")
-        runs = {"tc_np_est": TestRun(tc, frame(est, tcp_flags=TCP_ACK)),
-                "tc_np_reply": TestRun(tc, frame(back, tcp_flags=TCP_ACK))}
+        runs = {"tc_np_est": TestRun(tc, frame(est, tcp_flags=TCP_ACK), from_client),
+                "tc_np_reply": TestRun(tc, frame(back, tcp_flags=TCP_ACK), from_node2)}
         runs["tc_np_est"](1)
-        runs["eg_np_est"] = TestRun(egress, runs["tc_np_est"].output())
+        runs["eg_np_est"] = TestRun(egress, runs["tc_np_est"].output(), to_node2)
         runs["tc_np_reply"](1)
-        runs["eg_np_reply"] = TestRun(egress, runs["tc_np_reply"].output())
+        runs["eg_np_reply"] = TestRun(egress, runs["tc_np_reply"].output(), to_client)
 
         def nodeport() -> tuple[str, int]:
             return NODE_ADDR, NODE_PORT
@@ -460,9 +479,9 @@ def nodeport_samples(dp: Loaded, singles: int) -> dict[str, list[float]] | str:
             for data in frames["xdp_np_new"][start:start + chunk]:
                 out["xdp_np_new"].append(float(TestRun(xdp, data)(1)[1]))
             for data in frames["tc_np_new"][start:start + chunk]:
-                ingress = TestRun(tc, data)
+                ingress = TestRun(tc, data, from_client)
                 out["tc_np_new"].append(float(ingress(1)[1]))
-                out["eg_np_new"].append(float(TestRun(egress, ingress.output())(1)[1]))
+                out["eg_np_new"].append(float(TestRun(egress, ingress.output(), to_node2)(1)[1]))
             for key, run in runs.items():
                 out[key].extend(float(run(1)[1]) for _ in range(min(chunk, singles - start)))
         new = _delta(before, dp.counters()).get("new_flow", 0)
