@@ -192,7 +192,9 @@ def run(p: Mapping[str, Any], rec: Recorder, deadline: Deadline) -> None:
 PART = Part(
     name="nodeport",
     title="New connections through a NodePort from an external client to another node (DNAT + SNAT)",
-    budget_s={True: 60.0, False: 200.0},
+    # Full: 101 s measured with four of the eight series not served (each then costs only its start and probe);
+    # about 150 s expected once all are served.
+    budget_s={True: 80.0, False: 200.0},
     params=params,
     run=run,
     figures=(
