@@ -61,7 +61,7 @@ def render(fig: Figure, measurements: Sequence[Measurement], machine_line: str, 
         ax.set_xlabel("Services (10 endpoints each)")
         ax.set_ylabel(panel.ylabel)
         # Many series without a number (a path not served yet) are counted, not named: the table says why.
-        missing_text = "; ".join(unfinished) if len(unfinished) <= 3 else f"{len(unfinished)} series (see the table)"
+        missing_text = "; ".join(unfinished) if len(unfinished) <= 4 else f"{len(unfinished)} series (see the table)"
         title = panel.title + ("\n" + textwrap.fill(f"no number: {missing_text}", 90) if unfinished else "")
         ax.set_title(title, fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
