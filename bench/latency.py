@@ -57,7 +57,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -295,8 +295,6 @@ class Series:
     served: Callable[[cp.Proxy], str] | None = None
     """After a proxy programmed its frontends: why the addresses are not served ("" when they are)."""
     order: Sequence[str] = ORDER
-    extra: Mapping[bool, Sequence[str]] = field(default_factory=dict)
-    """More proxy arguments, by Variant.upstream."""
 
 
 def run_series(p: Mapping[str, Any], rec: Recorder, deadline: Deadline, size: Size, on: Series,
@@ -409,8 +407,7 @@ def measure_variant(p: Mapping[str, Any], rec: Recorder, deadline: Deadline, on:
                     size: Size) -> str:
     """Start `v` on n Services, wait until programmed, load it, stop it; why it did not finish, or ""."""
     lab, n = on.lab, size.n
-    extra = [*NO_RESYNC["upstream" if v.upstream else "pyproxy"], *on.extra.get(v.upstream, ())]
-    proxy = cp.make_proxy(lab, v, kubeconfig=on.kubeconfig, extra=extra,
+    proxy = cp.make_proxy(lab, v, kubeconfig=on.kubeconfig, extra=NO_RESYNC["upstream" if v.upstream else "pyproxy"],
                           log_path=lab.workdir / f"{v.name.replace(' ', '-')}-{n}.log")
     progress = cp.PROGRESS[v.name](lab, n)
     try:
