@@ -82,9 +82,11 @@ def isolate_node2(lab: Lab) -> None:
 
 def floor_rules(lab: Lab, masquerade: bool) -> str:
     """The floor's nft table: the NodePorts DNATed to the 10 backends at random, and with `masquerade` the
-    DNATed connections SNATed to the node's address on the way out."""
+    DNATed connections SNATed to the node's address on the way out, ports fully random as upstream's
+    `--random-fully` (masquerade keeping the client's port resent a few SYNs per run: all the client's
+    addresses use the same ports in turn)."""
     backends = ", ".join(f"{k} : {b.ip}" for k, b in enumerate(lab.backends))
-    post = ("chain post {\n type nat hook postrouting priority srcnat;\n ct status dnat masquerade\n}\n"
+    post = ("chain post {\n type nat hook postrouting priority srcnat;\n ct status dnat masquerade fully-random\n}\n"
             if masquerade else "")
     return (f"table ip {FLOOR_TABLE} {{\nchain pre {{\n type nat hook prerouting priority dstnat;\n"
             f" fib daddr type local tcp dport {NODE_PORT}-32767 "
