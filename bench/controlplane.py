@@ -113,6 +113,8 @@ class Variant:
     backend: str | None = None
     """iptables backend, legacy or nft."""
     upstream: bool = False
+    xdp: bool = False
+    """bpf mode with the XDP program also on the client-facing device (--xdp-devices)."""
 
     @property
     def netfilter(self) -> bool:
@@ -123,6 +125,7 @@ VARIANTS = {v.name: v for v in (
     Variant("kube-proxy iptables-legacy", "iptables", "legacy", upstream=True),
     Variant("kube-proxy iptables-nft", "iptables", "nft", upstream=True),
     Variant("bpf", "bpf"),
+    Variant("bpf XDP", "bpf", xdp=True),
     Variant("nftables", "nftables"),
     Variant("iptables-legacy", "iptables", "legacy"),
     Variant("iptables-nft", "iptables", "nft"),
@@ -154,6 +157,8 @@ def make_proxy(lab: Lab, v: Variant, *, source: Path | None = None, kubeconfig: 
             raise ValueError("upstream kube-proxy follows an API server only")
         return KubeProxy(lab, kubeconfig, backend=v.backend or "legacy", log_path=log_path, extra_args=extra)
     args = [f"--iptables-backend={v.backend}"] if v.backend else []
+    if v.xdp:
+        args.append(f"--xdp-devices={lab.node_client_ifname}")
     if kubeconfig is not None:
         args += [f"--kubeconfig={kubeconfig}", f"--hostname-override={HOSTNAME}"]
     return BenchPyproxy(lab, source, log_path=log_path, mode=v.mode, extra_args=[*args, *extra])
@@ -257,7 +262,8 @@ def _sync_progress(v: Variant) -> Callable[[Lab, int], Progress]:
 
 
 PROGRESS: dict[str, Callable[[Lab, int], Progress]] = {
-    "bpf": lambda lab, count: BpfProgress(Path(lab.pin_path), count),
+    **{name: (lambda lab, count: BpfProgress(Path(lab.pin_path), count)) for name, v in VARIANTS.items()
+       if not v.netfilter},
     **{name: _sync_progress(v) for name, v in VARIANTS.items() if v.netfilter},
 }
 

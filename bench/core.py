@@ -71,6 +71,11 @@ class Panel:
     logy: bool = False
     series: str = ""
     """Only the series whose name contains this (e.g. "(API server)"); it is left out of their labels."""
+    exclude: str = ""
+    """Not the series whose name contains this (those another panel of the figure shows)."""
+
+    def shows(self, m: Measurement) -> bool:
+        return m.metric == self.metric and self.series in m.series and not (self.exclude and self.exclude in m.series)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -216,15 +216,17 @@ class Size:
     """Everything measured at one number of Services, the series in ORDER (no proxy first: the others'
     CPU is also shown as their excess over it). Ratios to upstream are tabled by the report (bench/run.py)."""
 
-    def __init__(self, rec: Recorder, n: int) -> None:
+    def __init__(self, rec: Recorder, n: int, floor: str = DIRECT, floor_label: str = "no proxy") -> None:
         self.rec, self.n = rec, n
+        self.floor, self.floor_label = floor, floor_label
+        """The series the others' CPU is compared with, and how its notes name it."""
         self.values: dict[str, dict[str, float]] = {}
 
     def record(self, series: str, mode: str, paced: dict[str, Any], closed: dict[str, Any]) -> None:
         n, rec = self.n, self.rec
         cpu = closed["lab_cpu_us_per_conn"]
-        floor = self.values.get(DIRECT)
-        over = cpu - floor["cpu"] if floor and series != DIRECT else None
+        floor = self.values.get(self.floor)
+        over = cpu - floor["cpu"] if floor and series != self.floor else None
         self.values[series] = {"cpu": cpu}
         errors = paced["errors"] + closed["errors"]
         warn = f"; {errors} failed requests" if errors else ""
@@ -238,7 +240,7 @@ class Size:
         rec.add(Measurement("conn_per_s", series, mode, n, closed["rate"], "conn/s",
                             f"p50 {closed['p50_us']:.0f} us under load{warn}"))
         rec.add(Measurement("lab_cpu_us_per_conn", series, mode, n, cpu, "us",
-                            (f"{over:+.0f} us over no proxy; " if over is not None else "")
+                            (f"{over:+.0f} us over {self.floor_label}; " if over is not None else "")
                             + f"paced: {paced['lab_cpu_us_per_conn']:.0f} us",
                             {"client_user_us_per_conn": closed["client_user_us_per_conn"],
                              "proxy_cpu_s_in_window": closed["proxy_cpu_s"],
@@ -251,44 +253,76 @@ class Size:
             self.rec.add(Measurement(metric, series, mode, self.n, None, unit, why))
 
 
-def run_size(p: Mapping[str, Any], rec: Recorder, deadline: Deadline, kube: cp.Kube, cluster: Cluster,
-             namespace: str, n: int, skip: dict[str, str]) -> None:
+def run_size(p: Mapping[str, Any], rec: Recorder, deadline: Deadline, cluster: Cluster, n: int,
+             skip: dict[str, str]) -> None:
     size = Size(rec, n)
     chosen = targets(n, int(p["targets"]))
     rec.param(f"targets_at_{n}", chosen)
-    with Lab(10, prefix="pbl") as lab:
-        loadlab = LoadLab(lab)
+    with lab_session(cluster, Lab(10, prefix="pbl")) as (lab, loadlab, kubeconfig):
         backend_addrs = [f"{b.ip}:{core.BACKEND_PORT}" for b in lab.backends]
-        vip_addrs = [f"{core.vip(i)}:{core.PORT}" for i in chosen]
+        addresses = [f"{core.vip(i)}:{core.PORT}" for i in chosen]
+        run_series(p, rec, deadline, size,
+                   Series(lab, loadlab, kubeconfig, addresses, lambda: two_loads(p, loadlab, backend_addrs, None)),
+                   skip)
+        if n == max(p["services"]) and n > 1 and "bpf" in p["series"] and "bpf" not in skip:
+            paired(p, rec, deadline, lab, loadlab, n)
+
+
+@contextlib.contextmanager
+def lab_session(cluster: Cluster, lab: Lab) -> Iterator[tuple[Lab, LoadLab, Path]]:
+    """`lab` started, with connload servers in its backends, the API server bridged into its node, and a
+    kubeconfig for the proxies there."""
+    with lab:
+        loadlab = LoadLab(lab)
         bridge = bridge_into_netns(lab.node, cluster.apiserver_port)
         try:
-            kubeconfig = cluster.write_kubeconfig(lab.workdir / "kubeconfig", cluster.admin_token,
-                                                  server="https://127.0.0.1:6443")
-            for series in [s for s in ORDER if s in p["series"]]:
-                v = cp.VARIANTS.get(series)
-                mode = "floor" if v is None else v.name
-                if series in skip:
-                    size.not_run(series, mode, skip[series])
-                    continue
-                if v is not None and v.upstream and v.backend == "nft" and n > int(p["upstream_nft_max"]):
-                    size.not_run(series, mode, "not run: its first sync does not finish at this size "
-                                 "(control-plane part; 9.5 min measured)")
-                    continue
-                if deadline.remaining() < float(p["min_left_s"]):
-                    size.not_run(series, mode, f"not run: {deadline.remaining():.0f} s of the budget left")
-                    continue
-                rec.step(f"{series} @ {n:,} services")
-                if v is None:
-                    size.record(series, mode, *two_loads(p, loadlab, backend_addrs, None))
-                    continue
-                why = measure_variant(p, rec, deadline, lab, loadlab, v, n, kubeconfig, vip_addrs, size)
-                if why:
-                    size.not_run(series, mode, why)
-                    skip[series] = f"not run: did not finish at {n:,} Services"
-            if n == max(p["services"]) and n > 1 and "bpf" in p["series"] and "bpf" not in skip:
-                paired(p, rec, deadline, lab, loadlab, n)
+            yield lab, loadlab, cluster.write_kubeconfig(lab.workdir / "kubeconfig", cluster.admin_token,
+                                                         server="https://127.0.0.1:6443")
         finally:
             stop_process(bridge)
+
+
+@dataclass
+class Series:
+    """What a size's series run on: the lab, the addresses the load goes to, and how the floor is measured."""
+
+    lab: Lab
+    loadlab: LoadLab
+    kubeconfig: Path
+    addresses: Sequence[str]
+    floor: Callable[[], tuple[dict[str, Any], dict[str, Any]]]
+    """The floor's paced and closed-loop runs."""
+    served: Callable[[cp.Proxy], str] | None = None
+    """After a proxy programmed its frontends: why the addresses are not served ("" when they are)."""
+    order: Sequence[str] = ORDER
+
+
+def run_series(p: Mapping[str, Any], rec: Recorder, deadline: Deadline, size: Size, on: Series,
+               skip: dict[str, str]) -> None:
+    """Each series of `on.order` named in p["series"], in turn, at size.n Services: the floor (`size.floor`)
+    or a dataplane; a dataplane that does not finish (or serve) is not run at larger sizes (`skip`)."""
+    n = size.n
+    for series in [s for s in on.order if s in p["series"]]:
+        v = cp.VARIANTS.get(series)
+        mode = "floor" if v is None else v.name
+        if series in skip:
+            size.not_run(series, mode, skip[series])
+            continue
+        if v is not None and v.upstream and v.backend == "nft" and n > int(p["upstream_nft_max"]):
+            size.not_run(series, mode, "not run: its first sync does not finish at this size "
+                         "(control-plane part; 9.5 min measured)")
+            continue
+        if deadline.remaining() < float(p["min_left_s"]):
+            size.not_run(series, mode, f"not run: {deadline.remaining():.0f} s of the budget left")
+            continue
+        rec.step(f"{series} @ {n:,} services")
+        if v is None:
+            size.record(series, mode, *on.floor())
+            continue
+        why = measure_variant(p, rec, deadline, on, v, size)
+        if why:
+            size.not_run(series, mode, why)
+            skip[series] = why if why.startswith("not served") else f"not run: did not finish at {n:,} Services"
 
 
 PAIRED = "bpf, 1 vs N Services in one lab (A/B)"
@@ -369,11 +403,11 @@ def two_loads(p: Mapping[str, Any], loadlab: LoadLab, addresses: Sequence[str],
     return paced, closed
 
 
-def measure_variant(p: Mapping[str, Any], rec: Recorder, deadline: Deadline, lab: Lab, loadlab: LoadLab,
-                    v: cp.Variant, n: int, kubeconfig: Path, addresses: Sequence[str], size: Size) -> str:
+def measure_variant(p: Mapping[str, Any], rec: Recorder, deadline: Deadline, on: Series, v: cp.Variant,
+                    size: Size) -> str:
     """Start `v` on n Services, wait until programmed, load it, stop it; why it did not finish, or ""."""
-    extra = NO_RESYNC["upstream" if v.upstream else "pyproxy"]
-    proxy = cp.make_proxy(lab, v, kubeconfig=kubeconfig, extra=extra,
+    lab, n = on.lab, size.n
+    proxy = cp.make_proxy(lab, v, kubeconfig=on.kubeconfig, extra=NO_RESYNC["upstream" if v.upstream else "pyproxy"],
                           log_path=lab.workdir / f"{v.name.replace(' ', '-')}-{n}.log")
     progress = cp.PROGRESS[v.name](lab, n)
     try:
@@ -390,8 +424,11 @@ def measure_variant(p: Mapping[str, Any], rec: Recorder, deadline: Deadline, lab
         programmed = time.monotonic() - started
         idle = wait_idle([proxy.proc.pid], deadline.within(float(p["idle_timeout_s"]), reserve=float(p["min_left_s"])))
         if isinstance(progress, rules.SyncProgress) and v.mode == "iptables":
-            rec.param(f"target_positions_{v.name}_{n}", positions(progress.counts, addresses))
-        paced, closed = two_loads(p, loadlab, addresses, proxy.proc.pid)
+            rec.param(f"target_positions_{v.name}_{n}", positions(progress.counts, on.addresses))
+        why = on.served(proxy) if on.served is not None else ""
+        if why:
+            return why
+        paced, closed = two_loads(p, on.loadlab, on.addresses, proxy.proc.pid)
         paced["programmed_s"], paced["idle_wait_s"] = round(programmed, 2), round(idle, 2)
         size.record(v.name, v.name, paced, closed)
         return ""
@@ -456,6 +493,18 @@ def run(p: Mapping[str, Any], rec: Recorder, deadline: Deadline) -> None:
              "proxy. Ratio tables divide by upstream kube-proxy v1.20.2 iptables-legacy at the same size. This "
              "kernel has no IPVS (that mode is measured in the qemu guest). kube-proxy iptables-nft is not run "
              "past 1,000 Services: its first sync of 10,000 does not finish (control-plane part).")
+    on_api(p, rec, cp.objects, lambda cluster, n, skip: run_size(p, rec, deadline, cluster, n, skip))
+
+
+Objects = Callable[[int, int, str, str, Mapping[int, Sequence[str]]], list[dict[str, Any]]]
+"""Services first..last-1 and their slices (namespace, slice apiVersion), some with other endpoints."""
+
+
+def on_api(p: Mapping[str, Any], rec: Recorder, objects: Objects,
+           each: Callable[[Cluster, int, dict[str, str]], None]) -> None:
+    """A real API server holding p["services"] Services of `objects` in turn, growing; `each` measures at
+    every size (the series it could not finish in `skip`). The `targets` Services have the lab's backends
+    as endpoints, the others unused addresses."""
     with tempfile.TemporaryDirectory(prefix="pyproxy-bench-") as tmp, \
             Cluster(Path(tmp), authorization_mode="AlwaysAllow") as cluster:
         rec.step("etcd + kube-apiserver started")
@@ -469,15 +518,15 @@ def run(p: Mapping[str, Any], rec: Recorder, deadline: Deadline) -> None:
                 chosen = targets(n, int(p["targets"]))
                 lab_backends = [f"10.201.{b}.2" for b in range(1, core.ENDPOINTS + 1)]
                 rec.step(f"creating {2 * (n - created):,} objects through the API ({n:,} services in all)")
-                kube.create_many(cp.objects(created, n, namespace, kube.slice_api_version,
-                                            {i: lab_backends for i in chosen}), threads=16)
+                kube.create_many(objects(created, n, namespace, kube.slice_api_version,
+                                         {i: lab_backends for i in chosen}), threads=16)
                 for i in chosen:  # made earlier with unused endpoints: now the lab's backends
                     if i < created and i not in real:
                         kube.replace(cp.slice_of(i, namespace, kube.slice_api_version, addresses=lab_backends))
                 real |= set(chosen)
                 created = max(created, n)
                 rec.param(f"api_server_settled_s_at_{n}", round(wait_idle(cluster_pids(cluster), 30.0), 1))
-                run_size(p, rec, deadline, kube, cluster, namespace, n, skip)
+                each(cluster, n, skip)
         finally:
             kube.close()
 

@@ -28,25 +28,30 @@ it does NOT reset between repeats):
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import random
+import secrets
+import socket
 import statistics
+import struct
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import core
+from bench import core, rules
 from bench.core import Deadline, Figure, Measurement, Panel, Part, Recorder
 from pyproxy.dataplane.bpf import abi, libbpf, loader
 from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.libbpf import ffi
 from pyproxy.dataplane.bpf.render import Applied, render
 from pyproxy.model.objects import Protocol
-from pyproxy.model.state import Backend, Frontend, ServicePortState
+from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 sys.path.insert(0, str(core.REPO / "tests" / "priv"))
 from packets import TCP, TCP_ACK, TCP_SYN, Flow, decode, frame, pseudo_header_sum  # noqa: E402 - the project's frame builder
@@ -59,12 +64,16 @@ XDP_PASS, TC_ACT_OK = 2, 0
 CLIENT = "192.168.1.10"
 NOT_A_SERVICE = "10.250.0.1"
 CLIENTS = ipaddress.IPv4Address("172.16.0.0")  # new flows: one client address each
+# The NodePort: served on the node's address NODE_ADDR; the endpoints are reached through another device whose
+# address, SNAT_ADDR, is what the node's routing picks as the source toward them (see nodeport_netns).
+NODE_ADDR, NODE_PORT = "10.200.0.1", 30000
+SNAT_ADDR, NEXT_HOP = "10.198.0.1", "10.198.0.2"
 
 
 class TestRun:
     """BPF_PROG_TEST_RUN of one program on one packet, buffers allocated once."""
 
-    def __init__(self, prog_fd: int, data: bytes) -> None:
+    def __init__(self, prog_fd: int, data: bytes, ctx: bytes = b"") -> None:
         self.prog_fd = prog_fd
         self.data = data
         self._in = ffi.new("uint8_t[]", data)
@@ -74,6 +83,10 @@ class TestRun:
         self.opts.data_in = self._in
         self.opts.data_size_in = len(data)
         self.opts.data_out = self._out
+        if ctx:
+            self._ctx = ffi.new("uint8_t[]", ctx)
+            self.opts.ctx_in = self._ctx
+            self.opts.ctx_size_in = len(ctx)
 
     def __call__(self, repeat: int) -> tuple[int, int]:
         """(verdict, ns per run as the kernel measured it)."""
@@ -118,6 +131,13 @@ def desired_state(n: int) -> dict[str, tuple[ServicePortState, ...]]:
         ordered = tuple(sorted(backends))
         name = f"bench/svc-{i}"
         out[name] = (ServicePortState(name, "", Frontend(core.vip(i), core.PORT, Protocol.TCP), ordered, ordered),)
+    # The measured Service is also a NodePort with externalTrafficPolicy Cluster (DNAT and SNAT), to its
+    # 10 endpoints proper (its NodePort rows are single runs: no self backend needed).
+    name = f"bench/svc-{n - 1}"
+    real = tuple(sorted(Backend(core.endpoint((n - 1) * core.ENDPOINTS + j), core.BACKEND_PORT)
+                        for j in range(core.ENDPOINTS)))
+    out[name] += (ServicePortState(name, "", Frontend(NODE_ADDR, NODE_PORT, Protocol.TCP), real, real,
+                                   kind=FrontendKind.NODE_PORT, external_backends=real, masquerade=True),)
     return out
 
 
@@ -165,13 +185,15 @@ def xdp_leaves_to_tc(data: bytes) -> bool:
     return d.l4_csum == pseudo_header_sum(d.flow.src, d.flow.dst, d.flow.proto, d.l4_len)
 
 
-def new_flow_frames(count: int, first_client: int, service: Callable[[], int]) -> list[bytes]:
+def new_flow_frames(count: int, first_client: int, target: Callable[[], tuple[str, int]]) -> list[bytes]:
     """`count` SYNs of distinct flows (one client address each, from CLIENTS + first_client on), each to
-    the Service `service()` picks; frames XDP would leave to TC are skipped, so every one is load balanced."""
+    the frontend (address, port) `target()` picks; frames XDP would leave to TC are skipped, so every one is
+    load balanced."""
     out: list[bytes] = []
     c = first_client
     while len(out) < count:
-        data = frame(Flow(str(CLIENTS + c), core.vip(service()), 1024 + c % 60000, core.PORT, TCP))
+        addr, port = target()
+        data = frame(Flow(str(CLIENTS + c), addr, 1024 + c % 60000, port, TCP))
         c += 1
         if not xdp_leaves_to_tc(data):
             out.append(data)
@@ -301,11 +323,11 @@ def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.Lo
         # all to the measured one ("one": the Service's state stays in cache, as with a single Service).
         new_runs = {"xdp_new": abi.PROG_XDP, "tc_new": abi.PROG_TC_INGRESS, "xdp_new_hot": abi.PROG_XDP,
                     "tc_new_hot": abi.PROG_TC_INGRESS}
-        def any_service() -> int:
-            return rng.randrange(n)
+        def any_service() -> tuple[str, int]:
+            return core.vip(rng.randrange(n)), core.PORT
 
-        def measured() -> int:
-            return n - 1
+        def measured() -> tuple[str, int]:
+            return core.vip(n - 1), core.PORT
 
         new_frames = {key: new_flow_frames(singles, k * 2 * singles, measured if key.endswith("_hot") else any_service)
                       for k, key in enumerate(new_runs)}
@@ -325,12 +347,152 @@ def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.Lo
         floor1 = statistics.median(samples["floor"])
         for key, values in samples.items():
             series, mode = SERIES_SINGLE[key]
-            s = summary(values)
-            note = "" if key == "floor" else f"{s['median'] / floor1:.1f}x floor, +{s['median'] - floor1:.0f} ns"
-            rec.add(Measurement("ns_per_packet_single", series, mode, n, s["median"], "ns", note, s))
+            record_single(rec, n, series, mode, values, None if key == "floor" else floor1)
+
+        rec.step(f"{core.plural(n, 'service')}: {singles:,} single runs each of the NodePort paths")
+        with nodeport_netns() as thread:
+            paths = thread.call(nodeport_samples, dp, singles)
+        for key, series in NODEPORT.items():
+            if isinstance(paths, str):
+                rec.add(Measurement("ns_per_packet_single", series, "bpf", n, None, "ns", paths))
+            else:
+                record_single(rec, n, series, "bpf", paths[key], floor1)
     finally:
         steps.close()
         dp.close()
+
+
+def record_single(rec: Recorder, n: int, series: str, mode: str, values: list[float], floor: float | None) -> None:
+    s = summary(values)
+    note = "" if floor is None else f"{s['median'] / floor:.1f}x floor, +{s['median'] - floor:.0f} ns"
+    rec.add(Measurement("ns_per_packet_single", series, mode, n, s["median"], "ns", note, s))
+
+
+# ---------------------------------------------------------------------------------------------- NodePort paths
+
+NP = "NodePort: "
+NODEPORT = {
+    "xdp_np_new": f"{NP}XDP new flow (DNAT, SNAT chosen)",
+    "tc_np_new": f"{NP}TC new flow (DNAT, SNAT chosen)",
+    "eg_np_new": f"{NP}TC egress, new flow (SNAT written)",
+    "tc_np_est": f"{NP}TC established flow",
+    "eg_np_est": f"{NP}TC egress, established flow (SNAT)",
+    "tc_np_reply": f"{NP}TC reply to the node (reverse SNAT)",
+    "eg_np_reply": f"{NP}TC egress, reply to the client (reverse DNAT)",
+}
+"""The NodePort rows of ns_per_packet_single: a NodePort with externalTrafficPolicy Cluster, the client outside
+the cluster, so the node DNATs at ingress and SNATs at egress toward the endpoint (bpf/include/pyproxy/snat.h),
+and the endpoint's replies are translated back at ingress (to the client) and egress (from the frontend)."""
+ENDPOINT_NET = "10.128.0.0/12"
+"""Every core.endpoint() of up to 100,000 Services x 10."""
+
+
+@contextlib.contextmanager
+def nodeport_netns() -> Iterator[rules.NetnsThread]:
+    """A thread inside a private network namespace set up as a node: forwarding on, NODE_ADDR on one
+    device, SNAT_ADDR on another with the route to every endpoint through it. A BPF test run's packet belongs
+    to the calling thread's namespace, so the datapath's route lookup for SNAT (bpf_fib_lookup) sees this
+    node, not the machine's own routing."""
+    name = f"benchpkt-{secrets.token_hex(3)}"
+    steps = [["ip", "netns", "add", name], ["ip", "-n", name, "link", "set", "lo", "up"],
+             ["ip", "netns", "exec", name, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"]]
+    for dev, addr in (("np-client", NODE_ADDR), ("np-node2", SNAT_ADDR)):  # veth: this kernel has no dummy
+        steps += [["ip", "-n", name, "link", "add", dev, "type", "veth", "peer", "name", f"{dev}-p"],
+                  ["ip", "-n", name, "addr", "add", f"{addr}/24", "dev", dev],
+                  ["ip", "-n", name, "link", "set", f"{dev}-p", "up"],
+                  ["ip", "-n", name, "link", "set", dev, "up"]]
+    steps.append(["ip", "-n", name, "route", "add", ENDPOINT_NET, "via", NEXT_HOP, "dev", "np-node2"])
+    thread = None
+    try:
+        for argv in steps:
+            subprocess.run(argv, check=True, capture_output=True, timeout=30)
+        thread = rules.NetnsThread(name)
+        yield thread
+    finally:
+        if thread is not None:
+            thread.close()
+        subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True, timeout=30)
+
+
+def skb_ctx(ingress_ifindex: int, ifindex: int) -> bytes:
+    """The head of a struct __sk_buff for a TC test run, up to `ifindex`: the device the packet arrived on
+    (skb->ingress_ifindex, which SNAT's route lookup starts from) and the one it is on. A test run without it
+    has no ingress device; the rest stays zero, as the kernel wants."""
+    ctx = bytearray(44)
+    struct.pack_into("=II", ctx, 36, ingress_ifindex, ifindex)  # offsetof(struct __sk_buff, ingress_ifindex)
+    return bytes(ctx)
+
+
+class Unserved(Exception):
+    """The datapath does not translate a NodePort path as it should: the rows say why instead of a number."""
+
+
+def translated(run: TestRun, want: Callable[[Flow], bool], what: str) -> Flow:
+    """One run of `run`; the flow its output carries, which must satisfy `want`."""
+    run(1)
+    out = decode(run.output()).flow
+    if not want(out):
+        raise Unserved(f"{what}: the datapath left {out}")
+    return out
+
+
+def nodeport_samples(dp: Loaded, singles: int) -> dict[str, list[float]] | str:
+    """`singles` single runs of each NodePort path (NODEPORT), in this thread's network namespace; or why
+    there is no number: the NodePort is not in the services map (render() leaves it out while the bpf mode
+    does not serve it), or a path does not translate as it should."""
+    if dp.maps.services.get(abi.SvcKey(abi.be32(NODE_ADDR), abi.be16(NODE_PORT), TCP, 0)) is None:
+        return "not served: render() leaves out a NodePort with externalTrafficPolicy Cluster (no SNAT in bpf yet)"
+    progs = dp.obj.progs
+    xdp, tc, egress = progs[abi.PROG_XDP], progs[abi.PROG_TC_INGRESS], progs[abi.PROG_TC_EGRESS]
+    # The client's side and node 2's (the endpoints'): where packets arrive and leave in each direction.
+    client_dev, node2_dev = socket.if_nametoindex("np-client"), socket.if_nametoindex("np-node2")
+    from_client, to_node2 = skb_ctx(client_dev, client_dev), skb_ctx(client_dev, node2_dev)
+    from_node2, to_client = skb_ctx(node2_dev, node2_dev), skb_ctx(node2_dev, client_dev)
+    out: dict[str, list[float]] = {k: [] for k in NODEPORT}
+    try:
+        # One established flow, followed through all four translations; its runs are repeated below.
+        est = Flow("192.168.7.10", NODE_ADDR, 40000, NODE_PORT, TCP)
+        syn = TestRun(tc, frame(est), from_client)
+        dnat = translated(syn, lambda f: f.dst != NODE_ADDR and f.src == est.src, "ingress DNAT of a NodePort SYN")
+        snat = translated(TestRun(egress, syn.output(), to_node2),
+                          lambda f: f.src == SNAT_ADDR and f.dst == dnat.dst, "egress SNAT toward the endpoint")
+        back = Flow(snat.dst, SNAT_ADDR, snat.dport, snat.sport, TCP)
+        reply_in = TestRun(tc, frame(back, tcp_flags=TCP_SYN | TCP_ACK), from_node2)
+        translated(reply_in, lambda f: (f.dst, f.dport) == (est.src, est.sport), "ingress reverse SNAT of the reply")
+        reply_out = TestRun(egress, reply_in.output(), to_client)
+        translated(reply_out, lambda f: (f.src, f.sport) == (NODE_ADDR, NODE_PORT), "egress reverse DNAT of the reply")
+        runs = {"tc_np_est": TestRun(tc, frame(est, tcp_flags=TCP_ACK), from_client),
+                "tc_np_reply": TestRun(tc, frame(back, tcp_flags=TCP_ACK), from_node2)}
+        runs["tc_np_est"](1)
+        runs["eg_np_est"] = TestRun(egress, runs["tc_np_est"].output(), to_node2)
+        runs["tc_np_reply"](1)
+        runs["eg_np_reply"] = TestRun(egress, runs["tc_np_reply"].output(), to_client)
+
+        def nodeport() -> tuple[str, int]:
+            return NODE_ADDR, NODE_PORT
+
+        frames = {key: new_flow_frames(singles, (8 + k) * singles, nodeport)
+                  for k, key in enumerate(("xdp_np_new", "tc_np_new"))}
+        before = dp.counters()
+        chunk = 250
+        for start in range(0, singles, chunk):
+            for data in frames["xdp_np_new"][start:start + chunk]:
+                out["xdp_np_new"].append(float(TestRun(xdp, data)(1)[1]))
+            for data in frames["tc_np_new"][start:start + chunk]:
+                ingress = TestRun(tc, data, from_client)
+                out["tc_np_new"].append(float(ingress(1)[1]))
+                out["eg_np_new"].append(float(TestRun(egress, ingress.output(), to_node2)(1)[1]))
+            for key, run in runs.items():
+                out[key].extend(float(run(1)[1]) for _ in range(min(chunk, singles - start)))
+        new = _delta(before, dp.counters()).get("new_flow", 0)
+        if new != 2 * singles:
+            raise Unserved(f"{2 * singles:,} new NodePort flows counted {new:,} new_flow")
+        translated(runs["eg_np_est"], lambda f: f.src == SNAT_ADDR, "egress SNAT of the established flow")
+        translated(runs["eg_np_reply"], lambda f: (f.src, f.sport, f.dst) == (NODE_ADDR, NODE_PORT, est.src),
+                   "egress reverse DNAT of the established reply")
+    except Unserved as e:
+        return f"failed: {e}"
+    return out
 
 
 def params(quick: bool) -> dict[str, Any]:
@@ -367,7 +529,10 @@ PART = Part(
     figures=(
         Figure("ns_per_packet", "BPF per-packet cost vs Services (BPF_PROG_TEST_RUN)", (
             Panel("ns_per_packet", "ns per packet", "repeat N on one packet: established flow, not a Service"),
-            Panel("ns_per_packet_single", "ns per packet (median)", "one run per call: new flows, established"),
+            Panel("ns_per_packet_single", "ns per packet (median)", "one run per call: new flows, established",
+                  exclude=NP),
+            Panel("ns_per_packet_single", "ns per packet (median)",
+                  "NodePort, externalTrafficPolicy Cluster (DNAT + SNAT): one run per call", series=NP),
             Panel("ns_per_packet_steps", "ns per packet", "established XDP path, cumulative steps (profile)"),
         )),
     ),

@@ -34,6 +34,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -43,11 +44,12 @@ LAST_SYNC = "kubeproxy_sync_proxy_rules_last_timestamp_seconds"
 CLONE_NEWNET = 0x40000000
 METRICS_POLL_S = 0.05
 _libc = ctypes.CDLL(None, use_errno=True)
+T = TypeVar("T")
 
 
-class NetnsHttp:
-    """HTTP GETs to 127.0.0.1 inside an `ip netns` namespace, from one thread of this process that has
-    entered it (setns affects only the calling thread; the sockets it opens stay in that namespace)."""
+class NetnsThread:
+    """One thread of this process that has entered an `ip netns` namespace (setns affects only the calling
+    thread; the sockets it opens, and the packets a BPF test run makes, are in that namespace)."""
 
     def __init__(self, netns: str) -> None:
         self.netns = netns
@@ -57,6 +59,17 @@ class NetnsHttp:
         with open(f"/run/netns/{self.netns}") as f:
             if _libc.setns(f.fileno(), CLONE_NEWNET) != 0:
                 raise OSError(ctypes.get_errno(), f"setns into {self.netns}")
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in that thread: its result, or its exception."""
+        return self._pool.submit(fn, *args).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class NetnsHttp(NetnsThread):
+    """HTTP GETs to 127.0.0.1 inside an `ip netns` namespace, from a `NetnsThread`."""
 
     def _get(self, port: int, path: str, timeout: float) -> tuple[int, str]:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -73,9 +86,6 @@ class NetnsHttp:
             return self._pool.submit(self._get, port, path, timeout).result(timeout + 1)
         except (OSError, http.client.HTTPException):
             return 0, ""
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def parse_metrics(text: str) -> dict[str, float]:

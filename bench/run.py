@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench import controlplane, guest, latency, packet
+from bench import controlplane, guest, latency, nodeport, packet
 from bench.core import (
     REPO,
     BudgetExceeded,
@@ -48,9 +48,11 @@ from bench.core import (
 )
 
 # The order they run in: the run's bound (TOTAL_S) cuts the last one short first.
-PARTS: dict[str, Part] = {p.name: p for p in (packet.PART, latency.PART, controlplane.PART, guest.PART)}
+PARTS: dict[str, Part] = {p.name: p for p in (packet.PART, latency.PART, nodeport.PART, controlplane.PART,
+                                               guest.PART)}
 # Series every other series of the same part is divided by, in an extra table per metric.
-ANCHORS = {"latency": controlplane.ANCHOR, "controlplane": f"{controlplane.ANCHOR} (API server)", "guest": guest.ANCHOR}
+ANCHORS = {"latency": controlplane.ANCHOR, "nodeport": controlplane.ANCHOR,
+           "controlplane": f"{controlplane.ANCHOR} (API server)", "guest": guest.ANCHOR}
 RESULTS = REPO / "bench" / "results"
 PLOTS = REPO / "bench" / "plots"
 # Seconds a part gets after SIGTERM to tear down before SIGKILL; counted in the run's bound.
@@ -188,7 +190,7 @@ def run_part(part: Part, quick: bool, workdir: Path, budget: float) -> dict[str,
 
 def _cell(m: Mapping[str, Any]) -> str:
     if m["value"] is None:
-        if m["note"].startswith("not run"):
+        if m["note"].startswith(("not run", "not served")):
             return str(m["note"])
         return f"did not finish{': ' + m['note'] if m['note'] else ''}"
     v = float(m["value"])
