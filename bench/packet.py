@@ -438,10 +438,9 @@ def translated(run: TestRun, want: Callable[[Flow], bool], what: str) -> Flow:
 
 def nodeport_samples(dp: Loaded, singles: int) -> dict[str, list[float]] | str:
     """`singles` single runs of each NodePort path (NODEPORT), in this thread's network namespace; or why
-    there is no number: the NodePort is not in the services map (render() leaves it out while the bpf mode
-    does not serve it), or a path does not translate as it should."""
+    there is no number: the NodePort is not in the services map, or a path does not translate as it should."""
     if dp.maps.services.get(abi.SvcKey(abi.be32(NODE_ADDR), abi.be16(NODE_PORT), TCP, 0)) is None:
-        return "not served: render() leaves out a NodePort with externalTrafficPolicy Cluster (no SNAT in bpf yet)"
+        return "not served: the NodePort is not in the services map"
     progs = dp.obj.progs
     xdp, tc, egress = progs[abi.PROG_XDP], progs[abi.PROG_TC_INGRESS], progs[abi.PROG_TC_EGRESS]
     # The client's side and node 2's (the endpoints'): where packets arrive and leave in each direction.
