@@ -130,9 +130,9 @@ def test_inspect_under_ip_netns_exec_finds_the_running_dataplane(make_env) -> No
 def test_bpf_mode_warns_about_settings_it_does_not_honour(make_env) -> None:
     env = make_env(2)
     env.write("web.yaml", *WEB)
-    proxy = env.start(args=["--masquerade-all", "--cluster-cidr=10.200.0.0/16"])
+    proxy = env.start(args=["--ipvs-scheduler=lc", "--iptables-masquerade-bit=13"])
     log = last_run_log(proxy)
-    for flag in ("--masquerade-all", "--cluster-cidr"):
+    for flag in ("--ipvs-scheduler", "--iptables-masquerade-bit"):
         assert re.search(rf"WARNING .*bpf mode does not honour {flag}\b", log), log
     assert "--iptables-backend" not in log, log  # a flag left at its default is no setting of the user's
     env.assert_reaches("tcp", WEB_IP, 80, BOTH)

@@ -5,7 +5,7 @@ entering the node.
 Models: the plans' ops applied in order (virtual and real servers, kube-ipvs0's addresses, ipset members);
 nat PREROUTING walked over those ipsets (netfilter.py; `-m addrtype LOCAL` is a node address or one on
 kube-ipvs0); a destination on kube-ipvs0 or a node address is the node's own, so the flow goes through filter
-INPUT (KUBE-PROXY-FIREWALL drops sources outside a load balancer's source ranges and outside flows to a Local
+INPUT (KUBE-IPVS-FIREWALL drops sources outside a load balancer's source ranges and outside flows to a Local
 frontend without a local endpoint; KUBE-IPVS-FILTER rejects a new flow to a kube-ipvs0 address on a port that
 is no frontend's) to IPVS: the virtual server of (address, port, protocol) sends it to any real server of
 weight > 0, a persistent one (ClientIP affinity) sends a second flow from the client where the first went, and

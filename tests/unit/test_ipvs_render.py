@@ -450,14 +450,14 @@ def test_rules_for_external_frontends() -> None:
     drop = next(line for line in lines if "KUBE-NO-LOCAL-ENDPOINTS" in line)
     assert "! -s 10.244.0.0/16" in drop and drop.endswith("-j DROP") and "--ctstate NEW" in drop
     reset = next(line for line in lines if "KUBE-NO-ENDPOINTS" in line)
-    assert reset.startswith("-A KUBE-PROXY-FIREWALL") and "-p tcp" in reset
+    assert reset.startswith("-A KUBE-IPVS-FIREWALL") and "-p tcp" in reset
     assert reset.endswith("-j REJECT --reject-with tcp-reset")
     # The node-port jump comes after every accept, so it sees no other frontend.
     services = [line for line in lines if line.startswith("-A KUBE-SERVICES")]
     assert services[-1] == "-A KUBE-SERVICES -m addrtype --dst-type LOCAL -j KUBE-NODE-PORT"
     for chain in ("KUBE-NODE-PORT", "KUBE-LOAD-BALANCER"):
         assert is_mode_chain("nat", chain)
-    for chain in ("KUBE-PROXY-FIREWALL", "KUBE-SOURCE-RANGES-FIREWALL", "KUBE-IPVS-FILTER"):
+    for chain in ("KUBE-IPVS-FIREWALL", "KUBE-SOURCE-RANGES-FIREWALL", "KUBE-IPVS-FILTER"):
         assert is_mode_chain("filter", chain)
     assert not is_mode_chain("nat", "KUBE-SERVICES")
 

@@ -19,7 +19,9 @@ is what makes reading slow. What is where:
       and KUBE-NODE-PORT, to load-balancer IPs and node ports), and the node's own flows to any external
       frontend; then ACCEPT every frontend (no other nat rule may touch what IPVS translates);
     nat KUBE-POSTROUTING: masquerade hairpin flows (KUBE-LOOP-BACK dst,dst,src) and marked packets;
-    filter KUBE-PROXY-FIREWALL (from INPUT and FORWARD, before IPVS's LOCAL_IN hook): drop sources outside a
+    filter KUBE-IPVS-FIREWALL (from INPUT and FORWARD, before IPVS's LOCAL_IN hook; upstream's IPVS mode calls it
+      KUBE-PROXY-FIREWALL, a name the iptables mode here holds, whose start would otherwise remove it as the
+      ipvs mode's leftover, and the other way round): drop sources outside a
       load balancer's loadBalancerSourceRanges (KUBE-SOURCE-RANGES-FIREWALL), and new flows from outside the
       cluster to an externalTrafficPolicy Local frontend this node has no endpoint for;
     filter KUBE-IPVS-FILTER (from INPUT): reject new connections to an address of kube-ipvs0 on a port that is
@@ -91,7 +93,7 @@ log = logging.getLogger(__name__)
 
 IPVS_FILTER_CHAIN = "KUBE-IPVS-FILTER"
 NODE_PORT_CHAIN, LOAD_BALANCER_CHAIN = "KUBE-NODE-PORT", "KUBE-LOAD-BALANCER"  # nat
-FIREWALL_CHAIN, SOURCE_RANGES_CHAIN = "KUBE-PROXY-FIREWALL", "KUBE-SOURCE-RANGES-FIREWALL"  # filter
+FIREWALL_CHAIN, SOURCE_RANGES_CHAIN = "KUBE-IPVS-FIREWALL", "KUBE-SOURCE-RANGES-FIREWALL"  # filter
 MODE_CHAINS = frozenset({("filter", IPVS_FILTER_CHAIN), ("nat", NODE_PORT_CHAIN), ("nat", LOAD_BALANCER_CHAIN),
                          ("filter", FIREWALL_CHAIN), ("filter", SOURCE_RANGES_CHAIN)})
 """(table, chain) of the chains only this mode writes (upstream's IPVS proxier's names)."""
