@@ -61,6 +61,10 @@ class UdpFrontend:
     addresses: frozenset[str] = field(default=frozenset())
     """A NodePort's node addresses (needed to clear its untranslated entries); others: their own address."""
 
+    def __or__(self, other: UdpFrontend) -> UdpFrontend:
+        """Two parts of one frontend together (a NodePort's addresses)."""
+        return UdpFrontend(self.served or other.served, self.known | other.known, self.addresses | other.addresses)
+
 
 def udp_key(sp: ServicePortState) -> UdpKey:
     return ("" if sp.kind is FrontendKind.NODE_PORT else sp.frontend.ip, sp.frontend.port)
@@ -76,9 +80,7 @@ def udp_frontends(states: Iterable[ServicePortState]) -> dict[UdpKey, UdpFronten
         mine = UdpFrontend(served=bool(sp.backends or sp.external_backends),
                            known=frozenset((*sp.known_backends, *sp.backends, *sp.external_backends)),
                            addresses=frozenset({sp.frontend.ip}))
-        prev = out.get(key)
-        out[key] = mine if prev is None else UdpFrontend(prev.served or mine.served, prev.known | mine.known,
-                                                          prev.addresses | mine.addresses)
+        out[key] = out[key] | mine if key in out else mine
     return out
 
 
