@@ -16,6 +16,10 @@ Running them
     exist, loading no kernel module. `restore(tools, text)` runs `iptables-restore --noflush` (one atomic
     transaction per table). Both raise DataplaneError carrying the command's stderr; every call has a timeout.
     `conntrack_delete(*args)` runs `conntrack -D ...`, returns how many entries went (0 is not an error).
+Stale UDP flows (every netfilter-based mode: iptables, nftables, ipvs)
+    `conntrack_filter(stale)` -> the `conntrack -D` arguments of one `model.conntrack.Stale`;
+    `clear_stale_udp(stales)` deletes them after a sync (failures are logged, never raised) and returns how many
+    entries went. The plan itself (which flows) is model/conntrack.py's, the same for every mode.
 Restore input
     `Chain(name, rules)`: a chain and its rule bodies (what follows `-A NAME`). `TableEdit` collects, per
     table, chains to write (declared = created or flushed, then filled), chains to remove (flushed, `-X` last)
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import re
 import shlex
 import shutil
@@ -56,6 +61,9 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pyproxy.dataplane.base import DataplaneError, MasqueradeSettings, ModeUnavailable
+from pyproxy.model.conntrack import Stale
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("legacy", "nft")
 TABLES = ("nat", "filter")
@@ -245,6 +253,47 @@ def conntrack_delete(*args: str) -> int:
     if found:
         return int(found.group(1))
     raise DataplaneError(f"{shlex.join(argv)} exited {cp.returncode}: {cp.stderr.strip()}")
+
+
+def conntrack_filter(stale: Stale) -> list[str]:
+    """The `conntrack -D` arguments deleting `stale`'s entries, and no others."""
+    args = ["-p", "udp", *(["--orig-dst", stale.ip] if stale.ip else []), "--orig-port-dst", str(stale.port)]
+    if stale.endpoint is not None:
+        # The endpoint's port too: the same pod may serve another port of this frontend's address that stays.
+        return [*args, "--dst-nat", stale.endpoint.ip, "--reply-port-src", str(stale.endpoint.port)]
+    if not stale.ip:
+        raise ValueError(f"untranslated entries need the frontend's address: {stale}")
+    # Never DNATed: the reply would come from the frontend's address itself. Upstream deletes every entry to the
+    # frontend here, which also took live flows when kube-proxy restarted and saw each frontend as new (122740).
+    return [*args, "--reply-src", stale.ip]
+
+
+_conntrack_missing_logged = False
+
+
+def clear_stale_udp(stales: Iterable[Stale]) -> int:
+    """Delete the entries of `stales` (after the rules that stop new ones are in); how many went. Failures
+    are logged: a sync whose rules went in has succeeded, and the next change plans again."""
+    global _conntrack_missing_logged
+    stales = list(stales)
+    if not stales:
+        return 0
+    if shutil.which("conntrack") is None:
+        if not _conntrack_missing_logged:
+            log.warning("conntrack not found in PATH (install conntrack): UDP flows to removed endpoints stay")
+            _conntrack_missing_logged = True
+        return 0
+    total = 0
+    for stale in stales:
+        try:
+            n = conntrack_delete(*conntrack_filter(stale))
+        except DataplaneError as e:
+            log.warning("deleting stale UDP conntrack entries (%s) failed: %s", stale, e)
+            continue
+        total += n
+        if n:
+            log.info("deleted %d UDP conntrack entries: %s", n, stale)
+    return total
 
 
 # ------------------------------------------------------------------------------------------ restore input

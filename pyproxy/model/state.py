@@ -70,7 +70,8 @@ class ServicePortState:
     `external_backends` serve the others."""
     known_backends: tuple[Backend, ...] = ()
     """Every endpoint of the slices (ready or not), sorted. Established flows to one of these are kept;
-    a flow whose backend left this set is re-balanced (upstream flushes conntrack for it)."""
+    a flow whose backend left this set is re-balanced: bpf mode at its next packet, the netfilter modes by
+    deleting its UDP conntrack entries (model/conntrack.py, as upstream)."""
     session_affinity_seconds: int = 0
     """0 = no affinity; else ClientIP affinity lasting this long."""
     kind: FrontendKind = FrontendKind.CLUSTER_IP

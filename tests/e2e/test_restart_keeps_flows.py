@@ -2,7 +2,9 @@
 so does pyproxy): connections and UDP sockets a client holds through a NodePort with externalTrafficPolicy Cluster
 (SNATed to the node) and through a ClusterIP go on after pyproxy is stopped and started again, to the same backend,
 which still sees the same source address and port. In bpf mode the flows and their SNAT pairs live in the pinned
-connection-tracking map; in the netfilter modes, in the kernel's conntrack."""
+connection-tracking map; in the netfilter modes, in the kernel's conntrack, which the first sync's clearing of
+stale UDP entries must leave alone (upstream 122740: kube-proxy's restart flushed them; deleting every entry
+to a frontend that "got its first endpoint", as upstream, fails this test in iptables mode)."""
 
 from __future__ import annotations
 

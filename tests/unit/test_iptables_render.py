@@ -14,7 +14,6 @@ import pytest
 from pyproxy.dataplane import netfilter as nf
 from pyproxy.dataplane.iptables.render import (
     AppliedService,
-    ConntrackFlush,
     Plan,
     ext_chain,
     fw_chain,
@@ -25,8 +24,8 @@ from pyproxy.dataplane.iptables.render import (
     sep_chain,
     svc_chain,
     svl_chain,
-    udp_flushes,
 )
+from pyproxy.model.conntrack import Stale, stale_udp_states
 from pyproxy.model.node import NodeInputs
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, DesiredState, Frontend, FrontendKind, ServicePortState
@@ -303,31 +302,19 @@ def test_tcp_is_refused_with_a_reset_and_udp_with_icmp() -> None:
 # ---------------------------------------------------------------------------------------------- conntrack
 
 
-def test_udp_flows_of_an_endpoint_that_left_are_flushed() -> None:
-    fe = dns(A).frontend
-    assert udp_flushes((dns(A, B),), (dns(A),)) == [ConntrackFlush(fe, B.ip)]
-    assert udp_flushes((dns(A, B),), ()) == [ConntrackFlush(fe, A.ip), ConntrackFlush(fe, B.ip)]
-
-
-def test_a_not_ready_endpoint_keeps_its_udp_flows() -> None:
-    assert udp_flushes((dns(A, B),), (dns(A, not_ready=[B]),)) == []
-
-
-def test_a_udp_frontend_getting_its_first_endpoint_drops_unnated_flows() -> None:
-    fe = dns(A).frontend
-    assert udp_flushes((), (dns(A),)) == [ConntrackFlush(fe, None)]
-    assert udp_flushes((dns(),), (dns(A),)) == [ConntrackFlush(fe, None)]
-    assert udp_flushes((dns(A),), (dns(A, B),)) == []
-
-
-def test_tcp_flows_are_left_alone() -> None:
-    assert udp_flushes((svc1(A, B),), (svc1(A),)) == []
+# The planner's cases are tests/unit/test_conntrack_plan.py's; here: render() hands its plan on.
 
 
 def test_render_collects_the_flushes_of_the_changed_services() -> None:
     before = full(state(dns(A, B)))
     plan = render(state(dns(A)), {"kube-system/kube-dns"}, before.applied, NO_MASQ)
-    assert plan.flushes == (ConntrackFlush(dns(A).frontend, B.ip),)
+    assert plan.stale_udp == (Stale("10.96.0.10", 53, B),)
+
+
+def test_the_first_sync_after_a_start_clears_no_endpoint_flows() -> None:
+    """Nothing applied yet (a restart adopting the previous run's rules): only never-DNATed entries go."""
+    plan = full(state(dns(A, B)))
+    assert plan.stale_udp == (Stale("10.96.0.10", 53),)
 
 
 # ------------------------------------------------------------------------------------ netfilter helpers
@@ -584,17 +571,13 @@ def test_full_sync_removes_stale_external_chains_and_keeps_the_fixed_ones() -> N
     assert {ext_chain(SP), svl_chain(SP)} <= declared(plan)
 
 
-def test_udp_node_port_flows_are_flushed_per_node_address() -> None:
+def test_udp_flows_of_every_frontend_kind_are_planned() -> None:
     before = web([A, B], protocol=Protocol.UDP)
     after = web([A], protocol=Protocol.UDP)
-    flushes = udp_flushes(tuple(before), tuple(after))
-    assert flushes == [ConntrackFlush(sp.frontend, B.ip) for sp in after]
-    assert {f.frontend.ip for f in flushes} == {"10.96.0.30", EXTERNAL_IP, LB_IP, *NODE_IPS}
-    # A first endpoint: the un-NATed flows of every frontend, NodePorts on each address included.
-    assert udp_flushes(tuple(web([], protocol=Protocol.UDP)), tuple(after)) == [
-        ConntrackFlush(sp.frontend, None) for sp in after]
     plan = render(state(*after, node=NODE), {"ns3/web"}, full(state(*before, node=NODE)).applied, NO_MASQ)
-    assert plan.flushes == tuple(flushes)
+    # NodePorts by port on any address (as upstream), the other kinds by their address.
+    assert plan.stale_udp == tuple(stale_udp_states(before, after))
+    assert {(s.ip, s.endpoint) for s in plan.stale_udp} == {(ip, B) for ip in ("", "10.96.0.30", EXTERNAL_IP, LB_IP)}
 
 
 def test_cleanup_removes_the_external_chains_and_their_jumps() -> None:

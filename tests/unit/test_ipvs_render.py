@@ -47,6 +47,7 @@ from pyproxy.dataplane.ipvs.render import (
     render,
 )
 from pyproxy.dataplane.netfilter import MasqueradeSettings, restore_input
+from pyproxy.model.conntrack import Stale
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
@@ -483,3 +484,35 @@ def test_an_external_ip_that_is_a_node_address_is_served_but_never_bound() -> No
     # The node loses that address: the model recomputes the Service, which binds it now.
     k.sync(memory, {WEB: state}, full=False, node=NODE_IPS[:1])
     assert k.addresses == {"10.96.0.10", NODE_IPS[1]}
+
+
+# ---------------------------------------------------------------------------------------------- conntrack
+# The planner's cases are tests/unit/test_conntrack_plan.py's; here: which old state IPVS hands it.
+
+
+def test_udp_entries_of_a_removed_real_server_are_planned_by_address_and_node_ports_by_port() -> None:
+    k = KernelModel()
+    first = k.sync(Memory(), {DNS: [dns(X, Y), *node_ports(30053, [X, Y], protocol=Protocol.UDP)]})
+    assert set(first.stale_udp) == {Stale("10.96.0.53", 53), *(Stale(ip, 30053) for ip in NODE_IPS)}
+    plan = k.sync(first.memory, {DNS: [dns(X), *node_ports(30053, [X], protocol=Protocol.UDP)]}, full=False)
+    assert set(plan.stale_udp) == {Stale("", 30053, Y), Stale("10.96.0.53", 53, Y)}
+    assert k.sync(plan.memory, {DNS: [dns(X), *node_ports(30053, [X], protocol=Protocol.UDP)]}).stale_udp == ()
+
+
+def test_a_restart_plans_no_entries_of_endpoints_still_there_only_of_those_the_kernel_shows_gone() -> None:
+    k = KernelModel()
+    k.sync(Memory(), {DNS: [dns(X, Y)], WEB: [web(A, B)]})
+    # Nothing remembered: the kernel's real servers are the old state. X stays, Y left while pyproxy was down.
+    plan = k.sync(Memory(), {DNS: [dns(X)], WEB: [web(A)]})
+    assert plan.stale_udp == (Stale("10.96.0.53", 53, Y),)
+    assert k.sync(Memory(), {DNS: [dns(X)], WEB: [web(A)]}).stale_udp == ()
+
+
+def test_a_not_ready_endpoint_keeps_its_udp_entries_until_it_leaves() -> None:
+    k = KernelModel()
+    memory = k.sync(Memory(), {DNS: [dns(X, Y)]}).memory
+    not_ready = ServicePortState(service=DNS, port_name="dns", frontend=Frontend("10.96.0.53", 53, Protocol.UDP),
+                                 backends=(X,), known_backends=(X, Y))
+    plan = k.sync(memory, {DNS: [not_ready]})
+    assert plan.stale_udp == () and (DNS_KEY, Y) not in k.conns and Y not in k.virtuals[DNS_KEY][2]
+    assert k.sync(plan.memory, {DNS: [dns(X)]}).stale_udp == (Stale("10.96.0.53", 53, Y),)

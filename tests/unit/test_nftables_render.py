@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 
+from pyproxy.dataplane import netfilter as nf
 from pyproxy.dataplane.netfilter import MasqueradeSettings
 from pyproxy.dataplane.nftables.render import (
-    ConntrackFlush,
     Plan,
     affinity_set,
     endpoint_chain,
@@ -35,6 +35,7 @@ from pyproxy.dataplane.nftables.table import (
     owner,
     parse_listing,
 )
+from pyproxy.model.conntrack import Stale
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
@@ -286,27 +287,27 @@ def test_a_changed_affinity_timeout_recreates_the_sets_after_their_users_are_flu
 def test_udp_flows_of_endpoints_that_left_are_flushed() -> None:
     first = full(TableState(), {**dns(B1, B2), **web(B1, B2)})
     plan = partial(first.state, {**dns(B1), **web(B1)})
-    assert plan.flushes == (ConntrackFlush("10.96.0.53", 53, Backend("10.1.0.2", 5353)),)
-    assert plan.flushes[0].argv() == ["conntrack", "-D", "-p", "udp", "--orig-dst", "10.96.0.53", "--orig-port-dst",
-                                      "53", "--dst-nat", "10.1.0.2", "--reply-port-src", "5353"]
+    assert plan.stale_udp == (Stale("10.96.0.53", 53, Backend("10.1.0.2", 5353)),)
+    assert nf.conntrack_filter(plan.stale_udp[0]) == ["-p", "udp", "--orig-dst", "10.96.0.53", "--orig-port-dst",
+                                                      "53", "--dst-nat", "10.1.0.2", "--reply-port-src", "5353"]
 
 
 def test_a_not_ready_but_known_endpoint_keeps_its_flows_until_it_leaves() -> None:
     b1, b2 = Backend("10.1.0.1", 5353), Backend("10.1.0.2", 5353)
     first = full(TableState(), dns(B1, B2))
     not_ready = partial(first.state, dns(B1, known=(b1, b2)))
-    assert not_ready.flushes == ()
+    assert not_ready.stale_udp == ()
     left = partial(not_ready.state, dns(B1))
-    assert left.flushes == (ConntrackFlush("10.96.0.53", 53, b2),)
+    assert left.stale_udp == (Stale("10.96.0.53", 53, b2),)
 
 
 def test_a_udp_frontend_that_gets_its_first_endpoint_forgets_its_untranslated_flows() -> None:
     first = full(TableState(), dns())
     plan = partial(first.state, dns(B1))
-    assert plan.flushes == (ConntrackFlush("10.96.0.53", 53),)
-    assert ConntrackFlush("10.96.0.53", 53).argv()[-2:] == ["--orig-port-dst", "53"]
+    assert plan.stale_udp == (Stale("10.96.0.53", 53),)
+    assert nf.conntrack_filter(Stale("10.96.0.53", 53))[-2:] == ["--reply-src", "10.96.0.53"]
     gone = partial(plan.state, {"default/dns": ()})
-    assert gone.flushes == (ConntrackFlush("10.96.0.53", 53, Backend("10.1.0.1", 5353)),)
+    assert gone.stale_udp == (Stale("10.96.0.53", 53, Backend("10.1.0.1", 5353)),)
 
 
 # ---------------------------------------------------------------------------------------------------- kernels < 6.2
@@ -541,10 +542,10 @@ def test_udp_node_port_flows_of_endpoints_that_left_are_flushed_by_port() -> Non
     dns_np = {"default/dns": (ext(FrontendKind.NODE_PORT, NODE_IPS[0], 30053, backends=(e1, e2), proto="UDP",
                                   service="default/dns"),)}
     first = full(TableState(), dns_np, nodeport_ips=NODE_IPS)
-    assert ConntrackFlush("", 30053) in first.flushes, "a NodePort that just got endpoints forgets older flows"
+    assert Stale(NODE_IPS[0], 30053) in first.stale_udp, "a NodePort that just got endpoints forgets older flows"
     fewer = {"default/dns": (ext(FrontendKind.NODE_PORT, NODE_IPS[0], 30053, backends=(e1,), proto="UDP",
                                  service="default/dns"),)}
     plan = partial(first.state, fewer, nodeport_ips=NODE_IPS)
-    assert plan.flushes == (ConntrackFlush("", 30053, e2),)
-    assert plan.flushes[0].argv() == ["conntrack", "-D", "-p", "udp", "--orig-port-dst", "30053",
-                                      "--dst-nat", "10.1.0.2", "--reply-port-src", "5353"]
+    assert plan.stale_udp == (Stale("", 30053, e2),)
+    assert nf.conntrack_filter(plan.stale_udp[0]) == ["-p", "udp", "--orig-port-dst", "30053",
+                                                      "--dst-nat", "10.1.0.2", "--reply-port-src", "5353"]

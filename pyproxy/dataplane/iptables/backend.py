@@ -9,6 +9,10 @@ iptables-save. After a failed sync the next one is full too, since what is appli
 
 UDP conntrack entries of endpoints that left are deleted after the restore, as upstream: a UDP "flow" has
 no end, so without that a client would keep talking to a removed backend. Failing to do so is logged only.
+The plan is model/conntrack.py's and netfilter.clear_stale_udp runs it, as in the nftables and ipvs modes.
+After a restart `applied` is empty, so the first sync clears no endpoint's flows (only never-DNATed ones):
+endpoints that left while pyproxy was down keep their UDP flows until those time out (the rules left by the
+previous run are not read back as endpoint lists).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass, field
 
 from pyproxy.dataplane import netfilter as nf
 from pyproxy.dataplane.base import DataplaneError
-from pyproxy.dataplane.iptables.render import Applied, ConntrackFlush, is_mode_chain, is_mode_rule, render
+from pyproxy.dataplane.iptables.render import Applied, is_mode_chain, is_mode_rule, render
 from pyproxy.dataplane.netfilter import MasqueradeSettings
 from pyproxy.model.state import DesiredState
 
@@ -85,24 +89,7 @@ class IptablesDataplane:
         self._reconciled = True
         log.debug("%s sync: %d chains written, %d removed, %d rules", "full" if full else "partial",
                   plan.written, plan.removed, plan.rules)
-        for flush in plan.flushes:
-            _flush_udp(flush)
-
-
-def _flush_udp(flush: ConntrackFlush) -> None:
-    fe = flush.frontend
-    args = ["-p", "udp", "--orig-dst", fe.ip, "--orig-port-dst", str(fe.port)]
-    # Upstream deletes every entry to the ClusterIP when the first endpoint comes; only the un-NATed ones (the
-    # reply would come from the ClusterIP itself) need to go, which also spares live flows when pyproxy
-    # restarts and sees every frontend as new.
-    args += ["--dst-nat", flush.endpoint_ip] if flush.endpoint_ip else ["--reply-src", fe.ip]
-    try:
-        n = nf.conntrack_delete(*args)
-    except DataplaneError as e:
-        log.warning("deleting UDP conntrack entries of %s -> %s failed: %s", fe, flush.endpoint_ip or "-", e)
-        return
-    if n:
-        log.info("deleted %d UDP conntrack entries of %s -> %s", n, fe, flush.endpoint_ip or "(no endpoint)")
+        nf.clear_stale_udp(plan.stale_udp)
 
 
 def cleanup(settings: IptablesSettings, shared: bool = True) -> list[str]:

@@ -29,14 +29,15 @@ after DNAT, so a rule matching the frontend's own address catches exactly the fl
 (the short-circuited pod and node flows of a Local frontend are already DNATed and pass).
 
 `render()` returns a `Plan`: the restore text, the `Applied` state that holds once it ran, and the UDP
-conntrack entries to delete afterwards. A partial sync (`changed` = Service keys) rewrites only those
-Services' chains, plus the chains that hold every Service's rules (both KUBE-SERVICES, KUBE-NODEPORTS in nat
-and filter, KUBE-EXTERNAL-SERVICES, KUBE-PROXY-FIREWALL), which are rewritten whole every time (as upstream) so
-a frontend's position never depends on sync history. Chains of a Service that went, or of its endpoints or
-frontends that went, are flushed and deleted (`-X` at the end, after the rules that jumped to them are gone). A
-full sync (`changed=None`) also reconciles against what iptables-save shows: every per-service chain of ours
-(KUBE-SVC-, -SEP-, -EXT-, -FW-, -SVL-) not wanted goes, and missing jumps from the built-in chains are inserted
-(never duplicated).
+conntrack entries to delete afterwards (model/conntrack.py plans them, as for every netfilter mode). A partial
+sync (`changed` = Service keys) rewrites only those Services' chains, plus the chains that hold every
+Service's rules (both KUBE-SERVICES, KUBE-NODEPORTS in nat and filter, KUBE-EXTERNAL-SERVICES,
+KUBE-PROXY-FIREWALL), which are rewritten whole every time (as upstream) so a frontend's position never
+depends on sync history. Chains of a Service that went, or of its endpoints or frontends that went, are
+flushed and deleted (`-X` at the end, after the rules that jumped to them are gone). A full sync
+(`changed=None`) also reconciles against what iptables-save shows: every per-service chain of ours (KUBE-SVC-,
+-SEP-, -EXT-, -FW-, -SVL-) not wanted goes, and missing jumps from the built-in chains are inserted (never
+duplicated).
 
 iptables-restore applies each table's part as one transaction, so a failed sync leaves the previous rules.
 """
@@ -47,6 +48,7 @@ from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 from pyproxy.dataplane import netfilter as nf
+from pyproxy.model.conntrack import Stale, stale_udp_states
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, DesiredState, Frontend, FrontendKind, ServicePortState
 
@@ -95,19 +97,11 @@ Applied = Mapping[str, AppliedService]
 
 
 @dataclass(frozen=True)
-class ConntrackFlush:
-    """UDP conntrack entries to delete: to `frontend` and DNATed to `endpoint_ip`, or (None) not DNATed
-    at all (flows that started while the frontend had no endpoints)."""
-
-    frontend: Frontend
-    endpoint_ip: str | None
-
-
-@dataclass(frozen=True)
 class Plan:
     text: str
     applied: dict[str, AppliedService]
-    flushes: tuple[ConntrackFlush, ...] = ()
+    stale_udp: tuple[Stale, ...] = ()
+    """UDP conntrack entries to delete once the restore is in (model/conntrack.py's plan)."""
     written: int = 0
     """Chains written (created or rewritten)."""
     removed: int = 0
@@ -346,31 +340,6 @@ def port_chains(states: Sequence[ServicePortState], m: nf.MasqueradeSettings) ->
     return chains
 
 
-# ---------------------------------------------------------------------------------------------- conntrack
-
-
-def _known(sp: ServicePortState) -> set[Backend]:
-    return set(sp.known_backends) | set(sp.backends)
-
-
-def udp_flushes(old: tuple[ServicePortState, ...], new: tuple[ServicePortState, ...]) -> list[ConntrackFlush]:
-    """As upstream: a UDP endpoint that left drops its flows (else they keep going to it: UDP has no end), and
-    a UDP frontend that gets its first endpoint drops the un-NATed flows begun while it had none."""
-    before = {sp.frontend: sp for sp in old if sp.frontend.protocol is Protocol.UDP}
-    flushes: list[ConntrackFlush] = []
-    for sp in new:
-        if sp.frontend.protocol is not Protocol.UDP:
-            continue
-        prev = before.pop(sp.frontend, None)
-        if sp.backends and (prev is None or not prev.backends):
-            flushes.append(ConntrackFlush(sp.frontend, None))
-        if prev is not None:
-            flushes += [ConntrackFlush(sp.frontend, b.ip) for b in sorted(_known(prev) - _known(sp))]
-    for fe, prev in before.items():
-        flushes += [ConntrackFlush(fe, b.ip) for b in sorted(_known(prev))]
-    return flushes
-
-
 # ----------------------------------------------------------------------------------------------- render
 
 
@@ -399,7 +368,8 @@ def render(desired: DesiredState, changed: Set[str] | None, applied: Applied, m:
     out = _Builder()
     keys = set(desired.services) | set(applied) if changed is None else set(changed)
     new_applied = dict(applied)
-    flushes: list[ConntrackFlush] = []
+    old_ports: list[ServicePortState] = []
+    new_ports: list[ServicePortState] = []
     for key in sorted(keys):
         ports = tuple(desired.services.get(key, ()))
         chains = [c for states in by_port(ports) for c in port_chains(states, m)]
@@ -411,7 +381,9 @@ def render(desired: DesiredState, changed: Set[str] | None, applied: Applied, m:
             # A full sync removes what iptables-save shows instead: `applied` may be wrong after a failure.
             for stale in sorted(old.chains - names):
                 out.remove(stale)
-        flushes += udp_flushes(old.ports if old else (), ports)
+        # Nothing applied yet (the first sync after a start) plans no endpoint's flows: see model/conntrack.py.
+        old_ports += old.ports if old else ()
+        new_ports += ports
         if ports:
             new_applied[key] = AppliedService(ports, names)
         else:
@@ -428,7 +400,7 @@ def render(desired: DesiredState, changed: Set[str] | None, applied: Applied, m:
         _reconcile(out, saved, new_applied, m)
     text = nf.restore_input({"nat": out.nat, "filter": out.filter})
     count = sum(1 for line in text.splitlines() if line.startswith(("-A ", "-I ")))
-    return Plan(text, new_applied, tuple(flushes), out.written, out.removed, count)
+    return Plan(text, new_applied, tuple(stale_udp_states(old_ports, new_ports)), out.written, out.removed, count)
 
 
 def _reconcile(out: _Builder, saved: Mapping[str, nf.SavedTable], applied: Applied,

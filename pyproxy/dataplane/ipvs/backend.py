@@ -30,6 +30,11 @@ is what makes reading slow. What is where:
     filter KUBE-FORWARD: accept marked traffic, drop conntrack-INVALID;
 - sysctls net.ipv4.vs.conntrack=1 (iptables must see IPVS flows to masquerade them), expire_nodest_conn=1,
   expire_quiescent_template=1, ip_forward=1, as upstream.
+- after the ops, the UDP conntrack entries of endpoints that left (and the never-DNATed ones of frontends that got
+  their first endpoint) are deleted with `conntrack -D`, planned by model/conntrack.py as in the other netfilter
+  modes: a UDP real server is deleted at once, but the conntrack entry of a client that keeps sending would
+  otherwise keep its flow on it. The old state is the kernel's real servers plus the not-ready endpoints the last
+  sync knew, so after a restart only endpoints the adopted virtual servers list and the new state lacks go.
 
 A frontend without usable endpoints keeps its virtual server with no real server: the kernel answers a new
 connection with ICMP port unreachable, so clients see "connection refused" at once (as upstream IPVS mode).
@@ -313,11 +318,14 @@ class IpvsDataplane:
             # Keep knowing who owns what was made: the retry is a partial sync of the same Services.
             self.memory = Memory(owners={**self.memory.owners, **plan.memory.owners},
                                  members={**self.memory.members, **plan.memory.members},
-                                 draining_since={**self.memory.draining_since, **plan.memory.draining_since})
+                                 draining_since={**self.memory.draining_since, **plan.memory.draining_since},
+                                 known={**self.memory.known, **plan.memory.known})
             self._last = None
             raise
         self.memory = plan.memory
         self._last = after(observed, plan.ops)
+        # After the real servers went: no new flow can pick a deleted one while its entries are deleted.
+        nf.clear_stale_udp(plan.stale_udp)
         if plan.ops:
             log.debug("%s sync: %d IPVS/address/ipset operations", "full" if full else "partial", len(plan.ops))
 

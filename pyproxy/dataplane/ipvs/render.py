@@ -55,6 +55,7 @@ import ipaddress
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 
+from pyproxy.model.conntrack import Stale, UdpFrontend, UdpKey, stale_udp, udp_frontends
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 VSKey = tuple[str, int, str]
@@ -136,6 +137,10 @@ class Memory:
     """The (ipset, member) pairs each virtual server's frontend accounts for, its address on kube-ipvs0 as a
     KUBE-IPVS-IPS member: what a partial sync keeps for the Services it does not sync."""
     draining_since: Mapping[tuple[VSKey, Backend], float] = field(default_factory=dict)
+    known: Mapping[VSKey, frozenset[Backend]] = field(default_factory=dict)
+    """UDP virtual servers: every endpoint flows may be DNATed to as last synced, not-ready ones too (no real
+    server shows those): whose entries go when they leave. Empty after a restart: the kernel's real servers
+    alone then say which endpoints left."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,10 @@ Op = VirtualOp | RealOp | AddressOp | SetOp
 class Plan:
     ops: tuple[Op, ...]
     memory: Memory
+    stale_udp: tuple[Stale, ...] = ()
+    """UDP conntrack entries to delete once the ops ran (model/conntrack.py's plan, as the other netfilter
+    modes'): IPVS keeps a conntrack entry per flow (net.ipv4.vs.conntrack=1), which keeps a client's datagrams
+    going to a deleted real server."""
 
 
 def vs_key(fe: Frontend) -> VSKey:
@@ -362,8 +371,29 @@ def render(observed: Observed, memory: Memory, desired: Mapping[str, Iterable[Se
     ops += [AddressOp("del", ip) for ip in sorted(observed.addresses - addresses)]
     ops += [VirtualOp("del", key) for key in sorted(gone)]
     ops += set_dels
+    known = {k: v for k, v in memory.known.items() if k in mine and k not in scope}
+    known.update({key: frozenset((*st.known_backends, *st.backends, *st.external_backends))
+                  for key, (_, st) in claims.items() if key[2] == "UDP"})
+    stale = stale_udp(_udp_before(observed, memory, scope), udp_frontends(st for _, st in claims.values()))
     return Plan(tuple(ops), Memory(owners=owners, members={k: m for k, m in accounted.items() if k in reals_after},
-                                   draining_since=draining))
+                                   draining_since=draining, known=known), tuple(stale))
+
+
+def _udp_before(observed: Observed, memory: Memory, scope: Set[VSKey]) -> dict[UdpKey, UdpFrontend]:
+    """The UDP frontends in `scope` as the kernel holds them (their real servers), with the not-ready endpoints
+    `memory` knew. A NodePort's virtual servers (one per node address; a port in our node-port set on an address
+    not on kube-ipvs0) merge into one by port, as model/conntrack.py keys them."""
+    node_ports = observed.ipsets.get(NODE_PORT_SETS["UDP"][0], frozenset())
+    out: dict[UdpKey, UdpFrontend] = {}
+    for key in sorted(k for k in scope if k[2] == "UDP" and k in observed.virtuals):
+        reals = observed.virtuals[key].reals
+        node_port = key[0] not in observed.addresses and node_port_entry(key) in node_ports
+        ukey = ("" if node_port else key[0], key[1])
+        mine = UdpFrontend(served=any(r.weight for r in reals.values()),
+                           known=frozenset(reals) | memory.known.get(key, frozenset()),
+                           addresses=frozenset({key[0]}))
+        out[ukey] = out[ukey] | mine if ukey in out else mine
+    return out
 
 
 def after(observed: Observed, ops: Iterable[Op]) -> Observed:

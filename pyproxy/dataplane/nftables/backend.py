@@ -8,7 +8,9 @@ nothing), and the next sync is a full one.
 
 After a transaction, UDP conntrack entries of endpoints that left are deleted with the `conntrack` tool, as
 upstream does: a UDP "connection" has no end, so without that a client would keep talking to an endpoint
-that is gone. Failures there are logged, never fatal: the rules are already right.
+that is gone. Failures there are logged, never fatal: the rules are already right. The plan is
+model/conntrack.py's (the same for every netfilter mode) over the table's recorded known endpoints, which a
+restarted pyproxy reads back: its first sync clears only endpoints the table knew and the new state lacks.
 """
 
 from __future__ import annotations
@@ -17,9 +19,7 @@ import json
 import logging
 import os
 import re
-import shlex
 import shutil
-import subprocess
 import time
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field, replace
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from pyproxy.dataplane import netfilter as nf
 from pyproxy.dataplane.base import DataplaneError, ModeUnavailable
 from pyproxy.dataplane.netfilter import MasqueradeSettings
-from pyproxy.dataplane.nftables.render import ConntrackFlush, base_commands, render
+from pyproxy.dataplane.nftables.render import base_commands, render
 from pyproxy.dataplane.nftables.table import (
     FAMILY,
     NO_ENDPOINT_NODEPORTS,
@@ -43,7 +43,6 @@ from pyproxy.model.state import DesiredState
 log = logging.getLogger(__name__)
 
 NFT_TIMEOUT = 60.0
-CONNTRACK_TIMEOUT = 10.0
 # Upstream's requirement: a kernel this recent implies an nft (here and on the host) that handles its rules.
 MIN_KERNEL = (5, 13)
 # From 6.2 a chain no map element points to any more can be deleted in the same transaction.
@@ -99,7 +98,6 @@ class NftablesDataplane:
         self._defer_deletes = False
         self._pending: dict[str, float] = {}
         """Chains flushed but not yet deleted (kernels before 6.2) -> when (monotonic)."""
-        self._conntrack_warned = False
 
     def start(self) -> None:
         if shutil.which("nft") is None:
@@ -156,28 +154,7 @@ class NftablesDataplane:
         self._pending = {c: self._pending.get(c, now) for c in plan.deferred}
         log.debug("nft transaction: %d commands, %d rules, %.1f ms", len(plan.commands), plan.rule_count,
                   (time.monotonic() - now) * 1000)
-        self._flush_conntrack(plan.flushes)
-
-    def _flush_conntrack(self, flushes: Sequence[ConntrackFlush]) -> None:
-        if not flushes:
-            return
-        if shutil.which("conntrack") is None:
-            if not self._conntrack_warned:
-                log.warning("the conntrack command is not installed: UDP flows to removed endpoints stay")
-                self._conntrack_warned = True
-            return
-        for f in flushes:
-            argv = f.argv()
-            try:
-                cp = subprocess.run(argv, capture_output=True, text=True, timeout=CONNTRACK_TIMEOUT)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                log.warning("%s failed: %s", shlex.join(argv), e)
-                continue
-            # It exits 1 when nothing matched, which is fine.
-            if cp.returncode != 0 and "0 flow entries" not in cp.stderr:
-                log.warning("%s exited %d: %s", shlex.join(argv), cp.returncode, cp.stderr.strip())
-            else:
-                log.debug("%s: %s", shlex.join(argv), cp.stderr.strip())
+        nf.clear_stale_udp(plan.stale_udp)
 
 
 def _with_known(kernel: TableState, memory: TableState) -> TableState:

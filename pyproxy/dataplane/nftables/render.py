@@ -83,6 +83,7 @@ from pyproxy.dataplane.nftables.table import (
     elem_owner,
     owner,
 )
+from pyproxy.model.conntrack import Stale, UdpFrontend, UdpKey, stale_udp, udp_frontends
 from pyproxy.model.state import Backend, FrontendKind, ServicePortState
 
 # nft's object names are at most 256 bytes; prefixes ("endpoint-", …) stay within 16 (as upstream).
@@ -193,30 +194,13 @@ def elem_key(sp: ServicePortState) -> ElemKey:
 # ------------------------------------------------------------------------------------------------- the plan
 
 
-@dataclass(frozen=True, slots=True)
-class ConntrackFlush:
-    """UDP flows to forget once the transaction is in: those to `vip:port` DNATed to `endpoint`, or all of them
-    (a frontend that just got endpoints: flows from before it had any were never DNATed). `vip` "": a NodePort,
-    whose flows are those to `port` on any address (as upstream clears them)."""
-
-    vip: str
-    port: int
-    endpoint: Backend | None = None
-
-    def argv(self) -> list[str]:
-        argv = ["conntrack", "-D", "-p", "udp", *(["--orig-dst", self.vip] if self.vip else []),
-                "--orig-port-dst", str(self.port)]
-        if self.endpoint is not None:
-            argv += ["--dst-nat", self.endpoint.ip, "--reply-port-src", str(self.endpoint.port)]
-        return argv
-
-
 @dataclass(frozen=True)
 class Plan:
     commands: tuple[str, ...]
     state: TableState
     """What the table holds once the commands ran."""
-    flushes: tuple[ConntrackFlush, ...] = ()
+    stale_udp: tuple[Stale, ...] = ()
+    """UDP conntrack entries to delete once the transaction is in (model/conntrack.py's plan)."""
     deferred: frozenset[str] = frozenset()
     """Stale chains left flushed but not deleted (defer_deletes)."""
 
@@ -441,20 +425,14 @@ def _element_commands(old: Mapping[str, Mapping[ElemKey, Elem]], new: Mapping[st
     return deletes + adds
 
 
-def _flushes(old_served: Mapping[ElemKey, Elem], old_known: Mapping[ElemKey, frozenset[Backend]],
-             wanted: _Wanted) -> list[ConntrackFlush]:
-    """`old_served`: the elements of `service-ips` and `service-nodeports` in scope (their keys never collide)."""
-    served = {**wanted.elements[SERVICE_IPS], **wanted.elements[SERVICE_NODEPORTS]}
-    flushes = []
-    for key in sorted(set(old_known) | set(wanted.known)):
-        vip, proto, port = key
-        if proto != "udp":
-            continue
-        if key in served and key not in old_served:
-            flushes.append(ConntrackFlush(vip, port))
-        gone = old_known.get(key, frozenset()) - wanted.known.get(key, frozenset())
-        flushes += [ConntrackFlush(vip, port, b) for b in sorted(gone)]
-    return flushes
+def _old_udp(old_served: Mapping[ElemKey, Elem], old_known: Mapping[ElemKey, frozenset[Backend]]
+             ) -> dict[UdpKey, UdpFrontend]:
+    """The UDP frontends as the table held them (read back after a restart too: the table records each
+    frontend's known endpoints, so endpoints that left while pyproxy was down are cleared as well).
+    `old_served`: the elements of `service-ips` and `service-nodeports` in scope (their keys never collide)."""
+    return {(vip, port): UdpFrontend(served=(vip, proto, port) in old_served,
+                                     known=old_known.get((vip, proto, port), frozenset()))
+            for vip, proto, port in set(old_known) | set(old_served) if proto == "udp"}
 
 
 def render(state: TableState, services: Mapping[str, Iterable[ServicePortState]], masq: MasqueradeSettings, *,
@@ -503,7 +481,8 @@ def render(state: TableState, services: Mapping[str, Iterable[ServicePortState]]
     after = replace(_after(state, wanted, fixed, old_elems, deleted, stale_sets, stale_maps, full),
                     nodeport_ips=nodeport_set)
     old_served = {**old_elems[SERVICE_IPS], **old_elems[SERVICE_NODEPORTS]}
-    return Plan(commands=tuple(cmds), state=after, flushes=tuple(_flushes(old_served, old_known, wanted)),
+    new_udp = udp_frontends(st for states in services.values() for st in states)
+    return Plan(commands=tuple(cmds), state=after, stale_udp=tuple(stale_udp(_old_udp(old_served, old_known), new_udp)),
                 deferred=frozenset(stale_chains) - frozenset(deleted))
 
 

@@ -1,0 +1,54 @@
+"""Stale UDP flows (issue 11; upstream kubernetes issues 19029, 48370, 125467): a UDP client that keeps sending
+from one fixed source port to a Service while the Service's only endpoint is replaced must get its answers from
+the new endpoint within about a second, in every mode, although the old endpoint's server is still up and
+answering (which is what makes a stale flow dangerous: nothing ever fails, the answers just come from a pod
+that left the Service).
+
+Without clearing, the kernel's conntrack entry (netfilter modes) or the BPF connection-tracking entry (bpf mode)
+keeps DNATing that source port to the old endpoint for as long as the client keeps sending. The netfilter modes
+delete the entries of endpoints that left (model/conntrack.py plans it, netfilter.clear_stale_udp runs
+`conntrack -D`); bpf mode needs no deletion: a flow whose backend is gone from its frontend's backends is
+re-balanced at its next packet (the epoch / backends-map check in bpf/include/pyproxy/lb.h).
+
+The client and the measurement are tests/udpswitch.py's (the IPVS guest runs the same). Measured, and printed
+(run with -s to see it): from the manifest change to the first answer a brand-new flow gets
+from b2 ("applied": the rules are in) and to the first answer the fixed-port flow gets from b2 ("switched").
+ClusterIP and NodePort (clients outside the cluster: SNATed, cleared by port as upstream) are held side by side.
+"""
+
+from __future__ import annotations
+
+import pytest
+from udpswitch import describe, measure
+
+from pyproxy.lab.manifests import Port, endpoint_slice, service
+
+MODES = [
+    pytest.param("bpf", [], id="bpf"),
+    pytest.param("nftables", [], id="nftables"),
+    pytest.param("iptables", ["--iptables-backend=legacy"], id="iptables-legacy"),
+    pytest.param("iptables", ["--iptables-backend=nft"], id="iptables-nft"),
+]
+B1, B2 = "10.201.1.2", "10.201.2.2"
+NODE_IP, VIP = "10.200.0.1", "10.96.31.1"
+DNS = Port("dns", 53, 5353, "UDP", node_port=30054)
+TARGETS = {"cluster-ip": (VIP, 53, 40053), "node-port": (NODE_IP, 30054, 40054)}
+SWITCH_LIMIT = 1.5
+"""Seconds from the change being applied (a new flow reaches b2) to the fixed-port flow reaching b2."""
+
+def _slice(*ips: str) -> str:
+    return endpoint_slice("dns", dict.fromkeys(ips, True), [DNS])
+
+
+@pytest.mark.root
+@pytest.mark.parametrize(("mode", "args"), MODES)
+def test_a_udp_client_on_a_fixed_port_follows_a_replaced_endpoint(make_env, mode: str, args: list[str]) -> None:
+    env = make_env(backends=2)
+    svc = service("dns", VIP, [DNS], type="NodePort")
+    env.write("dns.yaml", svc, _slice(B1))
+    env.start(mode=mode, args=args)
+    timings = measure(env.lab, TARGETS, lambda: env.write("dns.yaml", svc, _slice(B2)))
+    print(f"\n{mode} {' '.join(args)}: {describe(timings)}")
+    for target, (applied, switched) in timings.items():
+        assert switched - applied <= SWITCH_LIMIT, (
+            f"{target}: the fixed-port flow reached b2 {switched - applied:.2f}s after new flows did")
