@@ -43,9 +43,9 @@ def _q(value: object) -> str:
 
 def service(name: str, cluster_ip: str, ports: Sequence[Port], *, namespace: str = "default",
             affinity_seconds: int | None = None, type: str = "ClusterIP",  # noqa: A002 - the field's name
-            external_traffic_policy: str | None = None, health_check_node_port: int | None = None,
-            external_ips: Sequence[str] = (), load_balancer_ips: Sequence[str] = (),
-            source_ranges: Sequence[str] = ()) -> str:
+            external_traffic_policy: str | None = None, internal_traffic_policy: str | None = None,
+            health_check_node_port: int | None = None, external_ips: Sequence[str] = (),
+            load_balancer_ips: Sequence[str] = (), source_ranges: Sequence[str] = ()) -> str:
     """A Service (ClusterIP unless `type` says otherwise); `affinity_seconds` turns on ClientIP session affinity
     for that long; `external_ips` are spec.externalIPs, `load_balancer_ips` its status's ingress IPs,
     `source_ranges` spec.loadBalancerSourceRanges."""
@@ -53,6 +53,8 @@ def service(name: str, cluster_ip: str, ports: Sequence[Port], *, namespace: str
              f"  namespace: {_q(namespace)}", "spec:", f"  type: {_q(type)}", f"  clusterIP: {_q(cluster_ip)}"]
     if external_traffic_policy is not None:
         lines.append(f"  externalTrafficPolicy: {_q(external_traffic_policy)}")
+    if internal_traffic_policy is not None:
+        lines.append(f"  internalTrafficPolicy: {_q(internal_traffic_policy)}")
     if health_check_node_port is not None:
         lines.append(f"  healthCheckNodePort: {health_check_node_port}")
     if external_ips:
