@@ -79,6 +79,10 @@ MANIFESTS = documents(
     service("itp-elsewhere", "10.96.20.16", [ITP_ELSEWHERE_HTTP], type="NodePort", internal_traffic_policy="Local"),
     endpoint_slice("itp-elsewhere", {B1: True, B2: True}, [ITP_ELSEWHERE_HTTP],
                    node_names={B1: "other-node", B2: "other-node"}),
+    # ... and one whose only endpoint here is terminating (still serving) while another node has a ready one.
+    service("itp-draining", "10.96.20.17", [HTTP], internal_traffic_policy="Local"),
+    endpoint_slice("itp-draining", {B1: True, B2: False}, [HTTP], node_names={B1: "other-node", B2: NODE_NAME},
+                   terminating=[B2]),
 )
 
 
@@ -198,6 +202,10 @@ ITP_CASES = (
              answered_by("b1:8080"), src="node"),
     FlowCase("internalTrafficPolicy Local: the NodePort still reaches every endpoint", "tcp", NODE_IP, 30085,
              answered_by("b1:8080", "b2:8080")),
+    # No ready endpoint here: this node's serving and terminating one (upstream's ProxyTerminatingEndpoints, per
+    # scope), though another node's is ready.
+    FlowCase("internalTrafficPolicy Local: this node's terminating endpoint when none here is ready", "tcp",
+             "10.96.20.17", 80, answered_by("b2:8080"), src="b1"),
     FlowCase("internalTrafficPolicy Local, no endpoint on this node: a pod's flow is dropped", "tcp", "10.96.20.16",
              80, NO_ANSWER, src="b1"),
     # bpf mode serves the node's own connect() in its socket hook, before any packet exists: there it fails the

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
@@ -77,16 +77,19 @@ def service(name: str, cluster_ip: str, ports: Sequence[Port], *, namespace: str
 
 def endpoint_slice(service_name: str, endpoints: Mapping[str, bool | None], ports: Sequence[Port], *,
                    name: str | None = None, namespace: str = "default",
-                   node_names: Mapping[str, str] | None = None) -> str:
+                   node_names: Mapping[str, str] | None = None, terminating: Collection[str] = ()) -> str:
     """An IPv4 slice: `endpoints` maps address -> ready (None: no conditions, which the API reads as ready);
-    `node_names` address -> the endpoint's nodeName; its ports are the Service ports' backend ports."""
+    `node_names` address -> the endpoint's nodeName; `terminating` the addresses that are terminating and still
+    serving (their ready is then false); its ports are the Service ports' backend ports."""
     lines = ["apiVersion: discovery.k8s.io/v1", "kind: EndpointSlice", "metadata:",
              f"  name: {_q(name or service_name + '-abc12')}", f"  namespace: {_q(namespace)}", "  labels:",
              f"    {SERVICE_NAME_LABEL}: {_q(service_name)}", "addressType: IPv4"]
     lines.append("endpoints:" if endpoints else "endpoints: []")
     for address, ready in endpoints.items():
         lines.append(f"- addresses: [{_q(address)}]")
-        if ready is not None:
+        if address in terminating:
+            lines += ["  conditions:", "    ready: false", "    serving: true", "    terminating: true"]
+        elif ready is not None:
             lines += ["  conditions:", f"    ready: {'true' if ready else 'false'}"]
         if node_names and address in node_names:
             lines.append(f"  nodeName: {_q(node_names[address])}")
