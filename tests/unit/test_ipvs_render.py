@@ -410,7 +410,7 @@ def test_local_policy_without_a_local_endpoint_serves_all_and_is_listed_for_the_
 def test_internal_local_policy_without_a_local_endpoint_is_listed_for_the_drop_not_the_reset() -> None:
     k = KernelModel()
     # internalTrafficPolicy Local, none of the cluster's endpoints here: no real server, and the ClusterIP goes
-    # into KUBE-NO-LOCAL-CLUSTER-IP, whose rule drops every source, not KUBE-NO-ENDPOINTS (reset).
+    # into KUBE-NO-LOCAL-CLUSTER-IP, whose rule drops pods' and outside flows, not KUBE-NO-ENDPOINTS (reset).
     memory = k.sync(Memory(), {WEB: [replace(web(), drop=True)]}).memory
     assert k.virtuals[WEB_KEY][2] == {}
     assert k.sets[NO_LOCAL_CLUSTER_IP_SET] == {"10.96.0.10,tcp:80"}

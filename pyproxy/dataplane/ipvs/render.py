@@ -22,8 +22,9 @@ Upstream kube-proxy's IPVS semantics:
   upstream IPVS would forward them without SNAT and the endpoint's reply would never reach the client;
 - internalTrafficPolicy Local: a ClusterIP's real servers are this node's endpoints (the model's `backends`);
   with none here while the cluster has some, its virtual server has none and its (address, port) goes into
-  KUBE-NO-LOCAL-CLUSTER-IP, whose filter rule drops new flows from every source before IPVS would refuse them
-  (upstream IPVS refuses them: ip_vs_leave; its iptables and nftables proxiers drop them, and so does pyproxy);
+  KUBE-NO-LOCAL-CLUSTER-IP, whose filter rule (INPUT, FORWARD) drops new flows from pods and outside before
+  IPVS would refuse them (upstream IPVS refuses them: ip_vs_leave; its iptables and nftables proxiers drop
+  them). The node's own flows are still refused: IPVS schedules them in its local-out hook, before filter;
 - a frontend without usable endpoints keeps its virtual server with no real servers: the kernel answers every
   new connection with ICMP port unreachable (ip_vs_leave). The kernel sends a client only so many ICMP errors (a
   burst of six, then one a second: net.ipv4.icmp_ratelimit), so a client's later TCP flows would wait for their
