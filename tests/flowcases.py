@@ -31,6 +31,7 @@ EXTERNAL_IP, LB_IP, LB_CLOSED_IP, LB_OPEN_IP = "192.0.2.10", "203.0.113.10", "20
 NP_HTTP, NP_DNS = Port("http", 80, 8080, node_port=30080), Port("dns", 53, 5353, "UDP", node_port=30053)
 LOCAL_HTTP, ELSEWHERE_HTTP = Port("http", 80, 8080, node_port=30082), Port("http", 80, 8080, node_port=30083)
 EMPTY_HTTP = Port("http", 80, 8080, node_port=30084)
+ITP_HTTP, ITP_ELSEWHERE_HTTP = Port("http", 80, 8080, node_port=30085), Port("http", 80, 8080, node_port=30086)
 
 # The cluster the table runs against: manifests for the --source folder.
 MANIFESTS = documents(
@@ -71,6 +72,17 @@ MANIFESTS = documents(
                    node_names={B1: "other-node", B2: "other-node"}),
     service("np-empty", "10.96.20.14", [EMPTY_HTTP], type="NodePort"),
     endpoint_slice("np-empty", {}, [EMPTY_HTTP]),
+    # internalTrafficPolicy Local: the ClusterIP serves this node's endpoints only (b1 here, b2 elsewhere); the
+    # NodePort of the same Service still serves every endpoint. Then a Service with none on this node.
+    service("itp-local", "10.96.20.15", [ITP_HTTP], type="NodePort", internal_traffic_policy="Local"),
+    endpoint_slice("itp-local", {B1: True, B2: True}, [ITP_HTTP], node_names={B1: NODE_NAME, B2: "other-node"}),
+    service("itp-elsewhere", "10.96.20.16", [ITP_ELSEWHERE_HTTP], type="NodePort", internal_traffic_policy="Local"),
+    endpoint_slice("itp-elsewhere", {B1: True, B2: True}, [ITP_ELSEWHERE_HTTP],
+                   node_names={B1: "other-node", B2: "other-node"}),
+    # ... and one whose only endpoint here is terminating (still serving) while another node has a ready one.
+    service("itp-draining", "10.96.20.17", [HTTP], internal_traffic_policy="Local"),
+    endpoint_slice("itp-draining", {B1: True, B2: False}, [HTTP], node_names={B1: "other-node", B2: NODE_NAME},
+                   terminating=[B2]),
 )
 
 
@@ -179,7 +191,35 @@ EXTERNAL_CASES = (
     FlowCase("from the node, externalTrafficPolicy Local with a local endpoint: every endpoint", "tcp", NODE_IP,
              30082, answered_by("b1:8080", "b2:8080"), src="node", by_mode={"ipvs": answered_by("b1:8080")}),
 )
-CASES += EXTERNAL_CASES
+
+
+# internalTrafficPolicy Local, from pods and from the node: only this node's endpoints; with none here while the
+# cluster has some, dropped (upstream's DROP: the client waits). It applies to the ClusterIP only.
+ITP_CASES = (
+    FlowCase("internalTrafficPolicy Local: a pod reaches this node's endpoint only", "tcp", "10.96.20.15", 80,
+             answered_by("b1:8080"), src="b1"),
+    FlowCase("internalTrafficPolicy Local: the node reaches this node's endpoint only", "tcp", "10.96.20.15", 80,
+             answered_by("b1:8080"), src="node"),
+    FlowCase("internalTrafficPolicy Local: the NodePort still reaches every endpoint", "tcp", NODE_IP, 30085,
+             answered_by("b1:8080", "b2:8080")),
+    # No ready endpoint here: this node's serving and terminating one (upstream's ProxyTerminatingEndpoints, per
+    # scope), though another node's is ready.
+    FlowCase("internalTrafficPolicy Local: this node's terminating endpoint when none here is ready", "tcp",
+             "10.96.20.17", 80, answered_by("b2:8080"), src="b1"),
+    FlowCase("internalTrafficPolicy Local, no endpoint on this node: a pod's flow is dropped", "tcp", "10.96.20.16",
+             80, NO_ANSWER, src="b1"),
+    # bpf mode serves the node's own connect() in its socket hook, before any packet exists: there it fails the
+    # connect with ETIMEDOUT at once, the error a dropped SYN ends in, rather than refuse it (a REJECT) or let
+    # an untranslated packet to the ClusterIP leave by the default route. ipvs mode refuses it: IPVS schedules
+    # the node's own flows in its local-out hook, before filter OUTPUT and INPUT where the drop rule could act,
+    # and a virtual server without real servers answers port unreachable (ip_vs_leave), as upstream's IPVS
+    # proxier does for every source; dropping it there would need a rule in mangle or raw OUTPUT.
+    FlowCase("internalTrafficPolicy Local, no endpoint on this node: the node's flow is dropped", "tcp",
+             "10.96.20.16", 80, NO_ANSWER, src="node", by_mode={"ipvs": REFUSED}),
+    FlowCase("internalTrafficPolicy Local, no endpoint on this node: the NodePort still answers", "tcp", NODE_IP,
+             30086, answered_by("b1:8080", "b2:8080")),
+)
+CASES += EXTERNAL_CASES + ITP_CASES
 
 
 def outcome_of(result: Mapping[str, Any]) -> Outcome:

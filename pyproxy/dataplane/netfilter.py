@@ -44,8 +44,9 @@ Cleanup
     -EXT-, -SVL-, -FW-* and KUBE-NODEPORTS, filter KUBE-NODEPORTS, KUBE-EXTERNAL-SERVICES and KUBE-PROXY-FIREWALL,
     so another mode must not write into those); `mode_rule(table, chain, body)` which
     of its rules sit in shared chains without jumping to one of its own (found by their comments: the
-    iptables mode claims `"<service> cluster IP"` in nat KUBE-SERVICES and `"<service> has no endpoints"`
-    in filter KUBE-SERVICES, so another mode must not write rules with those comments there).
+    iptables mode claims `"<service> cluster IP"` in nat KUBE-SERVICES and `"<service> has no endpoints"` and
+    `"<service> has no local endpoints"` in filter KUBE-SERVICES, so another mode must not write rules with
+    those comments there).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
@@ -43,9 +43,9 @@ def _q(value: object) -> str:
 
 def service(name: str, cluster_ip: str, ports: Sequence[Port], *, namespace: str = "default",
             affinity_seconds: int | None = None, type: str = "ClusterIP",  # noqa: A002 - the field's name
-            external_traffic_policy: str | None = None, health_check_node_port: int | None = None,
-            external_ips: Sequence[str] = (), load_balancer_ips: Sequence[str] = (),
-            source_ranges: Sequence[str] = ()) -> str:
+            external_traffic_policy: str | None = None, internal_traffic_policy: str | None = None,
+            health_check_node_port: int | None = None, external_ips: Sequence[str] = (),
+            load_balancer_ips: Sequence[str] = (), source_ranges: Sequence[str] = ()) -> str:
     """A Service (ClusterIP unless `type` says otherwise); `affinity_seconds` turns on ClientIP session affinity
     for that long; `external_ips` are spec.externalIPs, `load_balancer_ips` its status's ingress IPs,
     `source_ranges` spec.loadBalancerSourceRanges."""
@@ -53,6 +53,8 @@ def service(name: str, cluster_ip: str, ports: Sequence[Port], *, namespace: str
              f"  namespace: {_q(namespace)}", "spec:", f"  type: {_q(type)}", f"  clusterIP: {_q(cluster_ip)}"]
     if external_traffic_policy is not None:
         lines.append(f"  externalTrafficPolicy: {_q(external_traffic_policy)}")
+    if internal_traffic_policy is not None:
+        lines.append(f"  internalTrafficPolicy: {_q(internal_traffic_policy)}")
     if health_check_node_port is not None:
         lines.append(f"  healthCheckNodePort: {health_check_node_port}")
     if external_ips:
@@ -75,16 +77,19 @@ def service(name: str, cluster_ip: str, ports: Sequence[Port], *, namespace: str
 
 def endpoint_slice(service_name: str, endpoints: Mapping[str, bool | None], ports: Sequence[Port], *,
                    name: str | None = None, namespace: str = "default",
-                   node_names: Mapping[str, str] | None = None) -> str:
+                   node_names: Mapping[str, str] | None = None, terminating: Collection[str] = ()) -> str:
     """An IPv4 slice: `endpoints` maps address -> ready (None: no conditions, which the API reads as ready);
-    `node_names` address -> the endpoint's nodeName; its ports are the Service ports' backend ports."""
+    `node_names` address -> the endpoint's nodeName; `terminating` the addresses that are terminating and still
+    serving (their ready is then false); its ports are the Service ports' backend ports."""
     lines = ["apiVersion: discovery.k8s.io/v1", "kind: EndpointSlice", "metadata:",
              f"  name: {_q(name or service_name + '-abc12')}", f"  namespace: {_q(namespace)}", "  labels:",
              f"    {SERVICE_NAME_LABEL}: {_q(service_name)}", "addressType: IPv4"]
     lines.append("endpoints:" if endpoints else "endpoints: []")
     for address, ready in endpoints.items():
         lines.append(f"- addresses: [{_q(address)}]")
-        if ready is not None:
+        if address in terminating:
+            lines += ["  conditions:", "    ready: false", "    serving: true", "    terminating: true"]
+        elif ready is not None:
             lines += ["  conditions:", f"    ready: {'true' if ready else 'false'}"]
         if node_names and address in node_names:
             lines.append(f"  nodeName: {_q(node_names[address])}")

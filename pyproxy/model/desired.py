@@ -8,7 +8,8 @@ Every rule is decided here, once; the dataplane backends only render what it say
   port and protocol, the first kind (ClusterIP, ExternalIP, LoadBalancer, NodePort: upstream's rule order) stays;
 - each frontend's policy (ServicePortState): the endpoints new flows from inside and from outside the cluster
   may use (ready ones, else serving and terminating ones; externalTrafficPolicy Local: this node's for
-  outside sources), whether it masquerades, its source ranges, the health-check node port;
+  outside sources; internalTrafficPolicy Local: this node's for the ClusterIP, dropped when it has none while
+  the cluster has some), whether it masquerades, its source ranges, the health-check node port;
 - which Service serves a frontend two Services claim: the one already serving it keeps it; among new
   claimants, the first by `namespace/name`. The others wait (`DesiredState.waiting`) and the first waiting
   gets it once it is free, in the same update or a later one; a renderer may take frontends as unique.
@@ -119,16 +120,22 @@ def compute_service_state(
     key = svc.key
     affinity = svc.session_affinity_timeout if svc.session_affinity == "ClientIP" else 0
     cluster_policy = svc.external_traffic_policy is TrafficPolicy.CLUSTER
+    internal_local = svc.internal_traffic_policy is TrafficPolicy.LOCAL
     health = None if cluster_policy or svc.type != "LoadBalancer" else svc.health_check_node_port
     ranges = _source_ranges(svc, node) if svc.type == "LoadBalancer" else ()
     states: list[ServicePortState] = []
     # Positional arguments, in ServicePortState's order: a cold start builds one per frontend of every Service.
     for port in svc.ports:
         external = _external_frontends(svc, port, node)
-        b = _PortBackends(port, slices, bool(external) and not cluster_policy, node.name)
+        b = _PortBackends(port, slices, internal_local or (bool(external) and not cluster_policy), node.name)
         usable, known = b.usable, b.known
-        states += [ServicePortState(key, port.name, Frontend(ip, port.port, port.protocol), usable, known, affinity,
-                                    FrontendKind.CLUSTER_IP, (), False, (), health) for ip in svc.cluster_ips]
+        # internalTrafficPolicy applies to the ClusterIP only (external frontends' in-cluster sources keep every
+        # endpoint, as upstream's short circuit does).
+        internal = b.local if internal_local else usable
+        drop = internal_local and not internal and bool(usable)
+        states += [ServicePortState(key, port.name, Frontend(ip, port.port, port.protocol), internal, known, affinity,
+                                    FrontendKind.CLUSTER_IP, (), False, (), health, False, drop)
+                   for ip in svc.cluster_ips]
         if external:
             outside = usable if cluster_policy else b.local
             ready = not cluster_policy and b.local_ready

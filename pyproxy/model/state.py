@@ -65,9 +65,10 @@ class ServicePortState:
     frontend: Frontend
     backends: tuple[Backend, ...]
     """The endpoints new connections may use, sorted: the ready ones or, when none is ready, the serving and
-    terminating ones (upstream's ProxyTerminatingEndpoints). Empty means: no usable endpoint, reject. For an
-    external frontend (`kind.external`) these serve sources inside the cluster (pods, the node itself);
-    `external_backends` serve the others."""
+    terminating ones (upstream's ProxyTerminatingEndpoints). Empty means: no usable endpoint, reject (but see
+    `drop`). A ClusterIP frontend of a Service with internalTrafficPolicy Local holds this node's endpoints
+    only (by nodeName), chosen the same way among them. For an external frontend (`kind.external`) these serve
+    sources inside the cluster (pods, the node itself); `external_backends` serve the others."""
     known_backends: tuple[Backend, ...] = ()
     """Every endpoint of the slices (ready or not), sorted. Established flows to one of these are kept;
     a flow whose backend left this set is re-balanced: bpf mode at its next packet, the netfilter modes by
@@ -98,6 +99,11 @@ class ServicePortState:
     """External frontends with externalTrafficPolicy Local: `external_backends` are this node's ready endpoints
     (False: its serving-and-terminating ones, or none). The health-check node port counts only ready ones, as
     upstream: a node left with terminating endpoints only fails its check, so load balancers drain it."""
+    drop: bool = False
+    """ClusterIP frontends with internalTrafficPolicy Local only: `backends` is empty because this node has no
+    usable endpoint while the cluster has some; new flows, from every source, are dropped instead of rejected
+    (upstream's "has no local endpoints" DROP). False when the cluster has none either (reject). Always False
+    for an external frontend, whose drop is `external_backends` empty while `backends` is not."""
 
     @property
     def display_name(self) -> str:

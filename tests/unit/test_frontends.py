@@ -267,6 +267,50 @@ def test_new_flows_use_ready_endpoints_else_serving_terminating_ones_per_scope(
         assert (st.backends, st.external_backends) == (backends(*usable), backends(*local))
 
 
+@pytest.mark.parametrize(
+    ("endpoints", "internal", "drop"),
+    [
+        # This node's ready endpoints only; the other node's and a local terminating one are left out.
+        ((ep("10.1.0.1", "node-a"), ep("10.1.0.2", "node-b"),
+          ep("10.1.0.3", "node-a", ready=False, serving=True, terminating=True)), ("10.1.0.1",), False),
+        # None ready here (though the cluster has one): this node's serving and terminating ones.
+        ((ep("10.1.0.1", "node-b"), ep("10.1.0.2", "node-a", ready=False, serving=True, terminating=True)),
+         ("10.1.0.2",), False),
+        # None usable here while the cluster has some: dropped, not rejected. A missing nodeName is no node's.
+        ((ep("10.1.0.1", "node-b"), ep("10.1.0.2"), ep("10.1.0.3", "node-a", ready=False, serving=False,
+                                                       terminating=True)), (), True),
+        # None usable anywhere: rejected, as with the Cluster policy.
+        ((ep("10.1.0.1", "node-a", ready=False, serving=False, terminating=True),), (), False),
+        ((), (), False),
+    ],
+)
+def test_internal_traffic_policy_local_limits_the_cluster_ip_to_this_nodes_endpoints(
+    endpoints: tuple[Endpoint, ...], internal: tuple[str, ...], drop: bool
+) -> None:
+    states = compute_service_state(svc(ports=(HTTP,), internal_traffic_policy=LOCAL), [slice_(*endpoints)], NODE)
+    (cluster,) = of_kind(states, CLUSTER_IP)
+    assert (cluster.backends, cluster.drop) == (backends(*internal), drop)
+    assert cluster.known_backends == backends(*sorted(e.addresses[0] for e in endpoints))
+    # iTP applies to the ClusterIP only: the node ports' sources inside the cluster keep every usable endpoint.
+    cluster_policy = compute_service_state(svc(ports=(HTTP,)), [slice_(*endpoints)], NODE)
+    for st, before in zip(of_kind(states, NODE_PORT), of_kind(cluster_policy, NODE_PORT), strict=True):
+        assert st == before and not st.drop
+
+
+def test_a_flip_of_the_internal_traffic_policy_changes_the_cluster_ip_only() -> None:
+    spread = [slice_(ep("10.1.0.1", "node-b"), ep("10.1.0.2", "node-c"))]
+    cluster = svc("ClusterIP", ports=(HTTP,))
+    local = replace(cluster, internal_traffic_policy=LOCAL)
+    before = compute_desired_state({cluster.key: cluster}, lambda key: spread, NODE)
+    after = update_desired_state(before, {local.key: local}, lambda key: spread, [local.key])
+    ((was,), (now,)) = before.services[cluster.key], after.services[cluster.key]
+    assert (was.backends, was.drop) == (backends("10.1.0.1", "10.1.0.2"), False)
+    assert (now.backends, now.drop) == ((), True)
+    assert now.known_backends == was.known_backends, "established flows to the other nodes' endpoints are kept"
+    back = update_desired_state(after, {cluster.key: cluster}, lambda key: spread, [cluster.key])
+    assert back.services == before.services
+
+
 def test_source_ranges_apply_to_load_balancer_frontends_only() -> None:
     lb = svc("LoadBalancer", ports=(HTTP,), external_ips=("192.0.2.10",), load_balancer_ips=("203.0.113.10",),
              load_balancer_source_ranges=("198.51.100.0/24",))

@@ -367,6 +367,13 @@ def test_cleanup_takes_the_masquerade_marks_of_kube_services_too() -> None:
     assert set(edits["nat"].removed) == {"KUBE-SERVICES", "KUBE-SVC-X", "KUBE-MARK-MASQ", "KUBE-POSTROUTING"}
 
 
+def test_cleanup_takes_the_internal_local_drops_of_filter_kube_services_too() -> None:
+    drop = '-m comment --comment "default/web:http has no local endpoints" -m tcp -p tcp -d 10.96.0.1/32 ' \
+           "--dport 80 -j DROP"
+    assert is_mode_rule("filter", "KUBE-SERVICES", drop)
+    assert not is_mode_rule("filter", "KUBE-SERVICES", "-d 10.96.0.1/32 -j DROP")
+
+
 def test_cleanup_keeps_shared_chains_another_mode_still_uses() -> None:
     # IPVS mode's KUBE-SERVICES marks with a set match: the iptables mode's cleanup takes only its own rule.
     ipvs_rule = "-m set --match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -28,6 +28,7 @@ from pyproxy.dataplane.ipvs.render import (
     LOAD_BALANCER_SOURCE_CIDR_SET,
     LOOPBACK_SET,
     NO_ENDPOINTS_SET,
+    NO_LOCAL_CLUSTER_IP_SET,
     NO_LOCAL_SET,
     AddressOp,
     Memory,
@@ -405,6 +406,23 @@ def test_local_policy_without_a_local_endpoint_serves_all_and_is_listed_for_the_
     assert k.sets[NO_ENDPOINTS_SET] == {"10.96.0.10,tcp:80", *(f"{ip},tcp:30080" for ip in NODE_IPS)}
     k.sync(memory, {WEB: [web(A), *node_ports(30080, [A], [A])]}, full=False)
     assert not k.sets[NO_ENDPOINTS_SET]
+
+
+def test_internal_local_policy_without_a_local_endpoint_is_listed_for_the_drop_not_the_reset() -> None:
+    k = KernelModel()
+    # internalTrafficPolicy Local, none of the cluster's endpoints here: no real server, and the ClusterIP goes
+    # into KUBE-NO-LOCAL-CLUSTER-IP, whose rule drops pods' and outside flows, not KUBE-NO-ENDPOINTS (reset).
+    memory = k.sync(Memory(), {WEB: [replace(web(), drop=True)]}).memory
+    assert k.virtuals[WEB_KEY][2] == {}
+    assert k.sets[NO_LOCAL_CLUSTER_IP_SET] == {"10.96.0.10,tcp:80"}
+    assert not k.sets[NO_ENDPOINTS_SET]
+    # A local endpoint comes: it serves, and the drop goes.
+    k.sync(memory, {WEB: [web(A)]}, full=False)
+    assert k.virtuals[WEB_KEY][2] == {A: 1}
+    assert not k.sets[NO_LOCAL_CLUSTER_IP_SET]
+    drop = next(line for line in restore_input(rule_edits(MasqueradeSettings(cluster_cidr="10.244.0.0/16")))
+                .splitlines() if "KUBE-NO-LOCAL-CLUSTER-IP" in line)
+    assert drop.endswith("-j DROP") and "--src-type" not in drop and " -s " not in drop, drop
 
 
 def test_a_partial_sync_keeps_what_other_services_account_for() -> None:

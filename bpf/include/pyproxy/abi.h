@@ -39,8 +39,8 @@
 
 /* struct pyproxy_svc_value.flags */
 #define PYPROXY_SVC_F_AFFINITY  0x1    /* ClientIP session affinity: a client keeps its backend */
-#define PYPROXY_SVC_F_DROP      0x2    /* no backend: drop, not reject (externalTrafficPolicy Local, no local
-                                        * endpoint while the cluster has some: the client waits for another node) */
+#define PYPROXY_SVC_F_DROP      0x2    /* no backend: drop, not reject (external/internalTrafficPolicy Local, no
+                                        * local endpoint while the cluster has some: the client waits) */
 #define PYPROXY_SVC_F_RANGES    0x4    /* new flows only from the frontend's source ranges (PYPROXY_MAP_SRCRANGES) */
 #define PYPROXY_SVC_F_MASQ      0x8    /* new flows are SNATed to this node (externalTrafficPolicy Cluster): snat.h */
 #define PYPROXY_SVC_F_NODE_VIEW 0x10   /* the node's own sockets use the entry of scope PYPROXY_SVC_SCOPE_NODE */

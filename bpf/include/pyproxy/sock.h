@@ -41,7 +41,11 @@ static __always_inline int pyproxy_sock_forward(struct bpf_sock_addr *ctx, __u8 
 	}
 	if (svc->backend_count == 0) {
 		pyproxy_count(PYPROXY_CNT_SOCK_REFUSED);
-		bpf_set_retval(-ECONNREFUSED);
+		/* F_DROP (internalTrafficPolicy Local, no endpoint on this node while the cluster has some): the
+		 * packet path drops, so the node's own connect fails as a dropped SYN ends, with ETIMEDOUT, though at
+		 * once: there is no packet here to drop, and one let through untranslated would leave by the default
+		 * route with the ClusterIP as its destination. Else refused, as REJECT answers. */
+		bpf_set_retval(svc->flags & PYPROXY_SVC_F_DROP ? -ETIMEDOUT : -ECONNREFUSED);
 		return PYPROXY_SOCK_REFUSE;
 	}
 	now = pyproxy_now();

@@ -325,7 +325,9 @@ def render(
         # served as external, from external_backends (upstream's rule when no local detector is configured).
         backends = st.external_backends if st.kind.external else st.backends
         flags = abi.SVC_F_RANGES if st.source_ranges else 0
-        if st.kind.external and not backends and st.backends:
+        # Dropped, not refused: externalTrafficPolicy Local without an endpoint here (for the packets from
+        # outside), internalTrafficPolicy Local without one (the model's `drop`, from every source).
+        if (st.kind.external and not backends and st.backends) or st.drop:
             flags |= abi.SVC_F_DROP
         if st.masquerade or (masq.masquerade_all and not st.kind.external):
             flags |= abi.SVC_F_MASQ

@@ -166,7 +166,9 @@ def is_mode_rule(table: str, chain: str, body: str) -> bool:
     (for cleanup): the rejections, and the masquerade marks, found by upstream's comments."""
     if chain != nf.SERVICES_CHAIN:
         return False
-    return ("has no endpoints" in body) if table == "filter" else (' cluster IP"' in body)
+    if table == "filter":
+        return "has no endpoints" in body or "has no local endpoints" in body
+    return ' cluster IP"' in body
 
 
 # ----------------------------------------------------------------------------------------------- rules
@@ -205,12 +207,18 @@ class SharedRules:
     health: dict[int, str] = field(default_factory=dict)
     """filter KUBE-NODEPORTS, by healthCheckNodePort."""
 
-    def add(self, sp: ServicePortState, m: nf.MasqueradeSettings) -> None:
+    def add(self, sp: ServicePortState, m: nf.MasqueradeSettings, local: bool = False) -> None:
+        """`local`: a ClusterIP frontend goes to KUBE-SVL (`internal_local`)."""
         name, match = port_name(sp), _match(sp.frontend)
         if sp.health_check_node_port is not None:
             self.health.setdefault(sp.health_check_node_port, f"{_comment(sp.service + ' health check node port')} "
                                    f"-m tcp -p tcp --dport {sp.health_check_node_port} -j ACCEPT")
         if sp.kind is FrontendKind.CLUSTER_IP:
+            if sp.drop:
+                # internalTrafficPolicy Local, no endpoint here while the cluster has some: from pods (FORWARD)
+                # and the node (OUTPUT) alike, as upstream.
+                self.reject.append(f"{_comment(name + ' has no local endpoints')} {match} -j DROP")
+                return
             if not sp.backends:
                 self.reject.append(f"{_comment(name + ' has no endpoints')} {match} -j REJECT{_reject_with(sp)}")
                 return
@@ -218,7 +226,7 @@ class SharedRules:
             masq = nf.mark_masq_rule(m, cluster_ip)
             if masq:
                 self.services.append(masq)
-            self.services.append(f"{cluster_ip} -j {svc_chain(sp)}")
+            self.services.append(f"{cluster_ip} -j {svl_chain(sp) if local else svc_chain(sp)}")
             return
         if not sp.backends:
             self.external.append(f"{_comment(name + ' has no endpoints')} {match} -j REJECT{_reject_with(sp)}")
@@ -245,8 +253,10 @@ class SharedRules:
 def shared_rules(desired: DesiredState, m: nf.MasqueradeSettings) -> SharedRules:
     out = SharedRules()
     for key in sorted(desired.services):
-        for sp in desired.services[key]:
-            out.add(sp, m)
+        states = desired.services[key]
+        local = {(sp.port_name, sp.frontend.protocol) for group in by_port(states) if (sp := internal_local(group))}
+        for sp in states:
+            out.add(sp, m, (sp.port_name, sp.frontend.protocol) in local)
     # Last, as upstream: a node-port address's other ports (and a ClusterIP's) must not reach KUBE-NODEPORTS
     # before their own rules. Only the addresses the model chose (--nodeport-addresses, never loopback), rather
     # than upstream's `addrtype --dst-type LOCAL`, which would also take 127.0.0.1 (it needs route_localnet).
@@ -262,6 +272,17 @@ def by_port(states: Iterable[ServicePortState]) -> list[list[ServicePortState]]:
     for sp in states:
         ports.setdefault((sp.port_name, sp.frontend.protocol), []).append(sp)
     return list(ports.values())
+
+
+def internal_local(states: Sequence[ServicePortState]) -> ServicePortState | None:
+    """The ClusterIP frontend of one service port's frontends (`by_port`) when its endpoints are not the port's
+    cluster-wide ones (the external frontends' `backends`): internalTrafficPolicy Local with an endpoint here,
+    but not every one. Its traffic then goes to KUBE-SVL, upstream's internal traffic chain, not KUBE-SVC."""
+    cluster = next((st for st in states if st.kind.external), states[0])
+    internal = next((st for st in states if st.kind is FrontendKind.CLUSTER_IP), None)
+    if internal is not None and internal.backends and internal.backends != cluster.backends:
+        return internal
+    return None
 
 
 def _choice(sp: ServicePortState, backends: Sequence[Backend], names: Mapping[Backend, str]) -> tuple[str, ...]:
@@ -310,16 +331,18 @@ def _external_chains(sp: ServicePortState, m: nf.MasqueradeSettings, seps: Mappi
 
 def port_chains(states: Sequence[ServicePortState], m: nf.MasqueradeSettings) -> list[nf.Chain]:
     """The chains of one service port's frontends (`by_port`): none without endpoints (its frontends are
-    rejected in filter); else KUBE-SVC, a KUBE-SEP per endpoint, and with external frontends KUBE-EXT, for
-    Local KUBE-SVL, and with source ranges KUBE-FW."""
-    sp = states[0]
-    if not sp.backends:
-        return []
+    rejected or dropped in filter); else KUBE-SVC, a KUBE-SEP per endpoint, and with external frontends
+    KUBE-EXT, for a Local policy (external or internal) KUBE-SVL, and with source ranges KUBE-FW."""
     external = next((st for st in states if st.kind.external), None)
+    # The port's cluster-wide endpoints: the external frontends' `backends`; a ClusterIP's differ from them only
+    # with internalTrafficPolicy Local.
+    sp = external or states[0]
     # With Local, this node's endpoints may be serving-and-terminating ones the cluster-wide choice leaves out.
-    endpoints = sorted(set(sp.backends) | set(external.external_backends if external else ()))
+    endpoints = sorted({b for st in states for b in (*st.backends, *st.external_backends)})
+    if not endpoints:
+        return []
     seps = {b: sep_chain(sp, b) for b in endpoints}
-    chains = [nf.Chain(svc_chain(sp), _choice(sp, sp.backends, seps))]
+    chains = [nf.Chain(svc_chain(sp), _choice(sp, sp.backends, seps))] if sp.backends else []
     comment = _comment(port_name(sp))
     p = _proto(sp.frontend)
     for b, sep in seps.items():
@@ -329,6 +352,11 @@ def port_chains(states: Sequence[ServicePortState], m: nf.MasqueradeSettings) ->
             f"{comment} -s {b.ip}/32 -j {nf.MARK_MASQ_CHAIN}",
             f"{comment}{affinity} -m {p} -p {p} -j DNAT --to-destination {b}",
         )))
+    internal = internal_local(states)
+    if internal is not None and (external is None or external.masquerade):
+        # KUBE-SVL for the ClusterIP alone (with externalTrafficPolicy Local too, _external_chains writes it
+        # from `external_backends`: this node's endpoints, the same ones).
+        chains.append(nf.Chain(svl_chain(sp), _choice(sp, internal.backends, seps)))
     if external is None:
         return chains
     chains += _external_chains(external, m, seps)

@@ -74,6 +74,7 @@ from pyproxy.dataplane.ipvs.render import (
     LOAD_BALANCER_SOURCE_CIDR_SET,
     LOOPBACK_SET,
     NO_ENDPOINTS_SET,
+    NO_LOCAL_CLUSTER_IP_SET,
     NO_LOCAL_SET,
     NODE_PORT_SETS,
     SET_TYPES,
@@ -212,6 +213,10 @@ def rule_edits(m: MasqueradeSettings) -> dict[str, nf.TableEdit]:
         f"{_set_match(LOAD_BALANCER_FW_SET, 'dst,dst')} -j {SOURCE_RANGES_CHAIN}",
         '-m comment --comment "externalTrafficPolicy Local without a local endpoint" -m conntrack --ctstate NEW '
         f"{_set_match(NO_LOCAL_SET, 'dst,dst')}{pods} {_NOT_FROM_NODE} -j DROP",
+        # internalTrafficPolicy Local without a local endpoint: every source this chain sees (render.py; the
+        # node's own flows IPVS takes in its local-out hook first, and refuses).
+        '-m comment --comment "internalTrafficPolicy Local without a local endpoint" -m conntrack --ctstate NEW '
+        f"{_set_match(NO_LOCAL_CLUSTER_IP_SET, 'dst,dst')} -j DROP",
         # IPVS refuses these with ICMP, which the kernel rate-limits per client (render.py).
         '-m comment --comment "has no endpoints" -p tcp -m conntrack --ctstate NEW '
         f"{_set_match(NO_ENDPOINTS_SET, 'dst,dst')} -j REJECT --reject-with tcp-reset",

@@ -20,6 +20,11 @@ Upstream kube-proxy's IPVS semantics:
   kubernetes PR 97081: pods and the node still reach the Service) and its (address, port) goes into
   KUBE-NO-LOCAL-ENDPOINTS, whose filter rule drops new flows from outside the cluster: the model's drop, where
   upstream IPVS would forward them without SNAT and the endpoint's reply would never reach the client;
+- internalTrafficPolicy Local: a ClusterIP's real servers are this node's endpoints (the model's `backends`);
+  with none here while the cluster has some, its virtual server has none and its (address, port) goes into
+  KUBE-NO-LOCAL-CLUSTER-IP, whose filter rule (INPUT, FORWARD) drops new flows from pods and outside before
+  IPVS would refuse them (upstream IPVS refuses them: ip_vs_leave; its iptables and nftables proxiers drop
+  them). The node's own flows are still refused: IPVS schedules them in its local-out hook, before filter;
 - a frontend without usable endpoints keeps its virtual server with no real servers: the kernel answers every
   new connection with ICMP port unreachable (ip_vs_leave). The kernel sends a client only so many ICMP errors (a
   burst of six, then one a second: net.ipv4.icmp_ratelimit), so a client's later TCP flows would wait for their
@@ -73,6 +78,8 @@ LOAD_BALANCER_FW_SET = "KUBE-LOAD-BALANCER-FW"
 LOAD_BALANCER_SOURCE_CIDR_SET = "KUBE-LOAD-BALANCER-SOURCE-CIDR"
 NO_LOCAL_SET = "KUBE-NO-LOCAL-ENDPOINTS"
 """pyproxy's own: externalTrafficPolicy Local frontends without a local endpoint while the cluster has some."""
+NO_LOCAL_CLUSTER_IP_SET = "KUBE-NO-LOCAL-CLUSTER-IP"
+"""pyproxy's own: internalTrafficPolicy Local ClusterIPs without a local endpoint while the cluster has some."""
 NO_ENDPOINTS_SET = "KUBE-NO-ENDPOINTS"
 """pyproxy's own: frontends without a usable endpoint, whose new TCP flows a filter rule resets at once."""
 NODE_PORT_SETS: Mapping[str, tuple[str, str]] = {
@@ -87,12 +94,13 @@ SET_TYPES: Mapping[str, str] = {
     EXTERNAL_IP_SET: "hash:ip,port", EXTERNAL_IP_LOCAL_SET: "hash:ip,port",
     LOAD_BALANCER_SET: "hash:ip,port", LOAD_BALANCER_LOCAL_SET: "hash:ip,port",
     LOAD_BALANCER_FW_SET: "hash:ip,port", LOAD_BALANCER_SOURCE_CIDR_SET: "hash:ip,port,net",
-    NO_LOCAL_SET: "hash:ip,port", NO_ENDPOINTS_SET: "hash:ip,port",
+    NO_LOCAL_SET: "hash:ip,port", NO_LOCAL_CLUSTER_IP_SET: "hash:ip,port", NO_ENDPOINTS_SET: "hash:ip,port",
     # Upstream: bitmaps of ports for TCP and UDP (one member serves every node address); SCTP by address.
     **{name: BITMAP_PORT if proto != "SCTP" else "hash:ip,port" for proto, names in NODE_PORT_SETS.items()
        for name in names},
 }
-"""Our ipsets and their types, as upstream (but KUBE-NO-LOCAL-ENDPOINTS and KUBE-NO-ENDPOINTS)."""
+"""Our ipsets and their types, as upstream (but KUBE-NO-LOCAL-ENDPOINTS, KUBE-NO-LOCAL-CLUSTER-IP and
+KUBE-NO-ENDPOINTS)."""
 FRONTEND_SETS = frozenset({CLUSTER_IP_SET, EXTERNAL_IP_SET, EXTERNAL_IP_LOCAL_SET, LOAD_BALANCER_SET})
 """The sets that list every ClusterIP, external IP and load-balancer frontend (ip,proto:port)."""
 
@@ -226,8 +234,9 @@ def real_servers(st: ServicePortState) -> tuple[Backend, ...]:
 
 def members(key: VSKey, st: ServicePortState, node_addresses: Set[str] = frozenset()) -> frozenset[tuple[str, str]]:
     """The (ipset, member) pairs of one frontend, as upstream's proxier puts them (its address on kube-ipvs0 as
-    a KUBE-IPVS-IPS member), KUBE-NO-LOCAL-ENDPOINTS for a Local one the node has no endpoint for, and
-    KUBE-NO-ENDPOINTS for one without any usable endpoint.
+    a KUBE-IPVS-IPS member), KUBE-NO-LOCAL-ENDPOINTS for a Local one the node has no endpoint for,
+    KUBE-NO-LOCAL-CLUSTER-IP for an internalTrafficPolicy Local ClusterIP the model drops, and KUBE-NO-ENDPOINTS
+    for one without any usable endpoint.
     `node_addresses`: the node's own, never bound (upstream binds an external or load-balancer IP only when it
     is no node address: KUBE-IPVS-FILTER would otherwise reject the node's own services on it, ssh included)."""
     entry = cluster_entry(key)
@@ -254,7 +263,9 @@ def members(key: VSKey, st: ServicePortState, node_addresses: Set[str] = frozens
                 out.update((LOAD_BALANCER_SOURCE_CIDR_SET, source_cidr_entry(key, r)) for r in st.source_ranges)
     if local and st.backends and not st.external_backends:
         out.add((NO_LOCAL_SET, entry))
-    if not real_servers(st):
+    if st.drop:
+        out.add((NO_LOCAL_CLUSTER_IP_SET, entry))
+    elif not real_servers(st):
         out.add((NO_ENDPOINTS_SET, entry))
     return frozenset(out)
 

@@ -283,14 +283,22 @@ def nodeport_ips_commands(ips: Iterable[str]) -> list[str]:
 
 def _port_objects(states: Sequence[ServicePortState], masq: MasqueradeSettings, wanted: _Wanted) -> _Port:
     """The chains and sets of the frontends of one service port (all its frontends share its endpoints and
-    policy), and their map elements, added to `wanted`."""
-    sp = states[0]
+    policy, but internalTrafficPolicy Local gives its ClusterIPs this node's only), and their map elements,
+    added to `wanted`."""
+    external = next((st for st in states if st.kind.external), None)  # the policy of the external frontends
+    # The port's cluster-wide endpoints are the external frontends' `backends`; a ClusterIP's differ from them
+    # only with internalTrafficPolicy Local, and a port with ClusterIPs only has no other.
+    sp = external or states[0]
     port = _Port()
     proto = sp.frontend.protocol.value.lower()
     ranges = next((st.source_ranges for st in states if st.source_ranges), ())
     if ranges:
         port_fw = firewall_chain(sp)
-    external = next((st for st in states if st.kind.external), None)  # the policy of the external frontends
+    # Upstream's internal traffic chain: the service chain, or with internalTrafficPolicy Local (when this
+    # node's endpoints are not all of them) the local chain, which eTP=Local's external chain may share.
+    internal = next((st for st in states if st.kind is FrontendKind.CLUSTER_IP), None)
+    local_internal = internal is not None and internal.backends and internal.backends != sp.backends
+    internal_chain = local_chain(sp) if local_internal else service_chain(sp)
     for st in states:
         key, node_port = elem_key(st), st.kind is FrontendKind.NODE_PORT
         if st.source_ranges:
@@ -299,16 +307,18 @@ def _port_objects(states: Sequence[ServicePortState], masq: MasqueradeSettings, 
         if not st.backends:
             comment = st.display_name[:COMMENT_MAX]  # the owner, `ns/name`, comes first and fits
             reject_map = NO_ENDPOINT_NODEPORTS if node_port else NO_ENDPOINT_SERVICES
-            wanted.elements[reject_map][key] = Elem(f"goto {REJECT_CHAIN}", comment)
+            # internalTrafficPolicy Local, no endpoint here while the cluster has some: upstream's drop verdict.
+            wanted.elements[reject_map][key] = Elem("drop" if st.drop else f"goto {REJECT_CHAIN}", comment)
         else:
-            chain = external_chain(sp) if st.kind.external else service_chain(sp)
+            chain = external_chain(sp) if st.kind.external else internal_chain
             wanted.elements[SERVICE_NODEPORTS if node_port else SERVICE_IPS][key] = Elem(f"goto {chain}")
     if ranges:
         port.chains[port_fw] = (f"ip saddr != {{ {', '.join(ranges)} }} drop",)
-    if not sp.backends:
+    endpoints = {b for st in states for b in (*st.backends, *st.external_backends)}
+    if not endpoints:
         return port
     affinity = sp.session_affinity_seconds
-    for b in sorted(set(sp.backends) | set(external.external_backends if external else ())):
+    for b in sorted(endpoints):
         rules = [f"ip saddr {b.ip} jump {MARK_MASQ_CHAIN}"]  # hairpin: an endpoint reaching itself
         if affinity:
             port.sets[affinity_set(sp, b)] = affinity
@@ -324,9 +334,15 @@ def _port_objects(states: Sequence[ServicePortState], masq: MasqueradeSettings, 
             rules.append(f"{match} jump {MARK_MASQ_CHAIN}")
         elif masq.cluster_cidr:
             rules.append(f"{match} ip saddr != {masq.cluster_cidr} jump {MARK_MASQ_CHAIN}")
-    port.chains[service_chain(sp)] = tuple(rules + _choice(sp, sp.backends))
+    if sp.backends:
+        port.chains[service_chain(sp)] = tuple(([] if local_internal else rules) + _choice(sp, sp.backends))
     if external:
         port.chains.update(_external_chains(external, masq))
+    if local_internal:
+        # The ClusterIPs' masquerade rules go with them (they match only a ClusterIP destination, so external
+        # traffic sharing the chain passes them), as upstream writes them into the internal traffic chain.
+        assert internal is not None
+        port.chains[local_chain(sp)] = tuple(rules + _choice(sp, internal.backends))
     return port
 
 
