@@ -9,6 +9,8 @@
  *  - Reverse NAT on TC egress, after routing and netfilter: the node's conntrack saw the reply as
  *    backend -> client (ESTABLISHED, not INVALID) and strict reverse-path filtering checked the
  *    backend's address against the interface it really came in on.
+ *  - SNAT (snat.h) the same way round: the source is written on TC egress (a packet entering with a node
+ *    address as its source would be a martian), a reply to an SNAT port gets its client back on ingress.
  */
 #include <linux/bpf.h>
 #include <linux/pkt_cls.h>

@@ -2,7 +2,7 @@
 a run of syncs, each from the `Applied` the one before committed (as the backend's apply()).
 
 Models: the ops applied in order to dict "maps" (put, del, reset; deleting what is not there fails); the services
-map looked up by (daddr, dport, proto): a miss passes the packet untranslated (common.untranslated),
+map looked up by (daddr, dport, proto, scope "packets"): a miss passes the packet untranslated (common.untranslated),
 a frontend with source ranges drops a source none of its MAP_SRCRANGES entries holds; backend_count 0 is dropped
 with the SVC_F_DROP flag (externalTrafficPolicy Local, no endpoint here) and refused without it (TC answers a reset
 or a port unreachable, reject.h), else every slot 0..backend_count-1 is a possible pick (a missing slot drops);

@@ -40,7 +40,8 @@ struct {
 } PYPROXY_MAP_BACKENDS SEC(".maps");
 
 /* Connection tracking: a FORWARD entry keeps a flow on its backend, a REVERSE entry gives replies
- * their frontend address back, an AFFINITY entry remembers a client's backend for ClientIP affinity.
+ * their frontend address back, an AFFINITY entry remembers a client's backend for ClientIP affinity; an
+ * SNATed flow has a second, mirrored FORWARD/REVERSE pair holding its node address and port (abi.h, snat.h).
  * FORWARD and REVERSE entries carry the flow's state and expire by its idle timeout (ct.h); the control
  * plane's collector deletes expired entries (pyproxy/dataplane/bpf/gc.py). LRU, so a full table evicts the
  * oldest flows instead of refusing new ones. Pinned: a restarted pyproxy keeps every connection. */

@@ -5,7 +5,9 @@
  * choose the backend once and point the socket at it; their packets then leave as ordinary traffic to the
  * backend, which TC does not touch. For the application the socket still talks to the frontend: getpeername()
  * and the source of received datagrams are rewritten back (PYPROXY_MAP_SOCKS). The same frontends, backends
- * and ClientIP affinity as the packet path (lb.h); the node counts as one client for affinity (source 0).
+ * and ClientIP affinity as the packet path (lb.h), but that an externalTrafficPolicy Local frontend serves the
+ * node from every endpoint (its PYPROXY_SVC_SCOPE_NODE entry); the node counts as one client for affinity
+ * (source 0).
  */
 #ifndef PYPROXY_SOCK_H
 #define PYPROXY_SOCK_H

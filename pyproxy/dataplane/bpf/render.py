@@ -251,14 +251,17 @@ def frontend_key(fe: Frontend, scope: int = abi.SVC_SCOPE_PACKETS) -> FrontendKe
     return (fe.ip, fe.port, fe.protocol.value, scope)
 
 
-def _node_view(st: ServicePortState) -> ServicePortState | None:
-    """What the node's own processes reach at an external frontend, when it is not what its packets reach: with
-    externalTrafficPolicy Local, every endpoint (upstream's short circuit for local sources), as a ClusterIP
-    serves them. None: the same as the packets."""
-    if not st.kind.external or st.external_backends == st.backends:
-        return None
+def _has_node_view(st: ServicePortState) -> bool:
+    """Whether the node's own processes reach other endpoints at this frontend than its packets do: an external
+    frontend with externalTrafficPolicy Local, which serves the node from every endpoint (upstream's short
+    circuit for local sources)."""
+    return st.kind.external and st.external_backends != st.backends
+
+
+def _node_view(st: ServicePortState) -> ServicePortState:
+    """The frontend as the node's own processes reach it (`_has_node_view`): from `backends`, as a ClusterIP."""
     return replace(st, kind=FrontendKind.CLUSTER_IP, external_backends=(), masquerade=False,
-                               source_ranges=(), health_check_node_port=None, local_ready=False)
+                   source_ranges=(), health_check_node_port=None, local_ready=False)
 
 
 def render(
@@ -289,9 +292,8 @@ def render(
                 skipped.append(f"{st.display_name} {st.frontend}: protocol not served by the bpf dataplane")
                 continue
             claims[key] = (service, st)
-            node = _node_view(st)
-            if node is not None:
-                claims[frontend_key(st.frontend, abi.SVC_SCOPE_NODE)] = (service, node)
+            if _has_node_view(st):
+                claims[frontend_key(st.frontend, abi.SVC_SCOPE_NODE)] = (service, _node_view(st))
 
     removed: list[FrontendKey] = []
     for service in desired:
@@ -333,7 +335,7 @@ def render(
             flags |= abi.SVC_F_MASQ
         elif masq.cluster_cidr and not st.kind.external:
             flags |= abi.SVC_F_MASQ_OUTSIDE
-        if _node_view(st) is not None:
+        if _has_node_view(st):
             flags |= abi.SVC_F_NODE_VIEW
         known = st.known_backends
         if known != backends and not set(backends).issubset(known):
