@@ -32,24 +32,21 @@ import contextlib
 import ipaddress
 import os
 import random
-import secrets
-import socket
 import statistics
-import struct
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import core, rules
+from bench import core
 from bench.core import Deadline, Figure, Measurement, Panel, Part, Recorder
 from pyproxy.dataplane.bpf import abi, libbpf, loader
 from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.libbpf import ffi
 from pyproxy.dataplane.bpf.render import Applied, render
+from pyproxy.lab.netns import NetnsThread, scratch_node
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
@@ -350,8 +347,8 @@ def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.Lo
             record_single(rec, n, series, mode, values, None if key == "floor" else floor1)
 
         rec.step(f"{core.plural(n, 'service')}: {singles:,} single runs each of the NodePort paths")
-        with nodeport_netns() as thread:
-            paths = thread.call(nodeport_samples, dp, singles)
+        with nodeport_netns() as (thread, ifindex):
+            paths = thread.call(nodeport_samples, dp, singles, ifindex["np-client"], ifindex["np-node2"])
         for key, series in NODEPORT.items():
             if isinstance(paths, str):
                 rec.add(Measurement("ns_per_packet_single", series, "bpf", n, None, "ns", paths))
@@ -387,40 +384,13 @@ ENDPOINT_NET = "10.128.0.0/12"
 """Every core.endpoint() of up to 100,000 Services x 10."""
 
 
-@contextlib.contextmanager
-def nodeport_netns() -> Iterator[rules.NetnsThread]:
-    """A thread inside a private network namespace set up as a node: forwarding on, NODE_ADDR on one
-    device, SNAT_ADDR on another with the route to every endpoint through it. A BPF test run's packet belongs
-    to the calling thread's namespace, so the datapath's route lookup for SNAT (bpf_fib_lookup) sees this
-    node, not the machine's own routing."""
-    name = f"benchpkt-{secrets.token_hex(3)}"
-    steps = [["ip", "netns", "add", name], ["ip", "-n", name, "link", "set", "lo", "up"],
-             ["ip", "netns", "exec", name, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"]]
-    for dev, addr in (("np-client", NODE_ADDR), ("np-node2", SNAT_ADDR)):  # veth: this kernel has no dummy
-        steps += [["ip", "-n", name, "link", "add", dev, "type", "veth", "peer", "name", f"{dev}-p"],
-                  ["ip", "-n", name, "addr", "add", f"{addr}/24", "dev", dev],
-                  ["ip", "-n", name, "link", "set", f"{dev}-p", "up"],
-                  ["ip", "-n", name, "link", "set", dev, "up"]]
-    steps.append(["ip", "-n", name, "route", "add", ENDPOINT_NET, "via", NEXT_HOP, "dev", "np-node2"])
-    thread = None
-    try:
-        for argv in steps:
-            subprocess.run(argv, check=True, capture_output=True, timeout=30)
-        thread = rules.NetnsThread(name)
-        yield thread
-    finally:
-        if thread is not None:
-            thread.close()
-        subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True, timeout=30)
-
-
-def skb_ctx(ingress_ifindex: int, ifindex: int) -> bytes:
-    """The head of a struct __sk_buff for a TC test run, up to `ifindex`: the device the packet arrived on
-    (skb->ingress_ifindex, which SNAT's route lookup starts from) and the one it is on. A test run without it
-    has no ingress device; the rest stays zero, as the kernel wants."""
-    ctx = bytearray(44)
-    struct.pack_into("=II", ctx, 36, ingress_ifindex, ifindex)  # offsetof(struct __sk_buff, ingress_ifindex)
-    return bytes(ctx)
+def nodeport_netns() -> contextlib.AbstractContextManager[tuple[NetnsThread, dict[str, int]]]:
+    """A thread inside a private network namespace set up as a node: NODE_ADDR on the client's device, SNAT_ADDR
+    on node 2's with the route to every endpoint through it. A BPF test run's packet belongs to the calling
+    thread's namespace, so the datapath's route lookup for SNAT (bpf_fib_lookup) sees this node, not the
+    machine's own routing."""
+    return scratch_node("benchpkt", [("np-client", f"{NODE_ADDR}/24"), ("np-node2", f"{SNAT_ADDR}/24")],
+                        [(ENDPOINT_NET, NEXT_HOP, "np-node2")])
 
 
 class Unserved(Exception):
@@ -436,17 +406,17 @@ def translated(run: TestRun, want: Callable[[Flow], bool], what: str) -> Flow:
     return out
 
 
-def nodeport_samples(dp: Loaded, singles: int) -> dict[str, list[float]] | str:
-    """`singles` single runs of each NodePort path (NODEPORT), in this thread's network namespace; or why
+def nodeport_samples(dp: Loaded, singles: int, client_dev: int, node2_dev: int) -> dict[str, list[float]] | str:
+    """`singles` single runs of each NodePort path (NODEPORT), in this thread's network namespace (whose devices
+    toward the client and node 2 are `client_dev` and `node2_dev`); or why
     there is no number: the NodePort is not in the services map, or a path does not translate as it should."""
     if dp.maps.services.get(abi.SvcKey(abi.be32(NODE_ADDR), abi.be16(NODE_PORT), TCP, 0)) is None:
         return "not served: the NodePort is not in the services map"
     progs = dp.obj.progs
     xdp, tc, egress = progs[abi.PROG_XDP], progs[abi.PROG_TC_INGRESS], progs[abi.PROG_TC_EGRESS]
     # The client's side and node 2's (the endpoints'): where packets arrive and leave in each direction.
-    client_dev, node2_dev = socket.if_nametoindex("np-client"), socket.if_nametoindex("np-node2")
-    from_client, to_node2 = skb_ctx(client_dev, client_dev), skb_ctx(client_dev, node2_dev)
-    from_node2, to_client = skb_ctx(node2_dev, node2_dev), skb_ctx(node2_dev, client_dev)
+    from_client, to_node2 = libbpf.skb_ctx(client_dev, client_dev), libbpf.skb_ctx(client_dev, node2_dev)
+    from_node2, to_client = libbpf.skb_ctx(node2_dev, node2_dev), libbpf.skb_ctx(node2_dev, client_dev)
     out: dict[str, list[float]] = {k: [] for k in NODEPORT}
     try:
         # One established flow, followed through all four translations; its runs are repeated below.

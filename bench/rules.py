@@ -23,7 +23,6 @@ What is counted as one frontend fully programmed (all expected ClusterIPs 10.100
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import http.client
 import os
 import re
@@ -32,40 +31,15 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from pyproxy.lab import Lab
+from pyproxy.lab.netns import NetnsThread
 
 LAST_SYNC = "kubeproxy_sync_proxy_rules_last_timestamp_seconds"
-CLONE_NEWNET = 0x40000000
 METRICS_POLL_S = 0.05
-_libc = ctypes.CDLL(None, use_errno=True)
-T = TypeVar("T")
-
-
-class NetnsThread:
-    """One thread of this process that has entered an `ip netns` namespace (setns affects only the calling
-    thread; the sockets it opens, and the packets a BPF test run makes, are in that namespace)."""
-
-    def __init__(self, netns: str) -> None:
-        self.netns = netns
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"netns-{netns}", initializer=self._enter)
-
-    def _enter(self) -> None:
-        with open(f"/run/netns/{self.netns}") as f:
-            if _libc.setns(f.fileno(), CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), f"setns into {self.netns}")
-
-    def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args) in that thread: its result, or its exception."""
-        return self._pool.submit(fn, *args).result()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class NetnsHttp(NetnsThread):

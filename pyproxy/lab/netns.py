@@ -54,10 +54,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from pyproxy.lab.traffic import READY_LINE, HttpResult, ProbeResult
 
@@ -101,7 +102,9 @@ MAX_BACKENDS = 254
 CHECKSUM_COUNTERS = ("TcpInCsumErrors", "UdpInCsumErrors", "IcmpInCsumErrors", "IpExtInCsumErrors")
 
 _PR_SET_PDEATHSIG = 1
+_CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
+T = TypeVar("T")
 
 
 class LabError(RuntimeError):
@@ -160,6 +163,58 @@ def run(argv: Sequence[str], *, check: bool = True, timeout: float = DEFAULT_TIM
     if check and cp.returncode != 0:
         raise LabError(f"{shlex.join(argv)} exited {cp.returncode}: {(cp.stderr or cp.stdout).strip()}")
     return cp
+
+
+class NetnsThread:
+    """One thread of this process that has entered an `ip netns` namespace (setns affects only the calling
+    thread; the sockets it opens, and the packets a BPF test run makes, are in that namespace)."""
+
+    def __init__(self, netns: str) -> None:
+        self.netns = netns
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"netns-{netns}", initializer=self._enter)
+
+    def _enter(self) -> None:
+        with open(f"/run/netns/{self.netns}") as f:
+            if _libc.setns(f.fileno(), _CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"setns into {self.netns}")
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in that thread: its result, or its exception."""
+        return self._pool.submit(fn, *args).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def scratch_node(prefix: str, links: Sequence[tuple[str, str]],
+                 routes: Sequence[tuple[str, str, str]] = ()) -> Iterator[tuple[NetnsThread, dict[str, int]]]:
+    """A private network namespace set up as a node, and a thread inside it: forwarding on, one veth per
+    `links` entry (device, its address/prefix; the peer end up and unaddressed: this kernel has no dummy
+    devices), `routes` (network, via, device). Yields the thread and each device's ifindex; the namespace is
+    deleted on exit, whatever happens. For driving BPF test runs whose route lookups (SNAT's) must see a
+    node's routing, not the machine's."""
+    name = f"{prefix}-{secrets.token_hex(3)}"
+    run(["ip", "netns", "add", name])
+    thread = None
+    try:
+        run(["ip", "-n", name, "link", "set", "lo", "up"])
+        run(["ip", "netns", "exec", name, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+        for dev, cidr in links:
+            run(["ip", "-n", name, "link", "add", dev, "type", "veth", "peer", "name", f"{dev}-p"])
+            run(["ip", "-n", name, "addr", "add", cidr, "dev", dev])
+            run(["ip", "-n", name, "link", "set", f"{dev}-p", "up"])
+            run(["ip", "-n", name, "link", "set", dev, "up"])
+        for net, via, dev in routes:
+            run(["ip", "-n", name, "route", "add", net, "via", via, "dev", dev])
+        ifindex = {dev: int(json.loads(run(["ip", "-n", name, "-j", "link", "show", dev]).stdout)[0]["ifindex"])
+                   for dev, _ in links}
+        thread = NetnsThread(name)
+        yield thread, ifindex
+    finally:
+        if thread is not None:
+            thread.close()
+        run(["ip", "netns", "del", name], check=False)
 
 
 def _joiner(cgroup: Path) -> Callable[[], None]:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import struct
 from dataclasses import dataclass
 
 import pytest
@@ -112,7 +111,8 @@ class Dataplane:
         opts.data_out = out
         opts.data_size_out = len(out)
         if ifindex:
-            ctx = _ctx(prog, len(data), ifindex)
+            ctx = (libbpf.xdp_ctx(len(data), ifindex) if prog.name == abi.PROG_XDP
+                   else libbpf.skb_ctx(ifindex, ifindex))
             ctx_in = ffi.new("uint8_t[]", ctx)
             opts.ctx_in = ctx_in
             opts.ctx_size_in = len(ctx)
@@ -132,14 +132,6 @@ class Dataplane:
     def stats(self, svc_id: int) -> tuple[int, int]:
         per_cpu = self.maps.stats.get(svc_id)
         return sum(s.packets for s in per_cpu), sum(s.bytes for s in per_cpu)
-
-
-def _ctx(prog: Prog, size: int, ifindex: int) -> bytes:
-    """The context a test run starts from, as far as it names the device: struct xdp_md (data, data_end,
-    data_meta, ingress_ifindex) or the head of struct __sk_buff up to ingress_ifindex and ifindex."""
-    if prog.name == abi.PROG_XDP:
-        return struct.pack("=IIII", 0, size, 0, ifindex)
-    return bytes(36) + struct.pack("=II", ifindex, ifindex)
 
 
 def backend_of(out: bytes) -> Backend:

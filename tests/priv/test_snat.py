@@ -3,16 +3,12 @@ externalTrafficPolicy Cluster, or one a pod sends to itself through a Service (h
 from a node address and a port of the SNAT range; the backend's reply to that address and port gets its client
 back on ingress and its frontend on egress, so the client sees the frontend answer.
 
-The routing lookup that picks the node address runs in the test thread's network namespace: each test gets one of
-its own (a dummy device holding NODE_SIDE, the node's address on the backends' network), entered for the test and
-left, and deleted, after it."""
+The routing lookup that picks the node address runs in the network namespace of the thread that makes the test run:
+each test gets a namespace of its own set up as the node (a device holding NODE_SIDE, its address on the backends'
+network), deleted after it, and runs the ingress programs in a thread inside it."""
 
 from __future__ import annotations
 
-import ctypes
-import os
-import secrets
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +19,7 @@ from packets import TCP, UDP, Flow, decode, frame
 
 from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, inspect, loader
+from pyproxy.lab.netns import NetnsThread, scratch_node
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
@@ -35,57 +32,22 @@ SNAT_PORTS = range(abi.DEFAULT_SNAT_PORTS[0], abi.DEFAULT_SNAT_PORTS[1] + 1)
 TCP_FIN, TCP_RST, TCP_ACK = 0x01, 0x04, 0x10
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNET = 0x40000000
+class Node:
+    """A private network namespace set up as the node (NODE_SIDE on its device toward the backends), with a thread
+    inside it where the ingress programs' test runs go: their route lookup for SNAT sees this node."""
 
+    def __init__(self, thread: NetnsThread, ifindex: int) -> None:
+        self.thread, self.ifindex = thread, ifindex
 
-def _setns(fd: int) -> None:
-    """setns(2) for the calling thread (os.setns is Python 3.12's)."""
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        raise OSError(ctypes.get_errno(), "setns")
-
-
-class Netns:
-    """A network namespace with the node's side of the backends' network, which the calling thread is in."""
-
-    def __init__(self) -> None:
-        self.name = f"pyp-snat-{secrets.token_hex(3)}"
-        self.ifindex = 0
-
-    def ip(self, *args: str) -> str:
-        return subprocess.run(["ip", "-n", self.name, *args], check=True, capture_output=True, text=True).stdout
-
-    def __enter__(self) -> Netns:
-        subprocess.run(["ip", "netns", "add", self.name], check=True)
-        try:
-            self.ip("link", "set", "lo", "up")
-            # A veth pair (no dummy module here): the node's side of the backends' network.
-            self.ip("link", "add", "snat0", "type", "veth", "peer", "name", "snat1")
-            self.ip("link", "set", "snat1", "up")
-            self.ip("addr", "add", f"{NODE_SIDE}/24", "dev", "snat0")
-            self.ip("link", "set", "snat0", "up")
-            subprocess.run(["ip", "netns", "exec", self.name, "sysctl", "-qw", "net.ipv4.ip_forward=1"], check=True)
-            self.ifindex = int(self.ip("-o", "link", "show", "snat0").split(":", 1)[0])
-            self._home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-            with open(f"/run/netns/{self.name}") as f:
-                _setns(f.fileno())
-        except BaseException:
-            subprocess.run(["ip", "netns", "del", self.name], check=False)
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            _setns(self._home)
-        finally:
-            os.close(self._home)
-            subprocess.run(["ip", "netns", "del", self.name], check=False)
+    def run(self, dp: Dataplane, prog: Prog, data: bytes) -> tuple[int, bytes]:
+        """`prog` on `data` arriving on the node's device, in the node's namespace."""
+        return self.thread.call(dp.run, prog, data, self.ifindex)
 
 
 @pytest.fixture
-def netns() -> Iterator[Netns]:
-    with Netns() as ns:
-        yield ns
+def netns() -> Iterator[Node]:
+    with scratch_node("pyp-snat", [("snat0", f"{NODE_SIDE}/24")]) as (thread, ifindex):
+        yield Node(thread, ifindex["snat0"])
 
 
 def nodeport(backends: tuple[Backend, ...] = READY, proto: int = TCP, masquerade: bool = True) -> ServicePortState:
@@ -97,10 +59,10 @@ def nodeport(backends: tuple[Backend, ...] = READY, proto: int = TCP, masquerade
     )
 
 
-def through(dp: Dataplane, prog: Prog, flow: Flow, ifindex: int, tcp_flags: int) -> Flow:
+def through(dp: Dataplane, prog: Prog, flow: Flow, node: Node, tcp_flags: int) -> Flow:
     """A packet of `flow` through `prog` (ingress) then TC egress: the flow as it leaves the node, checksums
     verified as its receiver would."""
-    verdict, out = dp.run(prog, frame(flow, tcp_flags=tcp_flags), ifindex)
+    verdict, out = node.run(dp, prog, frame(flow, tcp_flags=tcp_flags))
     assert verdict == prog.ok
     verdict, out = dp.run(TC_EGRESS, out)
     assert verdict == TC_EGRESS.ok
@@ -109,139 +71,139 @@ def through(dp: Dataplane, prog: Prog, flow: Flow, ifindex: int, tcp_flags: int)
     return d.flow
 
 
-def forward(dp: Dataplane, prog: Prog, flow: Flow, ifindex: int, tcp_flags: int = 0x02) -> Flow:
+def forward(dp: Dataplane, prog: Prog, flow: Flow, node: Node, tcp_flags: int = 0x02) -> Flow:
     """The client's packet (a SYN by default) as it leaves toward its backend."""
-    return through(dp, prog, flow, ifindex, tcp_flags)
+    return through(dp, prog, flow, node, tcp_flags)
 
 
-def backward(dp: Dataplane, prog: Prog, reply: Flow, ifindex: int, tcp_flags: int = 0x12) -> Flow:
+def backward(dp: Dataplane, prog: Prog, reply: Flow, node: Node, tcp_flags: int = 0x12) -> Flow:
     """The backend's reply (a SYN-ACK by default) as it leaves toward the client."""
-    return through(dp, prog, reply, ifindex, tcp_flags)
+    return through(dp, prog, reply, node, tcp_flags)
 
 
 @pytest.mark.parametrize("proto", [TCP, UDP], ids=["tcp", "udp"])
 @pytest.mark.parametrize("prog", INGRESS)
-def test_cluster_policy_masquerades_and_the_reply_finds_its_way_back(dp: Dataplane, netns: Netns, prog: Prog,
+def test_cluster_policy_masquerades_and_the_reply_finds_its_way_back(dp: Dataplane, netns: Node, prog: Prog,
                                                                       proto: int) -> None:
     dp.apply(nodeport(proto=proto))
     client = Flow(CLIENT, NODE_IP, 40000, NODE_PORT, proto)
-    out = forward(dp, prog, client, netns.ifindex)
+    out = forward(dp, prog, client, netns)
     assert out.src == NODE_SIDE and Backend(out.dst, out.dport) in READY
     assert out.sport in SNAT_PORTS
     assert dp.counter("snat") == 1 and len(dp.maps.ct) == 4, "the Service flow's pair and the SNAT pair"
-    back = backward(dp, prog, out.reply(), netns.ifindex)
+    back = backward(dp, prog, out.reply(), netns)
     assert back == client.reply(), "the client must see the frontend answer, at its own port"
     assert dp.counter("revsnat") == 1
     # The flow's next packets take the same port.
-    assert forward(dp, prog, client, netns.ifindex, tcp_flags=TCP_ACK) == out
+    assert forward(dp, prog, client, netns, tcp_flags=TCP_ACK) == out
 
 
 @pytest.mark.parametrize("prog", INGRESS)
-def test_local_policy_keeps_the_clients_address(dp: Dataplane, netns: Netns, prog: Prog) -> None:
+def test_local_policy_keeps_the_clients_address(dp: Dataplane, netns: Node, prog: Prog) -> None:
     dp.apply(nodeport(masquerade=False))
-    out = forward(dp, prog, Flow(CLIENT, NODE_IP, 40001, NODE_PORT), netns.ifindex)
+    out = forward(dp, prog, Flow(CLIENT, NODE_IP, 40001, NODE_PORT), netns)
     assert (out.src, out.sport) == (CLIENT, 40001)
     assert dp.counter("snat") == 0 and len(dp.maps.ct) == 2
 
 
-def test_a_pod_load_balanced_onto_itself_is_masqueraded(dp: Dataplane, netns: Netns) -> None:
+def test_a_pod_load_balanced_onto_itself_is_masqueraded(dp: Dataplane, netns: Node) -> None:
     """Hairpin: the pod would drop a reply from its own address (upstream masquerades this case)."""
     pod = READY[0]
     dp.apply(port_state(backends=(pod,)))
     flow = Flow(pod.ip, "10.96.0.10", 45000, 80)
-    out = forward(dp, TC_INGRESS, flow, netns.ifindex)
+    out = forward(dp, TC_INGRESS, flow, netns)
     assert (out.src, out.dst, out.dport) == (NODE_SIDE, pod.ip, pod.port) and out.sport in SNAT_PORTS
-    assert backward(dp, TC_INGRESS, out.reply(), netns.ifindex) == flow.reply()
+    assert backward(dp, TC_INGRESS, out.reply(), netns) == flow.reply()
     # Another pod of the same Service is not masqueraded: it keeps its address.
     other = Flow("10.0.1.77", "10.96.0.10", 45001, 80)
-    assert forward(dp, TC_INGRESS, other, netns.ifindex).src == other.src
+    assert forward(dp, TC_INGRESS, other, netns).src == other.src
 
 
-def test_flows_to_one_backend_get_distinct_ports_and_a_full_range_drops(bpf_object: Path, netns: Netns) -> None:
+def test_flows_to_one_backend_get_distinct_ports_and_a_full_range_drops(bpf_object: Path, netns: Node) -> None:
     """Two ports to give out: two flows to the one backend get one each, a third is dropped (its client
     retransmits), and once a flow closes its port serves a new one."""
     first = abi.DEFAULT_SNAT_PORTS[0]
     dp = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY, snat_ports=(first, first + 1)))
     try:
         dp.apply(nodeport(backends=(READY[0],)))
-        a = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 41000, NODE_PORT), netns.ifindex)
-        b = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 41001, NODE_PORT), netns.ifindex)
+        a = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 41000, NODE_PORT), netns)
+        b = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 41001, NODE_PORT), netns)
         assert {a.sport, b.sport} == {first, first + 1}
-        verdict, _ = dp.run(TC_INGRESS, frame(Flow(CLIENT, NODE_IP, 41002, NODE_PORT)), netns.ifindex)
+        verdict, _ = netns.run(dp, TC_INGRESS, frame(Flow(CLIENT, NODE_IP, 41002, NODE_PORT)))
         assert verdict == TC_INGRESS.drop and dp.counter("snat_no_port") == 1
         # The backend resets the first flow: its port is free again.
-        backward(dp, TC_INGRESS, a.reply(), netns.ifindex, tcp_flags=TCP_RST)
-        c = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 41002, NODE_PORT), netns.ifindex)
+        backward(dp, TC_INGRESS, a.reply(), netns, tcp_flags=TCP_RST)
+        c = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 41002, NODE_PORT), netns)
         assert c.sport == a.sport
     finally:
         dp.close()
 
 
-def test_a_rebalanced_flow_frees_its_snat_pair(dp: Dataplane, netns: Netns) -> None:
+def test_a_rebalanced_flow_frees_its_snat_pair(dp: Dataplane, netns: Node) -> None:
     gone, kept = READY[0], READY[1]
     dp.apply(nodeport(backends=(gone,)))
     client = Flow(CLIENT, NODE_IP, 42000, NODE_PORT)
-    first = forward(dp, TC_INGRESS, client, netns.ifindex)
+    first = forward(dp, TC_INGRESS, client, netns)
     assert first.dst == gone.ip and len(dp.maps.ct) == 4
     dp.apply(nodeport(backends=(kept,)))  # the endpoint went: the flow's next packet picks another
-    again = forward(dp, TC_INGRESS, client, netns.ifindex, tcp_flags=TCP_ACK)
+    again = forward(dp, TC_INGRESS, client, netns, tcp_flags=TCP_ACK)
     assert again.dst == kept.ip
     assert len(dp.maps.ct) == 4, "the old flow's SNAT pair was left behind"
     # A late reply of the old backend to the old port is no flow's any more: left as it is.
-    verdict, out = dp.run(TC_INGRESS, frame(first.reply(), tcp_flags=TCP_ACK), netns.ifindex)
+    verdict, out = netns.run(dp, TC_INGRESS, frame(first.reply(), tcp_flags=TCP_ACK))
     assert verdict == TC_INGRESS.ok and decode(out).flow == first.reply()
 
 
-def test_no_route_to_the_backend_means_no_snat(dp: Dataplane, netns: Netns) -> None:
+def test_no_route_to_the_backend_means_no_snat(dp: Dataplane, netns: Node) -> None:
     far = Backend("198.18.0.1", 8080)  # no route in the namespace: the stack would drop it anyway
     dp.apply(nodeport(backends=(far,)))
-    out = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 43000, NODE_PORT), netns.ifindex)
+    out = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 43000, NODE_PORT), netns)
     assert (out.src, out.dst) == (CLIENT, far.ip)
     assert dp.counter("snat_no_route") == 1 and dp.counter("snat") == 0
 
 
 @pytest.mark.parametrize("cut", [14 + 20 + 2, 14 + 20 + 12])  # (a test run refuses a shorter IPv4 header)
-def test_truncated_packets_to_an_snat_port_pass_untouched(dp: Dataplane, netns: Netns, cut: int) -> None:
+def test_truncated_packets_to_an_snat_port_pass_untouched(dp: Dataplane, netns: Node, cut: int) -> None:
     dp.apply(nodeport())
-    out = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 44000, NODE_PORT), netns.ifindex)
+    out = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 44000, NODE_PORT), netns)
     data = frame(out.reply(), tcp_flags=0x12)[:cut]
     for prog in (TC_INGRESS, XDP):
-        verdict, seen = dp.run(prog, data, netns.ifindex)
+        verdict, seen = netns.run(dp, prog, data)
         assert verdict == prog.ok and seen == data
     assert dp.counter("revsnat") == 0
 
 
-def test_a_reply_from_another_port_of_the_backend_is_not_translated(dp: Dataplane, netns: Netns) -> None:
+def test_a_reply_from_another_port_of_the_backend_is_not_translated(dp: Dataplane, netns: Node) -> None:
     dp.apply(nodeport(backends=(READY[0],)))
-    out = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 44100, NODE_PORT), netns.ifindex)
+    out = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 44100, NODE_PORT), netns)
     stranger = Flow(out.dst, out.src, out.dport + 1, out.sport)
-    verdict, seen = dp.run(TC_INGRESS, frame(stranger, tcp_flags=0x12), netns.ifindex)
+    verdict, seen = netns.run(dp, TC_INGRESS, frame(stranger, tcp_flags=0x12))
     assert verdict == TC_INGRESS.ok and decode(seen).flow == stranger
 
 
-def test_inspect_shows_where_an_snated_flow_leaves_from(dp: Dataplane, netns: Netns) -> None:
+def test_inspect_shows_where_an_snated_flow_leaves_from(dp: Dataplane, netns: Node) -> None:
     dp.apply(nodeport(backends=(READY[0],)))
-    out = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 44200, NODE_PORT), netns.ifindex)
+    out = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 44200, NODE_PORT), netns)
     flows = [line for line in inspect.report(dp.maps).splitlines() if line.startswith("TCP ")]
     assert len(flows) == 1, "one flow, its SNAT pair not listed as another"
     assert f"{CLIENT}:44200 -> {NODE_IP}:{NODE_PORT}" in flows[0]
     assert f"{READY[0]} from {NODE_SIDE}:{out.sport}" in flows[0]
 
 
-def test_masquerade_all_snats_every_clusterip_flow(dp: Dataplane, netns: Netns) -> None:
+def test_masquerade_all_snats_every_clusterip_flow(dp: Dataplane, netns: Node) -> None:
     dp.apply(port_state(), masq=MasqueradeSettings(masquerade_all=True))
-    out = forward(dp, TC_INGRESS, Flow("10.0.1.77", "10.96.0.10", 45100, 80), netns.ifindex)
+    out = forward(dp, TC_INGRESS, Flow("10.0.1.77", "10.96.0.10", 45100, 80), netns)
     assert out.src == NODE_SIDE and out.sport in SNAT_PORTS
 
 
-def test_cluster_cidr_snats_clusterip_flows_from_outside_it(bpf_object: Path, netns: Netns) -> None:
+def test_cluster_cidr_snats_clusterip_flows_from_outside_it(bpf_object: Path, netns: Node) -> None:
     cidr = "10.0.0.0/16"  # the pods: 10.0.1.0/24 is this node's share
     dp = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY, cluster_cidr=cidr))
     try:
         dp.apply(port_state(), masq=MasqueradeSettings(cluster_cidr=cidr))
-        pod = forward(dp, TC_INGRESS, Flow("10.0.1.77", "10.96.0.10", 45200, 80), netns.ifindex)
+        pod = forward(dp, TC_INGRESS, Flow("10.0.1.77", "10.96.0.10", 45200, 80), netns)
         assert (pod.src, pod.sport) == ("10.0.1.77", 45200), "a pod keeps its address"
-        outside = forward(dp, XDP, Flow(CLIENT, "10.96.0.10", 45201, 80), netns.ifindex)
+        outside = forward(dp, XDP, Flow(CLIENT, "10.96.0.10", 45201, 80), netns)
         assert outside.src == NODE_SIDE and outside.sport in SNAT_PORTS
     finally:
         dp.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import struct
 from typing import Any
 
 from cffi import FFI
@@ -116,3 +117,17 @@ def check(ret: int, what: str) -> int:
 BPF_ANY = 0
 BPF_NOEXIST = 1
 BPF_EXIST = 2
+
+
+# Contexts for bpf_prog_test_run_opts.ctx_in (tests and benchmarks): a test run's packet arrives on no device
+# unless its context names one, and SNAT's route lookup (snat.h) starts from the device it arrived on.
+def skb_ctx(ingress_ifindex: int, ifindex: int) -> bytes:
+    """The head of a struct __sk_buff up to `ifindex`: the device the packet arrived on (ingress_ifindex, at offset
+    36) and the one it is on; the rest zero, as the kernel wants."""
+    return bytes(36) + struct.pack("=II", ingress_ifindex, ifindex)
+
+
+def xdp_ctx(size: int, ingress_ifindex: int) -> bytes:
+    """A struct xdp_md for a `size`-byte frame (data 0, data_end size, no metadata) arriving on `ingress_ifindex`."""
+    return struct.pack("=IIII", 0, size, 0, ingress_ifindex)
+
