@@ -15,9 +15,13 @@ from typing import Any, NoReturn
 from pyproxy.model.objects import (
     DEFAULT_SESSION_AFFINITY_TIMEOUT,
     LAST_CHANGE_TRIGGER_TIME_ANNOTATION,
+    MAX_WEIGHT,
     NODE_IP_TYPES,
+    SCHEDULER_ANNOTATION,
+    SCHEDULERS,
     SERVICE_NAME_LABEL,
     TO_BE_DELETED_TAINT,
+    WEIGHTS_ANNOTATION,
     Endpoint,
     EndpointPort,
     EndpointSlice,
@@ -232,7 +236,7 @@ def _load_balancer_ips(r: _Reader, d: Mapping[str, Any]) -> tuple[str, ...]:
 
 def service_from_dict(d: Mapping[str, Any]) -> Service:
     """Convert a `v1` Service; raises InvalidObject if it cannot be served as written."""
-    r, namespace, name, _ = _open(SERVICE_KIND, d)
+    r, namespace, name, meta = _open(SERVICE_KIND, d)
     spec = r.mapping(d, "spec", "")
     svc_type = r.string(spec, "type", "spec", "ClusterIP")
     if svc_type not in _SERVICE_TYPES:
@@ -265,6 +269,7 @@ def service_from_dict(d: Mapping[str, Any]) -> Service:
     if health_check_node_port is not None and not 1 <= health_check_node_port <= 65535:
         r.fail(f"spec.healthCheckNodePort {health_check_node_port} is outside 1-65535")
 
+    annotations = r.mapping(meta, "annotations", "metadata")
     return Service(
         namespace=namespace,
         name=name,
@@ -279,7 +284,36 @@ def service_from_dict(d: Mapping[str, Any]) -> Service:
         internal_traffic_policy=_traffic_policy(r, spec, "internalTrafficPolicy"),
         health_check_node_port=health_check_node_port,
         load_balancer_source_ranges=_source_ranges(r, spec),
+        scheduler=_scheduler(r, annotations),
+        weights=_weights(r, annotations),
     )
+
+
+def _annotation(r: _Reader, annotations: Mapping[str, Any], name: str) -> str:
+    return str(r.check(annotations.get(name, ""), str, "a string", f"metadata.annotations[{name}]")).strip()
+
+
+def _scheduler(r: _Reader, annotations: Mapping[str, Any]) -> str:
+    scheduler = _annotation(r, annotations, SCHEDULER_ANNOTATION)
+    if scheduler and scheduler not in SCHEDULERS:
+        r.fail(f"metadata.annotations[{SCHEDULER_ANNOTATION}] {scheduler!r} is not one of {', '.join(SCHEDULERS)}")
+    return scheduler
+
+
+def _weights(r: _Reader, annotations: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+    """`address=weight` pairs, comma-separated; each address an IPv4 address, each weight 0-MAX_WEIGHT."""
+    text = _annotation(r, annotations, WEIGHTS_ANNOTATION)
+    path = f"metadata.annotations[{WEIGHTS_ANNOTATION}]"
+    weights: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        address, sep, weight = item.partition("=")
+        ip = str(r.address(path, address.strip(), ipaddress.IPv4Address, "an IPv4 address")) if sep else ""
+        if not sep or not weight.strip().isdigit() or int(weight) > MAX_WEIGHT:
+            r.fail(f"{path}: {item!r} is not address=weight with a weight of 0-{MAX_WEIGHT}")
+        if ip in weights:
+            r.fail(f"{path}: {ip} is given two weights")
+        weights[ip] = int(weight)
+    return tuple(sorted(weights.items()))
 
 
 def _endpoint(r: _Reader, entry: Mapping[str, Any], path: str, address_type: str, v1beta1: bool) -> Endpoint:

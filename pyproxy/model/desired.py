@@ -123,6 +123,7 @@ def compute_service_state(
     internal_local = svc.internal_traffic_policy is TrafficPolicy.LOCAL
     health = None if cluster_policy or svc.type != "LoadBalancer" else svc.health_check_node_port
     ranges = _source_ranges(svc, node) if svc.type == "LoadBalancer" else ()
+    scheduler, weights = svc.scheduler, svc.weights
     states: list[ServicePortState] = []
     # Positional arguments, in ServicePortState's order: a cold start builds one per frontend of every Service.
     for port in svc.ports:
@@ -134,13 +135,14 @@ def compute_service_state(
         internal = b.local if internal_local else usable
         drop = internal_local and not internal and bool(usable)
         states += [ServicePortState(key, port.name, Frontend(ip, port.port, port.protocol), internal, known, affinity,
-                                    FrontendKind.CLUSTER_IP, (), False, (), health, False, drop)
+                                    FrontendKind.CLUSTER_IP, (), False, (), health, False, drop, scheduler, weights)
                    for ip in svc.cluster_ips]
         if external:
             outside = usable if cluster_policy else b.local
             ready = not cluster_policy and b.local_ready
             states += [ServicePortState(key, port.name, fe, usable, known, affinity, kind, outside, cluster_policy,
-                                        ranges if kind is FrontendKind.LOAD_BALANCER else (), health, ready)
+                                        ranges if kind is FrontendKind.LOAD_BALANCER else (), health, ready, False,
+                                        scheduler, weights)
                        for kind, fe in external]
     if len(states) > 1 and len({st.frontend for st in states}) < len(states):
         # One frontend claimed twice by the Service itself: the first kind stays (sorted() is stable).

@@ -16,6 +16,14 @@ SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 LAST_CHANGE_TRIGGER_TIME_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
 # Seconds a ClientIP session affinity lasts when the Service does not say (upstream default: 3 hours).
 DEFAULT_SESSION_AFFINITY_TIMEOUT = 10800
+# pyproxy's own annotations: which scheduler picks a new flow's endpoint, and the endpoints' weights.
+SCHEDULER_ANNOTATION = "pyproxy.io/scheduler"
+WEIGHTS_ANNOTATION = "pyproxy.io/weights"
+# The schedulers a Service may ask for (README, "Schedulers"): IPVS's names where IPVS has one, plus uniform
+# random choice (the netfilter modes' only one) and Maglev consistent hashing.
+SCHEDULERS = ("random", "rr", "wrr", "lc", "sed", "nq", "sh", "dh", "maglev")
+# The largest weight an endpoint may have (IPVS's weights are 32-bit; this keeps a wrr sequence short).
+MAX_WEIGHT = 100
 
 
 class Protocol(enum.StrEnum):
@@ -86,6 +94,12 @@ class Service:
     load_balancer_source_ranges: tuple[str, ...] = ()
     """spec.loadBalancerSourceRanges, the IPv4 ones, trimmed and in canonical form ("10.0.0.0/8"); empty: any
     source. IPv6 ones are valid but dropped, as upstream's IPv4 proxier does."""
+    scheduler: str = ""
+    """The `pyproxy.io/scheduler` annotation, one of SCHEDULERS; "": the node's default (--bpf-scheduler,
+    --ipvs-scheduler)."""
+    weights: tuple[tuple[str, int], ...] = ()
+    """The `pyproxy.io/weights` annotation ("10.244.1.5=3,10.244.2.7=0"): endpoint address -> weight
+    (0-MAX_WEIGHT; 0: no new flows, as IPVS's quiesced server), sorted; an endpoint not named weighs 1."""
 
     @property
     def key(self) -> str:

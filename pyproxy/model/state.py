@@ -104,6 +104,18 @@ class ServicePortState:
     usable endpoint while the cluster has some; new flows, from every source, are dropped instead of rejected
     (upstream's "has no local endpoints" DROP). False when the cluster has none either (reject). Always False
     for an external frontend, whose drop is `external_backends` empty while `backends` is not."""
+    scheduler: str = ""
+    """The Service's `pyproxy.io/scheduler` (objects.SCHEDULERS); "": the mode's default (--bpf-scheduler,
+    --ipvs-scheduler). The netfilter modes choose at random whatever it says."""
+    weights: tuple[tuple[str, int], ...] = ()
+    """The Service's `pyproxy.io/weights`, endpoint address -> weight, sorted; see `weight`."""
+
+    def weight(self, backend: Backend) -> int:
+        """The weight of one of the backends (1 unless the Service's annotation names its address)."""
+        for ip, weight in self.weights:
+            if ip == backend.ip:
+                return weight
+        return 1
 
     @property
     def display_name(self) -> str:

@@ -112,6 +112,16 @@ def test_a_service_converts_with_its_ipv4_addresses_ports_and_policies() -> None
     )
 
 
+def test_scheduler_and_weights_come_from_pyproxy_annotations() -> None:
+    doc = set_path(service_doc(), "metadata.annotations", {
+        "pyproxy.io/scheduler": " wrr ", "pyproxy.io/weights": "10.244.2.7=0, 10.244.1.5=3,",
+    })
+    svc = service_from_dict(doc)
+    assert (svc.scheduler, svc.weights) == ("wrr", (("10.244.1.5", 3), ("10.244.2.7", 0)))
+    plain = service_from_dict(service_doc())
+    assert (plain.scheduler, plain.weights) == ("", ())
+
+
 def test_a_minimal_service_gets_the_api_defaults() -> None:
     svc = service_from_dict(
         {"metadata": {"name": "web"}, "spec": {"clusterIP": "10.96.0.10", "ports": [{"port": 80}]}}
@@ -296,6 +306,18 @@ def set_path(doc: dict[str, Any], path: Path | str, value: Any) -> dict[str, Any
         ("status.loadBalancer.ingress.0.ip", "203.0.113", "status.loadBalancer.ingress[0].ip '203.0.113' is not an IP"),
         ("status.loadBalancer.ingress.0.ipMode", "NAT", "status.loadBalancer.ingress[0].ipMode 'NAT' is not one of"),
         ("status.loadBalancer", [], "status.loadBalancer must be an object"),
+        *(
+            ("metadata.annotations", {f"pyproxy.io/{name}": value}, f"metadata.annotations[pyproxy.io/{name}]{reason}")
+            for name, value, reason in [
+                ("scheduler", "wlc", " 'wlc' is not one of random, rr"),
+                ("scheduler", 3, " must be a string"),
+                ("weights", "10.0.0.1:3", ": '10.0.0.1:3' is not address=weight with a weight of 0-100"),
+                ("weights", "10.0.0.1=101", ": '10.0.0.1=101' is not address=weight"),
+                ("weights", "10.0.0.1=-1", ": '10.0.0.1=-1' is not address=weight"),
+                ("weights", "pod-a=1", " 'pod-a' is not an IPv4 address"),
+                ("weights", "10.0.0.1=1, 10.0.0.1=2", ": 10.0.0.1 is given two weights"),
+            ]
+        ),
     ],
 )
 def test_an_invalid_service_is_rejected_with_a_clear_reason(path: str, value: Any, reason: str) -> None:
