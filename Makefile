@@ -10,7 +10,8 @@ CLANG    ?= clang
 BPF_OBJS := bpf/build/pyproxy.bpf.o bpf/build/verdict.bpf.o
 BPF_HDRS := $(wildcard bpf/include/pyproxy/*.h)
 ARCH_INC := /usr/include/$(shell uname -m)-linux-gnu
-BPF_CC   = $(CLANG) -g -O2 -Wall -Werror -target bpf -D__TARGET_ARCH_x86 -I bpf/include -I $(ARCH_INC)
+# -mcpu=v3: atomic fetch-and-add (the rr cursor, sched.h); kernels since 5.12 have it, clang 14 needs it asked.
+BPF_CC   = $(CLANG) -g -O2 -mcpu=v3 -Wall -Werror -target bpf -D__TARGET_ARCH_x86 -I bpf/include -I $(ARCH_INC)
 
 # Debian packages, checked by the binary or file each one provides.
 APT_PKGS := clang llvm libbpf-dev libbpf1 bpftool iproute2 iptables nftables ipset conntrack socat \

@@ -34,6 +34,8 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "bpf_socket_lb": ("bpf.socket_lb",),
     "cgroup_root": ("bpf.cgroup_root",),
     "bpf_snat_port_range": ("bpf.snat_ports",),
+    "bpf_scheduler": ("bpf.scheduler",),
+    "bpf_maglev_table_size": ("bpf.maglev_table_size",),
     "cluster_cidr": ("masquerade.cluster_cidr",),
     "masquerade_all": ("masquerade.masquerade_all",),
     "iptables_masquerade_bit": ("masquerade.masquerade_bit",),
@@ -124,6 +126,13 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--bpf-snat-port-range", type=_port_range, metavar="FIRST-LAST",
                      help="bpf mode: the source ports SNAT gives out; reserved from the node's ephemeral ports "
                           f"where they overlap (default: {d.bpf.snat_ports[0]}-{d.bpf.snat_ports[1]})")
+    run.add_argument("--bpf-scheduler",
+                     help="bpf mode: how a new flow's endpoint is chosen where a Service's pyproxy.io/scheduler "
+                          f"annotation does not say: random, rr, wrr, lc, sed, nq, sh, dh, maglev "
+                          f"(default: {d.bpf.scheduler})")
+    run.add_argument("--bpf-maglev-table-size", type=int,
+                     help="bpf mode: entries of each Maglev lookup table, a prime: 251, 509, 1021, 2039, 4093, "
+                          f"8191, 16381, 32749, 65521 (default: {d.bpf.maglev_table_size})")
     run.add_argument("--cluster-cidr", help="masquerade ClusterIP traffic from outside this range")
     run.add_argument("--masquerade-all", action="store_true", default=None,
                      help="masquerade all ClusterIP traffic")

@@ -13,7 +13,7 @@ from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, libbpf, loader
 from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.libbpf import ffi
-from pyproxy.dataplane.bpf.render import NO_MASQUERADE, Applied, Plan, frontend_key, render
+from pyproxy.dataplane.bpf.render import NO_MASQUERADE, Applied, Plan, Scheduling, frontend_key, render
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, ServicePortState
 
@@ -35,7 +35,7 @@ NOT_READY = Backend("10.0.1.9", 8080)
 PROTOS = {TCP: Protocol.TCP, UDP: Protocol.UDP}
 # Small maps: a fresh load per test stays cheap, and the loader's resize path is exercised.
 CAPACITY = {abi.MAP_SERVICES: 64, abi.MAP_SLOTS: 256, abi.MAP_BACKENDS: 256, abi.MAP_CT: 8192,
-            abi.MAP_STATS: 64, abi.MAP_NAMES: 64}
+            abi.MAP_STATS: 64, abi.MAP_NAMES: 64, abi.MAP_CURSORS: 64, abi.MAP_TABLES: 32768}
 
 
 def port_state(
@@ -45,6 +45,8 @@ def port_state(
     *,
     port: int = PORT,
     affinity: int = 0,
+    scheduler: str = "",
+    weights: tuple[tuple[str, int], ...] = (),
 ) -> ServicePortState:
     return ServicePortState(
         service=SERVICE,
@@ -53,6 +55,8 @@ def port_state(
         backends=tuple(sorted(backends)),
         known_backends=tuple(sorted(set(backends) | set(not_ready))),
         session_affinity_seconds=affinity,
+        scheduler=scheduler,
+        weights=weights,
     )
 
 
@@ -88,8 +92,8 @@ class Dataplane:
         self.obj.close()
 
     def apply(self, *states: ServicePortState, service: str = SERVICE,
-              masq: MasqueradeSettings = NO_MASQUERADE) -> Plan:
-        plan = render(self.applied, {service: states}, self.capacity, masq)
+              masq: MasqueradeSettings = NO_MASQUERADE, scheduling: Scheduling = Scheduling()) -> Plan:
+        plan = render(self.applied, {service: states}, self.capacity, masq, scheduling)
         self.maps.run_batches(plan.batches)
         self.applied.commit(plan)
         return plan

@@ -24,7 +24,9 @@ ETH_HLEN = 14
 ETH_ZLEN = 60  # minimum frame without FCS: shorter frames are padded on the wire
 
 IP_MF = 0x2000
+TCP_FIN = 0x01
 TCP_SYN = 0x02
+TCP_RST = 0x04
 TCP_ACK = 0x10
 
 CSUM_OFFSET = {TCP: 16, UDP: 6}  # of the checksum field in the TCP / UDP header

@@ -36,6 +36,8 @@ from packets import (
     ICMP_TIME_EXCEEDED,
     TCP,
     TCP_ACK,
+    TCP_FIN,
+    TCP_RST,
     TCP_SYN,
     UDP,
     Flow,
@@ -54,7 +56,6 @@ from pyproxy.model.state import Backend
 
 pytestmark = ROOT
 
-TCP_FIN, TCP_RST = 0x01, 0x04
 ONE = (Backend("10.0.1.1", 8080),)
 BE = ONE[0]
 ROUTER = "10.0.2.254"

@@ -66,7 +66,7 @@ class BpfTracer:
         if svc is None:
             yield untranslated(pkt)
             return
-        svc_id, count, flags, _affinity_seconds = svc
+        svc_id, count, flags, _affinity_seconds, _sched, _table_size = svc
         if flags & ~KNOWN_FLAGS:
             raise Unmodelled(f"services map flags {flags:#x}")
         if flags & abi.SVC_F_RANGES and not any(
@@ -92,7 +92,7 @@ class BpfTracer:
             if backend is None:
                 yield Verdict("no-answer")  # PYPROXY_DROP: a slot miss
                 continue
-            ip, port = backend
+            ip, port, _weight = backend
             left = frozenset({(*key, ip, str(port))}) if affinity else frozenset()
             yield Verdict("dnat", f"{ip}:{port}", left)
 

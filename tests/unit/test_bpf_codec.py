@@ -13,11 +13,14 @@ from pyproxy.dataplane.bpf.backend import KEY_CODECS, VALUE_CODECS
 
 CASES = [
     (abi.MAP_SERVICES, ("10.96.3.4", 8443, "UDP", 0), abi.SvcKey(abi.be32("10.96.3.4"), abi.be16(8443), 17),
-     (7, 3, abi.SVC_F_AFFINITY, 10800), abi.SvcValue(7, 3, abi.SVC_F_AFFINITY, 10800)),
+     (7, 3, abi.SVC_F_AFFINITY, 10800, 0, 0), abi.SvcValue(7, 3, abi.SVC_F_AFFINITY, 10800)),
     (abi.MAP_SERVICES, ("10.96.3.4", 30080, "TCP", abi.SVC_SCOPE_NODE),
      abi.SvcKey(abi.be32("10.96.3.4"), abi.be16(30080), 6, abi.SVC_SCOPE_NODE),
-     (8, 2, abi.SVC_F_NODE_VIEW, 0), abi.SvcValue(8, 2, abi.SVC_F_NODE_VIEW, 0)),
+     (8, 2, abi.SVC_F_NODE_VIEW, 0, abi.SCHED["maglev"], 16381),
+     abi.SvcValue(8, 2, abi.SVC_F_NODE_VIEW, 0, abi.SCHED["maglev"], 0, 16381)),
     (abi.MAP_SLOTS, (70000, 9), abi.SlotKey(70000, 9),
+     ("10.128.1.2", 8080, 65), abi.Slot(abi.be32("10.128.1.2"), abi.be16(8080), 65)),
+    (abi.MAP_TABLES, (70000, 16380), abi.SlotKey(70000, 16380),
      ("10.128.1.2", 8080), abi.Backend(abi.be32("10.128.1.2"), abi.be16(8080))),
     (abi.MAP_BACKENDS, ("192.168.0.1", 53), abi.Backend(abi.be32("192.168.0.1"), abi.be16(53)),
      (0,), abi.BackendInfo(0)),

@@ -17,7 +17,18 @@ from dataclasses import replace
 import pytest
 
 from pyproxy.dataplane.bpf import abi
-from pyproxy.dataplane.bpf.render import Applied, CapacityError, Op, Plan, frontend_key, next_epoch, render
+from pyproxy.dataplane.bpf.render import (
+    NO_MASQUERADE,
+    Applied,
+    CapacityError,
+    Op,
+    Plan,
+    Scheduling,
+    frontend_key,
+    next_epoch,
+    render,
+    wrr_round,
+)
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
@@ -62,8 +73,8 @@ class MapModel:
     """The maps render() writes, as dictionaries keyed and valued by the ops' tuples."""
 
     def __init__(self) -> None:
-        self.maps: MapContents = {m: {} for m in (abi.MAP_SERVICES, abi.MAP_SLOTS, abi.MAP_BACKENDS, abi.MAP_NAMES,
-                                                  abi.MAP_EPOCH, abi.MAP_PORTS)}
+        self.maps: MapContents = {m: {} for m in (abi.MAP_SERVICES, abi.MAP_SLOTS, abi.MAP_TABLES, abi.MAP_BACKENDS,
+                                                  abi.MAP_NAMES, abi.MAP_EPOCH, abi.MAP_PORTS)}
         self.resets: list[int] = []
         self.epochs_seen: set[tuple] = set()
         self.last_op: Op | None = None
@@ -101,10 +112,13 @@ class MapModel:
         services, slots, backends = (self.maps[m] for m in (abi.MAP_SERVICES, abi.MAP_SLOTS, abi.MAP_BACKENDS))
         ids = [v[0] for v in services.values()]
         assert len(ids) == len(set(ids)), f"two frontends share a service id: {services}"
-        for key, (svc_id, count, *_) in services.items():
+        tables = self.maps[abi.MAP_TABLES]
+        for key, (svc_id, count, *_, table_size) in services.items():
             for i in range(count):
                 assert (svc_id, i) in slots, f"{key}: slot {i} of {count} missing"
-                assert slots[svc_id, i] in backends, f"{key}: slot {i} points at unknown {slots[svc_id, i]}"
+                assert slots[svc_id, i][:2] in backends, f"{key}: slot {i} points at unknown {slots[svc_id, i]}"
+            for i in range(table_size):
+                assert tables.get((svc_id, i), ()) in backends, f"{key}: table entry {i} of {table_size} unknown"
         if self.last_op is not None and self.last_op[:2] in (("put", abi.MAP_BACKENDS), ("put", abi.MAP_PORTS)):
             return  # a new backend's port bit comes with the batch after the backends', a word at a time
         words = self.maps[abi.MAP_PORTS]
@@ -117,10 +131,13 @@ def contents(applied: Applied) -> MapContents:
     fes = applied.frontends
     return {
         abi.MAP_SERVICES: {
-            k: (f.svc_id, len(f.backends), f.flags | (abi.SVC_F_AFFINITY if f.affinity_sec else 0), f.affinity_sec)
+            k: (f.svc_id, len(f.backends), f.flags | (abi.SVC_F_AFFINITY if f.affinity_sec else 0), f.affinity_sec,
+                f.sched, len(f.table))
             for k, f in fes.items()
         },
-        abi.MAP_SLOTS: {(f.svc_id, i): (b.ip, b.port) for f in fes.values() for i, b in enumerate(f.backends)},
+        abi.MAP_SLOTS: {(f.svc_id, i): (b.ip, b.port, f.weights[i] if f.weights else 1)
+                        for f in fes.values() for i, b in enumerate(f.backends)},
+        abi.MAP_TABLES: {(f.svc_id, i): (b.ip, b.port) for f in fes.values() for i, b in enumerate(f.table)},
         abi.MAP_BACKENDS: {(b.ip, b.port): (0,) for b in applied.backend_refs},
         abi.MAP_NAMES: {(f.svc_id,): (f.name,) for f in fes.values()},
         abi.MAP_EPOCH: {(0,): (applied.epoch,)} if applied.epoch else {},
@@ -142,6 +159,7 @@ def check_indexes(applied: Applied) -> None:
     assert applied == fresh
     assert applied.by_service == fresh.by_service
     assert applied.slots == fresh.slots == sum(len(f.backends) for f in applied.frontends.values())
+    assert applied.tables == fresh.tables == sum(len(f.table) for f in applied.frontends.values())
     assert applied.max_id() == max((f.svc_id for f in applied.frontends.values()), default=-1)
     assert applied.new_ids(3) == fresh.new_ids(3)
 
@@ -154,8 +172,9 @@ class Cluster:
         self.model = MapModel()
         self.capacity = dict(capacity or {})
 
-    def sync(self, desired: Mapping[str, Iterable[ServicePortState]]) -> Plan:
-        plan = render(self.applied, {k: tuple(v) for k, v in desired.items()}, self.capacity)
+    def sync(self, desired: Mapping[str, Iterable[ServicePortState]], scheduling: Scheduling = Scheduling()) -> Plan:
+        plan = render(self.applied, {k: tuple(v) for k, v in desired.items()}, self.capacity, NO_MASQUERADE,
+                      scheduling)
         for op in plan.ops:
             self.model.run(op)
             self.model.check_servable()
@@ -183,7 +202,7 @@ def test_new_service_writes_backends_then_slots_then_its_entry() -> None:
     assert len(backends) == 4 and len(slots) == 3  # not-ready D is known, never in a slot
     assert max(backends) < min(slots) and max(slots) < entry
     assert reset < entry  # counting starts from zero, never wiped after the first packet
-    assert plan.ops[entry] == Op("put", abi.MAP_SERVICES, ("10.96.0.10", 80, "TCP", 0), (0, 3, 0, 0))
+    assert plan.ops[entry] == Op("put", abi.MAP_SERVICES, ("10.96.0.10", 80, "TCP", 0), (0, 3, 0, 0, 0, 0))
 
 
 def test_shrinking_deletes_slots_after_the_count_shrinks() -> None:
@@ -199,7 +218,7 @@ def test_shrinking_deletes_slots_after_the_count_shrinks() -> None:
         ("del", abi.MAP_BACKENDS, (C.ip, C.port)),
         ("put", abi.MAP_EPOCH, (0,)),
     ]
-    assert plan.ops[0].value == (svc_id, 1, 0, 0)
+    assert plan.ops[0].value == (svc_id, 1, 0, 0, 0, 0)
     assert plan.ops[-1].value == (1,) and c.applied.epoch == 1
 
 
@@ -299,7 +318,7 @@ def test_client_ip_affinity_is_flagged_with_its_timeout() -> None:
     c = Cluster()
     plan = c.sync({WEB: [port(WEB, "10.96.0.10", 80, [A], affinity=10800)]})
     (entry,) = positions(plan, "put", abi.MAP_SERVICES)
-    assert plan.ops[entry].value == (0, 1, abi.SVC_F_AFFINITY, 10800)
+    assert plan.ops[entry].value == (0, 1, abi.SVC_F_AFFINITY, 10800, 0, 0)
 
 
 @pytest.mark.parametrize(
@@ -428,7 +447,80 @@ def test_a_local_policy_frontend_gives_the_node_every_endpoint_in_an_entry_of_it
     services, slots = c.model.maps[abi.MAP_SERVICES], c.model.maps[abi.MAP_SLOTS]
     outside = services["192.168.1.5", 30080, "TCP", abi.SVC_SCOPE_PACKETS]
     node = services["192.168.1.5", 30080, "TCP", abi.SVC_SCOPE_NODE]
-    assert outside[1:3] == (1, abi.SVC_F_NODE_VIEW) and slots[outside[0], 0] == (A.ip, A.port)
-    assert node[1:3] == (2, 0) and {slots[node[0], i] for i in range(2)} == {(A.ip, A.port), (B.ip, B.port)}
+    assert outside[1:3] == (1, abi.SVC_F_NODE_VIEW) and slots[outside[0], 0] == (A.ip, A.port, 1)
+    assert node[1:3] == (2, 0) and {slots[node[0], i] for i in range(2)} == {(A.ip, A.port, 1), (B.ip, B.port, 1)}
     c.sync({WEB: [replace(local, external_backends=(A, B), masquerade=True)]})
-    assert list(c.model.maps[abi.MAP_SERVICES].values()) == [(outside[0], 2, abi.SVC_F_MASQ, 0)]
+    assert list(c.model.maps[abi.MAP_SERVICES].values()) == [(outside[0], 2, abi.SVC_F_MASQ, 0, 0, 0)]
+
+
+# -- schedulers ---------------------------------------------------------------------------------------------
+
+
+def entry(c: Cluster, st: ServicePortState) -> tuple:
+    return c.model.maps[abi.MAP_SERVICES][frontend_key(st.frontend)]
+
+
+def test_a_services_scheduler_or_the_node_default_is_in_its_entry() -> None:
+    c = Cluster()
+    web = port(WEB, "10.96.0.10", 80, [A, B])
+    c.sync({WEB: [replace(web, scheduler="sh")]}, Scheduling("rr"))
+    assert entry(c, web)[4:] == (abi.SCHED["sh"], 0)
+    c.sync({WEB: [web]}, Scheduling("lc"))
+    assert entry(c, web)[4:] == (abi.SCHED["lc"], 0)
+
+
+def test_weight_zero_keeps_a_backend_known_but_out_of_the_slots() -> None:
+    c = Cluster()
+    web = replace(port(WEB, "10.96.0.10", 80, [A, B, C]), scheduler="sed", weights=((A.ip, 5), (B.ip, 0)))
+    c.sync({WEB: [web]})
+    svc_id, count = entry(c, web)[:2]
+    slots = c.model.maps[abi.MAP_SLOTS]
+    assert count == 2 and {slots[svc_id, i] for i in range(2)} == {(A.ip, A.port, 5), (C.ip, C.port, 1)}
+    assert (B.ip, B.port) in c.model.maps[abi.MAP_BACKENDS]  # its established flows go on
+
+
+def test_wrr_writes_one_smooth_round_and_equal_weights_need_none() -> None:
+    assert wrr_round([3, 1]) == [0, 0, 1, 0]
+    assert wrr_round([6, 2]) == wrr_round([3, 1])  # divided by the common divisor: the shortest round
+    assert wrr_round([5, 1, 1]) == [0, 0, 1, 0, 2, 0, 0]  # the light ones between the heavy one's turns
+    rounds = wrr_round([100] + [1] * 999)
+    assert len(rounds) < 65536 and rounds.count(0) > 50
+    c = Cluster()
+    web = replace(port(WEB, "10.96.0.10", 80, [A, B]), scheduler="wrr")
+    c.sync({WEB: [web]})
+    assert entry(c, web)[4:] == (abi.SCHED["rr"], 0)  # equal weights: plain turns
+    c.sync({WEB: [replace(web, weights=((A.ip, 2),))]})
+    svc_id = entry(c, web)[0]
+    assert entry(c, web)[4:] == (abi.SCHED["wrr"], 3)
+    table = c.model.maps[abi.MAP_TABLES]
+    assert sorted(table[svc_id, i] for i in range(3)) == [(A.ip, A.port), (A.ip, A.port), (B.ip, B.port)]
+    c.sync({WEB: []})
+    assert c.model.maps[abi.MAP_TABLES] == {}
+
+
+def test_a_maglev_table_changes_by_a_delta_and_goes_with_its_frontend() -> None:
+    c = Cluster()
+    backends = [Backend(f"10.0.3.{i}", 8080) for i in range(1, 11)]
+    web = replace(port(WEB, "10.96.0.10", 80, backends), scheduler="maglev")
+    c.sync({WEB: [web]}, Scheduling(table_size=251))
+    assert entry(c, web)[4:] == (abi.SCHED["maglev"], 251)
+    plan = c.sync({WEB: [replace(port(WEB, "10.96.0.10", 80, backends[1:]), scheduler="maglev")]},
+                  Scheduling(table_size=251))
+    writes = [op for op in plan.ops if op.map == abi.MAP_TABLES]
+    assert 0 < len(writes) < 251 // 4  # about the leaving backend's tenth, not the table
+    # A larger table: written whole, the entry's size follows.
+    c.sync({WEB: [replace(port(WEB, "10.96.0.10", 80, backends[1:]), scheduler="maglev")]},
+           Scheduling(table_size=509))
+    assert entry(c, web)[4:] == (abi.SCHED["maglev"], 509) and len(c.model.maps[abi.MAP_TABLES]) == 509
+    c.sync({WEB: []})
+    assert c.model.maps[abi.MAP_TABLES] == {}
+
+
+def test_tables_count_against_their_map_and_a_full_one_fails_whole() -> None:
+    c = Cluster({abi.MAP_TABLES: 300})
+    backends = [Backend(f"10.0.3.{i}", 8080) for i in range(1, 4)]
+    web = replace(port(WEB, "10.96.0.10", 80, backends), scheduler="maglev")
+    c.sync({WEB: [web]}, Scheduling(table_size=251))
+    other = replace(port(DNS, "10.96.0.53", 80, backends), scheduler="maglev")
+    with pytest.raises(CapacityError, match=f"BPF map {abi.MAP_TABLES} would need 502 entries but holds 300"):
+        c.sync({DNS: [other]}, Scheduling(table_size=251))

@@ -26,6 +26,8 @@
 #define PYPROXY_MAP_PORTS     pyproxy_port_v1
 #define PYPROXY_MAP_SOCKS     pyproxy_sock_v1
 #define PYPROXY_MAP_SRCRANGES pyproxy_range_v1
+#define PYPROXY_MAP_CURSORS   pyproxy_rr_v1
+#define PYPROXY_MAP_TABLES    pyproxy_tbl_v1
 
 /* Default capacities; the loader may resize before load (bpf_map__set_max_entries). */
 #define PYPROXY_MAX_SERVICES  131072   /* frontends: ClusterIP x port x protocol */
@@ -36,6 +38,7 @@
 #define PYPROXY_PORT_WORDS    1024     /* 65536 ports, a bit each */
 #define PYPROXY_MAX_SOCKS     65536    /* node sockets pointed at a backend by the socket hooks */
 #define PYPROXY_MAX_SRCRANGES 16384    /* loadBalancerSourceRanges entries over all frontends */
+#define PYPROXY_MAX_TABLES    1048576  /* wrr and maglev table entries over all frontends (64 Maglev tables of 16381) */
 
 /* struct pyproxy_svc_value.flags */
 #define PYPROXY_SVC_F_AFFINITY  0x1    /* ClientIP session affinity: a client keeps its backend */
@@ -46,6 +49,18 @@
 #define PYPROXY_SVC_F_NODE_VIEW 0x10   /* the node's own sockets use the entry of scope PYPROXY_SVC_SCOPE_NODE */
 #define PYPROXY_SVC_F_MASQ_OUTSIDE 0x20 /* new flows from outside the cluster CIDR (pyproxy_config.cluster) are
 					 * SNATed: a ClusterIP with --cluster-cidr, as upstream */
+
+/* struct pyproxy_svc_value.sched: how a new flow's backend is chosen (sched.h; README, "Schedulers"). Zero is
+ * random, so entries written before schedulers existed (a zero pad) keep today's choice. */
+#define PYPROXY_SCHED_RANDOM 0         /* uniform random among the slots */
+#define PYPROXY_SCHED_RR     1         /* round robin: the frontend's cursor (PYPROXY_MAP_CURSORS) over the slots */
+#define PYPROXY_SCHED_WRR    2         /* weighted round robin: the cursor over the frontend's table */
+#define PYPROXY_SCHED_LC     3         /* least connections: fewest active flows (pyproxy_backend_info.active) */
+#define PYPROXY_SCHED_SED    4         /* shortest expected delay: least (active + 1) / weight */
+#define PYPROXY_SCHED_NQ     5         /* never queue: an idle backend if there is one, else as SED */
+#define PYPROXY_SCHED_SH     6         /* source hashing: the client's address picks the slot */
+#define PYPROXY_SCHED_DH     7         /* destination hashing: the frontend's address picks the slot */
+#define PYPROXY_SCHED_MAGLEV 8         /* Maglev: the flow's hash picks an entry of the frontend's table */
 
 /* struct pyproxy_svc_key.scope: whose traffic an entry serves. The packet path looks up PACKETS only. An external
  * frontend with externalTrafficPolicy Local serves clients from outside with this node's endpoints, and the
@@ -77,6 +92,7 @@
  * masqueraded packets to backends, and the SNAT pair expires, refreshes and is collected like any pair. */
 #define PYPROXY_CT_F_MASQ    0x4       /* a Service flow's FORWARD entry: the flow has an SNAT pair */
 #define PYPROXY_CT_F_SNAT    0x8       /* an entry of an SNAT pair */
+#define PYPROXY_CT_F_COUNTED 0x10      /* a Service flow counted in its backend's active flows (lc, sed, nq) */
 
 /* Indices of PYPROXY_MAP_COUNTERS (per-CPU __u64 each). */
 enum pyproxy_counter {
@@ -116,26 +132,43 @@ struct pyproxy_svc_value {
 	__u16 backend_count;   /* host order; backends in slots 0..count-1; 0 = refuse (or drop: F_DROP) */
 	__u16 flags;           /* host order; PYPROXY_SVC_F_* */
 	__u32 affinity_ticks;  /* host order; ClientIP affinity timeout in ticks (jiffies) when PYPROXY_SVC_F_AFFINITY */
-	__u32 pad;             /* zero */
+	/* These took the place of a zero pad: older entries read as random with no table. */
+	__u8 sched;            /* PYPROXY_SCHED_* */
+	__u8 pad;              /* zero */
+	__u16 table_size;      /* host order; entries 0..table_size-1 in PYPROXY_MAP_TABLES (wrr, maglev); 0: none */
 };
 
-/* Key of PYPROXY_MAP_SLOTS: the n-th ready backend of a frontend. */
+/* Key of PYPROXY_MAP_SLOTS: the n-th ready backend of a frontend; and of PYPROXY_MAP_TABLES: the n-th entry of
+ * a frontend's wrr or Maglev table. */
 struct pyproxy_slot_key {
 	__u32 svc_id;  /* host order */
 	__u32 slot;    /* host order, 0..backend_count-1 */
 };
 
-/* A backend address: value of PYPROXY_MAP_SLOTS and key of PYPROXY_MAP_BACKENDS. */
+/* A backend address: key of PYPROXY_MAP_BACKENDS, value of PYPROXY_MAP_TABLES. */
 struct pyproxy_backend {
 	__be32 addr;   /* network byte order */
 	__be16 port;   /* network byte order */
 	__u16 pad;     /* zero */
 };
 
+/* Value of PYPROXY_MAP_SLOTS: a backend and its weight for this frontend. A struct pyproxy_backend until
+ * weights came; its pad became the weight, so older entries read as weight 0, which counts as 1. */
+struct pyproxy_slot {
+	__be32 addr;   /* network byte order */
+	__be16 port;   /* network byte order */
+	__u16 weight;  /* host order; 1-100 (sed, nq); 0 = 1 */
+};
+
 /* Value of PYPROXY_MAP_BACKENDS: the backend is an endpoint of some slice (ready or not). */
 struct pyproxy_backend_info {
 	__u32 flags;   /* host order; reserved, zero */
-	__u32 pad;     /* zero */
+	/* host order; flows of lc/sed/nq frontends to this backend that are open (not closed, not deleted): the
+	 * programs add one when they record such a flow (PYPROXY_CT_F_COUNTED) and take it back when it closes or
+	 * is deleted; the control plane's collector recounts it from the CT map after each pass, which corrects
+	 * flows the LRU evicted or the collector deleted (gc.py). Took the place of a zero pad. Signed: a recount
+	 * racing a close can leave it one low for a pass; the schedulers read a negative count as 0. */
+	__s32 active;
 };
 
 /* Key of PYPROXY_MAP_CT: a flow as seen on the wire in one direction. */
@@ -197,6 +230,12 @@ struct pyproxy_config {
 	struct pyproxy_ct_timeouts ct;
 	struct pyproxy_snat_ports snat;
 	struct pyproxy_cidr cluster;
+};
+
+/* Value of PYPROXY_MAP_CURSORS: a frontend's round-robin position (rr, wrr). */
+struct pyproxy_cursor {
+	__u32 next;    /* host order; the next flow's turn, taken with an atomic add (wraps) */
+	__u32 pad;     /* zero */
 };
 
 /* Key of PYPROXY_MAP_FRAGS: one IPv4 datagram in fragments, as its fragments carry it (before translation). */

@@ -22,6 +22,7 @@
 #include "pyproxy/counters.h"
 #include "pyproxy/maps.h"
 #include "pyproxy/parse.h"
+#include "pyproxy/sched.h"
 
 static __always_inline void pyproxy_ct_key_set(struct pyproxy_ct_key *k, __be32 saddr, __be32 daddr, __be16 sport,
 					       __be16 dport, __u8 proto, __u8 dir)
@@ -165,6 +166,29 @@ static __always_inline __u8 pyproxy_ct_orig_dir(const struct pyproxy_ct_key *k, 
 	return v->flags & PYPROXY_CT_F_SNAT ? k->dir ^ 1 : k->dir;
 }
 
+/* The backend of the Service flow an entry belongs to: the FORWARD entry holds it, the REVERSE entry is keyed by
+ * it (not for an SNAT pair's entries). */
+static __always_inline void pyproxy_ct_backend(const struct pyproxy_ct_key *k, const struct pyproxy_ct_value *v,
+					       struct pyproxy_backend *be)
+{
+	be->addr = k->dir == PYPROXY_CT_FORWARD ? v->nat_addr : k->saddr;
+	be->port = k->dir == PYPROXY_CT_FORWARD ? v->nat_port : k->sport;
+	be->pad = 0;
+}
+
+/* A flow counted in its backend's open flows (lc, sed, nq; abi.h PYPROXY_CT_F_COUNTED) ends: it closes, or goes
+ * while still open. Called before the entry's state becomes CLOSED, so a flow is uncounted once. */
+static __always_inline void pyproxy_ct_uncount(const struct pyproxy_ct_key *k, const struct pyproxy_ct_value *v)
+{
+	struct pyproxy_backend be;
+
+	if ((v->flags & (PYPROXY_CT_F_COUNTED | PYPROXY_CT_F_SNAT)) != PYPROXY_CT_F_COUNTED ||
+	    v->state == PYPROXY_CT_ST_CLOSED)
+		return;
+	pyproxy_ct_backend(k, v, &be);
+	pyproxy_active_add(&be, -1);
+}
+
 /* A packet of a live flow passed in the direction of entry `v` (under key `k`): refresh its clock and move
  * the flow's state. A state change is written to the peer entry too (one more lookup, a few times per
  * connection), so both directions expire alike. */
@@ -184,6 +208,8 @@ static __always_inline void pyproxy_ct_seen(const struct pyproxy_ct_key *k, stru
 	pyproxy_ct_next(dir, tcp_flags, &state, &flags);
 	if (state == v->state && flags == v->flags)
 		return;
+	if (state == PYPROXY_CT_ST_CLOSED)
+		pyproxy_ct_uncount(k, v);
 	v->state = state;
 	v->flags = flags;
 	peer = pyproxy_ct_peer(k, v);
@@ -245,6 +271,7 @@ static __always_inline void pyproxy_ct_delete(const struct pyproxy_ct_key *k, co
 	struct pyproxy_ct_key sk;
 	struct pyproxy_ct_value *sv;
 
+	pyproxy_ct_uncount(k, v);
 	if (k->dir == PYPROXY_CT_FORWARD && (v->flags & PYPROXY_CT_F_MASQ)) {
 		pyproxy_ct_snat_key(k, v, &sk);
 		sv = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &sk);
@@ -278,7 +305,7 @@ static __always_inline int pyproxy_ct_create(const struct pyproxy_pkt *p, const 
 	rv.nat_addr = p->daddr;
 	rv.nat_port = p->dport;
 	rv.state = state;
-	rv.flags = flags;
+	rv.flags = flags | (fwd_flags & PYPROXY_CT_F_COUNTED);
 	rv.svc_id = svc_id;
 	rv.last_seen = now;
 

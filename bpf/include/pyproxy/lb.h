@@ -6,6 +6,7 @@
 
 #include "pyproxy/ct.h"
 #include "pyproxy/icmp.h"
+#include "pyproxy/sched.h"
 #include "pyproxy/snat.h"
 
 enum pyproxy_verdict {
@@ -51,18 +52,6 @@ static __always_inline void pyproxy_affinity_record(const struct pyproxy_pkt *p,
 	};
 
 	bpf_map_update_elem(&PYPROXY_MAP_CT, &k, &v, BPF_ANY);
-}
-
-/* One ready backend, chosen uniformly: a random slot among backend_count. */
-static __always_inline int pyproxy_pick_backend(const struct pyproxy_svc_value *svc, struct pyproxy_backend *be)
-{
-	struct pyproxy_slot_key sk = { .svc_id = svc->svc_id, .slot = bpf_get_prandom_u32() % svc->backend_count };
-	struct pyproxy_backend *slot = bpf_map_lookup_elem(&PYPROXY_MAP_SLOTS, &sk);
-
-	if (!slot)
-		return 0;
-	*be = *slot;
-	return 1;
 }
 
 /* loadBalancerSourceRanges: whether a new flow from `saddr` may use the frontend. */
@@ -158,7 +147,7 @@ static __always_inline int pyproxy_lb_forward(void *ctx, __u32 ifindex, const st
 	struct pyproxy_ct_key k;
 	__u32 epoch;
 	__u64 now;
-	int masq;
+	int masq, counted;
 
 	svc = pyproxy_frontend_of(p);
 	if (!svc) {
@@ -211,7 +200,7 @@ static __always_inline int pyproxy_lb_forward(void *ctx, __u32 ifindex, const st
 		return PYPROXY_REJECT;
 	}
 	if (!((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_affinity_lookup(p, svc, now, be))) {
-		if (!pyproxy_pick_backend(svc, be)) {
+		if (!pyproxy_pick_backend(p, svc, be)) {
 			pyproxy_count(PYPROXY_CNT_SLOT_MISS);
 			return PYPROXY_DROP;
 		}
@@ -221,8 +210,11 @@ static __always_inline int pyproxy_lb_forward(void *ctx, __u32 ifindex, const st
 		return PYPROXY_DROP;
 	if (svc->flags & PYPROXY_SVC_F_AFFINITY)
 		pyproxy_affinity_record(p, be, svc->svc_id, now);
-	if (pyproxy_ct_create(p, be, svc->svc_id, now, epoch, masq))
+	counted = pyproxy_sched_counts(svc) ? PYPROXY_CT_F_COUNTED : 0;
+	if (pyproxy_ct_create(p, be, svc->svc_id, now, epoch, masq | counted))
 		pyproxy_count(PYPROXY_CNT_CT_FULL);
+	else if (counted)
+		pyproxy_active_add(be, 1);
 	pyproxy_count(PYPROXY_CNT_NEW_FLOW);
 	pyproxy_count_svc(svc->svc_id, pkt_len);
 	return PYPROXY_DNAT;

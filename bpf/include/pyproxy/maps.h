@@ -16,14 +16,15 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_SERVICES SEC(".maps");
 
-/* Backend slots: (service id, n) -> backend, so choosing among n ready backends is one random number
- * and one lookup, whatever the number of services. Not preallocated: sized by the sum of backends. */
+/* Backend slots: (service id, n) -> backend and its weight, so choosing among n ready backends is one random
+ * number (or hash, or turn) and one lookup, whatever the number of services. Not preallocated: sized by the sum of
+ * backends. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, PYPROXY_MAX_SLOTS);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__type(key, struct pyproxy_slot_key);
-	__type(value, struct pyproxy_backend);
+	__type(value, struct pyproxy_slot);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_SLOTS SEC(".maps");
 
@@ -108,6 +109,29 @@ struct {
 	__type(value, __u32);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_SRCRANGES SEC(".maps");
+
+/* Round-robin cursors (rr, wrr), indexed by service id: an array, so the lookup is inlined and the turn one
+ * atomic add. A reused id inherits a cursor: harmless, it only says where the next round starts. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, PYPROXY_MAX_SERVICES);
+	__type(key, __u32);
+	__type(value, struct pyproxy_cursor);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_CURSORS SEC(".maps");
+
+/* The wrr and Maglev tables: (service id, n) -> backend for n < the frontend's table_size. wrr's is the
+ * weighted order of one round; Maglev's the lookup table, whose entry a flow's hash picks. The control plane
+ * writes only the entries that change (a Maglev table moves about 1/N of them when one of N backends goes).
+ * A hash, not an array per frontend: frontends without a table cost nothing. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, PYPROXY_MAX_TABLES);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct pyproxy_slot_key);
+	__type(value, struct pyproxy_backend);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_TABLES SEC(".maps");
 
 /* Per-service traffic counters, indexed by service id; per-CPU so counting needs no atomics. */
 struct {

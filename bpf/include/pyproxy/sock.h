@@ -51,8 +51,12 @@ static __always_inline int pyproxy_sock_forward(struct bpf_sock_addr *ctx, __u8 
 		return PYPROXY_SOCK_REFUSE;
 	}
 	now = pyproxy_now();
+	/* A socket has no source port yet at connect(): Maglev hashes the socket instead, so the node's sockets
+	 * spread over the backends (sh and dh see the node as one client, as affinity does). */
+	if (svc->sched == PYPROXY_SCHED_MAGLEV)
+		p.sport = (__be16)bpf_get_socket_cookie(ctx);
 	if (!((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_affinity_lookup(&p, svc, now, &be))) {
-		if (!pyproxy_pick_backend(svc, &be)) {
+		if (!pyproxy_pick_backend(&p, svc, &be)) {
 			pyproxy_count(PYPROXY_CNT_SLOT_MISS);
 			bpf_set_retval(-ECONNREFUSED);
 			return PYPROXY_SOCK_REFUSE;

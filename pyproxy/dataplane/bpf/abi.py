@@ -25,10 +25,12 @@ MAP_FRAGS = "pyproxy_frag_v1"
 MAP_PORTS = "pyproxy_port_v1"
 MAP_SOCKS = "pyproxy_sock_v1"
 MAP_SRCRANGES = "pyproxy_range_v1"
+MAP_CURSORS = "pyproxy_rr_v1"
+MAP_TABLES = "pyproxy_tbl_v1"
 MAP_PREFIX = "pyproxy_"
 """Every map name (and so every pin) starts with it: how cleanup and a newer layout find ours."""
 ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES, MAP_EPOCH,
-            MAP_FRAGS, MAP_PORTS, MAP_SOCKS, MAP_SRCRANGES)
+            MAP_FRAGS, MAP_PORTS, MAP_SOCKS, MAP_SRCRANGES, MAP_CURSORS, MAP_TABLES)
 NAME_LEN = 128  # PYPROXY_NAME_LEN
 PORT_WORDS = 1024  # PYPROXY_PORT_WORDS
 CONFIG_VAR = "pyproxy_config"
@@ -56,6 +58,13 @@ SVC_F_RANGES = 0x4  # PYPROXY_SVC_F_RANGES
 SVC_F_MASQ = 0x8  # PYPROXY_SVC_F_MASQ
 SVC_F_NODE_VIEW = 0x10  # PYPROXY_SVC_F_NODE_VIEW
 SVC_F_MASQ_OUTSIDE = 0x20  # PYPROXY_SVC_F_MASQ_OUTSIDE
+# struct pyproxy_svc_value.sched (PYPROXY_SCHED_*), by the name a Service or --bpf-scheduler gives.
+SCHED = {"random": 0, "rr": 1, "wrr": 2, "lc": 3, "sed": 4, "nq": 5, "sh": 6, "dh": 7, "maglev": 8}
+SCHED_NAME = {v: k for k, v in SCHED.items()}
+COUNTING_SCHEDULERS = frozenset({"lc", "sed", "nq"})
+"""The schedulers that read backends' active flows: their flows are counted (CT_F_COUNTED)."""
+TABLE_SCHEDULERS = frozenset({"wrr", "maglev"})
+"""The schedulers that pick from a table in MAP_TABLES (svc value's table_size)."""
 SVC_SCOPE_PACKETS = 0  # PYPROXY_SVC_SCOPE_PACKETS
 SVC_SCOPE_NODE = 1  # PYPROXY_SVC_SCOPE_NODE
 
@@ -75,6 +84,7 @@ CT_F_FIN_FWD = 0x1
 CT_F_FIN_REV = 0x2
 CT_F_MASQ = 0x4  # a Service flow's FORWARD entry: the flow has an SNAT pair
 CT_F_SNAT = 0x8  # an entry of an SNAT pair (abi.h)
+CT_F_COUNTED = 0x10  # a Service flow counted in its backend's active flows (lc, sed, nq)
 
 # enum pyproxy_counter, in order.
 COUNTERS = (
@@ -141,7 +151,9 @@ class SvcValue(ctypes.Structure):
         ("backend_count", ctypes.c_uint16),  # host order
         ("flags", ctypes.c_uint16),  # host order
         ("affinity_ticks", ctypes.c_uint32),  # host order; jiffies (clock.py)
-        ("pad", ctypes.c_uint32),
+        ("sched", ctypes.c_uint8),  # SCHED
+        ("pad", ctypes.c_uint8),
+        ("table_size", ctypes.c_uint16),  # host order; entries in MAP_TABLES (wrr, maglev)
     ]
 
 
@@ -164,13 +176,29 @@ class Backend(ctypes.Structure):
     ]
 
 
+class Slot(ctypes.Structure):
+    """struct pyproxy_slot"""
+
+    _fields_ = [
+        ("addr", ctypes.c_uint32),  # network order
+        ("port", ctypes.c_uint16),  # network order
+        ("weight", ctypes.c_uint16),  # host order; 0 reads as 1
+    ]
+
+
 class BackendInfo(ctypes.Structure):
     """struct pyproxy_backend_info"""
 
     _fields_ = [
         ("flags", ctypes.c_uint32),  # host order, reserved
-        ("pad", ctypes.c_uint32),
+        ("active", ctypes.c_int32),  # host order; open counted flows (lc, sed, nq)
     ]
+
+
+class Cursor(ctypes.Structure):
+    """struct pyproxy_cursor"""
+
+    _fields_ = [("next", ctypes.c_uint32), ("pad", ctypes.c_uint32)]  # host order
 
 
 class CtKey(ctypes.Structure):
@@ -306,7 +334,9 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "pyproxy_svc_value": SvcValue,
     "pyproxy_slot_key": SlotKey,
     "pyproxy_backend": Backend,
+    "pyproxy_slot": Slot,
     "pyproxy_backend_info": BackendInfo,
+    "pyproxy_cursor": Cursor,
     "pyproxy_ct_key": CtKey,
     "pyproxy_ct_value": CtValue,
     "pyproxy_ct_timeouts": CtTimeoutTicks,

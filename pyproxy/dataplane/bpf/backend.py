@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import DataplaneError, MasqueradeSettings
-from pyproxy.dataplane.bpf import abi, attach, cgroup, clock, loader, snat
+from pyproxy.dataplane.bpf import abi, attach, cgroup, clock, loader, maglev, snat
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.dataplane.bpf.gc import CtGarbageCollector, CtGcMetrics, CtGcSettings
 from pyproxy.dataplane.bpf.maps import BpfMap, PerCpuArray
@@ -29,6 +29,7 @@ from pyproxy.dataplane.bpf.render import (
     CapacityError,
     FrontendKey,
     Op,
+    Scheduling,
     epoch_batch,
     next_epoch,
     ports_batch,
@@ -71,6 +72,13 @@ class BpfSettings:
     """--bpf-snat-port-range: the source ports SNAT (masquerade) gives out, first and last. Kept out of the kernel's
     ephemeral range so no node socket shares one (snat.py); its size bounds the SNATed flows open at once from one
     node address to one backend address and port."""
+    scheduler: str = "random"
+    """--bpf-scheduler: how a new flow's backend is chosen for Services whose `pyproxy.io/scheduler` annotation
+    names none (bpf/include/pyproxy/sched.h; README, "Schedulers")."""
+    maglev_table_size: int = maglev.DEFAULT_TABLE_SIZE
+    """--bpf-maglev-table-size: entries of each maglev frontend's lookup table, a prime of maglev.TABLE_SIZES.
+    Larger spreads flows more evenly over many backends (each gets M/N entries, ±1) at 8 bytes per entry and
+    frontend; keep it above 100 times the largest backend count."""
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, one line each naming its flag (ProxySettings.validate). The
@@ -87,6 +95,11 @@ class BpfSettings:
         lo, hi = self.snat_ports
         if not 1024 <= lo <= hi <= 65535:
             out.append(f"--bpf-snat-port-range must be FIRST-LAST within 1024-65535, not {lo}-{hi}")
+        if self.scheduler not in abi.SCHED:
+            out.append(f"--bpf-scheduler must be one of {', '.join(abi.SCHED)}, not {self.scheduler!r}")
+        if self.maglev_table_size not in maglev.TABLE_SIZES:
+            out.append(f"--bpf-maglev-table-size must be one of {', '.join(map(str, maglev.TABLE_SIZES))}, "
+                       f"not {self.maglev_table_size}")
         return out
 
 
@@ -95,9 +108,11 @@ class BpfSettings:
 # ctypes structure per entry cost more than the kernel's work at a quarter million entries. "!" fields are in
 # network order, "=" in host order; "x" is padding.
 _SVC_KEY = struct.Struct("!4sHBB")  # pyproxy_svc_key: vip, port, proto, scope
-_SVC_VALUE = struct.Struct("=IHHIxxxx")  # pyproxy_svc_value: svc_id, backend_count, flags, affinity_ticks
+# pyproxy_svc_value: svc_id, backend_count, flags, affinity_ticks, sched, table_size
+_SVC_VALUE = struct.Struct("=IHHIBxH")
 _BACKEND = struct.Struct("!4sHxx")  # pyproxy_backend: addr, port
-_BACKEND_INFO = struct.Struct("=Ixxxx")  # pyproxy_backend_info: flags
+_SLOT = struct.Struct("=4s2sH")  # pyproxy_slot: addr, port (network order bytes), weight
+_BACKEND_INFO = struct.Struct("=Ixxxx")  # pyproxy_backend_info: flags (a new backend's active flows: 0)
 _NAME = struct.Struct(f"{abi.NAME_LEN}s")  # pyproxy_svc_name, NUL-padded
 _SLOT_KEY = struct.Struct("=II")  # pyproxy_slot_key: svc_id, slot
 _U32_KEY = struct.Struct("=I")  # the names map's key
@@ -111,6 +126,12 @@ _ip, _port, _proto, _scope = (operator.itemgetter(i) for i in range(4))
 def _endpoints(items: Sequence[tuple]) -> bytes:
     """(ip, port) pairs as pyproxy_backend structs."""
     return b"".join(map(_BACKEND.pack, map(socket.inet_aton, map(_ip, items)), map(_port, items)))
+
+
+def _slot_values(items: Sequence[tuple]) -> bytes:
+    """(ip, port, weight) triples as pyproxy_slot structs."""
+    ports = (p.to_bytes(2, "big") for p in map(_port, items))
+    return b"".join(map(_SLOT.pack, map(socket.inet_aton, map(_ip, items)), ports, map(_proto, items)))
 
 
 def _svc_keys(keys: Sequence[tuple]) -> bytes:
@@ -146,6 +167,7 @@ Codec = Callable[[Sequence[tuple]], bytes]
 KEY_CODECS: dict[str, Codec] = {
     abi.MAP_SERVICES: _svc_keys,
     abi.MAP_SLOTS: lambda keys: _u32s(itertools.chain.from_iterable(keys)),  # (svc_id, slot)
+    abi.MAP_TABLES: lambda keys: _u32s(itertools.chain.from_iterable(keys)),  # (svc_id, entry)
     abi.MAP_BACKENDS: _endpoints,
     abi.MAP_NAMES: lambda keys: _u32s(map(_ip, keys)),  # (svc_id,)
     abi.MAP_EPOCH: lambda keys: _u32s(map(_ip, keys)),  # (0,)
@@ -154,7 +176,8 @@ KEY_CODECS: dict[str, Codec] = {
 }
 VALUE_CODECS: dict[str, Codec] = {
     abi.MAP_SERVICES: lambda values: b"".join(itertools.starmap(_SVC_VALUE.pack, values)),
-    abi.MAP_SLOTS: _endpoints,
+    abi.MAP_SLOTS: _slot_values,
+    abi.MAP_TABLES: _endpoints,
     abi.MAP_BACKENDS: lambda values: b"".join(map(_BACKEND_INFO.pack, map(_ip, values))),  # (flags,)
     abi.MAP_NAMES: _names,
     abi.MAP_EPOCH: lambda values: _u32s(map(_ip, values)),  # (epoch,)
@@ -171,7 +194,9 @@ class Maps:
         self.hz = clock.kernel_hz()
         self._values: dict[str, Codec] = {**VALUE_CODECS, abi.MAP_SERVICES: self._svc_values}
         self.services: BpfMap = BpfMap(fds[abi.MAP_SERVICES], abi.MAP_SERVICES, abi.SvcKey, abi.SvcValue)
-        self.slots: BpfMap = BpfMap(fds[abi.MAP_SLOTS], abi.MAP_SLOTS, abi.SlotKey, abi.Backend)
+        self.slots: BpfMap = BpfMap(fds[abi.MAP_SLOTS], abi.MAP_SLOTS, abi.SlotKey, abi.Slot)
+        self.tables: BpfMap = BpfMap(fds[abi.MAP_TABLES], abi.MAP_TABLES, abi.SlotKey, abi.Backend)
+        self.cursors: BpfMap = BpfMap(fds[abi.MAP_CURSORS], abi.MAP_CURSORS, ctypes.c_uint32, abi.Cursor)
         self.backends: BpfMap = BpfMap(fds[abi.MAP_BACKENDS], abi.MAP_BACKENDS, abi.Backend, abi.BackendInfo)
         self.ct: BpfMap = BpfMap(fds[abi.MAP_CT], abi.MAP_CT, abi.CtKey, abi.CtValue)
         self.names: BpfMap = BpfMap(fds[abi.MAP_NAMES], abi.MAP_NAMES, ctypes.c_uint32, abi.SvcName)
@@ -184,13 +209,14 @@ class Maps:
         self.counters: PerCpuArray = PerCpuArray(fds[abi.MAP_COUNTERS], abi.MAP_COUNTERS, ctypes.c_uint64)
         self.by_name: dict[str, BpfMap] = {
             m.name: m
-            for m in (self.services, self.slots, self.backends, self.ct, self.names, self.epoch, self.frags,
-                      self.socks, self.ports, self.srcranges)
+            for m in (self.services, self.slots, self.tables, self.backends, self.ct, self.names, self.epoch,
+                      self.frags, self.socks, self.ports, self.srcranges, self.cursors)
         }
 
     def _svc_values(self, values: Sequence[tuple]) -> bytes:
-        """(svc_id, count, flags, affinity seconds) -> pyproxy_svc_value with the affinity in ticks."""
-        return VALUE_CODECS[abi.MAP_SERVICES]([(i, n, f, sec * self.hz) for i, n, f, sec in values])
+        """(svc_id, count, flags, affinity seconds, sched, table size) -> pyproxy_svc_value with the affinity in
+        ticks."""
+        return VALUE_CODECS[abi.MAP_SERVICES]([(i, n, f, sec * self.hz, s, t) for i, n, f, sec, s, t in values])
 
     def close(self) -> None:
         for m in self.by_name.values():
@@ -236,25 +262,28 @@ class Maps:
             for (svc_id,), (name,) in zip(_U32_KEY.iter_unpack(keys), _NAME.iter_unpack(values), strict=True)
         }
         keys, values = self.slots.items_raw()
-        slots = dict(zip(_SLOT_KEY.iter_unpack(keys), _BACKEND.iter_unpack(values), strict=True))
+        slots = dict(zip(_SLOT_KEY.iter_unpack(keys), _SLOT.iter_unpack(values), strict=True))
+        keys, values = self.tables.items_raw()
+        tables = dict(zip(_SLOT_KEY.iter_unpack(keys), _BACKEND.iter_unpack(values), strict=True))
         ranges: dict[int, list[str]] = {}
         keys, _ = self.srcranges.items_raw()
         for prefixlen, svc_id, addr in _SRCRANGE_KEY.iter_unpack(keys):
             ranges.setdefault(int.from_bytes(svc_id, "big"), []).append(f"{socket.inet_ntoa(addr)}/{prefixlen - 32}")
         frontends: dict[FrontendKey, AppliedFrontend] = {}
         keys, values = self.services.items_raw()
-        for (vip, port, proto, scope), (svc_id, count, flags, ticks) in zip(
+        for (vip, port, proto, scope), (svc_id, count, flags, ticks, sched, table_size) in zip(
             _SVC_KEY.iter_unpack(keys), _SVC_VALUE.iter_unpack(values), strict=True
         ):
             raw_name = names.get(svc_id)
             # The names map is not held by the programs, so a restart under `ip netns exec` may not find it;
             # a placeholder owner is then renamed in place by the first full sync.
             name = raw_name.decode(errors="replace") if raw_name is not None else f"?/svc-{svc_id}"
-            backends = tuple(
-                Backend(socket.inet_ntoa(slot[0]), slot[1])
-                for slot in (slots.get((svc_id, i)) for i in range(count))
-                if slot is not None
-            )
+            held = [slot for slot in (slots.get((svc_id, i)) for i in range(count)) if slot is not None]
+            backends = tuple(Backend(socket.inet_ntoa(addr), int.from_bytes(port, "big")) for addr, port, _ in held)
+            # Weight 0 is an entry written before weights: 1.
+            weights = tuple(w or 1 for _, _, w in held)
+            entries = [tables.get((svc_id, i)) for i in range(table_size)]
+            table = tuple(Backend(socket.inet_ntoa(e[0]), e[1]) for e in entries if e is not None)
             frontends[(socket.inet_ntoa(vip), port, abi.PROTO_NAME.get(proto, str(proto)), scope)] = AppliedFrontend(
                 svc_id=svc_id,
                 name=name,
@@ -264,6 +293,10 @@ class Maps:
                 affinity_sec=ticks // self.hz if flags & abi.SVC_F_AFFINITY else 0,
                 flags=flags & ~abi.SVC_F_AFFINITY,
                 source_ranges=tuple(sorted(ranges.get(svc_id, ()), key=_cidr_order)),
+                sched=sched,
+                weights=weights if any(w != 1 for w in weights) else (),
+                # A table with a hole (a plan stopped halfway) reads as none: the next sync writes it whole.
+                table=table if len(table) == table_size else (),
             )
         refs: dict[Backend, int] = {}
         for f in frontends.values():
@@ -347,6 +380,7 @@ class BpfDataplane:
             BpfMap(os.dup(self._obj.maps[abi.MAP_SERVICES]), abi.MAP_SERVICES, abi.SvcKey, abi.SvcValue),
             capacity=self._capacity[abi.MAP_CT], timeouts=timeouts, hz=clock.kernel_hz(), settings=s.ct_gc,
             metrics=self.collector,
+            backends=BpfMap(os.dup(self._obj.maps[abi.MAP_BACKENDS]), abi.MAP_BACKENDS, abi.Backend, abi.BackendInfo),
         )
         self._gc.start()
 
@@ -443,7 +477,8 @@ class BpfDataplane:
         keys = set(changed) if changed is not None else set(desired.services) | self.applied.by_service.keys()
         try:
             plan = render(self.applied, {k: desired.services.get(k, ()) for k in keys}, self._capacity,
-                          self.settings.masquerade)
+                          self.settings.masquerade,
+                          Scheduling(self.settings.scheduler, self.settings.maglev_table_size))
         except CapacityError as e:
             raise DataplaneError(str(e)) from e
         for line in plan.skipped:

@@ -12,6 +12,13 @@ the garbage and deletes it with batched deletes:
 
 Nothing is deleted that the programs would still use, so a restart (the map is pinned) keeps every live flow.
 
+After the deletes, a pass given the backends map recounts each backend's open flows (`pyproxy_backend_info.active`,
+which lc, sed and nq read) from what it read: the FORWARD entries of counted flows (CT_F_COUNTED) that are not
+closed and were not deleted. The programs keep the counts as flows open, close and go, but never hear of an entry
+the LRU evicted or this collector deleted: the recount corrects those. It writes only counts that differ, and a
+flow opened or closed between the read and the write is lost to that write, so a count may be off by the flows
+of that instant until the next pass (the schedulers read a count below 0 as 0).
+
 How often: Cilium's rule, on the share of the map's capacity a pass deleted. The first pass runs `min_interval`
 after start (once the first sync is done: it also clears what a stopped pyproxy left to expire); the interval
 starts at `initial_interval` (60 s) and after each pass becomes:
@@ -34,7 +41,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -57,6 +64,9 @@ DELETE_CHUNK = 4096
 CT_KEY = struct.Struct("=4s4s2s2sBBxx")  # saddr, daddr, sport, dport, proto, dir
 CT_VALUE = struct.Struct("=4s2sBBIIQ")  # nat_addr, nat_port, state, flags, svc_id, epoch, last_seen
 _CT_AGE = struct.Struct("=6sB9xQ")  # what a pass reads of a CT value: nat (addr and port), state, last_seen
+_CT_OPEN = struct.Struct("=6sBB16x")  # what a recount reads of a CT value: nat (addr and port), state, flags
+_BACKEND_KEY = struct.Struct("=6s2x")  # pyproxy_backend: addr and port as the CT value's nat holds them
+_BACKEND_INFO = struct.Struct("=Ii")  # pyproxy_backend_info: flags, active
 SVC_KEY = struct.Struct("=4s2sBx")  # vip, port, proto: as an affinity key's daddr, dport, proto
 SVC_VALUE = struct.Struct("=IHHIxxxx")  # svc_id, backend_count, flags, affinity_ticks
 
@@ -180,6 +190,36 @@ def find_garbage(
     return garbage
 
 
+def count_open(keys: bytes, values: bytes, deleted: Iterable[int]) -> dict[bytes, int]:
+    """The open counted flows per backend (its address and port, as 6 bytes) in the CT entries read (packed, as
+    `BpfMap.items_raw` reads them), but the entries at the indexes `deleted`."""
+    gone = set(deleted)
+    counts: dict[bytes, int] = {}
+    entries = zip(CT_KEY.iter_unpack(keys), _CT_OPEN.iter_unpack(values), strict=True)
+    for i, ((_, _, _, _, _, direction), (nat, state, flags)) in enumerate(entries):
+        if (direction == abi.CT_FORWARD and flags & (abi.CT_F_COUNTED | abi.CT_F_SNAT) == abi.CT_F_COUNTED
+                and state != abi.CT_ST_CLOSED and i not in gone):
+            counts[nat] = counts.get(nat, 0) + 1
+    return counts
+
+
+def recount(backends: BpfMap, counts: Mapping[bytes, int]) -> int:
+    """Writes each backend's open-flow count where the map's differs; returns how many were written."""
+    keys, values = backends.items_raw()
+    fix_keys, fix_values = [], []
+    for (nat,), key, (flags, active) in zip(_BACKEND_KEY.iter_unpack(keys),
+                                            (keys[i : i + _BACKEND_KEY.size] for i in range(0, len(keys),
+                                                                                           _BACKEND_KEY.size)),
+                                            _BACKEND_INFO.iter_unpack(values), strict=True):
+        n = counts.get(nat, 0)
+        if n != active:
+            fix_keys.append(key)
+            fix_values.append(_BACKEND_INFO.pack(flags, n))
+    if fix_keys:
+        backends.update_batch(b"".join(fix_keys), b"".join(fix_values), len(fix_keys))
+    return len(fix_keys)
+
+
 class CtGcMetrics(Collector):
     """The collector's metrics; a prometheus Collector the proxier registers next to its own."""
 
@@ -224,9 +264,12 @@ class CtGarbageCollector:
         hz: int,
         settings: CtGcSettings | None = None,
         metrics: CtGcMetrics | None = None,
+        backends: BpfMap | None = None,
     ) -> None:
         self.ct = ct
         self.services = services
+        self.backends = backends
+        """The backends map, whose open-flow counts a pass recounts (None: no recount)."""
         self.capacity = capacity
         self.timeouts = timeouts
         self.hz = hz
@@ -251,6 +294,8 @@ class CtGarbageCollector:
             chunk = garbage[first : first + DELETE_CHUNK]
             self.ct.delete_batch(b"".join([keys[i * size : (i + 1) * size] for i in chunk]), len(chunk))
             deleted += len(chunk)
+        if self.backends is not None and not self._stop.is_set():
+            recount(self.backends, count_open(keys, values, garbage[:deleted]))
         done = GcPass(seen=len(keys) // size, deleted=deleted, seconds=time.monotonic() - start)
         self.metrics.entries.set(done.seen)
         self.metrics.deleted.inc(done.deleted)
@@ -276,6 +321,8 @@ class CtGarbageCollector:
     def close(self) -> None:
         self.ct.close()
         self.services.close()
+        if self.backends is not None:
+            self.backends.close()
 
     def _loop(self) -> None:
         delay, left = self.settings.min_interval, 0

@@ -5,8 +5,10 @@ and returns a `Plan`: ordered map operations plus the change to `Applied` that h
 (`Applied.commit`). Order is what keeps the datapath consistent while the plan runs, packet by packet:
 
 1. backends that become known are added before any slot can point at them;
-2. a frontend's slots are written before its count grows, and its count shrinks before slots go;
-3. a frontend's service entry is removed before its slots;
+2. a frontend's slots (and its table's entries, `MAP_TABLES`: wrr, Maglev) are written before its count (table
+   size) grows, and its count shrinks before slots go; a table's changed entries are rewritten in place, each
+   write atomic, so a flow meanwhile gets the old or the new entry's backend, both ready;
+3. a frontend's service entry is removed before its slots and table;
 4. backends no frontend knows any more go last;
 5. the endpoint-port bitmap (`MAP_PORTS`: bit `port % 64` of word `port // 64` is set while some backend in
    `MAP_BACKENDS` has that port) gains its new bits right after the backends are added and loses its cleared
@@ -29,12 +31,13 @@ carries its change to them instead of a new copy.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from pyproxy.dataplane.base import MasqueradeSettings
-from pyproxy.dataplane.bpf import abi
+from pyproxy.dataplane.bpf import abi, maglev
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 FrontendKey = tuple[str, int, str, int]
@@ -55,6 +58,12 @@ class AppliedFrontend:
     `affinity_sec`)."""
     source_ranges: tuple[str, ...] = ()
     """The CIDRs of its entries in MAP_SRCRANGES (loadBalancerSourceRanges)."""
+    sched: int = 0
+    """abi.SCHED: the scheduler the programs run for it."""
+    weights: tuple[int, ...] = ()
+    """The weight of each of `backends` (its slot's weight), in order; (): every one 1."""
+    table: tuple[Backend, ...] = ()
+    """Its entries in MAP_TABLES, in order (wrr's round, Maglev's lookup table); (): none."""
 
 
 class Op(NamedTuple):
@@ -127,8 +136,8 @@ class Applied:
     reference (read back from the maps after a restart): the next plan removes them unless it uses them.
     """
 
-    __slots__ = ("frontends", "backend_refs", "epoch", "by_service", "slots", "generation", "port_backends",
-                 "port_words", "_unreferenced", "_free", "_next_id")
+    __slots__ = ("frontends", "backend_refs", "epoch", "by_service", "slots", "tables", "generation",
+                 "port_backends", "port_words", "_unreferenced", "_free", "_next_id")
 
     def __init__(
         self,
@@ -145,6 +154,8 @@ class Applied:
         """Service -> its frontends (a dict for a stable order)."""
         self.slots = 0
         """Slots in use: the sum of every frontend's ready backends."""
+        self.tables = 0
+        """MAP_TABLES entries in use: the sum of every frontend's table."""
         self.generation = 0
         self.port_backends: dict[int, int] = {}
         """Port -> how many backends in the map (`backend_refs`, referenced or not) have it."""
@@ -159,6 +170,7 @@ class Applied:
         for key, fe in self.frontends.items():
             self.by_service.setdefault(fe.service, {})[key] = None
             self.slots += len(fe.backends)
+            self.tables += len(fe.table)
         ids = {fe.svc_id for fe in self.frontends.values()}
         self._next_id = max(ids) + 1 if ids else 0
         """One past the largest service id in use."""
@@ -206,6 +218,7 @@ class Applied:
             self.frontends[key] = fe
             self.by_service.setdefault(fe.service, {})[key] = None
             self.slots += len(fe.backends)
+            self.tables += len(fe.table)
         if allocated:
             # They are new_ids(len(allocated)): the lowest free ids, then ids from _next_id up.
             del self._free[: len(allocated)]
@@ -238,6 +251,7 @@ class Applied:
         if not keys:
             del self.by_service[fe.service]
         self.slots -= len(fe.backends)
+        self.tables -= len(fe.table)
 
 
 class CapacityError(RuntimeError):
@@ -245,6 +259,65 @@ class CapacityError(RuntimeError):
 
 
 NO_MASQUERADE = MasqueradeSettings()
+
+
+class Scheduling(NamedTuple):
+    """The node's scheduling settings render needs (BpfSettings)."""
+
+    scheduler: str = "random"
+    """--bpf-scheduler: the scheduler of frontends whose Service names none (abi.SCHED)."""
+    table_size: int = maglev.DEFAULT_TABLE_SIZE
+    """--bpf-maglev-table-size: entries of each Maglev table (maglev.TABLE_SIZES)."""
+
+
+def _schedule(st: ServicePortState, backends: tuple[Backend, ...], scheduling: Scheduling
+              ) -> tuple[int, tuple[Backend, ...], tuple[int, ...], tuple[Backend, ...]]:
+    """How the programs choose among `backends` for this frontend: the scheduler (abi.SCHED), the backends that
+    get slots with their weights (() when all are 1), and the frontend's table (wrr, maglev)."""
+    name = st.scheduler or scheduling.scheduler
+    weights: tuple[int, ...] = ()
+    if st.weights:
+        # Weight 0 is IPVS's quiesced server: no new flows, but it stays known, so its established flows go on.
+        weighed = [(b, st.weight(b)) for b in backends]
+        backends = tuple(b for b, w in weighed if w)
+        weights = tuple(w for _, w in weighed if w)
+        if all(w == 1 for w in weights):
+            weights = ()
+    table: tuple[Backend, ...] = ()
+    if name == "wrr":
+        if not weights:
+            return abi.SCHED["rr"], backends, weights, table  # equal weights: plain turns, no table
+        table = tuple(backends[i] for i in wrr_round(weights))
+    elif name == "maglev" and backends:
+        table = tuple(backends[i] for i in maglev.table(backends, scheduling.table_size, weights or None))
+    return abi.SCHED[name], backends, weights, table
+
+
+def wrr_round(weights: Sequence[int]) -> list[int]:
+    """One round of weighted round robin over backends 0..n-1: backend i has weights[i] turns, spread through the
+    round (smooth WRR, as nginx: each turn goes to the backend furthest behind its share) rather than in runs.
+    Weights are divided by their greatest common divisor first, so the round is as short as can be (at most
+    sum(weights), below 65536 with weights of 1-100 and up to 655 backends; longer rounds are scaled down)."""
+    g = 0
+    for w in weights:
+        g = math.gcd(g, w)
+    ws = [w // g for w in weights]
+    total = sum(ws)
+    if total > _MAX_ROUND:
+        ws = [max(1, w * _MAX_ROUND // total) for w in ws]
+        total = sum(ws)
+    current = [0] * len(ws)
+    out = []
+    for _ in range(total):
+        for i, w in enumerate(ws):
+            current[i] += w
+        best = max(range(len(ws)), key=current.__getitem__)
+        current[best] -= total
+        out.append(best)
+    return out
+
+
+_MAX_ROUND = 65535  # a table's size is a u16 (pyproxy_svc_value.table_size)
 
 
 def frontend_key(fe: Frontend, scope: int = abi.SVC_SCOPE_PACKETS) -> FrontendKey:
@@ -269,10 +342,12 @@ def render(
     desired: Mapping[str, Iterable[ServicePortState]],
     capacity: Mapping[str, int],
     masq: MasqueradeSettings = NO_MASQUERADE,
+    scheduling: Scheduling = Scheduling(),
 ) -> Plan:
     """Plan the changes for the Services in `desired` (Service key -> its frontends; an empty iterable
     means the Service is gone). Services not in `desired` are untouched. `applied` is only read. `masq`: the
-    ClusterIP frontends' masquerade flags (--masquerade-all, --cluster-cidr, whose prefix the programs hold)."""
+    ClusterIP frontends' masquerade flags (--masquerade-all, --cluster-cidr, whose prefix the programs hold);
+    `scheduling`: the node's scheduler and Maglev table size."""
     current = applied.frontends
     applied_refs = applied.backend_refs
     refs: dict[Backend, int] = {}
@@ -312,10 +387,13 @@ def render(
     backend_puts: list[Backend] = []
     resets: list[tuple[int]] = []
     slot_keys: list[tuple[int, int]] = []
-    slot_values: list[Backend] = []
+    slot_values: list[tuple[str, int, int]] = []
+    table_keys: list[tuple[int, int]] = []
+    table_values: list[Backend] = []
     entry_keys: list[FrontendKey] = []
-    entry_values: list[tuple[int, int, int, int]] = []
+    entry_values: list[tuple[int, int, int, int, int, int]] = []
     slot_deletes: list[tuple[int, int]] = []
+    table_deletes: list[tuple[int, int]] = []
     name_keys: list[tuple[int]] = []
     name_values: list[tuple[str]] = []
     range_puts: list[tuple[int, str]] = []
@@ -340,6 +418,7 @@ def render(
         known = st.known_backends
         if known != backends and not set(backends).issubset(known):
             known = tuple(sorted(set(known) | set(backends)))
+        sched, backends, weights, table = _schedule(st, backends, scheduling)
         nxt = AppliedFrontend(
             svc_id=cur_fe.svc_id if cur_fe else next(new_ids),
             name=st.display_name,
@@ -349,6 +428,9 @@ def render(
             affinity_sec=affinity,
             flags=flags,
             source_ranges=st.source_ranges,
+            sched=sched,
+            weights=weights,
+            table=table,
         )
         if cur_fe == nxt:
             continue
@@ -360,26 +442,35 @@ def render(
             if n <= 0:
                 backend_puts.append(b)
             refs[b] = n + 1
-        new = nxt.backends
+        new = _slots(nxt)
         if cur_fe:
-            old = cur_fe.backends
+            old = _slots(cur_fe)
             for b in cur_fe.known:
                 refs[b] = refs.get(b, applied_refs.get(b, 0)) - 1
-            for i, b in enumerate(new):
-                if i >= len(old) or old[i] != b:
+            for i, slot in enumerate(new):
+                if i >= len(old) or old[i] != slot:
                     slot_keys.append((svc_id, i))
-                    slot_values.append(b)
+                    slot_values.append(slot)
             slot_deletes.extend((svc_id, i) for i in range(len(new), len(old)))
+            old_table = cur_fe.table
         else:
             resets.append((svc_id,))
             slot_keys.extend((svc_id, i) for i in range(len(new)))
             slot_values.extend(new)
+            old_table = ()
+        # The table as a delta: a Maglev table keeps most entries when a backend comes or goes.
+        for i, b in enumerate(table):
+            if i >= len(old_table) or old_table[i] != b:
+                table_keys.append((svc_id, i))
+                table_values.append(b)
+        table_deletes.extend((svc_id, i) for i in range(len(table), len(old_table)))
         old_ranges = cur_fe.source_ranges if cur_fe else ()
         if old_ranges != nxt.source_ranges:
             range_puts.extend((svc_id, r) for r in nxt.source_ranges if r not in old_ranges)
             range_deletes.extend((svc_id, r) for r in old_ranges if r not in nxt.source_ranges)
         entry_keys.append(key)
-        entry_values.append((svc_id, len(new), (abi.SVC_F_AFFINITY if affinity else 0) | flags, affinity))
+        entry_values.append((svc_id, len(new), (abi.SVC_F_AFFINITY if affinity else 0) | flags, affinity, sched,
+                             len(table)))
         if not cur_fe or cur_fe.name != nxt.name:
             name_keys.append((svc_id,))
             name_values.append((nxt.name,))
@@ -395,14 +486,17 @@ def render(
         port_sets,
         Batch("reset", abi.MAP_STATS, resets),
         Batch("put", abi.MAP_SLOTS, slot_keys, slot_values),
+        Batch("put", abi.MAP_TABLES, table_keys, table_values),
         # A frontend's ranges are in place before its entry says to check them, and go after it stops saying so.
         Batch("put", abi.MAP_SRCRANGES, range_puts, [(0,)] * len(range_puts)),
         Batch("put", abi.MAP_SERVICES, entry_keys, entry_values),
         Batch("del", abi.MAP_SRCRANGES, range_deletes),
         Batch("del", abi.MAP_SLOTS, slot_deletes),
+        Batch("del", abi.MAP_TABLES, table_deletes),
         Batch("put", abi.MAP_NAMES, name_keys, name_values),
         Batch("del", abi.MAP_SERVICES, removed),
         Batch("del", abi.MAP_SLOTS, [(fe.svc_id, i) for fe in gone for i in range(len(fe.backends))]),
+        Batch("del", abi.MAP_TABLES, [(fe.svc_id, i) for fe in gone for i in range(len(fe.table))]),
         Batch("del", abi.MAP_NAMES, [(fe.svc_id,) for fe in gone]),
         Batch("del", abi.MAP_SRCRANGES, [(fe.svc_id, r) for fe in gone for r in fe.source_ranges]),
         Batch("del", abi.MAP_BACKENDS, released),
@@ -420,6 +514,12 @@ def render(
         epoch=epoch,
         skipped=tuple(skipped),
     )
+
+
+def _slots(fe: AppliedFrontend) -> list[tuple[str, int, int]]:
+    """A frontend's slots as MAP_SLOTS holds them: (ip, port, weight)."""
+    weights = fe.weights or (1,) * len(fe.backends)
+    return [(b.ip, b.port, w) for b, w in zip(fe.backends, weights, strict=True)]
 
 
 def _port_changes(
@@ -477,11 +577,13 @@ def _check_capacity(
     """What the maps hold once the plan has run, from the applied counts and the plan's changes."""
     current = applied.frontends
     slots = applied.slots - sum(len(current[key].backends) for key in removed)
+    tables = applied.tables - sum(len(current[key].table) for key in removed)
     added = 0
     top = applied.max_id()
     for key, fe in upserts.items():
         old = current.get(key)
         slots += len(fe.backends) - (len(old.backends) if old else 0)
+        tables += len(fe.table) - (len(old.table) if old else 0)
         if old is None:
             added += 1
             top = max(top, fe.svc_id)
@@ -492,15 +594,17 @@ def _check_capacity(
     need = {
         abi.MAP_SERVICES: len(current) + added - len(removed),
         abi.MAP_SLOTS: slots,
+        abi.MAP_TABLES: tables,
         abi.MAP_BACKENDS: backends,
     }
-    stats_cap = capacity.get(abi.MAP_STATS)
-    if stats_cap is not None and top + 1 > stats_cap:
-        # Service ids index the per-CPU stats array: the largest id must fit too. `top` still counts the
-        # frontends this plan removes; only this rare case pays for the exact answer.
+    # Service ids index arrays (per-CPU stats, rr cursors): the largest id must fit the smallest of them.
+    by_id = [m for m in (abi.MAP_STATS, abi.MAP_CURSORS) if m in capacity]
+    id_map = min(by_id, key=capacity.__getitem__) if by_id else None
+    if id_map is not None and top + 1 > capacity[id_map]:
+        # `top` still counts the frontends this plan removes; only this rare case pays for the exact answer.
         gone = set(removed)
         ids = [fe.svc_id for key, fe in current.items() if key not in gone and key not in upserts]
-        need[abi.MAP_STATS] = max([*ids, *(fe.svc_id for fe in upserts.values())], default=-1) + 1
+        need[id_map] = max([*ids, *(fe.svc_id for fe in upserts.values())], default=-1) + 1
     for name, n in need.items():
         if name in capacity and n > capacity[name]:
             raise CapacityError(

@@ -1,0 +1,205 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR Apache-2.0) */
+/*
+ * Schedulers: which backend a new flow of a frontend gets (struct pyproxy_svc_value.sched). Only new flows pay
+ * for it: an established flow follows its CT entry (lb.h), so no scheduler touches the established path. The
+ * cost per new flow, beyond today's random choice (one random number, one slot lookup):
+ *   random, sh, dh   none (a hash of an address instead of a random number)
+ *   rr               an atomic add on the frontend's cursor (an array, inlined)
+ *   wrr, maglev      a table lookup instead of the slot lookup (PYPROXY_MAP_TABLES)
+ *   lc, sed, nq      two lookups per backend scanned (slot, active count), at most PYPROXY_LEAST_SCAN backends,
+ *                    and an atomic add on the chosen backend's count; one more atomic add when the flow ends
+ * The tables and weights are computed by the control plane (pyproxy/dataplane/bpf/maglev.py, render.py).
+ */
+#ifndef PYPROXY_SCHED_H
+#define PYPROXY_SCHED_H
+
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+#include "pyproxy/counters.h"
+#include "pyproxy/maps.h"
+#include "pyproxy/parse.h"
+
+/* How many backends lc, sed and nq compare per new flow. A frontend with more has a window of this many, at a
+ * random place, compared: the choice stays bounded (README, "Schedulers"), and over many flows every backend is
+ * in some windows. bpf_loop keeps the verifier's work to one step's whatever the bound. */
+#define PYPROXY_LEAST_SCAN 256
+
+/* murmur3's finalizer: spreads every input bit over the result, so `% count` of it is even for addresses that
+ * differ in a few low bits (a pod CIDR's clients). */
+static __always_inline __u32 pyproxy_mix32(__u32 h)
+{
+	h ^= h >> 16;
+	h *= 0x85ebca6b;
+	h ^= h >> 13;
+	h *= 0xc2b2ae35;
+	h ^= h >> 16;
+	return h;
+}
+
+/* A flow's hash for Maglev: its 5-tuple, so every node (and this one after its CT entry is gone) sends the
+ * flow to the same backend while the backends stay. */
+static __always_inline __u32 pyproxy_flow_hash(const struct pyproxy_pkt *p)
+{
+	__u32 h = pyproxy_mix32(p->saddr ^ 0x9e3779b9);
+
+	h = pyproxy_mix32(h ^ p->daddr);
+	h = pyproxy_mix32(h ^ (((__u32)p->sport << 16) | p->dport));
+	return pyproxy_mix32(h ^ p->proto);
+}
+
+/* The frontend's slot `slot` (0..backend_count-1): the backend, and its weight (0 reads as 1). */
+static __always_inline int pyproxy_slot_get(__u32 svc_id, __u32 slot, struct pyproxy_backend *be, __u32 *weight)
+{
+	struct pyproxy_slot_key sk = { .svc_id = svc_id, .slot = slot };
+	struct pyproxy_slot *s = bpf_map_lookup_elem(&PYPROXY_MAP_SLOTS, &sk);
+
+	if (!s)
+		return 0;
+	be->addr = s->addr;
+	be->port = s->port;
+	be->pad = 0;
+	if (weight)
+		*weight = s->weight ? s->weight : 1;
+	return 1;
+}
+
+/* Entry `i` of the frontend's wrr or Maglev table. */
+static __always_inline int pyproxy_table_get(__u32 svc_id, __u32 i, struct pyproxy_backend *be)
+{
+	struct pyproxy_slot_key tk = { .svc_id = svc_id, .slot = i };
+	struct pyproxy_backend *t = bpf_map_lookup_elem(&PYPROXY_MAP_TABLES, &tk);
+
+	if (!t)
+		return 0;
+	*be = *t;
+	return 1;
+}
+
+/* The frontend's next turn (rr, wrr): one cursor for every CPU, so a burst on several CPUs still takes the
+ * backends in turn (no per-CPU unevenness). */
+static __always_inline __u32 pyproxy_next_turn(__u32 svc_id)
+{
+	struct pyproxy_cursor *c = bpf_map_lookup_elem(&PYPROXY_MAP_CURSORS, &svc_id);
+
+	return c ? __sync_fetch_and_add(&c->next, 1) : bpf_get_prandom_u32();
+}
+
+/* The open flows a backend has (lc, sed, nq): its count, read as 0 while a recount left it negative. */
+static __always_inline __u32 pyproxy_active(const struct pyproxy_backend *be)
+{
+	struct pyproxy_backend_info *info = bpf_map_lookup_elem(&PYPROXY_MAP_BACKENDS, be);
+	__s32 n = info ? info->active : 0;
+
+	return n > 0 ? n : 0;
+}
+
+/* One more (`delta` 1) or one fewer (-1) open flow to a backend. */
+static __always_inline void pyproxy_active_add(const struct pyproxy_backend *be, int delta)
+{
+	struct pyproxy_backend_info *info = bpf_map_lookup_elem(&PYPROXY_MAP_BACKENDS, be);
+
+	if (info)
+		__sync_fetch_and_add(&info->active, delta);
+}
+
+/* A least-loaded choice in progress, as bpf_loop hands it to each step. Loads compare as fractions num/den:
+ * lc's active flows, sed's and nq's (active + 1) / weight. */
+struct pyproxy_least {
+	__u32 svc_id;
+	__u32 start;                   /* the first slot compared: a random one, so ties spread */
+	__u32 count;                   /* the frontend's slots */
+	__u32 sched;                   /* PYPROXY_SCHED_LC, _SED or _NQ */
+	__u64 num, den;                /* the best load so far (num = ~0: none yet) */
+	struct pyproxy_backend best;
+};
+
+static long pyproxy_least_step(__u32 i, void *data)
+{
+	struct pyproxy_least *l = data;
+	struct pyproxy_backend be;
+	__u32 weight, active;
+	__u64 num, den;
+
+	if (!l->count || !pyproxy_slot_get(l->svc_id, (l->start + i) % l->count, &be, &weight))
+		return 0;
+	active = pyproxy_active(&be);
+	if (l->sched == PYPROXY_SCHED_LC) {
+		num = active;
+		den = 1;
+	} else {
+		if (l->sched == PYPROXY_SCHED_NQ && active == 0) {
+			/* Never queue: an idle backend is taken at once, whatever its weight. */
+			l->best = be;
+			l->num = 0;
+			return 1;
+		}
+		num = active + 1;
+		den = weight;
+	}
+	if (l->num == ~0ULL || num * l->den < l->num * den) {
+		l->best = be;
+		l->num = num;
+		l->den = den;
+	}
+	return 0;
+}
+
+static __always_inline int pyproxy_pick_least(const struct pyproxy_svc_value *svc, struct pyproxy_backend *be)
+{
+	struct pyproxy_least l = {
+		.svc_id = svc->svc_id, .start = bpf_get_prandom_u32() % svc->backend_count,
+		.count = svc->backend_count, .sched = svc->sched, .num = ~0ULL, .den = 1,
+	};
+	__u32 n = svc->backend_count < PYPROXY_LEAST_SCAN ? svc->backend_count : PYPROXY_LEAST_SCAN;
+
+	bpf_loop(n, pyproxy_least_step, &l, 0);
+	if (l.num == ~0ULL)
+		return 0;
+	*be = l.best;
+	return 1;
+}
+
+/* The backend for a new flow `p` of frontend `svc` (backend_count > 0), by the frontend's scheduler. 0: a slot
+ * or table entry was missing (the control plane mid-update). A table scheduler whose table is not written yet
+ * (table_size 0) chooses at random meanwhile. */
+static __always_inline int pyproxy_pick_backend(const struct pyproxy_pkt *p, const struct pyproxy_svc_value *svc,
+						struct pyproxy_backend *be)
+{
+	__u32 n = svc->backend_count, slot;
+
+	switch (svc->sched) {
+	case PYPROXY_SCHED_RR:
+		slot = pyproxy_next_turn(svc->svc_id) % n;
+		break;
+	case PYPROXY_SCHED_WRR:
+		if (!svc->table_size)
+			goto random;
+		return pyproxy_table_get(svc->svc_id, pyproxy_next_turn(svc->svc_id) % svc->table_size, be);
+	case PYPROXY_SCHED_MAGLEV:
+		if (!svc->table_size)
+			goto random;
+		return pyproxy_table_get(svc->svc_id, pyproxy_flow_hash(p) % svc->table_size, be);
+	case PYPROXY_SCHED_LC:
+	case PYPROXY_SCHED_SED:
+	case PYPROXY_SCHED_NQ:
+		return pyproxy_pick_least(svc, be);
+	case PYPROXY_SCHED_SH:
+		slot = pyproxy_mix32(p->saddr) % n;
+		break;
+	case PYPROXY_SCHED_DH:
+		slot = pyproxy_mix32(p->daddr) % n;
+		break;
+	default:
+	random:
+		slot = bpf_get_prandom_u32() % n;
+	}
+	return pyproxy_slot_get(svc->svc_id, slot, be, 0);
+}
+
+/* Whether a frontend's flows are counted in their backends' active flows (PYPROXY_CT_F_COUNTED). */
+static __always_inline int pyproxy_sched_counts(const struct pyproxy_svc_value *svc)
+{
+	return svc->sched == PYPROXY_SCHED_LC || svc->sched == PYPROXY_SCHED_SED || svc->sched == PYPROXY_SCHED_NQ;
+}
+
+#endif
