@@ -84,6 +84,8 @@ class Figure:
     """File stem: bench/plots/<name>.png."""
     title: str
     panels: tuple[Panel, ...]
+    xlabel: str = "Services (10 endpoints each)"
+    """What the x axis counts (every panel's: a Measurement's `services`)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,10 @@ class Part:
     figures: tuple[Figure, ...] = ()
     metrics: Mapping[str, str] = field(default_factory=dict)
     """Metric -> the heading of its table, in the order the tables are printed."""
+    size_word: str = "Service"
+    """What a Measurement's `services` counts, in the tables' headings ("Service", "backend")."""
+    needs_root: bool = True
+    """False for a part that only computes (no lab, no BPF): a run of such parts alone needs no root."""
 
 
 class Deadline:

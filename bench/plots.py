@@ -1,5 +1,5 @@
-"""PNG figures of a run: each panel plots one metric against the number of Services, one line per series,
-and every figure names the machine and the run in its footnote."""
+"""PNG figures of a run: each panel plots one metric against the number of Services (or what the figure's
+`xlabel` names), one line per series, and every figure names the machine and the run in its footnote."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def render(fig: Figure, measurements: Sequence[Measurement], machine_line: str, 
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
             ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_ylim(bottom=0 if not panel.logy else None)
-        ax.set_xlabel("Services (10 endpoints each)")
+        ax.set_xlabel(fig.xlabel)
         ax.set_ylabel(panel.ylabel)
         # Many series without a number (a path not served yet) are counted, not named: the table says why.
         missing_text = "; ".join(unfinished) if len(unfinished) <= 4 else f"{len(unfinished)} series (see the table)"
