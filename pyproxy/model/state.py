@@ -84,9 +84,9 @@ class ServicePortState:
     external_backends: tuple[Backend, ...] = ()
     """External frontends only: the endpoints new connections from outside the cluster may use, sorted. With
     externalTrafficPolicy Cluster the same as `backends` (topology included); with Local this node's endpoints
-    (by nodeName, hints ignored): its ready ones or, when none is ready, its serving and terminating ones. Empty while `backends` is not: drop
-    that traffic (upstream's DROP; the client keeps waiting for another node); both empty: reject. Always ()
-    for a ClusterIP frontend, which serves every source from `backends`."""
+    (by nodeName, hints ignored): its ready ones or, when none is ready, its serving and terminating ones.
+    Empty while `backends` is not: drop that traffic (upstream's DROP; the client keeps waiting for another
+    node); both empty: reject. Always () for a ClusterIP frontend, which serves every source from `backends`."""
     masquerade: bool = False
     """Every new flow to this frontend is SNATed to a node address, whatever its source: upstream's rule for
     external frontends with externalTrafficPolicy Cluster (external clients and pods alike), so replies come
