@@ -185,6 +185,11 @@ class Node:
     taint. Upstream's /healthz then answers 503 ("nodeEligible": false), so load balancers stop sending to it."""
 
     @property
+    def key(self) -> str:
+        """Nodes are cluster-scoped: the name alone."""
+        return self.name
+
+    @property
     def zone(self) -> str | None:
         return dict(self.labels).get(ZONE_LABEL)
 
