@@ -415,7 +415,8 @@ def _endpoints_fast(entries: object, v1beta1: bool) -> tuple[Endpoint, ...] | No
             node_name, zone = e.get("nodeName"), e.get("zone")
         if (node_name is not None and type(node_name) is not str) or (zone is not None and type(zone) is not str):
             return None
-        zone_hints = _zone_hints_fast(e.get("hints"))
+        hints = e.get("hints")
+        zone_hints = () if hints is None else _zone_hints_fast(hints)  # most slices have no hints: no call
         if zone_hints is None:
             return None
         out.append(Endpoint(tuple(addresses), ready, serving, terminating, node_name or None, zone or None,
@@ -425,8 +426,6 @@ def _endpoints_fast(entries: object, v1beta1: bool) -> tuple[Endpoint, ...] | No
 
 def _zone_hints_fast(hints: object) -> tuple[str, ...] | None:
     """An endpoint's `hints.forZones` names, as `_endpoint` reads them, when plainly well-formed; else None."""
-    if hints is None:
-        return ()
     if type(hints) is not dict:
         return None
     zones = hints.get("forZones")
