@@ -11,7 +11,9 @@ Lab addressing (pyproxy.lab): client 10.200.0.2 (outside the cluster), backend I
 servers on TCP 8080 and 9090 and UDP 5353 in every backend. The node (pyproxy runs as `--hostname-override=
 lab-node`, NODE_NAME) has 10.200.0.1 on the client's link, 10.201.I.1 on backend I's and 10.199.0.1 on its
 uplink; NodePorts are served on all of them (no --nodeport-addresses). Every backend is a pod of this node;
-a slice may still say another `nodeName`, which is what externalTrafficPolicy Local looks at.
+a slice may still say another `nodeName`, which is what externalTrafficPolicy Local looks at, and zone hints
+(`hints.forZones`), which topology-aware routing looks at: the manifests hold the node's Node object, in zone
+NODE_ZONE.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
+from pyproxy.lab.manifests import Port, documents, endpoint_slice, node, service
+from pyproxy.model.objects import TOPOLOGY_MODE_ANNOTATION, ZONE_LABEL
 
 B1, B2, B3 = "10.201.1.2", "10.201.2.2", "10.201.3.2"
 HTTP, ALT, DNS = Port("http", 80, 8080), Port("alt", 443, 9090), Port("dns", 53, 5353, "UDP")
 NODE_NAME = "lab-node"
+NODE_ZONE = "zone-a"
 NODE_IP = "10.200.0.1"
 """The node's address on the client's link: where the client sends NodePort traffic."""
 EXTERNAL_IP, LB_IP, LB_CLOSED_IP, LB_OPEN_IP = "192.0.2.10", "203.0.113.10", "203.0.113.11", "203.0.113.12"
@@ -32,6 +36,9 @@ NP_HTTP, NP_DNS = Port("http", 80, 8080, node_port=30080), Port("dns", 53, 5353,
 LOCAL_HTTP, ELSEWHERE_HTTP = Port("http", 80, 8080, node_port=30082), Port("http", 80, 8080, node_port=30083)
 EMPTY_HTTP = Port("http", 80, 8080, node_port=30084)
 ITP_HTTP, ITP_ELSEWHERE_HTTP = Port("http", 80, 8080, node_port=30085), Port("http", 80, 8080, node_port=30086)
+TOPO_HTTP, TOPO_LOCAL_HTTP = Port("http", 80, 8080, node_port=30087), Port("http", 80, 8080, node_port=30088)
+# Zone hints: b1 and b3 for this node's zone, b2 for another.
+ZONED = {B1: [NODE_ZONE], B2: ["zone-b"], B3: ["zone-c", NODE_ZONE]}
 
 # The cluster the table runs against: manifests for the --source folder.
 MANIFESTS = documents(
@@ -83,6 +90,31 @@ MANIFESTS = documents(
     service("itp-draining", "10.96.20.17", [HTTP], internal_traffic_policy="Local"),
     endpoint_slice("itp-draining", {B1: True, B2: False}, [HTTP], node_names={B1: "other-node", B2: NODE_NAME},
                    terminating=[B2]),
+    # Topology-aware routing: the node is in NODE_ZONE.
+    node(NODE_NAME, {ZONE_LABEL: NODE_ZONE}),
+    service("topo-close", "10.96.20.18", [TOPO_HTTP], type="NodePort", traffic_distribution="PreferClose"),
+    endpoint_slice("topo-close", {B1: True, B2: True, B3: True}, [TOPO_HTTP], zone_hints=ZONED),
+    service("topo-auto", "10.96.20.19", [HTTP], annotations={TOPOLOGY_MODE_ANNOTATION: "Auto"}),
+    endpoint_slice("topo-auto", {B1: True, B2: True, B3: True}, [HTTP],
+                   zone_hints={B1: ["zone-b"], B2: [NODE_ZONE], B3: ["zone-c"]}),
+    # Hints, but the Service does not ask for topology.
+    service("topo-off", "10.96.20.20", [HTTP]),
+    endpoint_slice("topo-off", {B1: True, B2: True, B3: True}, [HTTP], zone_hints=ZONED),
+    # b3 has no hint: no topology. Then none hinted for this zone: no topology either.
+    service("topo-unhinted", "10.96.20.21", [HTTP], traffic_distribution="PreferClose"),
+    endpoint_slice("topo-unhinted", {B1: True, B2: True, B3: True}, [HTTP],
+                   zone_hints={B1: [NODE_ZONE], B2: ["zone-b"]}),
+    service("topo-elsewhere", "10.96.20.22", [HTTP], traffic_distribution="PreferClose"),
+    endpoint_slice("topo-elsewhere", {B1: True, B2: True}, [HTTP], zone_hints={B1: ["zone-b"], B2: ["zone-c"]}),
+    # Nothing ready: the serving and terminating endpoints, hints or not.
+    service("topo-draining", "10.96.20.23", [HTTP], traffic_distribution="PreferClose"),
+    endpoint_slice("topo-draining", {B1: False, B2: False}, [HTTP], terminating=[B1, B2], zone_hints=ZONED),
+    # externalTrafficPolicy Local: outside clients get this node's endpoint (b2, hinted for another zone); pods
+    # and the node the zone's.
+    service("topo-local", "10.96.20.24", [TOPO_LOCAL_HTTP], type="NodePort", external_traffic_policy="Local",
+            traffic_distribution="PreferClose"),
+    endpoint_slice("topo-local", {B1: True, B2: True, B3: True}, [TOPO_LOCAL_HTTP], zone_hints=ZONED,
+                   node_names={B1: "other-node", B2: NODE_NAME, B3: "other-node"}),
 )
 
 
@@ -219,7 +251,34 @@ ITP_CASES = (
     FlowCase("internalTrafficPolicy Local, no endpoint on this node: the NodePort still answers", "tcp", NODE_IP,
              30086, answered_by("b1:8080", "b2:8080")),
 )
-CASES += EXTERNAL_CASES + ITP_CASES
+
+
+# Topology-aware routing (PreferClose or the topology-mode annotation Auto; hints.forZones): the cluster endpoints
+# hinted for the node's zone, from every source and frontend, unless an endpoint lacks a hint or none names the
+# zone; this node's endpoints (externalTrafficPolicy Local) ignore hints.
+TOPOLOGY_CASES = (
+    FlowCase("PreferClose: a pod reaches the endpoints hinted for this zone", "tcp", "10.96.20.18", 80,
+             answered_by("b1:8080", "b3:8080"), src="b2"),
+    FlowCase("PreferClose: the node reaches the endpoints hinted for this zone", "tcp", "10.96.20.18", 80,
+             answered_by("b1:8080", "b3:8080"), src="node"),
+    FlowCase("PreferClose: a NodePort reaches the endpoints hinted for this zone", "tcp", NODE_IP, 30087,
+             answered_by("b1:8080", "b3:8080")),
+    FlowCase("topology-mode Auto: the endpoint hinted for this zone", "tcp", "10.96.20.19", 80, answered_by("b2:8080"),
+             src="b1"),
+    FlowCase("hints without PreferClose or Auto: every endpoint", "tcp", "10.96.20.20", 80,
+             answered_by("b1:8080", "b2:8080", "b3:8080"), src="b1"),
+    FlowCase("PreferClose, an endpoint without a hint: every endpoint", "tcp", "10.96.20.21", 80,
+             answered_by("b1:8080", "b2:8080", "b3:8080"), src="b1"),
+    FlowCase("PreferClose, no endpoint hinted for this zone: every endpoint", "tcp", "10.96.20.22", 80,
+             answered_by("b1:8080", "b2:8080"), src="b3"),
+    FlowCase("PreferClose, nothing ready: the terminating endpoints, hints ignored", "tcp", "10.96.20.23", 80,
+             answered_by("b1:8080", "b2:8080"), src="b3"),
+    FlowCase("PreferClose, externalTrafficPolicy Local: outside clients get this node's endpoint", "tcp", NODE_IP,
+             30088, answered_by("b2:8080")),
+    FlowCase("PreferClose, externalTrafficPolicy Local: pods get the zone's endpoints", "tcp", "10.96.20.24", 80,
+             answered_by("b1:8080", "b3:8080"), src="b2"),
+)
+CASES += EXTERNAL_CASES + ITP_CASES + TOPOLOGY_CASES
 
 
 def outcome_of(result: Mapping[str, Any]) -> Outcome:

@@ -21,6 +21,8 @@ from pyproxy.model.objects import (
     SCHEDULERS,
     SERVICE_NAME_LABEL,
     TO_BE_DELETED_TAINT,
+    TOPOLOGY_AWARE_HINTS_ANNOTATION,
+    TOPOLOGY_MODE_ANNOTATION,
     WEIGHTS_ANNOTATION,
     Endpoint,
     EndpointPort,
@@ -286,6 +288,10 @@ def service_from_dict(d: Mapping[str, Any]) -> Service:
         load_balancer_source_ranges=_source_ranges(r, spec),
         scheduler=_scheduler(r, annotations),
         weights=_weights(r, annotations),
+        # Any value is kept: the API server decides which ones it admits, and newer ones ask for nothing here.
+        traffic_distribution=r.string(spec, "trafficDistribution", "spec"),
+        topology_mode=_annotation(r, annotations, TOPOLOGY_MODE_ANNOTATION)
+        or _annotation(r, annotations, TOPOLOGY_AWARE_HINTS_ANNOTATION),
     )
 
 
@@ -334,6 +340,13 @@ def _endpoint(r: _Reader, entry: Mapping[str, Any], path: str, address_type: str
     else:
         node_name = r.string(entry, "nodeName", path)
         zone = r.string(entry, "zone", path)
+    hints = r.mapping(entry, "hints", path)
+    zone_hints = set()
+    for zone_path, for_zone in r.elements(hints, "forZones", f"{path}.hints", Mapping, "an object"):
+        name = r.string(for_zone, "name", zone_path)
+        if not name:
+            r.fail(f"{zone_path}.name is missing")
+        zone_hints.add(name)
     return Endpoint(
         addresses=tuple(a for _, a in addresses),
         ready=ready,
@@ -341,6 +354,7 @@ def _endpoint(r: _Reader, entry: Mapping[str, Any], path: str, address_type: str
         terminating=r.flag(conditions, "terminating", within, False),
         node_name=node_name or None,
         zone=zone or None,
+        zone_hints=tuple(sorted(zone_hints)),
     )
 
 
@@ -401,8 +415,31 @@ def _endpoints_fast(entries: object, v1beta1: bool) -> tuple[Endpoint, ...] | No
             node_name, zone = e.get("nodeName"), e.get("zone")
         if (node_name is not None and type(node_name) is not str) or (zone is not None and type(zone) is not str):
             return None
-        out.append(Endpoint(tuple(addresses), ready, serving, terminating, node_name or None, zone or None))
+        hints = e.get("hints")
+        zone_hints = () if hints is None else _zone_hints_fast(hints)  # most slices have no hints: no call
+        if zone_hints is None:
+            return None
+        out.append(Endpoint(tuple(addresses), ready, serving, terminating, node_name or None, zone or None,
+                            zone_hints))
     return tuple(out)
+
+
+def _zone_hints_fast(hints: object) -> tuple[str, ...] | None:
+    """An endpoint's `hints.forZones` names, as `_endpoint` reads them, when plainly well-formed; else None."""
+    if type(hints) is not dict:
+        return None
+    zones = hints.get("forZones")
+    if zones is None:
+        return ()
+    if type(zones) is not list:
+        return None
+    names = set()
+    for z in zones:
+        name = z.get("name") if type(z) is dict else None
+        if type(name) is not str or not name:
+            return None
+        names.add(name)
+    return tuple(sorted(names))
 
 
 def _endpoint_port(r: _Reader, entry: Mapping[str, Any], path: str) -> EndpointPort | None:

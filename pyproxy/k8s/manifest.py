@@ -1,4 +1,5 @@
-"""A source that reads Services and EndpointSlices from manifest files, for labs and tests.
+"""A source that reads Services and EndpointSlices from manifest files, for labs and tests, and the Node pyproxy
+runs on when one of them holds it (its zone label feeds topology-aware routing; other Nodes are ignored).
 
 It polls a file or a folder and pushes only what changed into a sink. Operators edit these files by
 hand, so bad input must never cost them what already works: a file that does not parse keeps its
@@ -19,9 +20,16 @@ from typing import Any, TypeVar
 
 import yaml
 
-from pyproxy.k8s.convert import ENDPOINT_SLICE_KIND, SERVICE_KIND, endpointslice_from_dict, service_from_dict
+from pyproxy.k8s.convert import (
+    ENDPOINT_SLICE_KIND,
+    NODE_KIND,
+    SERVICE_KIND,
+    endpointslice_from_dict,
+    node_from_dict,
+    service_from_dict,
+)
 from pyproxy.k8s.sink import ObjectSink
-from pyproxy.model.objects import EndpointSlice, InvalidObject, Service
+from pyproxy.model.objects import EndpointSlice, InvalidObject, Node, Service
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +37,7 @@ log = logging.getLogger(__name__)
 _SUFFIXES = frozenset({".yaml", ".yml", ".json"})
 _SLICE_API_VERSIONS = ("discovery.k8s.io/v1", "discovery.k8s.io/v1beta1")
 
-_Object = Service | EndpointSlice
+_Object = Service | EndpointSlice | Node
 _ObjectId = tuple[str, str]
 """(kind, namespace/name)"""
 T = TypeVar("T")
@@ -49,6 +57,8 @@ def _converter(obj: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], _Object]
         return service_from_dict
     if kind == ENDPOINT_SLICE_KIND and api_version in _SLICE_API_VERSIONS:
         return endpointslice_from_dict
+    if kind == NODE_KIND and api_version == "v1":
+        return node_from_dict
     return None
 
 
@@ -192,15 +202,18 @@ def _push_changes(old: Mapping[str, T], new: Mapping[str, T], push: Callable[[st
 
 
 class ManifestSource:
-    """Polls `path` (a file, or a folder read recursively) and keeps `sink` in step with it."""
+    """Polls `path` (a file, or a folder read recursively) and keeps `sink` in step with it; of the Nodes, only
+    the one named `node_name` is delivered."""
 
-    def __init__(self, path: Path, sink: ObjectSink, poll_interval: float = 0.2) -> None:
+    def __init__(self, path: Path, sink: ObjectSink, poll_interval: float = 0.2, node_name: str | None = None) -> None:
         self.path = path
         self.sink = sink
         self.poll_interval = poll_interval
+        self.node_name = node_name
         self._files: dict[Path, _File] = {}
         self._services: dict[str, Service] = {}
         self._slices: dict[str, EndpointSlice] = {}
+        self._node: Node | None = None
         self._synced = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -256,9 +269,13 @@ class ManifestSource:
                 origin[oid] = path
         services = {key: o for (_, key), o in merged.items() if isinstance(o, Service)}
         slices = {key: o for (_, key), o in merged.items() if isinstance(o, EndpointSlice)}
+        found = merged.get((NODE_KIND, self.node_name or ""))
+        node = found if isinstance(found, Node) else None
         _push_changes(self._services, services, self.sink.set_service)
         _push_changes(self._slices, slices, self.sink.set_endpoint_slice)
-        self._services, self._slices = services, slices
+        if node != self._node:
+            self.sink.set_node(node)
+        self._services, self._slices, self._node = services, slices, node
 
     def run(self, stop: threading.Event) -> None:
         """Poll until `stop` is set."""

@@ -16,7 +16,7 @@ class ObjectSink(Protocol):
     def set_endpoint_slice(self, key: str, s: EndpointSlice | None) -> None: ...
 
     def set_node(self, node: Node | None) -> None:
-        """The node pyproxy runs on (only the API source knows it)."""
+        """The node pyproxy runs on (the API source's, or the manifest source's when a manifest holds it)."""
 
     def mark_synced(self) -> None:
         """Every Service and EndpointSlice that existed at start has been delivered (called once)."""

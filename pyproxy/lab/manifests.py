@@ -1,4 +1,4 @@
-"""Ordinary Kubernetes YAML for lab scenarios: `v1` Services and `discovery.k8s.io/v1` EndpointSlices.
+"""Ordinary Kubernetes YAML for lab scenarios: `v1` Services and Nodes and `discovery.k8s.io/v1` EndpointSlices.
 
 Written as block-style YAML text, the way people write manifests, without a YAML library (stdlib only).
 Values are not validated, on purpose: tests also write invalid objects (port 70000, protocol FOO, ...).
@@ -45,12 +45,17 @@ def service(name: str, cluster_ip: str, ports: Sequence[Port], *, namespace: str
             affinity_seconds: int | None = None, type: str = "ClusterIP",  # noqa: A002 - the field's name
             external_traffic_policy: str | None = None, internal_traffic_policy: str | None = None,
             health_check_node_port: int | None = None, external_ips: Sequence[str] = (),
-            load_balancer_ips: Sequence[str] = (), source_ranges: Sequence[str] = ()) -> str:
+            load_balancer_ips: Sequence[str] = (), source_ranges: Sequence[str] = (),
+            traffic_distribution: str | None = None, annotations: Mapping[str, str] | None = None) -> str:
     """A Service (ClusterIP unless `type` says otherwise); `affinity_seconds` turns on ClientIP session affinity
     for that long; `external_ips` are spec.externalIPs, `load_balancer_ips` its status's ingress IPs,
-    `source_ranges` spec.loadBalancerSourceRanges."""
-    lines = ["apiVersion: v1", "kind: Service", "metadata:", f"  name: {_q(name)}",
-             f"  namespace: {_q(namespace)}", "spec:", f"  type: {_q(type)}", f"  clusterIP: {_q(cluster_ip)}"]
+    `source_ranges` spec.loadBalancerSourceRanges, `traffic_distribution` spec.trafficDistribution."""
+    lines = ["apiVersion: v1", "kind: Service", "metadata:", f"  name: {_q(name)}", f"  namespace: {_q(namespace)}"]
+    if annotations:
+        lines += ["  annotations:"] + [f"    {_q(k)}: {_q(v)}" for k, v in annotations.items()]
+    lines += ["spec:", f"  type: {_q(type)}", f"  clusterIP: {_q(cluster_ip)}"]
+    if traffic_distribution is not None:
+        lines.append(f"  trafficDistribution: {_q(traffic_distribution)}")
     if external_traffic_policy is not None:
         lines.append(f"  externalTrafficPolicy: {_q(external_traffic_policy)}")
     if internal_traffic_policy is not None:
@@ -77,10 +82,12 @@ def service(name: str, cluster_ip: str, ports: Sequence[Port], *, namespace: str
 
 def endpoint_slice(service_name: str, endpoints: Mapping[str, bool | None], ports: Sequence[Port], *,
                    name: str | None = None, namespace: str = "default",
-                   node_names: Mapping[str, str] | None = None, terminating: Collection[str] = ()) -> str:
+                   node_names: Mapping[str, str] | None = None, terminating: Collection[str] = (),
+                   zone_hints: Mapping[str, Sequence[str]] | None = None) -> str:
     """An IPv4 slice: `endpoints` maps address -> ready (None: no conditions, which the API reads as ready);
     `node_names` address -> the endpoint's nodeName; `terminating` the addresses that are terminating and still
-    serving (their ready is then false); its ports are the Service ports' backend ports."""
+    serving (their ready is then false); `zone_hints` address -> its hints.forZones names; its ports are the
+    Service ports' backend ports."""
     lines = ["apiVersion: discovery.k8s.io/v1", "kind: EndpointSlice", "metadata:",
              f"  name: {_q(name or service_name + '-abc12')}", f"  namespace: {_q(namespace)}", "  labels:",
              f"    {SERVICE_NAME_LABEL}: {_q(service_name)}", "addressType: IPv4"]
@@ -93,10 +100,18 @@ def endpoint_slice(service_name: str, endpoints: Mapping[str, bool | None], port
             lines += ["  conditions:", f"    ready: {'true' if ready else 'false'}"]
         if node_names and address in node_names:
             lines.append(f"  nodeName: {_q(node_names[address])}")
+        if zone_hints and address in zone_hints:
+            lines += ["  hints:", "    forZones:"] + [f"    - name: {_q(z)}" for z in zone_hints[address]]
     lines.append("ports:")
     for p in ports:
         lines += [f"- name: {_q(p.name)}", f"  port: {p.backend_port}", f"  protocol: {_q(p.protocol)}"]
     return "\n".join(lines) + "\n"
+
+
+def node(name: str, labels: Mapping[str, str]) -> str:
+    """A Node with `labels` (e.g. topology.kubernetes.io/zone); pyproxy takes the one named as it runs."""
+    return "\n".join(["apiVersion: v1", "kind: Node", "metadata:", f"  name: {_q(name)}", "  labels:",
+                      *(f"    {_q(k)}: {_q(v)}" for k, v in labels.items())]) + "\n"
 
 
 def documents(*docs: str) -> str:

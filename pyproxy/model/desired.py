@@ -7,9 +7,10 @@ Every rule is decided here, once; the dataplane backends only render what it say
   LoadBalancer Services, each ingress IP. One Service's frontends are unique: of two that are one address,
   port and protocol, the first kind (ClusterIP, ExternalIP, LoadBalancer, NodePort: upstream's rule order) stays;
 - each frontend's policy (ServicePortState): the endpoints new flows from inside and from outside the cluster
-  may use (ready ones, else serving and terminating ones; externalTrafficPolicy Local: this node's for
-  outside sources; internalTrafficPolicy Local: this node's for the ClusterIP, dropped when it has none while
-  the cluster has some), whether it masquerades, its source ranges, the health-check node port;
+  may use (ready ones, else serving and terminating ones; with topology-aware routing the ready ones hinted
+  for this node's zone; externalTrafficPolicy Local: this node's for outside sources; internalTrafficPolicy
+  Local: this node's for the ClusterIP, dropped when it has none while the cluster has some), whether it
+  masquerades, its source ranges, the health-check node port;
 - which Service serves a frontend two Services claim: the one already serving it keeps it; among new
   claimants, the first by `namespace/name`. The others wait (`DesiredState.waiting`) and the first waiting
   gets it once it is free, in the same update or a later one; a renderer may take frontends as unique.
@@ -22,11 +23,12 @@ recomputed too, and named in `also_changed`).
 from __future__ import annotations
 
 import ipaddress
+import logging
 import operator
 from collections.abc import Callable, Collection, Iterable, Mapping
 
 from pyproxy.model.node import NodeInputs
-from pyproxy.model.objects import EndpointSlice, Service, ServicePort, TrafficPolicy
+from pyproxy.model.objects import PREFER_CLOSE, PREFER_SAME_ZONE, EndpointSlice, Service, ServicePort, TrafficPolicy
 from pyproxy.model.state import Backend, DesiredState, Frontend, FrontendKind, RejectedClaim, ServicePortState
 
 # ExternalName Services are DNS-only; every other type gets a ClusterIP frontend.
@@ -36,6 +38,10 @@ _KIND_RANK = {kind: i for i, kind in enumerate(FrontendKind)}
 _ANY_SOURCE = "0.0.0.0/0"
 _NO_NODE = NodeInputs()
 _by_frontend = operator.attrgetter("frontend")
+_TOPOLOGY_DISTRIBUTIONS = frozenset({PREFER_CLOSE, PREFER_SAME_ZONE})
+_TOPOLOGY_MODES = frozenset({"Auto", "auto"})
+
+log = logging.getLogger(__name__)
 
 
 # Backend(ip, port) without the Python-level __new__ a NamedTuple has: this loop makes one per endpoint, and a
@@ -43,20 +49,42 @@ _by_frontend = operator.attrgetter("frontend")
 _new_backend = tuple.__new__
 
 
+def _topology_zone(svc: Service, node: NodeInputs) -> str | None:
+    """The zone whose hinted endpoints the Service's cluster endpoints are narrowed to, if the endpoints allow
+    it (`_PortBackends`): this node's, when the Service asks for topology-aware routing (upstream's
+    canUseTopology: spec.trafficDistribution PreferClose, or the topology-mode annotation Auto) and the node
+    has a zone label; else None."""
+    if not node.zone or (svc.traffic_distribution not in _TOPOLOGY_DISTRIBUTIONS
+                         and svc.topology_mode not in _TOPOLOGY_MODES):
+        return None
+    return node.zone
+
+
 class _PortBackends:
     """The backends of one service port, deduplicated and sorted: `usable` (the ready ones, else the serving and
     terminating ones), `known` (all; the same tuple as `usable` when every one is ready, the common case) and,
     when asked for, `local` (the usable ones among those on node `node_name`; None is no node's) and
-    `local_ready` (whether those are ready ones)."""
+    `local_ready` (whether those are ready ones).
 
-    __slots__ = ("usable", "known", "local", "local_ready")
+    With a `zone` (`_topology_zone`), `usable` is narrowed to the ready ones hinted for it, as upstream's
+    CategorizeEndpoints does for the cluster endpoints: only when every ready one has a zone hint and one is
+    hinted for `zone`, so a Service never loses its endpoints to topology. The serving-and-terminating
+    fallback (nothing ready) and `local` ignore hints, as upstream's do. `skipped`: why a `zone` did not
+    narrow them, in upstream's words ("" when it did, or was not asked to)."""
 
-    def __init__(self, port: ServicePort, slices: Iterable[EndpointSlice], local: bool, node_name: str | None):
+    __slots__ = ("usable", "known", "local", "local_ready", "skipped")
+
+    def __init__(self, port: ServicePort, slices: Iterable[EndpointSlice], local: bool, node_name: str | None,
+                 zone: str | None = None):
         ready: set[Backend] = set()
         known: set[Backend] = set()
         draining: set[Backend] = set()
         """Serving and terminating, not ready: usable only when nothing is ready."""
         on_node: set[Backend] = set()
+        in_zone: set[Backend] = set()
+        """Ready and hinted for `zone`."""
+        unhinted = False
+        """A ready one has no zone hint: no topology (upstream: "one or more endpoints is missing a zone hint")."""
         for eps in slices:
             if eps.address_type != "IPv4":
                 continue
@@ -75,12 +103,25 @@ class _PortBackends:
                     known.add(backend)
                     if ep.ready:
                         ready.add(backend)
+                        if zone is not None:
+                            if not ep.zone_hints:
+                                unhinted = True
+                            elif zone in ep.zone_hints:
+                                in_zone.add(backend)
                     elif ep.serving and ep.terminating:
                         draining.add(backend)
                     if local and node_name is not None and ep.node_name == node_name:
                         on_node.add(backend)
         self.known = tuple(sorted(known))
         self.usable = self.known if len(ready) == len(known) else tuple(sorted(ready or draining))
+        self.skipped = ""
+        if zone is not None and ready:
+            if unhinted:
+                self.skipped = "one or more endpoints is missing a zone hint"
+            elif not in_zone:
+                self.skipped = f"no endpoint is hinted for zone {zone}"
+            elif len(in_zone) < len(ready):
+                self.usable = tuple(sorted(in_zone))
         local_ready = on_node & ready
         self.local_ready = bool(local_ready)
         self.local = tuple(sorted(local_ready or on_node & draining)) if local else ()
@@ -124,12 +165,15 @@ def compute_service_state(
     health = None if cluster_policy or svc.type != "LoadBalancer" else svc.health_check_node_port
     ranges = _source_ranges(svc, node) if svc.type == "LoadBalancer" else ()
     scheduler, weights = svc.scheduler, svc.weights
+    zone = _topology_zone(svc, node)
     states: list[ServicePortState] = []
     # Positional arguments, in ServicePortState's order: a cold start builds one per frontend of every Service.
     for port in svc.ports:
         external = _external_frontends(svc, port, node)
-        b = _PortBackends(port, slices, internal_local or (bool(external) and not cluster_policy), node.name)
+        b = _PortBackends(port, slices, internal_local or (bool(external) and not cluster_policy), node.name, zone)
         usable, known = b.usable, b.known
+        if b.skipped:
+            log.debug("%s: skipping topology aware endpoint filtering since %s", key, b.skipped)
         # internalTrafficPolicy applies to the ClusterIP only (external frontends' in-cluster sources keep every
         # endpoint, as upstream's short circuit does).
         internal = b.local if internal_local else usable

@@ -25,6 +25,9 @@ class NodeInputs:
     """The node's primary IPv4 address (Node.primary_ipv4): a loadBalancerSourceRanges entry holding it also
     admits the load-balancer IPs as sources (upstream's allowFromNode: a VIP routed locally loops back with
     itself as the source)."""
+    zone: str | None = None
+    """The node's `topology.kubernetes.io/zone` label (Node.zone): topology-aware routing prefers endpoints
+    hinted for it. None (or no Node object): no topology-aware routing."""
 
 
 def select_nodeport_addresses(addresses: Iterable[str], setting: Sequence[str], primary: str | None) -> tuple[str, ...]:

@@ -24,6 +24,12 @@ WEIGHTS_ANNOTATION = "pyproxy.io/weights"
 SCHEDULERS = ("random", "rr", "wrr", "lc", "sed", "nq", "sh", "dh", "maglev")
 # The largest weight an endpoint may have (IPVS's weights are 32-bit; this keeps a wrr sequence short).
 MAX_WEIGHT = 100
+# Topology-aware routing (upstream's topology.go): the annotation that asks for it ("Auto"), its pre-1.27 name,
+# and the spec.trafficDistribution values that ask for it too (PreferSameZone is PreferClose's newer name).
+TOPOLOGY_MODE_ANNOTATION = "service.kubernetes.io/topology-mode"
+TOPOLOGY_AWARE_HINTS_ANNOTATION = "service.kubernetes.io/topology-aware-hints"
+PREFER_CLOSE = "PreferClose"
+PREFER_SAME_ZONE = "PreferSameZone"
 
 
 class Protocol(enum.StrEnum):
@@ -100,6 +106,12 @@ class Service:
     weights: tuple[tuple[str, int], ...] = ()
     """The `pyproxy.io/weights` annotation ("10.244.1.5=3,10.244.2.7=0"): endpoint address -> weight
     (0-MAX_WEIGHT; 0: no new flows, as IPVS's quiesced server), sorted; an endpoint not named weighs 1."""
+    traffic_distribution: str = ""
+    """spec.trafficDistribution as written ("": unset); PreferClose (or PreferSameZone) asks for topology-aware
+    routing. Other values are kept but ask for nothing pyproxy does."""
+    topology_mode: str = ""
+    """The `service.kubernetes.io/topology-mode` annotation, else the older `topology-aware-hints` one (upstream's
+    hintsAnnotation); "Auto" or "auto" asks for topology-aware routing."""
 
     @property
     def key(self) -> str:
@@ -119,6 +131,9 @@ class Endpoint:
     """The node it runs on (v1 `nodeName`, v1beta1 topology `kubernetes.io/hostname`); None: unknown, which is
     never this node."""
     zone: str | None = None
+    zone_hints: tuple[str, ...] = ()
+    """`hints.forZones[].name`: the zones whose nodes should use this endpoint (set by the EndpointSlice
+    controller for topology-aware routing), sorted and unique; (): no hint."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +183,11 @@ class Node:
     deleting: bool = False
     """The node is going away: it has a deletionTimestamp, or the cluster autoscaler's ToBeDeletedByClusterAutoscaler
     taint. Upstream's /healthz then answers 503 ("nodeEligible": false), so load balancers stop sending to it."""
+
+    @property
+    def key(self) -> str:
+        """Nodes are cluster-scoped: the name alone."""
+        return self.name
 
     @property
     def zone(self) -> str | None:

@@ -68,7 +68,12 @@ class ServicePortState:
     terminating ones (upstream's ProxyTerminatingEndpoints). Empty means: no usable endpoint, reject (but see
     `drop`). A ClusterIP frontend of a Service with internalTrafficPolicy Local holds this node's endpoints
     only (by nodeName), chosen the same way among them. For an external frontend (`kind.external`) these serve
-    sources inside the cluster (pods, the node itself); `external_backends` serve the others."""
+    sources inside the cluster (pods, the node itself); `external_backends` serve the others.
+
+    Topology-aware routing (spec.trafficDistribution PreferClose, or the topology-mode annotation Auto, on a
+    node with a zone label) narrows these cluster endpoints, not this node's Local ones, to the ready ones
+    whose `hints.forZones` name the node's zone: only when every ready endpoint has a zone hint and one names
+    this zone (else all of them, as upstream); never the serving-and-terminating fallback."""
     known_backends: tuple[Backend, ...] = ()
     """Every endpoint of the slices (ready or not), sorted. Established flows to one of these are kept;
     a flow whose backend left this set is re-balanced: bpf mode at its next packet, the netfilter modes by
@@ -78,10 +83,10 @@ class ServicePortState:
     kind: FrontendKind = FrontendKind.CLUSTER_IP
     external_backends: tuple[Backend, ...] = ()
     """External frontends only: the endpoints new connections from outside the cluster may use, sorted. With
-    externalTrafficPolicy Cluster the same as `backends`; with Local this node's endpoints (by nodeName): its
-    ready ones or, when none is ready, its serving and terminating ones. Empty while `backends` is not: drop
-    that traffic (upstream's DROP; the client keeps waiting for another node); both empty: reject. Always ()
-    for a ClusterIP frontend, which serves every source from `backends`."""
+    externalTrafficPolicy Cluster the same as `backends` (topology included); with Local this node's endpoints
+    (by nodeName, hints ignored): its ready ones or, when none is ready, its serving and terminating ones.
+    Empty while `backends` is not: drop that traffic (upstream's DROP; the client keeps waiting for another
+    node); both empty: reject. Always () for a ClusterIP frontend, which serves every source from `backends`."""
     masquerade: bool = False
     """Every new flow to this frontend is SNATed to a node address, whatever its source: upstream's rule for
     external frontends with externalTrafficPolicy Cluster (external clients and pods alike), so replies come

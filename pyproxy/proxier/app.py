@@ -81,7 +81,7 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
     source: _Source
     if api is None:
         assert settings.source is not None
-        source = ManifestSource(settings.source, proxier)
+        source = ManifestSource(settings.source, proxier, node_name=node)
         origin = str(settings.source)
     else:
         source = ApiSource(api, proxier, node)

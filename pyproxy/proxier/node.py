@@ -1,5 +1,5 @@
 """This node as the model needs it (`NodeInputs`): its name, the addresses NodePorts are served on, its primary
-address; gathered here from the settings, the kernel and the Node object, and handed to the proxier whenever
+address, its zone; gathered here from the settings, the kernel and the Node object, and handed to the proxier whenever
 it changes (a change recomputes every Service).
 
 - The name: --hostname-override, else the host name, lowercased (upstream's rule; `config.node_name`).
@@ -11,6 +11,8 @@ it changes (a change recomputes every Service).
 - The primary address: the Node object's (`Node.primary_ipv4`) when following the API server and it has one;
   else the first IPv4 address of the device the default route leaves by, which is what the node's InternalIP
   usually is.
+- The zone: the Node object's `topology.kubernetes.io/zone` label (`Node.zone`), for topology-aware routing;
+  none until a source delivers the Node.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class Watcher(Protocol):
 
 class NodeAddresses:
     """Follows the node's addresses and calls `on_change(inputs)` with new `NodeInputs` when what the model
-    gets changes (from the watcher's thread, or the caller's for `start` and `set_primary`). The kernel is read
+    gets changes (from the watcher's thread, or the caller's for `start` and `set_from_node`). The kernel is read
     through `list_addresses`, `default_device` and `watcher`, which tests replace."""
 
     def __init__(
@@ -56,6 +58,7 @@ class NodeAddresses:
         self._watcher: Watcher | None = None
         self._lock = threading.Lock()
         self._node_primary: str | None = None
+        self._zone: str | None = None
         self.inputs = NodeInputs(name=name)
         """What the model was last given."""
         self._logged: tuple[str, ...] | None = None
@@ -71,12 +74,13 @@ class NodeAddresses:
         if self._watcher is not None:
             self._watcher.stop()
 
-    def set_primary(self, primary: str | None) -> None:
-        """The primary IPv4 address the Node object names (None: it names none, the default route decides)."""
+    def set_from_node(self, primary: str | None, zone: str | None) -> None:
+        """What the Node object says: its primary IPv4 address (None: it names none, the default route decides)
+        and its zone label (None: none)."""
         with self._lock:
-            if primary == self._node_primary:
+            if (primary, zone) == (self._node_primary, self._zone):
                 return
-            self._node_primary = primary
+            self._node_primary, self._zone = primary, zone
         self.refresh()
 
     def refresh(self) -> None:
@@ -88,7 +92,7 @@ class NodeAddresses:
                 device = self._default_device()
                 primary = next((a.ip for a in addresses if a.device == device), None)
             chosen = select_nodeport_addresses((a.ip for a in addresses), self._setting, primary)
-            inputs = NodeInputs(self.inputs.name, chosen, primary)
+            inputs = NodeInputs(self.inputs.name, chosen, primary, self._zone)
             if inputs == self.inputs:
                 return
             self.inputs = inputs

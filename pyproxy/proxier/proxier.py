@@ -81,7 +81,7 @@ class Proxier:
         self._node_inputs = NodeInputs(name=node_name)
         """What the model is told of this node: its name now, its addresses once `set_node_inputs` gives them."""
         self.node_addresses: NodeAddresses | None = None
-        """Follows the node's addresses (and takes the Node's primary address from `set_node`), if any."""
+        """Follows the node's addresses (and takes the Node's primary address and zone from `set_node`), if any."""
         self.service_health = service_health
         """The healthCheckNodePort servers, told of every Service a sync applied (None: none are run)."""
         self._started = time.time()
@@ -122,10 +122,10 @@ class Proxier:
                  ",".join(f"{t}={a}" for t, a in node.addresses) or "-", " (being deleted)" if node.deleting else "")
         self.node = node
         if self.node_addresses is not None:
-            self.node_addresses.set_primary(node.primary_ipv4)
+            self.node_addresses.set_from_node(node.primary_ipv4, node.zone)
 
     def set_node_inputs(self, inputs: NodeInputs) -> None:
-        """This node as the model sees it changed (its addresses, its primary address): every Service is
+        """This node as the model sees it changed (its addresses, its primary address, its zone): every Service is
         recomputed at the next sync."""
         with self._lock:
             if inputs == self._node_inputs:

@@ -57,7 +57,7 @@ SOURCES = {"client": CLIENT_IP, **{name: ip for ip, name in BACKENDS.items()}}
 NODE_ADDRESSES = (NODE_UPLINK_IP, NODE_CLIENT_IP, *(f"10.201.{i}.1" for i in (1, 2, 3)))
 """The node's own addresses in the table's lab (a distro lab with three backends): NodePorts are served on all of
 them, as pyproxy serves them without --nodeport-addresses."""
-NODE = NodeInputs(name=flowcases.NODE_NAME, nodeport_addresses=tuple(sorted(NODE_ADDRESSES)))
+NODE = NodeInputs(name=flowcases.NODE_NAME, nodeport_addresses=tuple(sorted(NODE_ADDRESSES)), zone=flowcases.NODE_ZONE)
 
 Memory = frozenset[tuple[str, ...]]
 """What flows leave behind for later ones, as hashable facts (each tracer says which)."""
@@ -105,7 +105,7 @@ def syncs(*manifests: str) -> list[Sync]:
     """What pyproxy applies to its dataplane while its `--source` file holds each of `manifests` in turn: the
     manifest source reads it into the proxier, which syncs after each into a dataplane that only remembers. The
     first sync is a full one, the later ones partial (only the Services that changed). The proxier knows the node
-    as the lab's pyproxy does (NODE: its name, its addresses)."""
+    as the lab's pyproxy does (NODE: its name, its addresses, the zone of the manifests' Node)."""
     dp = FakeDataplane()
     proxier = Proxier(dp, min_sync_period=0, sync_period=3600, metrics=ProxyMetrics("trace"),
                       health=ProxyHealth(sync_period=30))

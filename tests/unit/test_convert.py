@@ -40,6 +40,7 @@ def service_doc() -> dict[str, Any]:
             "internalTrafficPolicy": "Cluster",
             "healthCheckNodePort": 31000,
             "loadBalancerSourceRanges": [" 198.51.100.0/24", "203.0.113.7/16 ", "2001:db8::/32"],
+            "trafficDistribution": "PreferClose",
         },
         "status": {
             "loadBalancer": {
@@ -82,7 +83,8 @@ def slice_doc() -> dict[str, Any]:
         },
         "addressType": "IPv4",
         "endpoints": [
-            {"addresses": ["10.0.0.1"], "nodeName": "node-a", "zone": "z1"},
+            {"addresses": ["10.0.0.1"], "nodeName": "node-a", "zone": "z1",
+             "hints": {"forZones": [{"name": "z2"}, {"name": "z1"}, {"name": "z2"}]}},
             {"addresses": ["10.0.0.2"], "conditions": {"ready": False, "serving": True, "terminating": True}},
         ],
         "ports": [{"name": "http", "port": 8080}, {"name": "dns", "port": 5353, "protocol": "UDP"}],
@@ -109,6 +111,7 @@ def test_a_service_converts_with_its_ipv4_addresses_ports_and_policies() -> None
         health_check_node_port=31000,
         # Trimmed, host bits cleared, IPv6 ones dropped.
         load_balancer_source_ranges=("198.51.100.0/24", "203.0.0.0/16"),
+        traffic_distribution="PreferClose",
     )
 
 
@@ -120,6 +123,22 @@ def test_scheduler_and_weights_come_from_pyproxy_annotations() -> None:
     assert (svc.scheduler, svc.weights) == ("wrr", (("10.244.1.5", 3), ("10.244.2.7", 0)))
     plain = service_from_dict(service_doc())
     assert (plain.scheduler, plain.weights) == ("", ())
+
+
+@pytest.mark.parametrize(
+    ("annotations", "mode"),
+    [
+        ({"service.kubernetes.io/topology-mode": "Auto"}, "Auto"),
+        ({"service.kubernetes.io/topology-aware-hints": "auto"}, "auto"),
+        # The newer annotation wins, as upstream's serviceInfo reads it first.
+        ({"service.kubernetes.io/topology-mode": "Disabled", "service.kubernetes.io/topology-aware-hints": "Auto"},
+         "Disabled"),
+        ({}, ""),
+    ],
+)
+def test_topology_mode_comes_from_the_annotation_or_its_older_name(annotations: dict[str, str], mode: str) -> None:
+    svc = service_from_dict(set_path(service_doc(), "metadata.annotations", annotations))
+    assert svc.topology_mode == mode
 
 
 def test_a_minimal_service_gets_the_api_defaults() -> None:
@@ -134,6 +153,7 @@ def test_a_minimal_service_gets_the_api_defaults() -> None:
     assert svc.external_traffic_policy is svc.internal_traffic_policy is TrafficPolicy.CLUSTER
     assert (svc.external_ips, svc.load_balancer_ips, svc.load_balancer_source_ranges) == ((), (), ())
     assert svc.health_check_node_port is None
+    assert (svc.traffic_distribution, svc.topology_mode) == ("", "")
 
 
 @pytest.mark.parametrize(("path", "value"), [("spec.externalTrafficPolicy", ""), ("spec.externalTrafficPolicy", None),
@@ -203,7 +223,7 @@ def test_a_slice_converts_with_conditions_topology_and_trigger_time() -> None:
         service_name="web",
         address_type="IPv4",
         endpoints=(
-            Endpoint(("10.0.0.1",), node_name="node-a", zone="z1"),
+            Endpoint(("10.0.0.1",), node_name="node-a", zone="z1", zone_hints=("z1", "z2")),
             Endpoint(("10.0.0.2",), ready=False, serving=True, terminating=True),
         ),
         ports=(EndpointPort("http", 8080, Protocol.TCP), EndpointPort("dns", 5353, Protocol.UDP)),
@@ -217,6 +237,7 @@ def test_v1beta1_and_v1_normalise_to_the_same_object() -> None:
     beta["apiVersion"] = "discovery.k8s.io/v1beta1"
     first = beta["endpoints"][0]
     del first["nodeName"], first["zone"]
+    # v1beta1 carried hints.forZones too, in the same shape.
     first["topology"] = {"kubernetes.io/hostname": "node-a", "topology.kubernetes.io/zone": "z1"}
     assert endpointslice_from_dict(beta) == endpointslice_from_dict(slice_doc())
 
@@ -340,6 +361,11 @@ def test_an_invalid_service_is_rejected_with_a_clear_reason(path: str, value: An
         ("endpoints.0.addresses", [], "endpoints[0].addresses is empty"),
         ("endpoints.0.conditions", {"ready": "yes"}, "endpoints[0].conditions.ready must be true or false"),
         ("endpoints.0", ["10.0.0.1"], "endpoints[0] must be an object"),
+        ("endpoints.0.hints", [], "endpoints[0].hints must be an object"),
+        ("endpoints.0.hints.forZones", {"name": "z1"}, "endpoints[0].hints.forZones must be a list"),
+        ("endpoints.0.hints.forZones.1", "z1", "endpoints[0].hints.forZones[1] must be an object"),
+        ("endpoints.0.hints.forZones.1", {}, "endpoints[0].hints.forZones[1].name is missing"),
+        ("endpoints.0.hints.forZones.1.name", 1, "endpoints[0].hints.forZones[1].name must be a string"),
         ("ports.0.port", 65536, "ports[0].port 65536 is outside 1-65535"),
         ("ports.0.port", "8080", "ports[0].port must be an integer"),
         ("ports.1.protocol", "udp", "ports[1].protocol 'udp' is not one of TCP, UDP, SCTP"),
@@ -400,13 +426,16 @@ def test_the_fast_path_for_endpoints_agrees_with_field_by_field_conversion(monke
     gives: the same objects, or the same error (which then comes from the full conversion)."""
     beta = set_path(slice_doc(), "apiVersion", "discovery.k8s.io/v1beta1")
     beta["endpoints"][0] = {"addresses": ["10.0.0.1"], "topology": {"kubernetes.io/hostname": "node-a",
-                                                                  "topology.kubernetes.io/zone": "z1"}}
+                                                                  "topology.kubernetes.io/zone": "z1"},
+                            "hints": {"forZones": [{"name": "z1"}]}}
     docs = []
     for doc in (slice_doc(), beta):
         docs += [set_path(doc, path, value) for path in paths(doc) for value in ODD_VALUES]
         docs += [set_path(doc, "endpoints.0.addresses.0", a)
                  for a in ("010.0.0.1", "10.0.0.01", " 10.0.0.1", "10.0.0.1\n", "10.1", "1.2.3.4.5", "255.255.255.255",
                            "0.0.0.0", "10.0.0.256", "fd00::1", "10.0.0.1/32")]
+        docs += [set_path(doc, "endpoints.0.hints.forZones", z) for z in ([], [{"name": "z1", "extra": 1}],
+                                                                         [{"name": ""}], [{"name": None}], None)]
         docs += [set_path(doc, "endpoints.0.addresses", ["10.0.0.1", "10.0.0.2"]), set_path(doc, "endpoints", None),
                  set_path(doc, "endpoints", [])]
     fast = [_outcome(d) for d in docs]

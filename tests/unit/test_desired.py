@@ -1,8 +1,11 @@
 from dataclasses import replace
 
+import pytest
+
 from pyproxy.model.desired import compute_desired_state, compute_service_state, update_desired_state
-from pyproxy.model.objects import Endpoint, EndpointPort, EndpointSlice, Protocol, Service, ServicePort
-from pyproxy.model.state import Backend, DesiredState, Frontend
+from pyproxy.model.node import NodeInputs
+from pyproxy.model.objects import Endpoint, EndpointPort, EndpointSlice, Protocol, Service, ServicePort, TrafficPolicy
+from pyproxy.model.state import Backend, DesiredState, Frontend, FrontendKind
 from pyproxy.model.tracker import ClusterState
 
 TCP, UDP = Protocol.TCP, Protocol.UDP
@@ -187,3 +190,112 @@ def test_a_partial_update_never_takes_a_frontend_another_service_serves() -> Non
     assert third.holders[WEB_FRONTEND] == "default/web"
     assert third.rejected == (), "a rejection already reported is not reported again"
     assert third == second
+
+
+# Topology-aware routing (upstream's CategorizeEndpoints / canUseTopology): node-a is in zone z1.
+ZONED = NodeInputs(name="node-a", nodeport_addresses=("10.0.0.5",), zone="z1")
+NP_HTTP = ServicePort("http", 80, TCP, 8080, node_port=30080)
+NP_SLICE_PORT = (EndpointPort("http", 8080, TCP),)
+
+
+def hinted(ip: str, *zones: str, ready: bool = True, node: str | None = None, terminating: bool = False) -> Endpoint:
+    return Endpoint((ip,), ready=ready, serving=ready or terminating, terminating=terminating, node_name=node,
+                    zone_hints=zones)
+
+
+def zoned_service(**fields: object) -> Service:
+    svc = Service("default", "web", "NodePort", ("10.96.0.10",), (NP_HTTP,), traffic_distribution="PreferClose")
+    return replace(svc, **fields)
+
+
+def topology_states(svc: Service, *endpoints: Endpoint, node: NodeInputs = ZONED) -> dict[str, tuple[str, ...]]:
+    """frontend kind -> its backends' IPs; the NodePort's external_backends as "outside"."""
+    states = compute_service_state(svc, [slice_("web-1", endpoints, NP_SLICE_PORT)], node)
+    out = {}
+    for st in states:
+        out[str(st.kind)] = tuple(b.ip for b in st.backends)
+        if st.kind.external:
+            out["outside"] = tuple(b.ip for b in st.external_backends)
+        assert len(st.known_backends) == len(endpoints)  # topology never hides an endpoint's flows
+    return out
+
+
+THREE_ZONES = (hinted("10.0.0.1", "z1"), hinted("10.0.0.2", "z2"), hinted("10.0.0.3", "z3", "z1"))
+ALL = ("10.0.0.1", "10.0.0.2", "10.0.0.3")
+IN_Z1 = ("10.0.0.1", "10.0.0.3")
+
+
+def test_prefer_close_narrows_every_cluster_endpoint_set_to_the_nodes_zone() -> None:
+    assert topology_states(zoned_service(), *THREE_ZONES) == {"ClusterIP": IN_Z1, "NodePort": IN_Z1, "outside": IN_Z1}
+
+
+@pytest.mark.parametrize(
+    ("fields", "filtered"),
+    [
+        ({"traffic_distribution": "PreferSameZone"}, True),  # PreferClose's newer name
+        ({"traffic_distribution": "", "topology_mode": "Auto"}, True),
+        ({"traffic_distribution": "", "topology_mode": "auto"}, True),
+        # Upstream logs any other annotation value as unexpected and ignores it.
+        ({"traffic_distribution": "", "topology_mode": "Disabled"}, False),
+        ({"traffic_distribution": "", "topology_mode": "true"}, False),
+        ({"traffic_distribution": ""}, False),
+        ({"traffic_distribution": "PreferSameNode"}, False),  # node hints: not implemented
+    ],
+)
+def test_only_prefer_close_or_the_auto_annotation_ask_for_topology(fields: dict[str, str], filtered: bool) -> None:
+    expected = IN_Z1 if filtered else ALL
+    assert topology_states(zoned_service(**fields), *THREE_ZONES)["ClusterIP"] == expected
+
+
+def test_one_ready_endpoint_without_a_zone_hint_turns_topology_off() -> None:
+    assert topology_states(zoned_service(), *THREE_ZONES, hinted("10.0.0.4"))["ClusterIP"] == (*ALL, "10.0.0.4")
+    # A not-ready one without a hint does not count.
+    assert topology_states(zoned_service(), *THREE_ZONES, hinted("10.0.0.4", ready=False))["ClusterIP"] == IN_Z1
+
+
+def test_no_endpoint_hinted_for_the_nodes_zone_turns_topology_off() -> None:
+    assert topology_states(zoned_service(), hinted("10.0.0.1", "z2"), hinted("10.0.0.2", "z3"))["ClusterIP"] == (
+        "10.0.0.1", "10.0.0.2")
+    # Hinted for z1 but not ready: still none for z1 among the ready ones.
+    states = topology_states(zoned_service(), hinted("10.0.0.1", "z1", ready=False), hinted("10.0.0.2", "z2"))
+    assert states["ClusterIP"] == ("10.0.0.2",)
+
+
+def test_a_node_without_a_zone_label_uses_every_endpoint() -> None:
+    assert topology_states(zoned_service(), *THREE_ZONES, node=replace(ZONED, zone=None))["ClusterIP"] == ALL
+
+
+def test_the_terminating_fallback_ignores_hints() -> None:
+    draining = (hinted("10.0.0.1", "z1", ready=False, terminating=True),
+                hinted("10.0.0.2", "z2", ready=False, terminating=True))
+    assert topology_states(zoned_service(), *draining)["ClusterIP"] == ("10.0.0.1", "10.0.0.2")
+
+
+def test_local_traffic_policies_ignore_hints() -> None:
+    # 10.0.0.2 is this node's but hinted for z2 only.
+    eps = (hinted("10.0.0.1", "z1"), hinted("10.0.0.2", "z2", node="node-a"), hinted("10.0.0.3", "z1"))
+    itp = topology_states(zoned_service(internal_traffic_policy=TrafficPolicy.LOCAL), *eps)
+    assert itp == {"ClusterIP": ("10.0.0.2",), "NodePort": IN_Z1, "outside": IN_Z1}
+    # externalTrafficPolicy Local: outside sources get this node's; pods and the node (upstream's short
+    # circuit to the cluster endpoints) the zone's.
+    etp = topology_states(zoned_service(external_traffic_policy=TrafficPolicy.LOCAL), *eps)
+    assert etp == {"ClusterIP": IN_Z1, "NodePort": IN_Z1, "outside": ("10.0.0.2",)}
+
+
+def test_topology_is_decided_per_service_port() -> None:
+    svc = zoned_service(ports=(NP_HTTP, ServicePort("dns", 53, UDP, 5353)))
+    eps = slice_("web-1", THREE_ZONES, (*NP_SLICE_PORT, EndpointPort("dns", 5353, UDP)))
+    dns_only = slice_("web-2", (hinted("10.0.0.9"),), (EndpointPort("dns", 5353, UDP),))
+    by_port = {st.port_name: tuple(b.ip for b in st.backends)
+               for st in compute_service_state(svc, [eps, dns_only], ZONED) if st.kind is FrontendKind.CLUSTER_IP}
+    assert by_port == {"http": IN_Z1, "dns": (*ALL, "10.0.0.9")}
+
+
+def test_a_change_of_the_nodes_zone_recomputes_every_service() -> None:
+    svc = zoned_service()
+    slices = {svc.key: [slice_("web-1", THREE_ZONES, NP_SLICE_PORT)]}
+    state = compute_desired_state({svc.key: svc}, lambda key: slices.get(key, []), ZONED)
+    moved = update_desired_state(state, {svc.key: svc}, lambda key: slices.get(key, []), (),
+                                 replace(ZONED, zone="z2"))
+    (states,) = moved.services.values()
+    assert {tuple(b.ip for b in st.backends) for st in states} == {("10.0.0.2",)}

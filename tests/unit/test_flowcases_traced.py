@@ -111,7 +111,8 @@ def test_iptables_tracer_sees_a_lost_firewall_local_policy_and_local_drop(first:
         "a load-balancer IP whose source ranges leave the client out: no answer"]
     # externalTrafficPolicy Local's KUBE-EXT sent to KUBE-SVC: the other node's endpoint answers too.
     assert wrong_after(re.sub(r"^(-A KUBE-EXT-\S+) -j KUBE-SVL-", r"\1 -j KUBE-SVC-", text, flags=re.M)) == [
-        "externalTrafficPolicy Local: only this node's endpoint"]
+        "externalTrafficPolicy Local: only this node's endpoint",
+        "PreferClose, externalTrafficPolicy Local: outside clients get this node's endpoint"]
     # Without filter's "has no local endpoints" DROP, the untranslated flow reaches the node's stack: refused.
     assert wrong_after(_without_lines(text, "has no local endpoints")) == [
         "externalTrafficPolicy Local, no endpoint on this node: no answer"]
@@ -183,7 +184,9 @@ def test_nftables_tracer_sees_a_missing_firewall_and_a_lost_local_policy(first: 
     unlocal = re.sub(r"goto (local-\S+); \}", lambda m: "goto service-" + m[1].removeprefix("local-") + "; }", script)
     assert unlocal != script
     wrong = mismatches(nftables.NftablesTracer([unlocal]), "nftables")
-    assert [w.split(" (")[0] for w in wrong] == ["externalTrafficPolicy Local: only this node's endpoint"], wrong
+    assert [w.split(" (")[0] for w in wrong] == [
+        "externalTrafficPolicy Local: only this node's endpoint",
+        "PreferClose, externalTrafficPolicy Local: outside clients get this node's endpoint"], wrong
 
 
 def test_nftables_tracer_fails_on_an_external_form_it_does_not_know(first: list[Sync]) -> None:

@@ -10,6 +10,7 @@ import yaml
 from pyproxy.k8s import manifest
 from pyproxy.k8s.manifest import ManifestSource
 from pyproxy.k8s.sink import RecordingSink
+from pyproxy.model.objects import ZONE_LABEL
 
 
 def service(name: str, ip: str = "10.96.0.10", port: Any = 80) -> dict[str, Any]:
@@ -287,3 +288,27 @@ def test_a_json_list_decoded_item_by_item_reads_as_when_decoded_whole(tmp_path: 
 def test_the_usual_json_list_is_decoded_item_by_item() -> None:
     assert manifest._json_list(JSON_DOCUMENTS[0]) is not None
     assert manifest._json_list(JSON_DOCUMENTS[4]) is None  # kind after items: the caller decodes it whole
+
+
+def node(name: str, zone: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {ZONE_LABEL: zone}}}
+
+
+def test_the_own_node_is_delivered_and_followed_other_nodes_are_not(tmp_path: Path, sink: RecordingSink) -> None:
+    path = tmp_path / "objects.yaml"
+    write(path, service("web"), node("node-a", "z1"), node("node-b", "z2"))
+    source = ManifestSource(path, sink, node_name="node-a")
+    source.load_once()
+    assert sink.node is not None and (sink.node.name, sink.node.zone) == ("node-a", "z1")
+    sink.calls.clear()
+    write(path, service("web"), node("node-a", "z2"), node("node-b", "z3"))
+    source.load_once()
+    assert sink.calls == [("Node", "node-a", True)]
+    assert sink.node is not None and sink.node.zone == "z2"
+    write(path, service("web"))
+    source.load_once()
+    assert sink.node is None
+    write(path, service("web"), node("node-a", "z1"))
+    nameless = RecordingSink()
+    ManifestSource(path, nameless).load_once()  # no node name: every Node is another node's
+    assert [c for c in nameless.calls if c[0] == "Node"] == []

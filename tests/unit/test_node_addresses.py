@@ -10,7 +10,7 @@ import pytest
 from pyproxy.dataplane.fake import FakeDataplane
 from pyproxy.dataplane.netlink import Address
 from pyproxy.model.node import NodeInputs
-from pyproxy.model.objects import Node, Protocol, Service, ServicePort
+from pyproxy.model.objects import ZONE_LABEL, Node, Protocol, Service, ServicePort
 from pyproxy.model.state import FrontendKind
 from pyproxy.proxier.metrics import ProxyMetrics
 from pyproxy.proxier.node import NodeAddresses
@@ -92,9 +92,9 @@ def test_an_address_change_is_handed_over_once_and_logged(caplog: pytest.LogCapt
 def test_the_node_objects_primary_address_wins_over_the_default_route() -> None:
     kernel = FakeKernel(ETH0, ETH1)
     tracker, seen = tracked(kernel, ("primary",))
-    tracker.set_primary("192.168.1.5")
+    tracker.set_from_node("192.168.1.5", None)
     assert seen[-1] == NodeInputs("node-a", ("192.168.1.5",), "192.168.1.5")
-    tracker.set_primary(None)
+    tracker.set_from_node(None, None)
     assert seen[-1] == NodeInputs("node-a", ("10.0.0.5",), "10.0.0.5")
     assert len(seen) == 3
 
@@ -140,3 +140,7 @@ def test_the_node_addresses_reach_the_desired_state_and_a_change_resyncs_every_s
     p.set_node(Node("node-a", addresses=(("InternalIP", "192.168.1.5"),)))
     p.sync()
     assert p.desired.node.primary_ip == "192.168.1.5"
+    # ... and a zone label (topology-aware routing): every Service is recomputed with it.
+    p.set_node(Node("node-a", labels=((ZONE_LABEL, "z1"),), addresses=(("InternalIP", "192.168.1.5"),)))
+    p.sync()
+    assert p.desired.node.zone == "z1"
