@@ -13,7 +13,15 @@ from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, libbpf, loader
 from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.libbpf import ffi
-from pyproxy.dataplane.bpf.render import NO_MASQUERADE, Applied, Plan, Scheduling, frontend_key, render
+from pyproxy.dataplane.bpf.render import (
+    DEFAULT_SCHEDULING,
+    NO_MASQUERADE,
+    Applied,
+    Plan,
+    Scheduling,
+    frontend_key,
+    render,
+)
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, ServicePortState
 
@@ -92,7 +100,7 @@ class Dataplane:
         self.obj.close()
 
     def apply(self, *states: ServicePortState, service: str = SERVICE,
-              masq: MasqueradeSettings = NO_MASQUERADE, scheduling: Scheduling = Scheduling()) -> Plan:
+              masq: MasqueradeSettings = NO_MASQUERADE, scheduling: Scheduling = DEFAULT_SCHEDULING) -> Plan:
         plan = render(self.applied, {service: states}, self.capacity, masq, scheduling)
         self.maps.run_batches(plan.batches)
         self.applied.commit(plan)

@@ -18,6 +18,7 @@ import pytest
 
 from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.render import (
+    DEFAULT_SCHEDULING,
     NO_MASQUERADE,
     Applied,
     CapacityError,
@@ -172,7 +173,8 @@ class Cluster:
         self.model = MapModel()
         self.capacity = dict(capacity or {})
 
-    def sync(self, desired: Mapping[str, Iterable[ServicePortState]], scheduling: Scheduling = Scheduling()) -> Plan:
+    def sync(self, desired: Mapping[str, Iterable[ServicePortState]],
+             scheduling: Scheduling = DEFAULT_SCHEDULING) -> Plan:
         plan = render(self.applied, {k: tuple(v) for k, v in desired.items()}, self.capacity, NO_MASQUERADE,
                       scheduling)
         for op in plan.ops:

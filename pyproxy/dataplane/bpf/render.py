@@ -318,6 +318,7 @@ def wrr_round(weights: Sequence[int]) -> list[int]:
 
 
 _MAX_ROUND = 65535  # a table's size is a u16 (pyproxy_svc_value.table_size)
+DEFAULT_SCHEDULING = Scheduling()
 
 
 def frontend_key(fe: Frontend, scope: int = abi.SVC_SCOPE_PACKETS) -> FrontendKey:
@@ -342,7 +343,7 @@ def render(
     desired: Mapping[str, Iterable[ServicePortState]],
     capacity: Mapping[str, int],
     masq: MasqueradeSettings = NO_MASQUERADE,
-    scheduling: Scheduling = Scheduling(),
+    scheduling: Scheduling = DEFAULT_SCHEDULING,
 ) -> Plan:
     """Plan the changes for the Services in `desired` (Service key -> its frontends; an empty iterable
     means the Service is gone). Services not in `desired` are untouched. `applied` is only read. `masq`: the
