@@ -96,10 +96,11 @@ def test_the_hash_is_pinned_so_every_node_and_version_computes_the_same_table() 
 
 
 def test_a_table_of_a_thousand_backends_is_built_in_well_under_100_ms() -> None:
-    # About 8 ms (24 ms weighted) on the development machine; the bounds leave room for a slow CI runner.
+    # About 8 ms (25 ms weighted) on the 2-core development machine; the best of 5 and bounds of several times
+    # that keep a busy or slow runner from failing it.
     backends = pods(1000)
-    assert min(_seconds(lambda: table(backends, DEFAULT_TABLE_SIZE)) for _ in range(3)) < 0.05
-    assert min(_seconds(lambda: table(backends, DEFAULT_TABLE_SIZE, [1, 2] * 500)) for _ in range(3)) < 0.075
+    assert min(_seconds(lambda: table(backends, DEFAULT_TABLE_SIZE)) for _ in range(5)) < 0.05
+    assert min(_seconds(lambda: table(backends, DEFAULT_TABLE_SIZE, [1, 2] * 500)) for _ in range(5)) < 0.09
 
 
 def _seconds(build: Callable[[], object]) -> float:
