@@ -1,19 +1,18 @@
 """Per-packet cost of each scheduler (bpf/include/pyproxy/sched.h): BPF_PROG_TEST_RUN of the TC ingress program
-on new flows to one Service programmed with that scheduler, and on its established flow, at 1 and 100,000
-Services. bench/packet.py's method (read its docstring): new flows one run per bpf(2) call beside the floor
-measured the same way, established flows repeat N on a flow pinned to a backend equal to its own ClusterIP:port,
-the datapath's counters verifying every run.
+on new flows to a Service programmed with that scheduler, and on its established flow, with the measured Services
+alone and among 100,000. bench/packet.py's method (read its docstring): new flows one run per bpf(2) call beside
+the floor measured the same way, established flows repeat N on a flow pinned to a backend equal to its own
+ClusterIP:port, the datapath's counters verifying every run.
 
-The measured Service has 10 backends, itself among them; wrr, sed and nq get weights 1, 2, 3 over them (wrr with
+One Service per scheduler, all programmed at once, so the new flows of every scheduler are interleaved in chunks:
+measured one scheduler after the other (reprogramming one Service), a shared machine's load changing in between
+moved the schedulers' figures by 20-40 % against each other, more than the differences measured. The smallest
+size is therefore those 9 Services, not 1; the lookups of a hash map with 9 entries cost what they cost with 1.
+
+Each measured Service has 10 backends, itself among them; wrr, sed and nq get weights 1, 2, 3 over them (wrr with
 equal weights is programmed as rr). lc, sed and nq compare all 10 on every new flow (PYPROXY_LEAST_SCAN is 256).
 The other Services are random: a Maglev table each at 100,000 Services would be 1.6 G entries, beyond
 MAP_TABLES (1,048,576: 64 tables of 16,381).
-
-One Service carries one scheduler at a time, so the schedulers are measured one after the other, the measured
-Service reprogrammed through render() in between (one Service's delta). A pass takes every scheduler once; the
-run makes several passes and pools them, so a drift of the machine's speed during the run spreads over all
-schedulers instead of landing on whichever ran then. The floor is measured in the same chunks as each
-scheduler's flows and the note beside each number gives its cost over that floor.
 """
 
 from __future__ import annotations
@@ -55,20 +54,20 @@ MOVES = 40
 address): each is a fresh chance that the choice is the self backend."""
 
 
-def measured(n: int, sched: str, at: int) -> ServicePortState:
-    """The measured Service (the last of n) at ClusterIP core.vip(at), with `sched`: 9 endpoints and itself."""
+def measured(sched: str, at: int) -> ServicePortState:
+    """The Service measured with `sched`, at ClusterIP core.vip(at): 9 endpoints and itself."""
     vip = core.vip(at)
     backends = tuple(sorted([Backend(core.endpoint(at * core.ENDPOINTS + j), core.BACKEND_PORT)
                              for j in range(core.ENDPOINTS - 1)] + [Backend(vip, core.PORT)]))
     weights = tuple(sorted((b.ip, 1 + k % 3) for k, b in enumerate(backends))) if sched in WEIGHTED else ()
-    name = f"bench/svc-{n - 1}"
+    name = f"bench/sched-{sched}"
     return ServicePortState(name, "", Frontend(vip, core.PORT, Protocol.TCP), backends, backends,
                             scheduler=sched, weights=weights)
 
 
-def others(n: int) -> dict[str, tuple[ServicePortState, ...]]:
+def others(count: int) -> dict[str, tuple[ServicePortState, ...]]:
     out: dict[str, tuple[ServicePortState, ...]] = {}
-    for i in range(n - 1):
+    for i in range(count):
         backends = tuple(Backend(core.endpoint(i * core.ENDPOINTS + j), core.BACKEND_PORT)
                          for j in range(core.ENDPOINTS))
         out[f"bench/svc-{i}"] = (ServicePortState(f"bench/svc-{i}", "", Frontend(core.vip(i), core.PORT, Protocol.TCP),
@@ -77,7 +76,7 @@ def others(n: int) -> dict[str, tuple[ServicePortState, ...]]:
 
 
 class Node:
-    """A fresh copy of the programs with n Services, the last one reprogrammed at will."""
+    """A fresh copy of the programs with n Services: n - len(SCHEDULERS) random ones and one per scheduler."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -105,8 +104,7 @@ class Node:
         for _ in range(tries):
             flow = self.flow(vip)
             TestRun(tc, frame(flow))(1)
-            fwd = ct_key(flow, abi.CT_FORWARD)
-            v = self.dp.maps.ct.get(fwd)
+            v = self.dp.maps.ct.get(ct_key(flow, abi.CT_FORWARD))
             if v is not None and (v.nat_addr, v.nat_port) == want:
                 return flow
         return None
@@ -115,16 +113,15 @@ class Node:
         self.dp.close()
 
 
-def schedule(node: Node, sched: str, at: dict[str, int]) -> Flow:
-    """Program the measured Service with `sched` and pin an established flow to its self backend, moving the
-    Service to another address (remembered in `at`) when its flows cannot reach it there."""
-    start = at.get(sched, node.n - 1)
-    for k in range(MOVES):
-        here = start + k
-        node.program({f"bench/svc-{node.n - 1}": (measured(node.n, sched, here),)})
-        flow = node.pin(core.vip(here), 3 * core.ENDPOINTS)
+def pinned(node: Node, k: int, sched: str) -> Flow:
+    """A flow of the Service measured with `sched` (the k-th of SCHEDULERS) established to its self backend; the
+    Service moves to another address (one of MOVES of its own) when its flows cannot reach it there."""
+    first = node.n - len(SCHEDULERS) + k
+    for at in [first, *range(node.n + k * MOVES, node.n + (k + 1) * MOVES - 1)]:
+        if at != first:
+            node.program({f"bench/sched-{sched}": (measured(sched, at),)})
+        flow = node.pin(core.vip(at), 3 * core.ENDPOINTS)
         if flow is not None:
-            at[sched] = here
             return flow
     raise RuntimeError(f"{sched}: no flow picked the self backend at {MOVES} frontend addresses")
 
@@ -134,74 +131,78 @@ def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.Lo
     rec.step(f"{core.plural(n, 'service')}: loading the object and filling the maps through render() -> Maps.run")
     node = Node(n)
     try:
-        ops = node.program({**others(n), f"bench/svc-{n - 1}": (measured(n, "random", n - 1),)})
+        first = n - len(SCHEDULERS)
+        ops = node.program({**others(first), **{f"bench/sched-{s}": (measured(s, first + k),)
+                                                for k, s in enumerate(SCHEDULERS)}})
         rec.log(f"{ops:,} ops")
         tc = node.dp.obj.progs[abi.PROG_TC_INGRESS]
-        repeat, rounds, passes = int(p["repeat"]), int(p["rounds"]), int(p["passes"])
-        singles = int(p["single_runs"]) // passes
+        flows = {s: pinned(node, k, s) for k, s in enumerate(SCHEDULERS)}
+        est_runs = {s: TestRun(tc, frame(f, tcp_flags=TCP_ACK)) for s, f in flows.items()}
+        floor = TestRun(verdict.progs[VERDICT_PROG], frame(flows["random"], tcp_flags=TCP_ACK))
+        repeat, rounds, singles = int(p["repeat"]), int(p["rounds"]), int(p["single_runs"])
         new: dict[str, list[float]] = {s: [] for s in SCHEDULERS}
         est: dict[str, list[float]] = {s: [] for s in SCHEDULERS}
         est_rep: dict[str, list[float]] = {s: [] for s in SCHEDULERS}
-        floors: dict[str, list[float]] = {s: [] for s in SCHEDULERS}
+        floors: list[float] = []
         floor_rep: list[float] = []
-        at: dict[str, int] = {}
-        for k in range(passes):
-            for sched in SCHEDULERS:
-                rec.step(f"{core.plural(n, 'service')}: pass {k + 1}/{passes}, {sched}")
-                flow = schedule(node, sched, at)
-                est_pkt = frame(flow, tcp_flags=TCP_ACK)
-                est_run, floor = TestRun(tc, est_pkt), TestRun(verdict.progs[VERDICT_PROG], est_pkt)
-                frames = [frame(node.flow(flow.dst)) for _ in range(singles)]
-                est_run(repeat)  # not recorded: warms the caches after the reprogramming
-                before = node.dp.counters()
-                for _ in range(rounds):
-                    floor_rep.append(float(floor(repeat)[1]))
-                    retval, ns = est_run(repeat)
-                    if retval != TC_ACT_OK:
-                        raise RuntimeError(f"{sched}: established verdict {retval}")
-                    est_rep[sched].append(float(ns))
-                chunk = 250
-                for start in range(0, singles, chunk):
-                    part = frames[start:start + chunk]
-                    floors[sched].extend(float(floor(1)[1]) for _ in part)
-                    new[sched].extend(float(TestRun(tc, data)(1)[1]) for data in part)
-                    est[sched].extend(float(est_run(1)[1]) for _ in part)
-                _expect(f"{sched} at {n:,}", _delta(before, node.dp.counters()),
-                        {"new_flow": singles, "established": rounds * repeat + singles})
-                if deadline.expired():
-                    raise RuntimeError("out of time")
+        rec.step(f"{core.plural(n, 'service')}: {rounds} rounds of repeat={repeat:,} on each established flow")
+        before = node.dp.counters()
+        for run in (floor, *est_runs.values()):
+            run(repeat)  # not recorded: warms caches and the CPU's clock, as bench/packet.py's first round
+        for _ in range(rounds):
+            floor_rep.append(float(floor(repeat)[1]))
+            for s, run in est_runs.items():
+                retval, ns = run(repeat)
+                if retval != TC_ACT_OK:
+                    raise RuntimeError(f"{s}: established verdict {retval}")
+                est_rep[s].append(float(ns))
+        rec.step(f"{core.plural(n, 'service')}: {singles:,} single runs each of new flows and the established flow "
+                 "per scheduler, and the floor")
+        frames = {s: [frame(node.flow(f.dst)) for _ in range(singles)] for s, f in flows.items()}
+        chunk = 250
+        for c, start in enumerate(range(0, singles, chunk)):
+            size = min(chunk, singles - start)
+            floors.extend(float(floor(1)[1]) for _ in range(size))
+            # Each chunk starts at another scheduler, so none always follows the floor or the lookups of another.
+            for s in SCHEDULERS[c % len(SCHEDULERS):] + SCHEDULERS[:c % len(SCHEDULERS)]:
+                new[s].extend(float(TestRun(tc, data)(1)[1]) for data in frames[s][start:start + chunk])
+                est[s].extend(float(est_runs[s](1)[1]) for _ in range(size))
+            if deadline.expired():
+                raise RuntimeError("out of time")
+        per = len(SCHEDULERS)
+        _expect(f"{core.plural(n, 'service')}", _delta(before, node.dp.counters()),
+                {"new_flow": per * singles, "established": per * ((rounds + 1) * repeat + singles)})
         record(rec, n, new, est, est_rep, floors, floor_rep)
     finally:
         node.close()
 
 
 def record(rec: Recorder, n: int, new: Mapping[str, list[float]], est: Mapping[str, list[float]],
-           est_rep: Mapping[str, list[float]], floors: Mapping[str, list[float]], floor_rep: list[float]) -> None:
-    all_floors = [v for values in floors.values() for v in values]
-    floor1 = statistics.median(all_floors)
-    rec.add(Measurement("sched_new", FLOOR, "floor", n, floor1, "ns", detail=summary(all_floors)))
-    rec.add(Measurement("sched_est_single", FLOOR, "floor", n, floor1, "ns", detail=summary(all_floors)))
+           est_rep: Mapping[str, list[float]], floors: list[float], floor_rep: list[float]) -> None:
+    floor = statistics.median(floors)
+    rec.add(Measurement("sched_new", FLOOR, "floor", n, floor, "ns", detail=summary(floors)))
+    rec.add(Measurement("sched_est_single", FLOOR, "floor", n, floor, "ns", detail=summary(floors)))
     rec.add(Measurement("sched_est", FLOOR, "floor", n, statistics.median(floor_rep), "ns", detail=summary(floor_rep)))
-    random_new = statistics.median(new["random"]) - statistics.median(floors["random"])
+    random_new = statistics.median(new["random"])
     for sched in SCHEDULERS:
-        own_floor = statistics.median(floors[sched])
         value = statistics.median(new[sched])
-        rec.add(Measurement("sched_new", sched, "bpf", n, value, "ns", f"+{value - own_floor:.0f} ns over the floor",
-                            {**summary(new[sched]), "floor": own_floor}))
+        rec.add(Measurement("sched_new", sched, "bpf", n, value, "ns", f"+{value - floor:.0f} ns over the floor",
+                            summary(new[sched])))
+        alone = 100 * ((value - floor) / (random_new - floor) - 1)
+        rec.add(Measurement("sched_new_vs_random", sched, "bpf", n, 100 * (value / random_new - 1), "%",
+                            f"program alone (less the floor): {alone:+.1f} %"))
         value = statistics.median(est[sched])
-        rec.add(Measurement("sched_est_single", sched, "bpf", n, value, "ns", f"+{value - own_floor:.0f} ns",
-                            {**summary(est[sched]), "floor": own_floor}))
+        rec.add(Measurement("sched_est_single", sched, "bpf", n, value, "ns", f"+{value - floor:.0f} ns over the floor",
+                            summary(est[sched])))
         value = statistics.median(est_rep[sched])
         rec.add(Measurement("sched_est", sched, "bpf", n, value, "ns", detail=summary(est_rep[sched])))
-        cost = statistics.median(new[sched]) - own_floor
-        rec.add(Measurement("sched_new_vs_random", sched, "bpf", n, 100 * (cost / random_new - 1), "%",
-                            f"{cost:.0f} ns over the floor vs random's {random_new:.0f}"))
 
 
 def params(quick: bool) -> dict[str, Any]:
+    # The smallest size is the measured Services alone, one per scheduler.
     if quick:
-        return {"services": [1, 10000], "repeat": 200_000, "rounds": 2, "single_runs": 1500, "passes": 1}
-    return {"services": [1, 100000], "repeat": 1_000_000, "rounds": 3, "single_runs": 9000, "passes": 3}
+        return {"services": [len(SCHEDULERS), 10000], "repeat": 200_000, "rounds": 2, "single_runs": 1500}
+    return {"services": [len(SCHEDULERS), 100000], "repeat": 1_000_000, "rounds": 5, "single_runs": 10000}
 
 
 def run(p: Mapping[str, Any], rec: Recorder, deadline: Deadline) -> None:
@@ -210,12 +211,13 @@ def run(p: Mapping[str, Any], rec: Recorder, deadline: Deadline) -> None:
     for path in (PYPROXY_OBJECT, VERDICT_OBJECT):
         if not path.exists():
             raise FileNotFoundError(f"{path} missing: run `make bpf`")
-    rec.note("TC ingress, one Service with 10 backends (itself among them) programmed with each scheduler in turn; "
-             "wrr, sed, nq weighted 1, 2, 3; lc, sed, nq compare all 10 backends per new flow. At 100,000 "
-             "Services the other 99,999 are random: a Maglev table (16,381 entries) for each would be 1.6 G "
-             "entries, MAP_TABLES holds 1,048,576. New flow: one run per bpf(2) call, distinct flows, beside the "
-             "floor measured the same way; established: the flow pinned to the self backend, repeat N (as "
-             "bench/packet.py's) and single runs. Passes over all schedulers pooled; counters verified.")
+    rec.note(f"TC ingress; one Service per scheduler ({len(SCHEDULERS)}), 10 backends each, itself among them; "
+             "wrr, sed, nq weighted 1, 2, 3; lc, sed, nq compare all 10 backends per new flow. The smallest size "
+             "is those Services alone; at 100,000 the other 99,991 are random: a Maglev table (16,381 entries) "
+             "for each of 100,000 Services would be 1.6 G entries, MAP_TABLES holds 1,048,576 (64 tables). New "
+             "flow: one run per bpf(2) call, distinct flows, the schedulers interleaved in chunks beside the floor "
+             "measured the same way; established: the flow pinned to the self backend, repeat N (as "
+             "bench/packet.py's) and single runs. Counters verified.")
     verdict = loader.load(VERDICT_OBJECT, None)
     try:
         for n in p["services"]:
@@ -233,13 +235,13 @@ PART = Part(
     figures=(
         Figure("sched", "Schedulers: TC ns per packet, one Service with 10 backends per scheduler", (
             Panel("sched_new", "ns per packet (median)", "new flow, one run per call"),
-            Panel("sched_new_vs_random", "% over random", "new flow's cost over the floor vs random's"),
+            Panel("sched_new_vs_random", "% over random", "new flow vs random's"),
             Panel("sched_est", "ns per packet (median)", "established flow, repeat N"),
         )),
     ),
     metrics={
         "sched_new": "TC new flow to the Service with that scheduler, ns per packet, one run per call (median)",
-        "sched_new_vs_random": "new flow's cost over the floor, % more than random's at the same size",
+        "sched_new_vs_random": "new flow, % more ns per packet than random's at the same size",
         "sched_est": "TC established flow, ns per packet, repeat N (median of rounds)",
         "sched_est_single": "TC established flow, ns per packet, one run per call (median)",
     },
