@@ -11,8 +11,8 @@ size is therefore those 9 Services, not 1; the lookups of a hash map with 9 entr
 
 Each measured Service has 10 backends, itself among them; wrr, sed and nq get weights 1, 2, 3 over them (wrr with
 equal weights is programmed as rr). lc, sed and nq compare all 10 on every new flow (PYPROXY_LEAST_SCAN is 256).
-The other Services are random: a Maglev table each at 100,000 Services would be 1.6 G entries, beyond
-MAP_TABLES (1,048,576: 64 tables of 16,381).
+The other Services are random: a Maglev table (16,381 entries, 128 KB) for each of 100,000 Services would be
+13 GB of tables.
 """
 
 from __future__ import annotations
@@ -213,8 +213,8 @@ def run(p: Mapping[str, Any], rec: Recorder, deadline: Deadline) -> None:
             raise FileNotFoundError(f"{path} missing: run `make bpf`")
     rec.note(f"TC ingress; one Service per scheduler ({len(SCHEDULERS)}), 10 backends each, itself among them; "
              "wrr, sed, nq weighted 1, 2, 3; lc, sed, nq compare all 10 backends per new flow. The smallest size "
-             "is those Services alone; at 100,000 the other 99,991 are random: a Maglev table (16,381 entries) "
-             "for each of 100,000 Services would be 1.6 G entries, MAP_TABLES holds 1,048,576 (64 tables). New "
+             "is those Services alone; at 100,000 the other 99,991 are random: a Maglev table (16,381 entries, "
+             "128 KB) for each of 100,000 Services would be 13 GB of tables. New "
              "flow: one run per bpf(2) call, distinct flows, the schedulers interleaved in chunks beside the floor "
              "measured the same way; established: the flow pinned to the self backend, repeat N (as "
              "bench/packet.py's) and single runs. Counters verified.")

@@ -87,6 +87,15 @@ class Btf:
     def map_uint(self, map_def: dict[str, Any], field: str) -> int:
         return int(self.map_field(map_def, field)["nr_elems"])
 
+    def inner_map(self, map_def: dict[str, Any]) -> dict[str, Any]:
+        """A map-in-map's `__array(values, struct T)`: T, the definition of its inner maps."""
+        member = next(m for m in map_def["members"] if m["name"] == "values")
+        array = self.resolve(member["type_id"])
+        assert array["kind"] == "ARRAY"
+        ptr = self.resolve(array["type_id"])
+        assert ptr["kind"] == "PTR"
+        return self.resolve(ptr["type_id"])
+
 
 def python_members(cls: type[ctypes.Structure]) -> list[Member]:
     return [Member(name, getattr(cls, name).offset, getattr(cls, name).size) for name, *_ in cls._fields_]
@@ -148,7 +157,16 @@ def test_python_reads_each_map_with_its_c_key_and_value_types(btf: Btf) -> None:
         d = defs.get(name)
         assert d is not None, f"map {name} is not in the object"
         assert (btf.map_uint(d, "type") == BPF_MAP_TYPE_PERCPU_ARRAY) == per_cpu, f"{name}: per-CPU or not"
-        for field, cls in (("key", key_type), ("value", value_type)):
+        fields = [("key", key_type), ("value", value_type)]
+        if name == abi.MAP_TABLES:
+            # A map of maps: user space writes inner maps' fds and reads their ids (u32 both); each inner map
+            # (a frontend's table) is read and written with the template's own types.
+            assert value_type is ctypes.c_uint32
+            inner = btf.inner_map(d)
+            for field, cls in (("key", ctypes.c_uint32), ("value", abi.Backend)):
+                assert _py_name(cls) == _c_name(btf, btf.map_field(inner, field)), f"{name}'s tables' {field}"
+            fields = fields[:1]
+        for field, cls in fields:
             assert _py_name(cls) == _c_name(btf, btf.map_field(d, field)), f"{name} {field}"
 
 

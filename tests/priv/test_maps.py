@@ -7,6 +7,7 @@ import ctypes
 import errno
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from pyproxy.dataplane.bpf import abi, libbpf, loader
 from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.maps import MapFullError, lookup_batch, update_batch
-from pyproxy.dataplane.bpf.render import Applied, render
+from pyproxy.dataplane.bpf.render import NO_MASQUERADE, Applied, Scheduling, render
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, ServicePortState
 
@@ -140,3 +141,34 @@ def test_without_batch_operations_plans_run_one_call_per_entry(maps: Maps, monke
     program(maps, applied, {**desired(10, 2), **{f"bench/svc-{i}": () for i in range(10, 30)}})
     assert maps.read_applied() == applied
     assert len(maps.slots.keys_list()) == 20
+
+
+def test_schedulers_weights_and_tables_read_back_as_planned(maps: Maps) -> None:
+    """A restart finds each frontend's scheduler, its slots' weights and its table (an array of its own in the
+    map of maps), and replans to nothing; a resized table is a new array."""
+    applied = Applied()
+    want = desired(6, 4)
+    names = sorted(want)
+    annotated = {
+        names[0]: replace(want[names[0]][0], scheduler="maglev"),
+        names[1]: replace(want[names[1]][0], scheduler="wrr", weights=((want[names[1]][0].backends[0].ip, 3),)),
+        names[2]: replace(want[names[2]][0], scheduler="lc"),
+    }
+    want = {**want, **{k: (v,) for k, v in annotated.items()}}
+    scheduling = Scheduling(table_size=1021)
+    plan = render(applied, want, CAPACITY, NO_MASQUERADE, scheduling)
+    maps.run_batches(plan.batches)
+    applied.commit(plan)
+    back = maps.read_applied()
+    assert back == applied
+    for key, fe in applied.frontends.items():
+        got = back.frontends[key]
+        assert (got.sched, got.weights, got.table) == (fe.sched, fe.weights, fe.table), fe.name
+    assert sorted(len(f.table) for f in back.frontends.values()) == [0, 0, 0, 0, 6, 1021]  # wrr: 3+1+1+1 turns
+    again = render(back, want, CAPACITY, NO_MASQUERADE, scheduling)
+    assert again.batches == ()
+    # Another table size: a new array replaces the old one, read back whole.
+    bigger = render(back, want, CAPACITY, NO_MASQUERADE, Scheduling(table_size=2039))
+    maps.run_batches(bigger.batches)
+    back.commit(bigger)
+    assert maps.read_applied() == back

@@ -20,8 +20,6 @@ CASES = [
      abi.SvcValue(8, 2, abi.SVC_F_NODE_VIEW, 0, abi.SCHED["maglev"], 0, 16381)),
     (abi.MAP_SLOTS, (70000, 9), abi.SlotKey(70000, 9),
      ("10.128.1.2", 8080, 65), abi.Slot(abi.be32("10.128.1.2"), abi.be16(8080), 65)),
-    (abi.MAP_TABLES, (70000, 16380), abi.SlotKey(70000, 16380),
-     ("10.128.1.2", 8080), abi.Backend(abi.be32("10.128.1.2"), abi.be16(8080))),
     (abi.MAP_BACKENDS, ("192.168.0.1", 53), abi.Backend(abi.be32("192.168.0.1"), abi.be16(53)),
      (0,), abi.BackendInfo(0)),
     (abi.MAP_NAMES, (12,), ctypes.c_uint32(12), ("default/web:http",), abi.SvcName(b"default/web:http")),

@@ -27,7 +27,7 @@
 #define PYPROXY_MAP_SOCKS     pyproxy_sock_v1
 #define PYPROXY_MAP_SRCRANGES pyproxy_range_v1
 #define PYPROXY_MAP_CURSORS   pyproxy_rr_v1
-#define PYPROXY_MAP_TABLES    pyproxy_tbl_v1
+#define PYPROXY_MAP_TABLES    pyproxy_tbl_v2   /* v2: an array per frontend (map in map) */
 
 /* Default capacities; the loader may resize before load (bpf_map__set_max_entries). */
 #define PYPROXY_MAX_SERVICES  131072   /* frontends: ClusterIP x port x protocol */
@@ -38,7 +38,6 @@
 #define PYPROXY_PORT_WORDS    1024     /* 65536 ports, a bit each */
 #define PYPROXY_MAX_SOCKS     65536    /* node sockets pointed at a backend by the socket hooks */
 #define PYPROXY_MAX_SRCRANGES 16384    /* loadBalancerSourceRanges entries over all frontends */
-#define PYPROXY_MAX_TABLES    1048576  /* wrr and maglev table entries over all frontends (64 Maglev tables of 16381) */
 
 /* struct pyproxy_svc_value.flags */
 #define PYPROXY_SVC_F_AFFINITY  0x1    /* ClientIP session affinity: a client keeps its backend */
@@ -135,17 +134,16 @@ struct pyproxy_svc_value {
 	/* These took the place of a zero pad: older entries read as random with no table. */
 	__u8 sched;            /* PYPROXY_SCHED_* */
 	__u8 pad;              /* zero */
-	__u16 table_size;      /* host order; entries 0..table_size-1 in PYPROXY_MAP_TABLES (wrr, maglev); 0: none */
+	__u16 table_size;      /* host order; entries of its table in PYPROXY_MAP_TABLES (wrr, maglev); 0: none */
 };
 
-/* Key of PYPROXY_MAP_SLOTS: the n-th ready backend of a frontend; and of PYPROXY_MAP_TABLES: the n-th entry of
- * a frontend's wrr or Maglev table. */
+/* Key of PYPROXY_MAP_SLOTS: the n-th ready backend of a frontend. */
 struct pyproxy_slot_key {
 	__u32 svc_id;  /* host order */
 	__u32 slot;    /* host order, 0..backend_count-1 */
 };
 
-/* A backend address: key of PYPROXY_MAP_BACKENDS, value of PYPROXY_MAP_TABLES. */
+/* A backend address: key of PYPROXY_MAP_BACKENDS, value of a PYPROXY_MAP_TABLES table. */
 struct pyproxy_backend {
 	__be32 addr;   /* network byte order */
 	__be16 port;   /* network byte order */

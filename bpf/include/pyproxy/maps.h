@@ -120,17 +120,28 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_CURSORS SEC(".maps");
 
-/* The wrr and Maglev tables: (service id, n) -> backend for n < the frontend's table_size. wrr's is the
- * weighted order of one round; Maglev's the lookup table, whose entry a flow's hash picks. The control plane
- * writes only the entries that change (a Maglev table moves about 1/N of them when one of N backends goes).
- * A hash, not an array per frontend: frontends without a table cost nothing. */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, PYPROXY_MAX_TABLES);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, struct pyproxy_slot_key);
+/* One frontend's wrr or Maglev table: entry n -> backend, n < its table_size. An array, so a flow's entry is a
+ * read in one contiguous block (128 KB for a Maglev table of 16381): a hash map of every table's entries made a new
+ * Maglev flow pay two cache misses (its bucket, its element), +60 % over random (bench/sched.py). The template of
+ * PYPROXY_MAP_TABLES' inner maps; BPF_F_INNER_MAP lets each have its own size. */
+struct pyproxy_table_inner {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__uint(map_flags, BPF_F_INNER_MAP);
+	__type(key, __u32);
 	__type(value, struct pyproxy_backend);
+};
+
+/* The wrr and Maglev tables: service id -> its table (an inner array map). wrr's is the weighted order of one
+ * round; Maglev's the lookup table, whose entry a flow's hash picks. The control plane writes only the entries that
+ * change (a Maglev table moves about 1/N of them when one of N backends goes); a table of a new size is a new
+ * array, filled before it replaces the old one here. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH_OF_MAPS);
+	__uint(max_entries, PYPROXY_MAX_SERVICES);
+	__type(key, __u32);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
+	__array(values, struct pyproxy_table_inner);   /* last: a flexible array member */
 } PYPROXY_MAP_TABLES SEC(".maps");
 
 /* Per-service traffic counters, indexed by service id; per-CPU so counting needs no atomics. */

@@ -5,7 +5,7 @@
  * cost per new flow, beyond today's random choice (one random number, one slot lookup):
  *   random, sh, dh   none (a hash of an address instead of a random number)
  *   rr               an atomic add on the frontend's cursor (an array, inlined)
- *   wrr, maglev      a table lookup instead of the slot lookup (PYPROXY_MAP_TABLES)
+ *   wrr, maglev      two lookups (the frontend's table, its entry: an array) instead of the slot lookup
  *   lc, sed, nq      two lookups per backend scanned (slot, active count), at most PYPROXY_LEAST_SCAN backends,
  *                    and an atomic add on the chosen backend's count; one more atomic add when the flow ends
  * The tables and weights are computed by the control plane (pyproxy/dataplane/bpf/maglev.py, render.py).
@@ -63,13 +63,17 @@ static __always_inline int pyproxy_slot_get(__u32 svc_id, __u32 slot, struct pyp
 	return 1;
 }
 
-/* Entry `i` of the frontend's wrr or Maglev table. */
+/* Entry `i` of the frontend's wrr or Maglev table. 0: no such entry (the table is being replaced by one of
+ * another size, or not written yet). */
 static __always_inline int pyproxy_table_get(__u32 svc_id, __u32 i, struct pyproxy_backend *be)
 {
-	struct pyproxy_slot_key tk = { .svc_id = svc_id, .slot = i };
-	struct pyproxy_backend *t = bpf_map_lookup_elem(&PYPROXY_MAP_TABLES, &tk);
+	void *table = bpf_map_lookup_elem(&PYPROXY_MAP_TABLES, &svc_id);
+	struct pyproxy_backend *t;
 
-	if (!t)
+	if (!table)
+		return 0;
+	t = bpf_map_lookup_elem(table, &i);
+	if (!t || !t->addr)
 		return 0;
 	*be = *t;
 	return 1;
@@ -160,8 +164,8 @@ static __always_inline int pyproxy_pick_least(const struct pyproxy_svc_value *sv
 }
 
 /* The backend for a new flow `p` of frontend `svc` (backend_count > 0), by the frontend's scheduler. 0: a slot
- * or table entry was missing (the control plane mid-update). A table scheduler whose table is not written yet
- * (table_size 0) chooses at random meanwhile. */
+ * was missing (the control plane mid-update). A table scheduler whose table is not there (not written yet, or
+ * being replaced by one of another size) chooses at random meanwhile: a moment's uneven choice, never a drop. */
 static __always_inline int pyproxy_pick_backend(const struct pyproxy_pkt *p, const struct pyproxy_svc_value *svc,
 						struct pyproxy_backend *be)
 {
@@ -172,13 +176,14 @@ static __always_inline int pyproxy_pick_backend(const struct pyproxy_pkt *p, con
 		slot = pyproxy_next_turn(svc->svc_id) % n;
 		break;
 	case PYPROXY_SCHED_WRR:
-		if (!svc->table_size)
-			goto random;
-		return pyproxy_table_get(svc->svc_id, pyproxy_next_turn(svc->svc_id) % svc->table_size, be);
+		if (svc->table_size &&
+		    pyproxy_table_get(svc->svc_id, pyproxy_next_turn(svc->svc_id) % svc->table_size, be))
+			return 1;
+		goto random;
 	case PYPROXY_SCHED_MAGLEV:
-		if (!svc->table_size)
-			goto random;
-		return pyproxy_table_get(svc->svc_id, pyproxy_flow_hash(p) % svc->table_size, be);
+		if (svc->table_size && pyproxy_table_get(svc->svc_id, pyproxy_flow_hash(p) % svc->table_size, be))
+			return 1;
+		goto random;
 	case PYPROXY_SCHED_LC:
 	case PYPROXY_SCHED_SED:
 	case PYPROXY_SCHED_NQ:

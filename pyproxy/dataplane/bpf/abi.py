@@ -26,7 +26,9 @@ MAP_PORTS = "pyproxy_port_v1"
 MAP_SOCKS = "pyproxy_sock_v1"
 MAP_SRCRANGES = "pyproxy_range_v1"
 MAP_CURSORS = "pyproxy_rr_v1"
-MAP_TABLES = "pyproxy_tbl_v1"
+MAP_TABLES = "pyproxy_tbl_v2"
+TABLE_NAME = "pyproxy_table"
+"""The name of each frontend's table (PYPROXY_MAP_TABLES' inner arrays)."""
 MAP_PREFIX = "pyproxy_"
 """Every map name (and so every pin) starts with it: how cleanup and a newer layout find ours."""
 ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES, MAP_EPOCH,
@@ -64,7 +66,7 @@ SCHED_NAME = {v: k for k, v in SCHED.items()}
 COUNTING_SCHEDULERS = frozenset({"lc", "sed", "nq"})
 """The schedulers that read backends' active flows: their flows are counted (CT_F_COUNTED)."""
 TABLE_SCHEDULERS = frozenset({"wrr", "maglev"})
-"""The schedulers that pick from a table in MAP_TABLES (svc value's table_size)."""
+"""The schedulers that pick from a table of their frontend's in MAP_TABLES (svc value's table_size)."""
 SVC_SCOPE_PACKETS = 0  # PYPROXY_SVC_SCOPE_PACKETS
 SVC_SCOPE_NODE = 1  # PYPROXY_SVC_SCOPE_NODE
 

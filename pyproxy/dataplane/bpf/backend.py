@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import errno
 import ipaddress
 import itertools
 import logging
@@ -21,7 +22,7 @@ from pyproxy.dataplane.base import DataplaneError, MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, attach, cgroup, clock, loader, maglev, snat
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.dataplane.bpf.gc import CtGarbageCollector, CtGcMetrics, CtGcSettings
-from pyproxy.dataplane.bpf.maps import BpfMap, PerCpuArray
+from pyproxy.dataplane.bpf.maps import BpfMap, PerCpuArray, create_inner_array, fd_of_map_id
 from pyproxy.dataplane.bpf.render import (
     Applied,
     AppliedFrontend,
@@ -167,7 +168,6 @@ Codec = Callable[[Sequence[tuple]], bytes]
 KEY_CODECS: dict[str, Codec] = {
     abi.MAP_SERVICES: _svc_keys,
     abi.MAP_SLOTS: lambda keys: _u32s(itertools.chain.from_iterable(keys)),  # (svc_id, slot)
-    abi.MAP_TABLES: lambda keys: _u32s(itertools.chain.from_iterable(keys)),  # (svc_id, entry)
     abi.MAP_BACKENDS: _endpoints,
     abi.MAP_NAMES: lambda keys: _u32s(map(_ip, keys)),  # (svc_id,)
     abi.MAP_EPOCH: lambda keys: _u32s(map(_ip, keys)),  # (0,)
@@ -177,13 +177,80 @@ KEY_CODECS: dict[str, Codec] = {
 VALUE_CODECS: dict[str, Codec] = {
     abi.MAP_SERVICES: lambda values: b"".join(itertools.starmap(_SVC_VALUE.pack, values)),
     abi.MAP_SLOTS: _slot_values,
-    abi.MAP_TABLES: _endpoints,
     abi.MAP_BACKENDS: lambda values: b"".join(map(_BACKEND_INFO.pack, map(_ip, values))),  # (flags,)
     abi.MAP_NAMES: _names,
     abi.MAP_EPOCH: lambda values: _u32s(map(_ip, values)),  # (epoch,)
     abi.MAP_PORTS: lambda values: array.array(_U64, map(_ip, values)).tobytes(),  # (bits,)
     abi.MAP_SRCRANGES: lambda values: _u32s(map(_ip, values)),  # (0,): the value is unused
 }
+
+
+class Tables:
+    """PYPROXY_MAP_TABLES: service id -> its table, an array map of its own (maps.h). Writes a plan's table ops:
+    "new" makes an empty array of a size, the "put"s that follow fill it (or change entries of the array in place)
+    and then a new array takes its frontend's place in the outer map; "del" takes a frontend's table out. The
+    arrays' fds are kept, so a delta costs no lookup of the outer map."""
+
+    def __init__(self, fd: int) -> None:
+        self.outer: BpfMap = BpfMap(fd, abi.MAP_TABLES, ctypes.c_uint32, ctypes.c_uint32)
+        self.arrays: dict[int, BpfMap] = {}
+        """Service id -> its table in the outer map."""
+        self._pending: dict[int, BpfMap] = {}
+        """Service id -> a new table being filled, not yet in the outer map."""
+
+    def new(self, keys: Iterable[tuple], values: Iterable[tuple]) -> None:
+        for (svc_id,), (size,) in zip(keys, values, strict=True):
+            fd = create_inner_array(abi.TABLE_NAME, ctypes.sizeof(abi.Backend), size)
+            self._pending[svc_id] = BpfMap(fd, abi.TABLE_NAME, ctypes.c_uint32, abi.Backend)
+
+    def put(self, keys: Sequence[tuple], values: Sequence[tuple]) -> None:
+        by_table: dict[int, tuple[list[int], list[tuple]]] = {}
+        for (svc_id, i), b in zip(keys, values, strict=True):
+            entries = by_table.setdefault(svc_id, ([], []))
+            entries[0].append(i)
+            entries[1].append(b)
+        for svc_id, (indexes, backends) in by_table.items():
+            table = self._pending.get(svc_id) or self.arrays.get(svc_id)
+            if table is None:
+                raise OSError(errno.ENOENT, f"BPF map {abi.MAP_TABLES}: no table for service id {svc_id}")
+            table.update_batch(_u32s(indexes), _endpoints(backends), len(indexes))
+        for svc_id, table in self._pending.items():
+            self.outer.put_raw(_U32_KEY.pack(svc_id), _U32_KEY.pack(table.fd))
+            old = self.arrays.pop(svc_id, None)
+            if old is not None:
+                old.close()
+            self.arrays[svc_id] = table
+        self._pending.clear()
+
+    def delete(self, keys: Iterable[tuple]) -> None:
+        for (svc_id,) in keys:
+            self.outer.delete_raw(_U32_KEY.pack(svc_id))
+            old = self.arrays.pop(svc_id, None)
+            if old is not None:
+                old.close()
+
+    def read(self) -> dict[int, tuple[Backend, ...]]:
+        """Every frontend's table, as a restarted pyproxy finds them (and their fds, kept for later deltas)."""
+        keys, values = self.outer.items_raw()
+        out = {}
+        for (svc_id,), (map_id,) in zip(_U32_KEY.iter_unpack(keys), _U32_KEY.iter_unpack(values), strict=True):
+            table = BpfMap(fd_of_map_id(map_id, f"the table of service id {svc_id}"), abi.TABLE_NAME,
+                           ctypes.c_uint32, abi.Backend)
+            old = self.arrays.pop(svc_id, None)
+            if old is not None:
+                old.close()
+            self.arrays[svc_id] = table
+            indexes, backends = table.items_raw()
+            entries = sorted(zip(_U32_KEY.iter_unpack(indexes), _BACKEND.iter_unpack(backends), strict=True))
+            out[svc_id] = tuple(Backend(socket.inet_ntoa(addr), port) for _, (addr, port) in entries)
+        return out
+
+    def close(self) -> None:
+        for table in (*self.arrays.values(), *self._pending.values()):
+            table.close()
+        self.arrays.clear()
+        self._pending.clear()
+        self.outer.close()
 
 
 class Maps:
@@ -195,7 +262,7 @@ class Maps:
         self._values: dict[str, Codec] = {**VALUE_CODECS, abi.MAP_SERVICES: self._svc_values}
         self.services: BpfMap = BpfMap(fds[abi.MAP_SERVICES], abi.MAP_SERVICES, abi.SvcKey, abi.SvcValue)
         self.slots: BpfMap = BpfMap(fds[abi.MAP_SLOTS], abi.MAP_SLOTS, abi.SlotKey, abi.Slot)
-        self.tables: BpfMap = BpfMap(fds[abi.MAP_TABLES], abi.MAP_TABLES, abi.SlotKey, abi.Backend)
+        self.tables = Tables(fds[abi.MAP_TABLES])
         self.cursors: BpfMap = BpfMap(fds[abi.MAP_CURSORS], abi.MAP_CURSORS, ctypes.c_uint32, abi.Cursor)
         self.backends: BpfMap = BpfMap(fds[abi.MAP_BACKENDS], abi.MAP_BACKENDS, abi.Backend, abi.BackendInfo)
         self.ct: BpfMap = BpfMap(fds[abi.MAP_CT], abi.MAP_CT, abi.CtKey, abi.CtValue)
@@ -209,7 +276,7 @@ class Maps:
         self.counters: PerCpuArray = PerCpuArray(fds[abi.MAP_COUNTERS], abi.MAP_COUNTERS, ctypes.c_uint64)
         self.by_name: dict[str, BpfMap] = {
             m.name: m
-            for m in (self.services, self.slots, self.tables, self.backends, self.ct, self.names, self.epoch,
+            for m in (self.services, self.slots, self.tables.outer, self.backends, self.ct, self.names, self.epoch,
                       self.frags, self.socks, self.ports, self.srcranges, self.cursors)
         }
 
@@ -219,6 +286,7 @@ class Maps:
         return VALUE_CODECS[abi.MAP_SERVICES]([(i, n, f, sec * self.hz, s, t) for i, n, f, sec, s, t in values])
 
     def close(self) -> None:
+        self.tables.close()
         for m in self.by_name.values():
             m.close()
         self.stats.close()
@@ -228,6 +296,9 @@ class Maps:
         """One op, one bpf(2) call: for callers that program a few entries (a big plan: run_batches)."""
         if op.verb == "reset":
             self.stats.reset(op.key[0])
+            return
+        if op.map == abi.MAP_TABLES:
+            self._run_tables(op.verb, [op.key], [op.value] if op.value is not None else None)
             return
         m = self.by_name[op.map]
         key = KEY_CODECS[op.map]((op.key,))
@@ -244,6 +315,9 @@ class Maps:
             if verb == "reset":
                 self.stats.reset(*(key[0] for key in keys))
                 continue
+            if name == abi.MAP_TABLES:
+                self._run_tables(verb, keys, values)
+                continue
             m = self.by_name[name]
             packed = KEY_CODECS[name](keys)
             if verb == "put":
@@ -251,6 +325,16 @@ class Maps:
                 m.update_batch(packed, self._values[name](values), len(keys))
             else:
                 m.delete_batch(packed, len(keys))
+
+    def _run_tables(self, verb: str, keys: Sequence[tuple], values: Sequence[tuple] | None) -> None:
+        if verb == "new":
+            assert values is not None
+            self.tables.new(keys, values)
+        elif verb == "put":
+            assert values is not None
+            self.tables.put(keys, values)
+        else:
+            self.tables.delete(keys)
 
     def read_applied(self) -> Applied:
         """Rebuild what is applied from the maps (after a restart, or after a failed apply)."""
@@ -263,8 +347,7 @@ class Maps:
         }
         keys, values = self.slots.items_raw()
         slots = dict(zip(_SLOT_KEY.iter_unpack(keys), _SLOT.iter_unpack(values), strict=True))
-        keys, values = self.tables.items_raw()
-        tables = dict(zip(_SLOT_KEY.iter_unpack(keys), _BACKEND.iter_unpack(values), strict=True))
+        tables = self.tables.read()
         ranges: dict[int, list[str]] = {}
         keys, _ = self.srcranges.items_raw()
         for prefixlen, svc_id, addr in _SRCRANGE_KEY.iter_unpack(keys):
@@ -282,8 +365,7 @@ class Maps:
             backends = tuple(Backend(socket.inet_ntoa(addr), int.from_bytes(port, "big")) for addr, port, _ in held)
             # Weight 0 is an entry written before weights: 1.
             weights = tuple(w or 1 for _, _, w in held)
-            entries = [tables.get((svc_id, i)) for i in range(table_size)]
-            table = tuple(Backend(socket.inet_ntoa(e[0]), e[1]) for e in entries if e is not None)
+            table = tables.get(svc_id, ())
             frontends[(socket.inet_ntoa(vip), port, abi.PROTO_NAME.get(proto, str(proto)), scope)] = AppliedFrontend(
                 svc_id=svc_id,
                 name=name,
@@ -295,7 +377,8 @@ class Maps:
                 source_ranges=tuple(sorted(ranges.get(svc_id, ()), key=_cidr_order)),
                 sched=sched,
                 weights=weights if any(w != 1 for w in weights) else (),
-                # A table with a hole (a plan stopped halfway) reads as none: the next sync writes it whole.
+                # A table of another size than the entry says (a plan stopped halfway) reads as none: the next sync
+                # writes it whole.
                 table=table if len(table) == table_size else (),
             )
         refs: dict[Backend, int] = {}

@@ -84,6 +84,11 @@ ffi.cdef(
     int bpf_link_create(int prog_fd, int target_fd, int attach_type, const void *opts);
     int bpf_link_update(int link_fd, int new_prog_fd, const void *opts);
     int bpf_map_get_fd_by_id(uint32_t id);
+    struct bpf_map_create_opts { size_t sz; uint32_t btf_fd; uint32_t btf_key_type_id; uint32_t btf_value_type_id;
+                                 uint32_t btf_vmlinux_value_type_id; uint32_t inner_map_fd; uint32_t map_flags;
+                                 uint64_t map_extra; uint32_t numa_node; uint32_t map_ifindex; };
+    int bpf_map_create(int map_type, const char *map_name, uint32_t key_size, uint32_t value_size,
+                       uint32_t max_entries, const struct bpf_map_create_opts *opts);
     int bpf_prog_get_fd_by_id(uint32_t id);
     int bpf_prog_get_next_id(uint32_t start_id, uint32_t *next_id);
     int bpf_obj_get_info_by_fd(int bpf_fd, void *info, uint32_t *info_len);

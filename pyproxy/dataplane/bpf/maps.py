@@ -112,6 +112,25 @@ def lookup_batch(fd: int, name: str, key_size: int, value_size: int, chunk: int 
         first = False
 
 
+BPF_MAP_TYPE_ARRAY = 2
+BPF_F_INNER_MAP = 0x1000
+
+
+def create_inner_array(name: str, value_size: int, max_entries: int) -> int:
+    """A new array map (u32 index -> `value_size` bytes) to go into a map-in-map whose inner maps may differ in
+    size (BPF_F_INNER_MAP); its fd."""
+    opts = ffi.new("struct bpf_map_create_opts *")
+    opts.sz = ffi.sizeof("struct bpf_map_create_opts")
+    opts.map_flags = BPF_F_INNER_MAP
+    return libbpf.check(libbpf.lib().bpf_map_create(BPF_MAP_TYPE_ARRAY, name.encode(), 4, value_size, max_entries,
+                                                    opts), f"create map {name}")
+
+
+def fd_of_map_id(map_id: int, what: str) -> int:
+    """An fd of the map with id `map_id` (what a map-in-map's lookup from user space gives)."""
+    return libbpf.check(libbpf.lib().bpf_map_get_fd_by_id(map_id), f"open {what} (map id {map_id})")
+
+
 class BpfMap(MutableMapping[K, V], Generic[K, V]):
     """One map, by file descriptor. Owns the fd: `close()` (or garbage collection) releases it."""
 

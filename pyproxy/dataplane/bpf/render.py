@@ -5,9 +5,11 @@ and returns a `Plan`: ordered map operations plus the change to `Applied` that h
 (`Applied.commit`). Order is what keeps the datapath consistent while the plan runs, packet by packet:
 
 1. backends that become known are added before any slot can point at them;
-2. a frontend's slots (and its table's entries, `MAP_TABLES`: wrr, Maglev) are written before its count (table
-   size) grows, and its count shrinks before slots go; a table's changed entries are rewritten in place, each
-   write atomic, so a flow meanwhile gets the old or the new entry's backend, both ready;
+2. a frontend's slots are written before its count grows, and its count shrinks before slots go; its table
+   (`MAP_TABLES`: wrr, Maglev; an array per frontend) is written before its entry's table size changes: a table of
+   the same size by its changed entries in place, each write atomic, so a flow meanwhile gets the old or the new
+   entry's backend, both ready; one of another size as a new array ("new"), filled before it replaces the old
+   (the programs choose at random while the size in the entry and the table's disagree: never a drop);
 3. a frontend's service entry is removed before its slots and table;
 4. backends no frontend knows any more go last;
 5. the endpoint-port bitmap (`MAP_PORTS`: bit `port % 64` of word `port // 64` is set while some backend in
@@ -70,7 +72,7 @@ class Op(NamedTuple):
     """One map operation. `key`/`value` are tuples (a Backend is one: (ip, port)); the backend converts them
     to the maps' bytes."""
 
-    verb: str  # "put" | "del" | "reset"
+    verb: str  # "put" | "del" | "reset" | "new" (a frontend's table, MAP_TABLES: an empty one of `value[0]` entries)
     map: str
     key: tuple
     value: tuple | None = None
@@ -136,8 +138,8 @@ class Applied:
     reference (read back from the maps after a restart): the next plan removes them unless it uses them.
     """
 
-    __slots__ = ("frontends", "backend_refs", "epoch", "by_service", "slots", "tables", "generation",
-                 "port_backends", "port_words", "_unreferenced", "_free", "_next_id")
+    __slots__ = ("frontends", "backend_refs", "epoch", "by_service", "slots", "generation", "port_backends",
+                 "port_words", "_unreferenced", "_free", "_next_id")
 
     def __init__(
         self,
@@ -154,8 +156,6 @@ class Applied:
         """Service -> its frontends (a dict for a stable order)."""
         self.slots = 0
         """Slots in use: the sum of every frontend's ready backends."""
-        self.tables = 0
-        """MAP_TABLES entries in use: the sum of every frontend's table."""
         self.generation = 0
         self.port_backends: dict[int, int] = {}
         """Port -> how many backends in the map (`backend_refs`, referenced or not) have it."""
@@ -170,7 +170,6 @@ class Applied:
         for key, fe in self.frontends.items():
             self.by_service.setdefault(fe.service, {})[key] = None
             self.slots += len(fe.backends)
-            self.tables += len(fe.table)
         ids = {fe.svc_id for fe in self.frontends.values()}
         self._next_id = max(ids) + 1 if ids else 0
         """One past the largest service id in use."""
@@ -218,7 +217,6 @@ class Applied:
             self.frontends[key] = fe
             self.by_service.setdefault(fe.service, {})[key] = None
             self.slots += len(fe.backends)
-            self.tables += len(fe.table)
         if allocated:
             # They are new_ids(len(allocated)): the lowest free ids, then ids from _next_id up.
             del self._free[: len(allocated)]
@@ -251,7 +249,6 @@ class Applied:
         if not keys:
             del self.by_service[fe.service]
         self.slots -= len(fe.backends)
-        self.tables -= len(fe.table)
 
 
 class CapacityError(RuntimeError):
@@ -389,12 +386,14 @@ def render(
     resets: list[tuple[int]] = []
     slot_keys: list[tuple[int, int]] = []
     slot_values: list[tuple[str, int, int]] = []
+    table_news: list[tuple[int]] = []
+    table_sizes: list[tuple[int]] = []
     table_keys: list[tuple[int, int]] = []
     table_values: list[Backend] = []
     entry_keys: list[FrontendKey] = []
     entry_values: list[tuple[int, int, int, int, int, int]] = []
     slot_deletes: list[tuple[int, int]] = []
-    table_deletes: list[tuple[int, int]] = []
+    table_deletes: list[tuple[int]] = []
     name_keys: list[tuple[int]] = []
     name_values: list[tuple[str]] = []
     range_puts: list[tuple[int, str]] = []
@@ -459,12 +458,18 @@ def render(
             slot_keys.extend((svc_id, i) for i in range(len(new)))
             slot_values.extend(new)
             old_table = ()
-        # The table as a delta: a Maglev table keeps most entries when a backend comes or goes.
+        # The table as a delta: a Maglev table keeps most entries when a backend comes or goes. A table of another
+        # size is a new one, written whole before it takes the old one's place.
+        if table and len(table) != len(old_table):
+            table_news.append((svc_id,))
+            table_sizes.append((len(table),))
+            old_table = ()
         for i, b in enumerate(table):
             if i >= len(old_table) or old_table[i] != b:
                 table_keys.append((svc_id, i))
                 table_values.append(b)
-        table_deletes.extend((svc_id, i) for i in range(len(table), len(old_table)))
+        if old_table and not table:
+            table_deletes.append((svc_id,))
         old_ranges = cur_fe.source_ranges if cur_fe else ()
         if old_ranges != nxt.source_ranges:
             range_puts.extend((svc_id, r) for r in nxt.source_ranges if r not in old_ranges)
@@ -487,6 +492,7 @@ def render(
         port_sets,
         Batch("reset", abi.MAP_STATS, resets),
         Batch("put", abi.MAP_SLOTS, slot_keys, slot_values),
+        Batch("new", abi.MAP_TABLES, table_news, table_sizes),
         Batch("put", abi.MAP_TABLES, table_keys, table_values),
         # A frontend's ranges are in place before its entry says to check them, and go after it stops saying so.
         Batch("put", abi.MAP_SRCRANGES, range_puts, [(0,)] * len(range_puts)),
@@ -497,7 +503,7 @@ def render(
         Batch("put", abi.MAP_NAMES, name_keys, name_values),
         Batch("del", abi.MAP_SERVICES, removed),
         Batch("del", abi.MAP_SLOTS, [(fe.svc_id, i) for fe in gone for i in range(len(fe.backends))]),
-        Batch("del", abi.MAP_TABLES, [(fe.svc_id, i) for fe in gone for i in range(len(fe.table))]),
+        Batch("del", abi.MAP_TABLES, [(fe.svc_id,) for fe in gone if fe.table]),
         Batch("del", abi.MAP_NAMES, [(fe.svc_id,) for fe in gone]),
         Batch("del", abi.MAP_SRCRANGES, [(fe.svc_id, r) for fe in gone for r in fe.source_ranges]),
         Batch("del", abi.MAP_BACKENDS, released),
@@ -578,13 +584,11 @@ def _check_capacity(
     """What the maps hold once the plan has run, from the applied counts and the plan's changes."""
     current = applied.frontends
     slots = applied.slots - sum(len(current[key].backends) for key in removed)
-    tables = applied.tables - sum(len(current[key].table) for key in removed)
     added = 0
     top = applied.max_id()
     for key, fe in upserts.items():
         old = current.get(key)
         slots += len(fe.backends) - (len(old.backends) if old else 0)
-        tables += len(fe.table) - (len(old.table) if old else 0)
         if old is None:
             added += 1
             top = max(top, fe.svc_id)
@@ -595,7 +599,6 @@ def _check_capacity(
     need = {
         abi.MAP_SERVICES: len(current) + added - len(removed),
         abi.MAP_SLOTS: slots,
-        abi.MAP_TABLES: tables,
         abi.MAP_BACKENDS: backends,
     }
     # Service ids index arrays (per-CPU stats, rr cursors): the largest id must fit the smallest of them.
