@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pyproxy.dataplane.bpf import abi, attach, clock, libbpf, loader
 from pyproxy.dataplane.bpf.backend import DEFAULT_OBJECT, Maps
+from pyproxy.dataplane.bpf.render import AppliedFrontend
 
 log = logging.getLogger(__name__)
 
@@ -111,15 +112,29 @@ def _snat_source(maps: Maps, k: abi.CtKey, v: abi.CtValue) -> str:
     return f"{abi.ip_of(snat.nat_addr)}:{abi.port_of(snat.nat_port)}"
 
 
+def _backend(maps: Maps, fe: AppliedFrontend, i: int) -> str:
+    """The frontend's i-th backend, with its weight when it has weights and its open flows (the count lc, sed and
+    nq read) when its scheduler counts them."""
+    b = fe.backends[i]
+    out = str(b)
+    if fe.weights:
+        out += f" weight {fe.weights[i]}"
+    if abi.SCHED_NAME.get(fe.sched) in abi.COUNTING_SCHEDULERS:
+        info = maps.backends.get(abi.Backend(abi.be32(b.ip), abi.be16(b.port)))
+        out += f" ({max(0, info.active) if info is not None else 0} open)"
+    return out
+
+
 def report(maps: Maps, flows: bool = True) -> str:
     applied = maps.read_applied()
-    lines = [f"{'SERVICE':40} {'FRONTEND':26} {'PACKETS':>9} {'BYTES':>11}  BACKENDS"]
+    lines = [f"{'SERVICE':40} {'FRONTEND':26} {'SCHED':12} {'PACKETS':>9} {'BYTES':>11}  BACKENDS"]
     for key, fe in sorted(applied.frontends.items(), key=lambda kv: kv[1].name):
         per_cpu = maps.stats.get(fe.svc_id)
         pkts, byts = sum(s.packets for s in per_cpu), sum(s.bytes for s in per_cpu)
-        backends = ", ".join(str(b) for b in fe.backends) or "(none: refused)"
+        backends = ", ".join(_backend(maps, fe, i) for i in range(len(fe.backends))) or "(none: refused)"
         frontend = f"{key[0]}:{key[1]}/{key[2]}" + (" node" if key[3] == abi.SVC_SCOPE_NODE else "")
-        lines.append(f"{fe.name:40} {frontend:26} {pkts:>9} {byts:>11}  {backends}")
+        sched = abi.SCHED_NAME.get(fe.sched, str(fe.sched)) + (f"/{len(fe.table)}" if fe.table else "")
+        lines.append(f"{fe.name:40} {frontend:26} {sched:12} {pkts:>9} {byts:>11}  {backends}")
     counters = [sum(v.value for v in maps.counters.get(i)) for i in range(len(abi.COUNTERS))]
     lines.append("")
     lines.append("datapath: " + ", ".join(f"{n}={c}" for n, c in zip(abi.COUNTERS, counters, strict=True)))
