@@ -534,3 +534,48 @@ def test_a_not_ready_endpoint_keeps_its_udp_entries_until_it_leaves() -> None:
     plan = k.sync(memory, {DNS: [not_ready]})
     assert plan.stale_udp == () and (DNS_KEY, Y) not in k.conns and Y not in k.virtuals[DNS_KEY][2]
     assert k.sync(plan.memory, {DNS: [dns(X)]}).stale_udp == (Stale("10.96.0.53", 53, Y),)
+
+
+def scheduled(st: ServicePortState, scheduler: str = "", weights: Mapping[str, int] | None = None) -> ServicePortState:
+    return replace(st, scheduler=scheduler, weights=tuple(sorted((weights or {}).items())))
+
+
+@pytest.mark.parametrize("asked, used", [("rr", "rr"), ("wrr", "wrr"), ("lc", "lc"), ("sed", "sed"), ("nq", "nq"),
+                                         ("sh", "sh"), ("dh", "dh"), ("maglev", "mh"), ("", "lc"), ("random", "lc")])
+def test_a_services_scheduler_is_ipvs_own_else_the_nodes(asked: str, used: str) -> None:
+    k = KernelModel()
+    plan = k.sync(Memory(), {WEB: [scheduled(web(A), asked)]}, options=Options("lc"))
+    assert k.virtuals[WEB_KEY][0] == used
+    # Said once in the log, by the backend: IPVS has no uniform random choice.
+    assert plan.fallbacks == ({WEB: "random"} if asked == "random" else {})
+
+
+def test_weights_come_from_the_annotation_and_zero_quiesces() -> None:
+    k = KernelModel()
+    k.sync(Memory(), {WEB: [scheduled(web(A, B, C), "wrr", {A.ip: 3, C.ip: 0})]})
+    assert k.virtuals[WEB_KEY] == ("wrr", 0, {A: 3, B: 1, C: 0})
+
+
+def test_a_changed_scheduler_or_weight_is_an_edit_that_keeps_connections() -> None:
+    k = KernelModel()
+    memory = k.sync(Memory(), {WEB: [scheduled(web(A, B), "rr")]}).memory
+    k.conns[(WEB_KEY, A)] = 3
+    plan = k.sync(memory, {WEB: [scheduled(web(A, B), "maglev", {A.ip: 0, B.ip: 5})]}, full=False)
+    # No del of either: a deleted virtual or real server ends its established connections.
+    assert plan.ops == (VirtualOp("set", WEB_KEY, "mh", 0), RealOp("set", WEB_KEY, A, 0), RealOp("set", WEB_KEY, B, 5))
+    assert plan.memory.draining_since == {}  # weight 0 by request is not draining: it stays
+    plan = k.sync(plan.memory, {DNS: [dns(X)]}, full=False, now=10_000.0)
+    assert not any(isinstance(op, RealOp) and op.key == WEB_KEY for op in plan.ops)
+    assert k.virtuals[WEB_KEY] == ("mh", 0, {A: 0, B: 5})
+
+
+def test_a_quiesced_endpoint_that_leaves_drains_like_any_other() -> None:
+    k = KernelModel()
+    memory = k.sync(Memory(), {WEB: [scheduled(web(A, B), "wrr", {B.ip: 0})]}).memory
+    k.conns[(WEB_KEY, B)] = 1
+    plan = k.sync(memory, {WEB: [scheduled(web(A), "wrr", {B.ip: 0})]}, full=False, now=5.0)
+    assert plan.ops == ()
+    assert plan.memory.draining_since == {(WEB_KEY, B): 5.0}
+    k.conns[(WEB_KEY, B)] = 0
+    plan = k.sync(plan.memory, {DNS: [dns(X)]}, full=False, now=6.0)
+    assert RealOp("del", WEB_KEY, B) in plan.ops
