@@ -45,12 +45,15 @@ def service(name: str, cluster_ip: str, ports: Sequence[Port], *, namespace: str
             affinity_seconds: int | None = None, type: str = "ClusterIP",  # noqa: A002 - the field's name
             external_traffic_policy: str | None = None, internal_traffic_policy: str | None = None,
             health_check_node_port: int | None = None, external_ips: Sequence[str] = (),
-            load_balancer_ips: Sequence[str] = (), source_ranges: Sequence[str] = ()) -> str:
+            load_balancer_ips: Sequence[str] = (), source_ranges: Sequence[str] = (),
+            annotations: Mapping[str, str] | None = None) -> str:
     """A Service (ClusterIP unless `type` says otherwise); `affinity_seconds` turns on ClientIP session affinity
     for that long; `external_ips` are spec.externalIPs, `load_balancer_ips` its status's ingress IPs,
-    `source_ranges` spec.loadBalancerSourceRanges."""
-    lines = ["apiVersion: v1", "kind: Service", "metadata:", f"  name: {_q(name)}",
-             f"  namespace: {_q(namespace)}", "spec:", f"  type: {_q(type)}", f"  clusterIP: {_q(cluster_ip)}"]
+    `source_ranges` spec.loadBalancerSourceRanges; `annotations` its metadata's."""
+    lines = ["apiVersion: v1", "kind: Service", "metadata:", f"  name: {_q(name)}", f"  namespace: {_q(namespace)}"]
+    if annotations:
+        lines += ["  annotations:"] + [f"    {_q(k)}: {_q(v)}" for k, v in annotations.items()]
+    lines += ["spec:", f"  type: {_q(type)}", f"  clusterIP: {_q(cluster_ip)}"]
     if external_traffic_policy is not None:
         lines.append(f"  externalTrafficPolicy: {_q(external_traffic_policy)}")
     if internal_traffic_policy is not None:
