@@ -21,12 +21,13 @@ What each scheduler must show a client (the expectations of issue 11), with the 
 - wrr (weights 3, 1, 0): counts proportional to the weights within one, weight 0 never;
 - lc, sed, nq: while one backend holds connections that stay open, new flows go to the others only (nq: an
   idle backend first, sed and lc: the one with the fewest connections);
-- sh: one client address always lands on one backend, several addresses spread over more than one;
+- sh (b3 of weight 0): one client address always lands on one backend, several addresses spread over more
+  than one, none on b3;
 - dh: every flow to the frontend lands on one backend (it hashes the destination, the same for all);
 - maglev: a flow key, a fixed source address and port, always lands on one backend (bpf's Maglev hashes the
   5-tuple, IPVS's mh the source address: a fixed key is the same flow for both), keys spread over more than
   one backend; after one backend leaves, only the keys that were on it move;
-- every scheduler with ClientIP affinity: each client address sticks to one backend.
+- every scheduler with ClientIP affinity: each client address sticks to one backend, never one of weight 0.
 
 Lab addressing as tests/flowcases.py's: backends bI at 10.201.I.2; the client's addresses `Lab.client_ips`
 (10.200.0.2 and CLIENT_ADDRESSES more). Services at 10.96.30.0/24 (one per scheduler), 10.96.31.0/24 (the same
@@ -55,6 +56,9 @@ HTTP = Port("http", 80, 8080)
 NAMES = {B1: "b1:8080", B2: "b2:8080", B3: "b3:8080"}
 """What each backend answers on HTTP's target port (pyproxy.lab.traffic's reply)."""
 WRR_WEIGHTS = {B1: 3, B2: 1, B3: 0}
+WEIGHTS: Mapping[str, Mapping[str, int]] = {"wrr": WRR_WEIGHTS, "sh": {B3: 0}}
+"""The Services' `pyproxy.io/weights` (1 for an endpoint not named). sh's quiesced b3: the clients a hash would
+give it must go to another endpoint, never be refused (IPVS: sh-fallback)."""
 CLIENT_ADDRESSES = 10
 """The client's addresses beyond its first that the lab must have (Lab(client_addresses=...))."""
 WITNESS_IP = "10.96.30.100"
@@ -78,12 +82,12 @@ def sticky_ip(scheduler: str) -> str:
 def manifests(annotated: bool = True, *, removed: Mapping[str, str] | None = None, witness: str = B1) -> str:
     """The table's cluster: per scheduler `sched-X` and `sticky-X` (ClientIP affinity), each with b1..b3 (but
     `removed`: scheduler -> an endpoint left out), annotated with X unless not `annotated` (the node's default
-    then decides); wrr's weights are annotated either way. The witness Service's one endpoint is `witness`."""
+    then decides), and with its WEIGHTS either way. The witness Service's one endpoint is `witness`."""
     docs = []
     for name in SCHEDULERS:
         notes = {SCHEDULER_ANNOTATION: name} if annotated else {}
-        if name == "wrr":
-            notes[WEIGHTS_ANNOTATION] = ",".join(f"{ip}={w}" for ip, w in WRR_WEIGHTS.items())
+        if name in WEIGHTS:
+            notes[WEIGHTS_ANNOTATION] = ",".join(f"{ip}={w}" for ip, w in WEIGHTS[name].items())
         endpoints: dict[str, bool | None] = {ip: True for ip in BACKENDS if ip != (removed or {}).get(name)}
         docs += [service(f"sched-{name}", service_ip(name), [HTTP], annotations=notes),
                  endpoint_slice(f"sched-{name}", endpoints, [HTTP]),
@@ -195,13 +199,20 @@ def _one_each(result: Mapping[str, Any]) -> tuple[dict[str, str], list[str]]:
     return where, problems
 
 
+def _quiesced(scheduler: str, result: Mapping[str, Any]) -> list[str]:
+    """A problem when a flow reached an endpoint of weight 0."""
+    zero = {NAMES[b] for b, w in WEIGHTS.get(scheduler, {}).items() if not w}
+    reached = {n: c for n, c in result["replies"].items() if n in zero}
+    return [f"flows reached {reached}, of weight 0"] if reached else []
+
+
 def check_sh(run: Run, ip: str) -> list[str]:
     sources = run.lab.client_ips
     result = run.probe(ip, 3 * len(sources), sources=sources)
     where, problems = _one_each(result)
     if not problems and len(set(where.values())) < 2:
         problems.append(f"{len(sources)} client addresses all went to {set(where.values())}")
-    return problems
+    return problems + _quiesced("sh", result)
 
 
 def check_dh(run: Run, ip: str) -> list[str]:
@@ -256,10 +267,10 @@ def _moved(run: Run, ip: str, before: Mapping[str, str], gone_name: str) -> list
     return problems
 
 
-def check_sticky(run: Run, ip: str) -> list[str]:
+def check_sticky(run: Run, scheduler: str, ip: str) -> list[str]:
     sources = run.lab.client_ips[:3]
-    _, problems = _one_each(run.probe(ip, 5 * len(sources), sources=sources))
-    return problems
+    result = run.probe(ip, 5 * len(sources), sources=sources)
+    return _one_each(result)[1] + _quiesced(scheduler, result)
 
 
 CHECKS: Mapping[str, Callable[[Run, str], list[str]]] = {
@@ -283,5 +294,5 @@ def mismatches(lab: Any, mode: str, *, schedulers: Iterable[str] | None = None, 
         which = "annotated" if annotated else "the node's default"
         wrong += [f"{name} ({which}) {service_ip(name)}: {p}" for p in CHECKS[name](run, service_ip(name))]
         wrong += [f"{name} ({which}) with ClientIP affinity {sticky_ip(name)}: {p}"
-                  for p in check_sticky(run, sticky_ip(name))]
+                  for p in check_sticky(run, name, sticky_ip(name))]
     return wrong

@@ -9,13 +9,14 @@ which a partial sync starts from instead, must predict the model exactly.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import pytest
 
-from pyproxy.dataplane.ipvs.backend import is_mode_chain, is_mode_rule, rule_edits
+from pyproxy.dataplane.ipvs.backend import IpvsDataplane, IpvsSettings, is_mode_chain, is_mode_rule, rule_edits
 from pyproxy.dataplane.ipvs.render import (
     CLUSTER_IP_SET,
     EXTERNAL_IP_LOCAL_SET,
@@ -579,3 +580,15 @@ def test_a_quiesced_endpoint_that_leaves_drains_like_any_other() -> None:
     k.conns[(WEB_KEY, B)] = 0
     plan = k.sync(plan.memory, {DNS: [dns(X)]}, full=False, now=6.0)
     assert RealOp("del", WEB_KEY, B) in plan.ops
+
+
+def test_a_service_asking_for_random_is_logged_once_until_it_asks_again(caplog: pytest.LogCaptureFixture) -> None:
+    dp = IpvsDataplane(IpvsSettings(scheduler="sh"))
+    with caplog.at_level(logging.INFO, logger="pyproxy.dataplane.ipvs.backend"):
+        for fallbacks in ({WEB: "random"}, {WEB: "random"}, {}, {WEB: "random"}):
+            dp._log_fallbacks({WEB, DNS}, fallbacks)
+        dp._log_fallbacks({DNS}, {})  # a sync of another Service says nothing of this one
+        dp._log_fallbacks({WEB}, {WEB: "random"})
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"Service {WEB} asks for the random scheduler, which IPVS has not: its virtual servers use "
+                     "--ipvs-scheduler=sh"] * 2, lines
