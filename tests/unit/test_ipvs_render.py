@@ -13,9 +13,11 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import pytest
 
+from pyproxy.dataplane.ipvs import kernel
 from pyproxy.dataplane.ipvs.backend import IpvsDataplane, IpvsSettings, is_mode_chain, is_mode_rule, rule_edits
 from pyproxy.dataplane.ipvs.render import (
     CLUSTER_IP_SET,
@@ -592,3 +594,19 @@ def test_a_service_asking_for_random_is_logged_once_until_it_asks_again(caplog: 
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [f"Service {WEB} asks for the random scheduler, which IPVS has not: its virtual servers use "
                      "--ipvs-scheduler=sh"] * 2, lines
+
+
+@pytest.mark.parametrize("scheduler, persistence, flags", [("rr", 0, 0), ("rr", 600, 0x1), ("sh", 0, 0x8),
+                                                           ("mh", 600, 0x9), ("dh", 0, 0)])
+def test_sh_and_mh_fall_back_past_a_weight_0_real_server(scheduler: str, persistence: int, flags: int) -> None:
+    # Without sh-fallback / mh-fallback, IPVS refuses the clients that hash to a quiesced or draining endpoint.
+    calls: list[tuple[str, Any]] = []
+
+    class Recorder:
+        def service(self, verb: str, service: Any) -> None:
+            calls.append((verb, service))
+
+    kernel.put_virtual(Recorder(), "add", WEB_KEY, scheduler, persistence)  # type: ignore[arg-type]
+    [(verb, service)] = calls
+    assert verb == "add" and service.combined["sched_name"] == scheduler
+    assert service.combined["flags"] == {"flags": flags, "mask": 0xFFFF}
