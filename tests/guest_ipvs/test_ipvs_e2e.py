@@ -372,6 +372,11 @@ def test_the_scheduler_table_agrees(tmp_path: Path) -> None:
             seen.append(f"annotated table: {time.monotonic() - started:.1f}s")
             table = lab.exec(lab.node, "ipvsadm", "-Ln").stdout
             assert f"{schedcases.service_ip('maglev')}:80 mh" in table, table
+            # sh and mh read back with their fallback flag, as written: no edit at every sync.
+            read = lab.python(lab.node, "-c", "from pyproxy.dataplane.ipvs import kernel\n"
+                              "print(sorted({v.scheduler for v in kernel.read_virtuals(kernel.open_ipvs()).values()}))")
+            assert read.stdout.split() == ["['dh',", "'lc',", "'mh',", "'nq',", "'rr',", "'sed',", "'sh',", "'wrr']"], \
+                read.stdout
             # IPVS has no random choice: the node's scheduler, said once per Service, not at every sync.
             assert f"{schedcases.service_ip('random')}:80 rr" in table, table
             for name in ("default/sched-random", "default/sticky-random"):

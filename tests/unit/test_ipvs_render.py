@@ -610,3 +610,22 @@ def test_sh_and_mh_fall_back_past_a_weight_0_real_server(scheduler: str, persist
     [(verb, service)] = calls
     assert verb == "add" and service.combined["sched_name"] == scheduler
     assert service.combined["flags"] == {"flags": flags, "mask": 0xFFFF}
+
+
+@pytest.mark.parametrize("scheduler, flags, read", [("sh", 0x8, "sh"), ("sh", 0, "sh without fallback"),
+                                                    ("mh", 0x1, "mh without fallback"), ("rr", 0, "rr")])
+def test_a_hashing_virtual_server_without_its_fallback_flag_is_edited(scheduler: str, flags: int, read: str) -> None:
+    class Attrs(dict[str, Any]):
+        def get_attr(self, name: str) -> Any:
+            return self.get(name)
+
+    svc = Attrs(IPVS_SVC_ATTR_AF=2, IPVS_SVC_ATTR_PROTOCOL=6, IPVS_SVC_ATTR_ADDR=WEB_KEY[0],
+                IPVS_SVC_ATTR_PORT=WEB_KEY[1], IPVS_SVC_ATTR_SCHED_NAME=scheduler, IPVS_SVC_ATTR_TIMEOUT=600,
+                IPVS_SVC_ATTR_FLAGS={"flags": flags, "mask": 0xFFFF})
+    found = kernel._service_of(Attrs(IPVS_CMD_ATTR_SERVICE=svc))
+    assert found == (WEB_KEY, read, 600 if flags & 1 else 0)
+    # Adopted as it was read: the one that lacks its flag is edited (put_virtual sets it), the others are not.
+    k = KernelModel(virtuals={WEB_KEY: (read, 0, {})})
+    asked = {"mh": "maglev"}.get(scheduler, scheduler)
+    ops = k.sync(Memory(owners={WEB_KEY: WEB}), {WEB: [scheduled(web(), asked)]}).ops
+    assert (VirtualOp("set", WEB_KEY, scheduler, 0) in ops) == (read != scheduler), ops

@@ -83,7 +83,12 @@ def _service_of(msg: Any) -> tuple[VSKey, str, int] | None:
     flags = svc.get_attr("IPVS_SVC_ATTR_FLAGS") or {}
     timeout = svc.get_attr("IPVS_SVC_ATTR_TIMEOUT") if flags.get("flags", 0) & SVC_F_PERSISTENT else 0
     key = (svc.get_attr("IPVS_SVC_ATTR_ADDR"), svc.get_attr("IPVS_SVC_ATTR_PORT"), proto)
-    return key, svc.get_attr("IPVS_SVC_ATTR_SCHED_NAME") or "", timeout
+    scheduler = svc.get_attr("IPVS_SVC_ATTR_SCHED_NAME") or ""
+    if scheduler in FALLBACK_SCHEDULERS and not flags.get("flags", 0) & SVC_F_SCHED1:
+        # Not as put_virtual writes it (an older pyproxy's, or someone's by hand): read so that render.py plans
+        # an edit, which sets the flag and keeps the connections.
+        scheduler += " without fallback"
+    return key, scheduler, timeout
 
 
 def read_reals(ipvs: IPVS, key: VSKey) -> dict[Backend, Real]:
