@@ -352,8 +352,8 @@ def test_the_scheduler_table_agrees(tmp_path: Path) -> None:
     """tests/schedcases.py: every scheduler a Service may ask for, then the node's default (--ipvs-scheduler)
     for each of NODE_DEFAULTS on the same Services without the annotation. One pyproxy per default, each
     adopting the last one's virtual servers: the changed scheduler is an edit (ipvsadm shows it applied) that
-    keeps a connection open through all of them. Measured in the guest: the annotated table 56 s, each default
-    12-24 s with pyproxy's start; the test 230 s."""
+    keeps a connection open through all of them. Measured in the guest: the annotated table 30 s (56 s with
+    the host busy), each default 11-13 s with pyproxy's start (12-25 s busy); the test 140-230 s."""
     wrong: list[str] = []
     seen: list[str] = []
 
