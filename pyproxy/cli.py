@@ -141,7 +141,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--iptables-backend", choices=("auto", "legacy", "nft"),
                      help="iptables flavour for the iptables and ipvs modes (auto, the default: whatever "
                           "`iptables` is here)")
-    run.add_argument("--ipvs-scheduler", help=f"IPVS scheduler: rr, wrr, lc, wlc, sh, dh, ... "
+    run.add_argument("--ipvs-scheduler", help=f"IPVS scheduler: rr, wrr, lc, wlc, sh, dh, ... for Services "
+                                              f"whose pyproxy.io/scheduler names none IPVS has "
                                               f"(default: {d.ipvs.scheduler})")
     run.add_argument("--nodeport-addresses", type=_csv,
                      help="comma-separated IPv4 CIDRs: NodePorts are served on the node addresses in them; "

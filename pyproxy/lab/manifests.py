@@ -49,7 +49,8 @@ def service(name: str, cluster_ip: str, ports: Sequence[Port], *, namespace: str
             traffic_distribution: str | None = None, annotations: Mapping[str, str] | None = None) -> str:
     """A Service (ClusterIP unless `type` says otherwise); `affinity_seconds` turns on ClientIP session affinity
     for that long; `external_ips` are spec.externalIPs, `load_balancer_ips` its status's ingress IPs,
-    `source_ranges` spec.loadBalancerSourceRanges, `traffic_distribution` spec.trafficDistribution."""
+    `source_ranges` spec.loadBalancerSourceRanges, `traffic_distribution` spec.trafficDistribution;
+    `annotations` its metadata's."""
     lines = ["apiVersion: v1", "kind: Service", "metadata:", f"  name: {_q(name)}", f"  namespace: {_q(namespace)}"]
     if annotations:
         lines += ["  annotations:"] + [f"    {_q(k)}: {_q(v)}" for k, v in annotations.items()]

@@ -9,7 +9,9 @@ the client does (a path with a smaller MTU on the way, where a router answers "f
     node --to-router/eth0-- router 10.198.0.2 --to-bI/eth0-- backend I      (router="backends")
     client --eth0/to-client-- router 10.198.0.2 --eth0/to-router-- node      (router="client")
 
-`router_mtu` sets the MTU of both ends of the node-router link.
+`router_mtu` sets the MTU of both ends of the node-router link. `client_addresses=N` gives the client N more
+addresses on its link, 10.200.0.3 onwards (`Lab.client_ips`), as N clients behind one link: what source-hashing
+schedulers tell apart.
 
 With `remote_backends=N` a second node joins (as an operator builds a two-node lab: node 1 runs pyproxy, pods on
 both nodes, node 2 with no route back to the external network), and with `second_client=True` a second client
@@ -41,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import ipaddress
 import json
 import logging
 import os
@@ -78,6 +81,8 @@ MARKER_DIR = RUN_DIR / "labs"
 CLIENT_IP = "10.200.0.2"
 NODE_CLIENT_IP = "10.200.0.1"
 CLIENT2_IP = "10.200.1.2"
+MAX_CLIENT_ADDRESSES = 200
+"""More client addresses than this would run into 10.200.0.255, the link's broadcast address."""
 NODE_CLIENT2_IP = "10.200.1.1"
 NODE_CLIENT2_IFNAME = "to-client2"
 NODE2_IP = "10.197.0.2"
@@ -361,12 +366,15 @@ class Lab:
 
     def __init__(self, backends: int = 3, *, prefix: str = "pyp", distro: bool = False,
                  csum_offload: bool = False, rp_filter: int = 1, router: str | None = None,
-                 router_mtu: int | None = None, remote_backends: int = 0, second_client: bool = False) -> None:
+                 router_mtu: int | None = None, remote_backends: int = 0, second_client: bool = False,
+                 client_addresses: int = 0) -> None:
         if not 0 <= backends <= MAX_BACKENDS or not 0 <= remote_backends <= MAX_BACKENDS:
             raise ValueError(f"backends and remote_backends must be 0..{MAX_BACKENDS}")
         if router is not None and (remote_backends or second_client):
             # Both would need their own routes through the router: not built, so refused rather than half-wired.
             raise ValueError("a router does not combine with remote_backends or second_client")
+        if not 0 <= client_addresses <= MAX_CLIENT_ADDRESSES:
+            raise ValueError(f"client_addresses must be 0..{MAX_CLIENT_ADDRESSES}")
         if rp_filter not in (0, 1, 2):
             raise ValueError("rp_filter must be 0, 1 or 2")
         if router is not None and router not in ROUTER_SIDES:
@@ -383,6 +391,7 @@ class Lab:
         self._initial_backends = backends
         self._initial_remote = remote_backends
         self.second_client = second_client
+        self.client_addresses = client_addresses
         self.id = ""
         self._backends: list[Backend] = []
         self._remote: list[Backend] = []
@@ -443,6 +452,12 @@ class Lab:
     @property
     def client_ip(self) -> str:
         return CLIENT_IP
+
+    @property
+    def client_ips(self) -> list[str]:
+        """Every address of the client: `client_ip` first, then the `client_addresses` more."""
+        base = ipaddress.IPv4Address(CLIENT_IP)
+        return [str(base + i) for i in range(self.client_addresses + 1)]
 
     @property
     def node_client_ifname(self) -> str:
@@ -582,6 +597,8 @@ class Lab:
         self._add_ns("client")
         self._link(NODE_CLIENT_IFNAME, self.client, f"{NODE_CLIENT_IP}/24", f"{CLIENT_IP}/24", NODE_CLIENT_IP,
                    upstream=self.router if self.router_side == "client" else None)
+        for ip in self.client_ips[1:]:
+            run(["ip", "-n", self.client, "addr", "add", f"{ip}/24", "dev", PEER_IFNAME])
         if self.second_client:
             self._link(NODE_CLIENT2_IFNAME, self._add_ns("client2"), f"{NODE_CLIENT2_IP}/24", f"{CLIENT2_IP}/24",
                        NODE_CLIENT2_IP)
@@ -767,9 +784,11 @@ class Lab:
 
     def probe(self, proto: str, ip: str, port: int, count: int = 20, *, timeout: float = 1.0,
               deadline: float | None = None, interval: float = 0.0, ns: str | None = None,
-              max_failures: int | None = None) -> ProbeResult:
+              max_failures: int | None = None, sources: Sequence[str] = (),
+              source_ports: Sequence[int] = ()) -> ProbeResult:
         """Send `count` requests (a new TCP connection / UDP socket each) from the client (or `ns`) to
-        ip:port, stopping after `max_failures` failed ones if given.
+        ip:port, stopping after `max_failures` failed ones if given; from the `sources` addresses and
+        `source_ports` in turn (traffic.probe), each request's answer in the result's `by_source`.
         Returns {"replies": {"b1:8080": n, ...}, "failures": k, "errors": {...}, ...}."""
         if proto not in ("tcp", "udp"):
             raise ValueError("proto must be tcp or udp")
@@ -779,6 +798,8 @@ class Lab:
                           f"--{proto}", ip, str(port), "--count", str(count), "--timeout", str(timeout),
                           "--deadline", str(deadline), "--interval", str(interval),
                           *([] if max_failures is None else ["--max-failures", str(max_failures)]),
+                          *(["--sources", ",".join(sources)] if sources else []),
+                          *(["--source-ports", ",".join(map(str, source_ports))] if source_ports else []),
                           timeout=deadline + 15.0).stdout
         result: ProbeResult = json.loads(out)
         return result

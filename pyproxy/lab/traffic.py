@@ -5,6 +5,9 @@ Run inside a namespace as `python -m pyproxy.lab.traffic SUBCOMMAND ...`:
     serve --name b1 --tcp 8080,9090 --udp 5353     answer every TCP connection / UDP datagram
     probe --tcp 10.96.0.10 80 --count 60           one NEW connection (new source port) per request
     probe --udp 10.96.0.53 53 --count 60           one NEW socket per datagram
+    probe --tcp 10.96.0.10 80 --sources 10.200.0.2,10.200.0.3 --source-ports 40001,40002
+                                                   ... from these addresses and ports in turn
+    hold 10.96.0.10 80 --count 6                   open connections and keep them (see `hold`)
     http http://127.0.0.1:10256/healthz --wait 20 --expect 200
 
 Every reply is one line, `NAME:PORT PEER_IP:PEER_PORT`: the backend's name, the port the request reached it on
@@ -24,6 +27,7 @@ import json
 import signal
 import socket
 import socketserver
+import struct
 import sys
 import threading
 import time
@@ -53,6 +57,9 @@ class ProbeResult(TypedDict):
     """Why requests failed: timeout, refused, reset, unreachable, empty, deadline, ..."""
     seen_from: dict[str, int]
     """The source IPs the backends reported seeing -> count (the client's own IP unless something SNATs)."""
+    by_source: dict[str, dict[str, int]]
+    """With sources or source ports given: `ADDRESS` (`ADDRESS:PORT` with source ports) -> `NAME:PORT` of the
+    backends that answered requests from there -> count (failed requests under "failed")."""
     count: int
     elapsed: float
 
@@ -162,26 +169,41 @@ def _classify(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def _tcp_request(ip: str, port: int, timeout: float) -> bytes:
+def _read_line(sock: socket.socket, end: float) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        remaining = end - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("reply incomplete")
+        sock.settimeout(remaining)
+        chunk = sock.recv(1024)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _reset_on_close(sock: socket.socket) -> None:
+    """Make close() send a reset: the socket leaves no TIME_WAIT behind, so the same source port can open the
+    next connection to the same destination at once."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+def _tcp_request(ip: str, port: int, timeout: float, source: tuple[str, int] | None = None) -> bytes:
     end = time.monotonic() + timeout
-    # A fresh socket per request: a new source port, so every request is a new flow for the load balancer.
-    with socket.create_connection((ip, port), timeout=timeout) as sock:
+    # A fresh socket per request: a new source port (unless one is given), so every request is a new flow for
+    # the load balancer.
+    with socket.create_connection((ip, port), timeout=timeout, source_address=source) as sock:
+        if source is not None and source[1]:
+            _reset_on_close(sock)
         sock.sendall(REQUEST)
-        data = b""
-        while not data.endswith(b"\n"):
-            remaining = end - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("reply incomplete")
-            sock.settimeout(remaining)
-            chunk = sock.recv(1024)
-            if not chunk:
-                break
-            data += chunk
-        return data
+        return _read_line(sock, end)
 
 
-def _udp_request(ip: str, port: int, timeout: float) -> bytes:
+def _udp_request(ip: str, port: int, timeout: float, source: tuple[str, int] | None = None) -> bytes:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        if source is not None:
+            sock.bind(source)
         # connect() makes the kernel drop replies whose source is not ip:port, as a real resolver would: a
         # reply that escaped reverse NAT (source = backend IP) is a failure; ICMP port unreachable: "refused".
         sock.connect((ip, port))
@@ -191,20 +213,31 @@ def _udp_request(ip: str, port: int, timeout: float) -> bytes:
 
 
 def probe(proto: str, ip: str, port: int, count: int, timeout: float = 1.0, deadline: float = 60.0,
-          interval: float = 0.0, max_failures: int | None = None) -> ProbeResult:
+          interval: float = 0.0, max_failures: int | None = None, sources: Sequence[str] = (),
+          source_ports: Sequence[int] = ()) -> ProbeResult:
     """`count` requests; with `max_failures`, the run stops once that many failed (a caller that must see every
-    flow answered need not wait out the timeouts of all the others: what was seen so far is returned)."""
+    flow answered need not wait out the timeouts of all the others: what was seen so far is returned).
+    Request i comes from sources[i % len(sources)] (default: the address the route picks) and from
+    source_ports[(i // len(sources)) % len(source_ports)] (default or 0: a fresh port): every address, then
+    every address again from the next port; a TCP connection from a given port ends with a reset."""
     request = _tcp_request if proto == "tcp" else _udp_request
     replies: Counter[str] = Counter()
     errors: Counter[str] = Counter()
     seen_from: Counter[str] = Counter()
+    by_source: dict[str, Counter[str]] = {}
     start = time.monotonic()
     for i in range(count):
         if time.monotonic() - start > deadline:
             errors["deadline"] += count - i
             break
+        source = None
+        if sources or source_ports:
+            address = sources[i % len(sources)] if sources else "0.0.0.0"
+            sport = source_ports[(i // max(1, len(sources))) % len(source_ports)] if source_ports else 0
+            source = (address, sport)
+        answer = "failed"
         try:
-            parsed = parse_reply(request(ip, port, timeout))
+            parsed = parse_reply(request(ip, port, timeout, source))
         except Exception as exc:  # noqa: BLE001 - every failure is counted by kind, none may end the run
             errors[_classify(exc)] += 1
         else:
@@ -213,13 +246,68 @@ def probe(proto: str, ip: str, port: int, count: int, timeout: float = 1.0, dead
             else:
                 replies[parsed[0]] += 1
                 seen_from[parsed[1]] += 1
+                answer = parsed[0]
+        if source is not None:
+            key = f"{source[0]}:{source[1]}" if source_ports else source[0]
+            by_source.setdefault(key, Counter())[answer] += 1
         if max_failures is not None and sum(errors.values()) >= max_failures:
             break
         if interval:
             time.sleep(interval)
     return ProbeResult(replies=dict(sorted(replies.items())), failures=sum(errors.values()),
-                       errors=dict(errors), seen_from=dict(seen_from), count=count,
+                       errors=dict(errors), seen_from=dict(seen_from),
+                       by_source={k: dict(sorted(v.items())) for k, v in sorted(by_source.items())}, count=count,
                        elapsed=round(time.monotonic() - start, 3))
+
+
+def hold(ip: str, port: int, count: int, timeout: float = 5.0) -> int:
+    """Open `count` TCP connections to ip:port one after the other and keep them open (a load that lasts, as
+    the least-connection schedulers weigh it): print, as one JSON line, the `NAME:PORT` that answered each
+    (null for one that failed). Then per stdin line `keep NAME:PORT`, close (reset) every connection that
+    another backend holds, and print the ones kept; at stdin's end reset them all. Each held connection is
+    asked once more before it is reported kept, so a kept one is proven still open."""
+    held: list[tuple[socket.socket, str]] = []
+    answers: list[str | None] = []
+    for _ in range(count):
+        try:
+            sock = socket.create_connection((ip, port), timeout=timeout)
+        except OSError:
+            answers.append(None)
+            continue
+        _reset_on_close(sock)
+        try:
+            sock.sendall(REQUEST)
+            parsed = parse_reply(_read_line(sock, time.monotonic() + timeout))
+        except OSError:
+            parsed = None
+        if parsed is None:
+            sock.close()
+            answers.append(None)
+            continue
+        held.append((sock, parsed[0]))
+        answers.append(parsed[0])
+    print(json.dumps(answers), flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if words[:1] != ["keep"] or len(words) != 2:
+            continue
+        for sock, name in held:
+            if name != words[1]:
+                sock.close()
+        kept = []
+        for sock, name in held:
+            if name == words[1]:
+                try:
+                    sock.sendall(REQUEST)
+                    parsed = parse_reply(_read_line(sock, time.monotonic() + timeout))
+                except OSError:
+                    parsed = None
+                kept.append(parsed[0] if parsed else None)
+        held = [(sock, name) for sock, name in held if name == words[1]]
+        print(json.dumps(kept), flush=True)
+    for sock, _ in held:
+        sock.close()
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------- http
@@ -284,6 +372,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_probe.add_argument("--deadline", type=float, default=60.0, help="seconds for the whole run")
     p_probe.add_argument("--interval", type=float, default=0.0, help="seconds between requests")
     p_probe.add_argument("--max-failures", type=int, default=None, help="stop once this many requests failed")
+    p_probe.add_argument("--sources", type=lambda t: [a for a in t.split(",") if a], default=[],
+                         help="comma-separated source addresses, one request each in turn")
+    p_probe.add_argument("--source-ports", type=_ports, default=[], help="comma-separated source ports")
+
+    p_hold = sub.add_parser("hold", help="open TCP connections and keep them until stdin ends")
+    p_hold.add_argument("ip")
+    p_hold.add_argument("port", type=int)
+    p_hold.add_argument("--count", type=int, default=6)
+    p_hold.add_argument("--timeout", type=float, default=5.0, help="seconds per connection")
 
     p_http = sub.add_parser("http", help="GET a URL, print JSON {status, body, error, elapsed}")
     p_http.add_argument("url")
@@ -299,8 +396,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return serve(args.name, args.tcp, args.udp, args.bind, args.exit_on_stdin_eof)
         if args.cmd == "probe":
             print(json.dumps(probe(args.proto, args.ip, args.port, args.count, args.timeout, args.deadline,
-                                   args.interval, args.max_failures)))
+                                   args.interval, args.max_failures, args.sources, args.source_ports)))
             return 0
+        if args.cmd == "hold":
+            return hold(args.ip, args.port, args.count, args.timeout)
         if args.wait and args.expect is not None:
             result = wait_http(args.url, args.expect, args.wait, args.timeout)
         else:

@@ -10,6 +10,8 @@ the guest run by GUEST_TIMEOUT.
 from __future__ import annotations
 
 import importlib.util
+import os
+import shlex
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -22,7 +24,10 @@ GUEST_DIR = Path(__file__).resolve().parents[1] / "guest"
 # 4 minutes on an idle machine, 9 with two other test suites beside it; the two-node table added about 3 (11.4
 # measured on a busy host).
 GUEST_TIMEOUT = 1200.0
-COMMAND = "python -m pytest -q -p no:cacheprovider -ra tests/guest_ipvs"
+COMMAND = "python -m pytest -q -p no:cacheprovider -ra"
+SELECTION = os.environ.get("PYPROXY_GUEST_TESTS", "tests/guest_ipvs")
+"""What the guest's pytest runs: all of tests/guest_ipvs, or e.g. `tests/guest_ipvs -k scheduler` while working
+on one test (a guest boot costs minutes)."""
 
 
 def _runner() -> ModuleType:
@@ -38,7 +43,8 @@ def _runner() -> ModuleType:
 def test_ipvs_mode_in_a_guest() -> None:
     run = _runner()
     image = run.build_image()
-    result = run.run_in_guest(COMMAND, timeout=GUEST_TIMEOUT, echo=None, image=image)
+    result = run.run_in_guest(f"{COMMAND} {shlex.join(shlex.split(SELECTION))}", timeout=GUEST_TIMEOUT, echo=None,
+                              image=image)
     print(f"===== guest output ({result.seconds:g}s, exit {result.returncode}) =====\n{result.output}")
     if result.returncode in (124, 125):
         print(f"===== guest console =====\n{result.console[-20000:]}")

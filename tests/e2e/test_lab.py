@@ -127,6 +127,33 @@ def test_failures_are_counted_quickly_not_waited_out() -> None:
 
 
 @pytest.mark.root
+def test_more_client_addresses_fixed_source_ports_and_held_connections() -> None:
+    with Lab(1, client_addresses=2) as lab:
+        assert lab.client_ips == ["10.200.0.2", "10.200.0.3", "10.200.0.4"]
+        lab.start_servers(tcp=[8080], udp=[5353])
+        b1 = lab.backends[0]
+        # The same source port again at once, for each address: a TCP flow from a fixed port ends with a reset,
+        # so no TIME_WAIT stands in the next one's way.
+        result = lab.probe("tcp", b1.ip, 8080, 12, sources=lab.client_ips, source_ports=[40001, 40002])
+        assert result["failures"] == 0, describe(result)
+        assert result["seen_from"] == dict.fromkeys(lab.client_ips, 4)
+        assert result["by_source"] == {f"{ip}:{port}": {"b1:8080": 2} for ip in lab.client_ips
+                                       for port in (40001, 40002)}
+        udp = lab.probe("udp", b1.ip, 5353, 3, sources=lab.client_ips[1:2])
+        assert udp["by_source"] == {"10.200.0.3": {"b1:5353": 3}}, describe(udp)
+        assert lab.probe("tcp", b1.ip, 8080, 1)["by_source"] == {}
+        holder = lab.popen(lab.client, sys.executable, "-m", "pyproxy.lab.traffic", "hold", b1.ip, "8080",
+                           "--count", "2", stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert holder.stdin is not None and holder.stdout is not None
+        assert json.loads(holder.stdout.readline()) == ["b1:8080", "b1:8080"]
+        holder.stdin.write("keep b1:8080\n")
+        holder.stdin.flush()
+        assert json.loads(holder.stdout.readline()) == ["b1:8080", "b1:8080"]  # asked again: still open
+        holder.stdin.close()
+        assert holder.wait(timeout=10) == 0
+
+
+@pytest.mark.root
 def test_csum_offload_option_leaves_offload_on() -> None:
     with Lab(1, csum_offload=True) as lab:
         assert "tx-checksumming: on" in lab.exec(lab.client, "ethtool", "-k", "eth0").stdout

@@ -43,7 +43,8 @@ DEFAULT_TIMEOUT = 900.0
 # What IPVS mode and its tests need, loaded in the guest's initial namespace before anything runs (modules
 # are global: namespaces created later see them).
 MODULES = (
-    "ip_vs", "ip_vs_rr", "ip_vs_wrr", "ip_vs_lc", "ip_vs_wlc", "ip_vs_sh", "ip_vs_dh", "nf_conntrack",
+    "ip_vs", "ip_vs_rr", "ip_vs_wrr", "ip_vs_lc", "ip_vs_wlc", "ip_vs_sed", "ip_vs_nq", "ip_vs_sh", "ip_vs_dh",
+    "ip_vs_mh", "nf_conntrack",
     "nf_nat", "ip_set", "ip_set_hash_ip", "ip_set_hash_ipport", "ip_set_hash_ipportip", "ip_set_hash_ipportnet",
     "xt_set", "xt_ipvs", "xt_mark", "xt_comment", "xt_addrtype", "xt_conntrack", "xt_MASQUERADE", "xt_nat",
     "iptable_nat", "iptable_filter", "nf_tables", "nft_compat", "nft_chain_nat", "nf_reject_ipv4", "nft_reject",

@@ -13,8 +13,9 @@ from collections.abc import Callable, Sequence
 
 import flowcases
 import pytest
+import schedcases
 from tracers import bpf, iptables, ipvs, nftables
-from tracers.common import BEFORE, Sync, Tracer, Unmodelled, mismatches, syncs, traced_cases
+from tracers.common import BEFORE, SOURCES, Packet, Sync, Tracer, Unmodelled, mismatches, syncs, traced_cases
 
 from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.render import Batch
@@ -202,3 +203,12 @@ def test_the_tracers_follow_every_case_but_the_nodes_own_traffic() -> None:
     left_out = [case for case in flowcases.CASES if case not in traced_cases()]
     assert left_out and all(case.src == "node" for case in left_out)
     assert len(traced_cases()) == len(flowcases.CASES) - len(left_out) >= 10
+
+
+def test_ipvs_never_picks_an_endpoint_of_weight_zero() -> None:
+    # The scheduler table's wrr Service weighs b3 0 (pyproxy.io/weights): from the annotation to the real
+    # servers, no new flow may reach it, with or without affinity.
+    tracer = ipvs.tracer(syncs(schedcases.manifests()))
+    for ip in (schedcases.service_ip("wrr"), schedcases.sticky_ip("wrr")):
+        picks = {v.backend for v in tracer.flows(Packet(SOURCES["client"], "tcp", ip, 80), frozenset())}
+        assert picks == {f"{schedcases.B1}:8080", f"{schedcases.B2}:8080"}, (ip, picks)

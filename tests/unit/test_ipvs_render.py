@@ -9,13 +9,16 @@ which a partial sync starts from instead, must predict the model exactly.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import pytest
 
-from pyproxy.dataplane.ipvs.backend import is_mode_chain, is_mode_rule, rule_edits
+from pyproxy.dataplane.ipvs import kernel
+from pyproxy.dataplane.ipvs.backend import IpvsDataplane, IpvsSettings, is_mode_chain, is_mode_rule, rule_edits
 from pyproxy.dataplane.ipvs.render import (
     CLUSTER_IP_SET,
     EXTERNAL_IP_LOCAL_SET,
@@ -534,3 +537,95 @@ def test_a_not_ready_endpoint_keeps_its_udp_entries_until_it_leaves() -> None:
     plan = k.sync(memory, {DNS: [not_ready]})
     assert plan.stale_udp == () and (DNS_KEY, Y) not in k.conns and Y not in k.virtuals[DNS_KEY][2]
     assert k.sync(plan.memory, {DNS: [dns(X)]}).stale_udp == (Stale("10.96.0.53", 53, Y),)
+
+
+def scheduled(st: ServicePortState, scheduler: str = "", weights: Mapping[str, int] | None = None) -> ServicePortState:
+    return replace(st, scheduler=scheduler, weights=tuple(sorted((weights or {}).items())))
+
+
+@pytest.mark.parametrize("asked, used", [("rr", "rr"), ("wrr", "wrr"), ("lc", "lc"), ("sed", "sed"), ("nq", "nq"),
+                                         ("sh", "sh"), ("dh", "dh"), ("maglev", "mh"), ("", "lc"), ("random", "lc")])
+def test_a_services_scheduler_is_ipvs_own_else_the_nodes(asked: str, used: str) -> None:
+    k = KernelModel()
+    plan = k.sync(Memory(), {WEB: [scheduled(web(A), asked)]}, options=Options("lc"))
+    assert k.virtuals[WEB_KEY][0] == used
+    # Said once in the log, by the backend: IPVS has no uniform random choice.
+    assert plan.fallbacks == ({WEB: "random"} if asked == "random" else {})
+
+
+def test_weights_come_from_the_annotation_and_zero_quiesces() -> None:
+    k = KernelModel()
+    k.sync(Memory(), {WEB: [scheduled(web(A, B, C), "wrr", {A.ip: 3, C.ip: 0})]})
+    assert k.virtuals[WEB_KEY] == ("wrr", 0, {A: 3, B: 1, C: 0})
+
+
+def test_a_changed_scheduler_or_weight_is_an_edit_that_keeps_connections() -> None:
+    k = KernelModel()
+    memory = k.sync(Memory(), {WEB: [scheduled(web(A, B), "rr")]}).memory
+    k.conns[(WEB_KEY, A)] = 3
+    plan = k.sync(memory, {WEB: [scheduled(web(A, B), "maglev", {A.ip: 0, B.ip: 5})]}, full=False)
+    # No del of either: a deleted virtual or real server ends its established connections.
+    assert plan.ops == (VirtualOp("set", WEB_KEY, "mh", 0), RealOp("set", WEB_KEY, A, 0), RealOp("set", WEB_KEY, B, 5))
+    assert plan.memory.draining_since == {}  # weight 0 by request is not draining: it stays
+    plan = k.sync(plan.memory, {DNS: [dns(X)]}, full=False, now=10_000.0)
+    assert not any(isinstance(op, RealOp) and op.key == WEB_KEY for op in plan.ops)
+    assert k.virtuals[WEB_KEY] == ("mh", 0, {A: 0, B: 5})
+
+
+def test_a_quiesced_endpoint_that_leaves_drains_like_any_other() -> None:
+    k = KernelModel()
+    memory = k.sync(Memory(), {WEB: [scheduled(web(A, B), "wrr", {B.ip: 0})]}).memory
+    k.conns[(WEB_KEY, B)] = 1
+    plan = k.sync(memory, {WEB: [scheduled(web(A), "wrr", {B.ip: 0})]}, full=False, now=5.0)
+    assert plan.ops == ()
+    assert plan.memory.draining_since == {(WEB_KEY, B): 5.0}
+    k.conns[(WEB_KEY, B)] = 0
+    plan = k.sync(plan.memory, {DNS: [dns(X)]}, full=False, now=6.0)
+    assert RealOp("del", WEB_KEY, B) in plan.ops
+
+
+def test_a_service_asking_for_random_is_logged_once_until_it_asks_again(caplog: pytest.LogCaptureFixture) -> None:
+    dp = IpvsDataplane(IpvsSettings(scheduler="sh"))
+    with caplog.at_level(logging.INFO, logger="pyproxy.dataplane.ipvs.backend"):
+        for fallbacks in ({WEB: "random"}, {WEB: "random"}, {}, {WEB: "random"}):
+            dp._log_fallbacks({WEB, DNS}, fallbacks)
+        dp._log_fallbacks({DNS}, {})  # a sync of another Service says nothing of this one
+        dp._log_fallbacks({WEB}, {WEB: "random"})
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"Service {WEB} asks for the random scheduler, which IPVS has not: its virtual servers use "
+                     "--ipvs-scheduler=sh"] * 2, lines
+
+
+@pytest.mark.parametrize("scheduler, persistence, flags", [("rr", 0, 0), ("rr", 600, 0x1), ("sh", 0, 0x8),
+                                                           ("mh", 600, 0x9), ("dh", 0, 0)])
+def test_sh_and_mh_fall_back_past_a_weight_0_real_server(scheduler: str, persistence: int, flags: int) -> None:
+    # Without sh-fallback / mh-fallback, IPVS refuses the clients that hash to a quiesced or draining endpoint.
+    calls: list[tuple[str, Any]] = []
+
+    class Recorder:
+        def service(self, verb: str, service: Any) -> None:
+            calls.append((verb, service))
+
+    kernel.put_virtual(Recorder(), "add", WEB_KEY, scheduler, persistence)  # type: ignore[arg-type]
+    [(verb, service)] = calls
+    assert verb == "add" and service.combined["sched_name"] == scheduler
+    assert service.combined["flags"] == {"flags": flags, "mask": 0xFFFF}
+
+
+@pytest.mark.parametrize("scheduler, flags, read", [("sh", 0x8, "sh"), ("sh", 0, "sh without fallback"),
+                                                    ("mh", 0x1, "mh without fallback"), ("rr", 0, "rr")])
+def test_a_hashing_virtual_server_without_its_fallback_flag_is_edited(scheduler: str, flags: int, read: str) -> None:
+    class Attrs(dict[str, Any]):
+        def get_attr(self, name: str) -> Any:
+            return self.get(name)
+
+    svc = Attrs(IPVS_SVC_ATTR_AF=2, IPVS_SVC_ATTR_PROTOCOL=6, IPVS_SVC_ATTR_ADDR=WEB_KEY[0],
+                IPVS_SVC_ATTR_PORT=WEB_KEY[1], IPVS_SVC_ATTR_SCHED_NAME=scheduler, IPVS_SVC_ATTR_TIMEOUT=600,
+                IPVS_SVC_ATTR_FLAGS={"flags": flags, "mask": 0xFFFF})
+    found = kernel._service_of(Attrs(IPVS_CMD_ATTR_SERVICE=svc))
+    assert found == (WEB_KEY, read, 600 if flags & 1 else 0)
+    # Adopted as it was read: the one that lacks its flag is edited (put_virtual sets it), the others are not.
+    k = KernelModel(virtuals={WEB_KEY: (read, 0, {})})
+    asked = {"mh": "maglev"}.get(scheduler, scheduler)
+    ops = k.sync(Memory(owners={WEB_KEY: WEB}), {WEB: [scheduled(web(), asked)]}).ops
+    assert (VirtualOp("set", WEB_KEY, scheduler, 0) in ops) == (read != scheduler), ops

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Set
+from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass, field, replace
 
 from pyroute2 import IPVS
@@ -117,7 +117,8 @@ JUMPS = (
 @dataclass
 class IpvsSettings:
     scheduler: str = "rr"
-    """--ipvs-scheduler: rr, wrr, lc, wlc, sh, dh, ... (passed to the kernel as is)."""
+    """--ipvs-scheduler: rr, wrr, lc, wlc, sh, dh, ... (passed to the kernel as is): the scheduler of every
+    Service that names none of IPVS's (pyproxy.io/scheduler, render.scheduler)."""
     iptables_backend: str = "auto"
     """Which iptables the masquerade rules go to, as IptablesSettings.backend."""
     masquerade: MasqueradeSettings = field(default_factory=MasqueradeSettings)
@@ -256,6 +257,8 @@ class IpvsDataplane:
         self.memory = Memory()
         self.tools: nf.Tools | None = None
         self._clock = clock
+        self._fallbacks: dict[str, str] = {}
+        """Service -> the scheduler IPVS has not that it asks for, as last logged: said once, not every sync."""
         self._last: Observed | None = None
         """What the kernel holds after the last successful sync. A partial sync re-reads only the virtual
         servers it syncs (and those with draining real servers) and takes the rest from here: reading every
@@ -329,10 +332,21 @@ class IpvsDataplane:
             raise
         self.memory = plan.memory
         self._last = after(observed, plan.ops)
+        self._log_fallbacks(keys, plan.fallbacks)
         # After the real servers went: no new flow can pick a deleted one while its entries are deleted.
         nf.clear_stale_udp(plan.stale_udp)
         if plan.ops:
             log.debug("%s sync: %d IPVS/address/ipset operations", "full" if full else "partial", len(plan.ops))
+
+    def _log_fallbacks(self, synced: Set[str], fallbacks: Mapping[str, str]) -> None:
+        for service in sorted(synced):
+            asked = fallbacks.get(service)
+            if asked is None:
+                self._fallbacks.pop(service, None)
+            elif self._fallbacks.get(service) != asked:
+                self._fallbacks[service] = asked
+                log.info("Service %s asks for the %s scheduler, which IPVS has not: its virtual servers use "
+                         "--ipvs-scheduler=%s", service, asked, self.settings.scheduler)
 
     # -- kernel ----------------------------------------------------------------------------------
 

@@ -33,6 +33,12 @@ PROTOCOLS = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": getat
 PROTOCOL_NAMES = {v: k for k, v in PROTOCOLS.items()}
 FWD_MASQ = 0
 SVC_F_PERSISTENT = 0x1
+SVC_F_SCHED1 = 0x8
+"""sh-fallback for sh, mh-fallback for mh: a flow that hashes to a real server of weight 0 goes to the next one
+instead of being refused (both keep a weight-0 server's share of the table, so that it comes back to the same
+clients). Weight 0 means "no new flows" here (a draining endpoint, or one a Service's weights quiesce), never
+"refuse some clients"."""
+FALLBACK_SCHEDULERS = frozenset({"sh", "mh"})
 SYSCTL_DIR = Path("/proc/sys/net/ipv4")
 # As upstream: conntrack entries for IPVS flows (so iptables can masquerade them), connections to a deleted
 # real server expire on their next packet, and affinity templates of a weight-0 (draining) real server
@@ -77,7 +83,12 @@ def _service_of(msg: Any) -> tuple[VSKey, str, int] | None:
     flags = svc.get_attr("IPVS_SVC_ATTR_FLAGS") or {}
     timeout = svc.get_attr("IPVS_SVC_ATTR_TIMEOUT") if flags.get("flags", 0) & SVC_F_PERSISTENT else 0
     key = (svc.get_attr("IPVS_SVC_ATTR_ADDR"), svc.get_attr("IPVS_SVC_ATTR_PORT"), proto)
-    return key, svc.get_attr("IPVS_SVC_ATTR_SCHED_NAME") or "", timeout
+    scheduler = svc.get_attr("IPVS_SVC_ATTR_SCHED_NAME") or ""
+    if scheduler in FALLBACK_SCHEDULERS and not flags.get("flags", 0) & SVC_F_SCHED1:
+        # Not as put_virtual writes it (an older pyproxy's, or someone's by hand): read so that render.py plans
+        # an edit, which sets the flag and keeps the connections.
+        scheduler += " without fallback"
+    return key, scheduler, timeout
 
 
 def read_reals(ipvs: IPVS, key: VSKey) -> dict[Backend, Real]:
@@ -110,7 +121,8 @@ def read_virtual(ipvs: IPVS, key: VSKey) -> Virtual | None:
 
 
 def put_virtual(ipvs: IPVS, verb: str, key: VSKey, scheduler: str, timeout: int) -> None:
-    flags = {"flags": SVC_F_PERSISTENT if timeout else 0, "mask": 0xFFFF}
+    flags = {"flags": (SVC_F_PERSISTENT if timeout else 0) | (SVC_F_SCHED1 if scheduler in FALLBACK_SCHEDULERS else 0),
+             "mask": 0xFFFF}
     ipvs.service(verb, service=_service(key, sched_name=scheduler, timeout=timeout, flags=flags))
 
 

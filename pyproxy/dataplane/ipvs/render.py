@@ -8,11 +8,16 @@ the memory that holds once they ran.
 
 Upstream kube-proxy's IPVS semantics:
 
-- one virtual server per frontend, NAT forwarding ("masq"), the configured scheduler; ClientIP affinity makes
-  it persistent with the affinity timeout. Frontends are every kind the model gives: each ClusterIP, each
-  external IP, each load-balancer IP, and a NodePort on each node address it is served on (the model's
-  `NodeInputs.nodeport_addresses`, one frontend per address);
-- real servers, weight 1: a ClusterIP's `backends`; an external frontend's `external_backends` (with
+- one virtual server per frontend, NAT forwarding ("masq"), the Service's scheduler (`pyproxy.io/scheduler`,
+  `scheduler()`: IPVS's own names, maglev as IPVS's mh) or else the configured one (--ipvs-scheduler; also for
+  `random`, which IPVS has not: `Plan.fallbacks` names those Services for the log); ClientIP affinity makes
+  it persistent with the affinity timeout. A changed scheduler or affinity edits the virtual server in place,
+  a changed weight the real server: deleting either would end its established connections. Frontends are
+  every kind the model gives: each ClusterIP, each external IP, each load-balancer IP, and a NodePort on each
+  node address it is served on (the model's `NodeInputs.nodeport_addresses`, one frontend per address);
+- real servers, weighted by the Service's `pyproxy.io/weights` (`ServicePortState.weight`: 1 unless named;
+  IPVS's weight 0 quiesces a real server, as the annotation's 0 means: no new flows): a ClusterIP's
+  `backends`; an external frontend's `external_backends` (with
   externalTrafficPolicy Cluster the same; with Local this node's). One virtual server serves every source, so
   unlike the netfilter modes IPVS cannot give pods and the node all endpoints while outside clients get this
   node's (upstream IPVS cannot either): with Local, pods and the node reach this node's endpoints too.
@@ -104,8 +109,9 @@ KUBE-NO-ENDPOINTS)."""
 FRONTEND_SETS = frozenset({CLUSTER_IP_SET, EXTERNAL_IP_SET, EXTERNAL_IP_LOCAL_SET, LOAD_BALANCER_SET})
 """The sets that list every ClusterIP, external IP and load-balancer frontend (ip,proto:port)."""
 
-WEIGHT = 1
-"""Every ready endpoint's weight (upstream); 0 marks a draining one."""
+IPVS_SCHEDULERS: Mapping[str, str] = {"rr": "rr", "wrr": "wrr", "lc": "lc", "sed": "sed", "nq": "nq", "sh": "sh",
+                                      "dh": "dh", "maglev": "mh"}
+"""The model's schedulers (objects.SCHEDULERS) IPVS has -> IPVS's name for it; `random` it has not."""
 # Upstream drains only protocols with connections to wait for.
 GRACEFUL_PROTOCOLS = frozenset({"TCP"})
 
@@ -193,6 +199,9 @@ Op = VirtualOp | RealOp | AddressOp | SetOp
 class Plan:
     ops: tuple[Op, ...]
     memory: Memory
+    fallbacks: Mapping[str, str] = field(default_factory=dict)
+    """Service key -> the scheduler it asks for that IPVS has not, of the Services synced now: their virtual
+    servers got the configured scheduler instead (the backend says so in its log, once per Service)."""
     stale_udp: tuple[Stale, ...] = ()
     """UDP conntrack entries to delete once the ops ran (model/conntrack.py's plan, as the other netfilter
     modes'): IPVS keeps a conntrack entry per flow (net.ipv4.vs.conntrack=1), which keeps a client's datagrams
@@ -223,6 +232,11 @@ def source_cidr_entry(key: VSKey, cidr: str) -> str:
     without its length."""
     net = ipaddress.ip_network(cidr.strip(), strict=False)
     return f"{cluster_entry(key)},{net.network_address if net.prefixlen == net.max_prefixlen else net}"
+
+
+def scheduler(st: ServicePortState, default: str) -> str:
+    """The IPVS scheduler of a frontend's virtual server: the Service's when IPVS has it, else `default`."""
+    return IPVS_SCHEDULERS.get(st.scheduler, default)
 
 
 def real_servers(st: ServicePortState) -> tuple[Backend, ...]:
@@ -290,23 +304,23 @@ class _Reals:
     draining: dict[Backend, float] = field(default_factory=dict)
 
 
-def _reconcile_reals(key: VSKey, current: Mapping[Backend, Real], wanted: Iterable[Backend] | None,
+def _reconcile_reals(key: VSKey, current: Mapping[Backend, Real], wanted: Mapping[Backend, int] | None,
                      since: Mapping[tuple[VSKey, Backend], float], options: Options, now: float) -> _Reals:
-    """Real-server ops for `key`. `wanted` None: the Service is not being synced, so only draining real
-    servers (weight 0, which only this proxy sets) are looked at."""
+    """Real-server ops for `key`; `wanted`: endpoint -> weight. `wanted` None: the Service is not being synced,
+    so only draining real servers (those `since` knows: a wanted one may have weight 0 too) are looked at."""
     r = _Reals()
-    want = tuple(wanted) if wanted is not None else None
-    for b in want or ():
+    for b, weight in (wanted or {}).items():
         cur = current.get(b)
         if cur is None:
-            r.ops.append(RealOp("add", key, b, WEIGHT))
-        elif cur.weight != WEIGHT:
-            r.ops.append(RealOp("set", key, b, WEIGHT))  # back before it finished draining
-        r.after[b] = Real(WEIGHT)
+            r.ops.append(RealOp("add", key, b, weight))
+        elif cur.weight != weight:
+            # Also one back before it finished draining. An edit: its established connections stay.
+            r.ops.append(RealOp("set", key, b, weight))
+        r.after[b] = Real(weight, cur.active, cur.inactive) if cur else Real(weight)
     for b, cur in current.items():
-        if want is not None and b in want:
+        if wanted is not None and b in wanted:
             continue
-        if want is None and cur.weight != 0:
+        if wanted is None and (cur.weight != 0 or (key, b) not in since):
             r.after[b] = cur
             continue
         started = since.get((key, b), now)
@@ -341,15 +355,20 @@ def render(observed: Observed, memory: Memory, desired: Mapping[str, Iterable[Se
     draining: dict[tuple[VSKey, Backend], float] = {}
     owners = {k: s for k, s in memory.owners.items() if k in mine and k not in gone}
     accounted = {k: m for k, m in memory.members.items() if k in mine and k not in gone}
+    fallbacks: dict[str, str] = {}
 
     for key in sorted(claims):
         service, st = claims[key]
+        sched = scheduler(st, options.scheduler)
+        if st.scheduler and st.scheduler not in IPVS_SCHEDULERS:
+            fallbacks[service] = st.scheduler
         cur = observed.virtuals.get(key)
         if cur is None:
-            virtual_ops.append(VirtualOp("add", key, options.scheduler, st.session_affinity_seconds))
-        elif (cur.scheduler, cur.timeout) != (options.scheduler, st.session_affinity_seconds):
-            virtual_ops.append(VirtualOp("set", key, options.scheduler, st.session_affinity_seconds))
-        r = _reconcile_reals(key, cur.reals if cur else {}, real_servers(st), memory.draining_since, options, now)
+            virtual_ops.append(VirtualOp("add", key, sched, st.session_affinity_seconds))
+        elif (cur.scheduler, cur.timeout) != (sched, st.session_affinity_seconds):
+            virtual_ops.append(VirtualOp("set", key, sched, st.session_affinity_seconds))
+        wanted = {b: st.weight(b) for b in real_servers(st)}
+        r = _reconcile_reals(key, cur.reals if cur else {}, wanted, memory.draining_since, options, now)
         real_ops += r.ops
         reals_after[key] = r.after
         draining.update({(key, b): t for b, t in r.draining.items()})
@@ -387,7 +406,7 @@ def render(observed: Observed, memory: Memory, desired: Mapping[str, Iterable[Se
                   for key, (_, st) in claims.items() if key[2] == "UDP"})
     stale = stale_udp(_udp_before(observed, memory, scope), udp_frontends(st for _, st in claims.values()))
     return Plan(tuple(ops), Memory(owners=owners, members={k: m for k, m in accounted.items() if k in reals_after},
-                                   draining_since=draining, known=known), tuple(stale))
+                                   draining_since=draining, known=known), fallbacks, tuple(stale))
 
 
 def _udp_before(observed: Observed, memory: Memory, scope: Set[VSKey]) -> dict[UdpKey, UdpFrontend]:
