@@ -115,6 +115,9 @@ MANIFESTS = documents(
             traffic_distribution="PreferClose"),
     endpoint_slice("topo-local", {B1: True, B2: True, B3: True}, [TOPO_LOCAL_HTTP], zone_hints=ZONED,
                    node_names={B1: "other-node", B2: NODE_NAME, B3: "other-node"}),
+    # pyproxy.io/weights: b2 quiesced (weight 0): new flows never reach it, in every mode (the model leaves it out).
+    service("quiesced", "10.96.20.25", [HTTP, DNS], annotations={"pyproxy.io/weights": f"{B2}=0"}),
+    endpoint_slice("quiesced", {B1: True, B2: True, B3: True}, [HTTP, DNS]),
 )
 
 
@@ -278,7 +281,12 @@ TOPOLOGY_CASES = (
     FlowCase("PreferClose, externalTrafficPolicy Local: pods get the zone's endpoints", "tcp", "10.96.20.24", 80,
              answered_by("b1:8080", "b3:8080"), src="b2"),
 )
-CASES += EXTERNAL_CASES + ITP_CASES + TOPOLOGY_CASES
+# The weights annotation's 0, in every mode (schedulers, which only bpf and ipvs have: tests/schedcases.py).
+WEIGHT_CASES = (
+    FlowCase("weight 0 quiesces an endpoint: TCP", "tcp", "10.96.20.25", 80, answered_by("b1:8080", "b3:8080")),
+    FlowCase("weight 0 quiesces an endpoint: UDP", "udp", "10.96.20.25", 53, answered_by("b1:5353", "b3:5353")),
+)
+CASES += EXTERNAL_CASES + ITP_CASES + TOPOLOGY_CASES + WEIGHT_CASES
 
 
 def outcome_of(result: Mapping[str, Any]) -> Outcome:

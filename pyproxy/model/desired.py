@@ -127,6 +127,16 @@ class _PortBackends:
         self.local = tuple(sorted(local_ready or on_node & draining)) if local else ()
 
 
+def _unquiet(backends: tuple[Backend, ...], quiet: frozenset[str]) -> tuple[Backend, ...]:
+    """`backends` but those whose address has weight 0."""
+    return tuple(b for b in backends if b.ip not in quiet)
+
+
+def _quiesced(backends: tuple[Backend, ...], quiet: frozenset[str]) -> tuple[Backend, ...]:
+    """Those of `backends` whose address has weight 0."""
+    return tuple(b for b in backends if b.ip in quiet) if quiet else ()
+
+
 def _source_ranges(svc: Service, node: NodeInputs) -> tuple[str, ...]:
     """The source ranges of the Service's load-balancer frontends (see ServicePortState.source_ranges)."""
     ranges = svc.load_balancer_source_ranges
@@ -165,28 +175,36 @@ def compute_service_state(
     health = None if cluster_policy or svc.type != "LoadBalancer" else svc.health_check_node_port
     ranges = _source_ranges(svc, node) if svc.type == "LoadBalancer" else ()
     scheduler, weights = svc.scheduler, svc.weights
+    quiet = frozenset(ip for ip, weight in weights if weight == 0)
     zone = _topology_zone(svc, node)
     states: list[ServicePortState] = []
     # Positional arguments, in ServicePortState's order: a cold start builds one per frontend of every Service.
     for port in svc.ports:
         external = _external_frontends(svc, port, node)
         b = _PortBackends(port, slices, internal_local or (bool(external) and not cluster_policy), node.name, zone)
-        usable, known = b.usable, b.known
+        usable, known, local = b.usable, b.known, b.local
+        # Weight 0 (pyproxy.io/weights) quiesces an endpoint, IPVS's way: no new flow in any mode; it stays known,
+        # so its established flows go on.
+        if quiet:
+            usable, local = _unquiet(usable, quiet), _unquiet(local, quiet)
         if b.skipped:
             log.debug("%s: skipping topology aware endpoint filtering since %s", key, b.skipped)
         # internalTrafficPolicy applies to the ClusterIP only (external frontends' in-cluster sources keep every
         # endpoint, as upstream's short circuit does).
-        internal = b.local if internal_local else usable
+        internal = local if internal_local else usable
         drop = internal_local and not internal and bool(usable)
+        quiesced = _quiesced(b.local if internal_local else b.usable, quiet)
         states += [ServicePortState(key, port.name, Frontend(ip, port.port, port.protocol), internal, known, affinity,
-                                    FrontendKind.CLUSTER_IP, (), False, (), health, False, drop, scheduler, weights)
+                                    FrontendKind.CLUSTER_IP, (), False, (), health, False, drop, scheduler, weights,
+                                    quiesced)
                    for ip in svc.cluster_ips]
         if external:
-            outside = usable if cluster_policy else b.local
+            outside = usable if cluster_policy else local
             ready = not cluster_policy and b.local_ready
+            quiesced = _quiesced(b.usable if cluster_policy or not b.local else b.local, quiet)
             states += [ServicePortState(key, port.name, fe, usable, known, affinity, kind, outside, cluster_policy,
                                         ranges if kind is FrontendKind.LOAD_BALANCER else (), health, ready, False,
-                                        scheduler, weights)
+                                        scheduler, weights, quiesced)
                        for kind, fe in external]
     if len(states) > 1 and len({st.frontend for st in states}) < len(states):
         # One frontend claimed twice by the Service itself: the first kind stays (sorted() is stable).

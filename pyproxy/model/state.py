@@ -113,7 +113,11 @@ class ServicePortState:
     """The Service's `pyproxy.io/scheduler` (objects.SCHEDULERS); "": the mode's default (--bpf-scheduler,
     --ipvs-scheduler). The netfilter modes choose at random whatever it says."""
     weights: tuple[tuple[str, int], ...] = ()
-    """The Service's `pyproxy.io/weights`, endpoint address -> weight, sorted; see `weight`."""
+    """The Service's `pyproxy.io/weights`, endpoint address -> weight, sorted; see `weight`. An endpoint of weight 0
+    is in neither `backends` nor `external_backends` (no new flows, in every mode) but stays known."""
+    quiesced: tuple[Backend, ...] = ()
+    """The endpoints this frontend's new flows would use but for their weight 0, sorted: the ipvs mode keeps them as
+    real servers of weight 0 (IPVS's quiesced server), whose established connections go on."""
 
     def weight(self, backend: Backend) -> int:
         """The weight of one of the backends (1 unless the Service's annotation names its address)."""

@@ -299,3 +299,17 @@ def test_a_change_of_the_nodes_zone_recomputes_every_service() -> None:
                                  replace(ZONED, zone="z2"))
     (states,) = moved.services.values()
     assert {tuple(b.ip for b in st.backends) for st in states} == {("10.0.0.2",)}
+
+
+def test_weight_zero_quiesces_an_endpoint_in_every_mode() -> None:
+    """pyproxy.io/weights 0: no new flow (out of `backends`, so no mode can choose it), established ones go on (it
+    stays known), and the ipvs mode keeps it as a real server of weight 0 (`quiesced`)."""
+    svc = replace(service(HTTP), weights=(("10.0.0.2", 0), ("10.0.0.3", 4)), scheduler="wrr")
+    eps = slice_("web-1", (endpoint("10.0.0.1"), endpoint("10.0.0.2"), endpoint("10.0.0.3")), HTTP_SLICE_PORT)
+    (st,) = compute_service_state(svc, [eps])
+    assert st.backends == (Backend("10.0.0.1", 8080), Backend("10.0.0.3", 8080))
+    assert Backend("10.0.0.2", 8080) in st.known_backends and st.quiesced == (Backend("10.0.0.2", 8080),)
+    assert [st.weight(b) for b in st.backends] == [1, 4] and st.scheduler == "wrr"
+    # Every endpoint quiesced: nothing takes new flows, which are refused as for a Service without endpoints.
+    (gone,) = compute_service_state(replace(svc, weights=(("10.0.0.1", 0), ("10.0.0.2", 0), ("10.0.0.3", 0))), [eps])
+    assert gone.backends == () and len(gone.quiesced) == 3 and not gone.drop

