@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.proxier import app
 from pyproxy.proxier.config import ProxySettings, SettingError, format_duration, parse_duration
@@ -36,6 +37,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "bpf_snat_port_range": ("bpf.snat_ports",),
     "bpf_scheduler": ("bpf.scheduler",),
     "bpf_maglev_table_size": ("bpf.maglev_table_size",),
+    "bpf_map_sizes": ("bpf.max_entries",),
     "cluster_cidr": ("masquerade.cluster_cidr",),
     "masquerade_all": ("masquerade.masquerade_all",),
     "iptables_masquerade_bit": ("masquerade.masquerade_bit",),
@@ -88,6 +90,18 @@ def _port_range(value: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected FIRST-LAST, such as 61000-65535, not {value!r}") from None
 
 
+def _map_sizes(value: str) -> dict[str, int]:
+    """NAME=ENTRIES,... with abi.RESIZABLE's short names -> BpfSettings.max_entries (by map name)."""
+    sizes = {}
+    for item in _csv(value):
+        name, _, n = item.partition("=")
+        if name.strip() not in abi.RESIZABLE or not n.strip().isdigit():
+            raise argparse.ArgumentTypeError(
+                f"expected NAME=ENTRIES with NAME one of {', '.join(abi.RESIZABLE)}, not {item!r}")
+        sizes[abi.RESIZABLE[name.strip()]] = int(n)
+    return sizes
+
+
 def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
@@ -133,6 +147,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--bpf-maglev-table-size", type=int,
                      help="bpf mode: entries of each Maglev lookup table, a prime: 251, 509, 1021, 2039, 4093, "
                           f"8191, 16381, 32749, 65521 (default: {d.bpf.maglev_table_size})")
+    run.add_argument("--bpf-map-sizes", type=_map_sizes, metavar="NAME=ENTRIES,...",
+                     help="bpf mode: map capacities, by " + ", ".join(abi.RESIZABLE) + " (default: the "
+                          "PYPROXY_MAX_* of bpf/include/pyproxy/abi.h)")
     run.add_argument("--cluster-cidr", help="masquerade ClusterIP traffic from outside this range")
     run.add_argument("--masquerade-all", action="store_true", default=None,
                      help="masquerade all ClusterIP traffic")

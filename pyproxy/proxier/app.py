@@ -10,7 +10,7 @@ from typing import Protocol
 
 from pyproxy.dataplane.bpf import inspect as bpf_inspect
 from pyproxy.k8s.client import ApiClient, ConfigError, configuration
-from pyproxy.k8s.events import record_node_event
+from pyproxy.k8s.events import record_node_event, record_service_event
 from pyproxy.k8s.informer import ApiSource
 from pyproxy.k8s.manifest import ManifestSource
 from pyproxy.proxier import modes
@@ -90,6 +90,14 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
         threading.Thread(
             target=record_node_event, args=(api, node, "Starting", "Starting pyproxy."), daemon=True
         ).start()
+        client = api
+
+        def on_unserved(service: str, why: str) -> None:
+            threading.Thread(target=record_service_event,
+                             args=(client, node, service, "FailedToProgram", f"pyproxy on {node}: {why}"),
+                             daemon=True).start()
+
+        proxier.on_unserved = on_unserved
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info("received %s: stopping, the dataplane stays in place", signal.Signals(signum).name)

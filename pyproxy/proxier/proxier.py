@@ -16,6 +16,7 @@ import gc
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping
 
 from pyproxy.dataplane.base import Dataplane
 from pyproxy.model.desired import update_desired_state
@@ -90,6 +91,10 @@ class Proxier:
         self._lock = threading.Lock()
         self._triggers: dict[str, list[float]] = {}
         """service key -> trigger times (Unix) of its endpoint changes not yet applied."""
+        self.on_unserved: Callable[[str, str], None] | None = None
+        """Told once of each Service a sync left out (the dataplane's `unserved`: a full BPF map), with why:
+        the API source records a Kubernetes Event about it."""
+        self._reported: set[str] = set()
 
     # -- ObjectSink ------------------------------------------------------------------------------
 
@@ -173,6 +178,7 @@ class Proxier:
             self.metrics.sync_errors.inc()
             raise
         self._retry = set()
+        self._report_unserved()
         self._update_service_health(changed)
         applied = time.time()
         for times in triggers.values():
@@ -189,6 +195,13 @@ class Proxier:
             "all" if full else "changes", len(changed), len(self.desired.services), elapsed * 1000,
         )
         return True
+
+    def _report_unserved(self) -> None:
+        unserved: Mapping[str, str] = getattr(self.dataplane, "unserved", {})
+        for key in unserved.keys() - self._reported:
+            if self.on_unserved is not None:
+                self.on_unserved(key, unserved[key])
+        self._reported = set(unserved)
 
     def _update_service_health(self, applied: set[str] | tuple[()]) -> None:
         """Tell the healthCheckNodePort servers what the Services just applied now have."""

@@ -33,6 +33,13 @@ MAP_PREFIX = "pyproxy_"
 """Every map name (and so every pin) starts with it: how cleanup and a newer layout find ours."""
 ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES, MAP_EPOCH,
             MAP_FRAGS, MAP_PORTS, MAP_SOCKS, MAP_SRCRANGES, MAP_CURSORS, MAP_TABLES)
+RESIZABLE = {
+    "services": MAP_SERVICES, "slots": MAP_SLOTS, "backends": MAP_BACKENDS, "ct": MAP_CT, "stats": MAP_STATS,
+    "names": MAP_NAMES, "frags": MAP_FRAGS, "socks": MAP_SOCKS, "srcranges": MAP_SRCRANGES, "cursors": MAP_CURSORS,
+    "tables": MAP_TABLES,
+}
+"""The maps whose capacity a setting may change (--bpf-map-sizes), by the short name a setting uses. Service ids
+index stats, cursors and tables too: they hold as many as services (the largest id must fit)."""
 NAME_LEN = 128  # PYPROXY_NAME_LEN
 PORT_WORDS = 1024  # PYPROXY_PORT_WORDS
 CONFIG_VAR = "pyproxy_config"

@@ -13,9 +13,12 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterable, Sequence, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import DataplaneError, MasqueradeSettings
@@ -30,13 +33,14 @@ from pyproxy.dataplane.bpf.render import (
     CapacityError,
     FrontendKey,
     Op,
+    Plan,
     Scheduling,
     epoch_batch,
     next_epoch,
     ports_batch,
     render,
 )
-from pyproxy.model.state import Backend, DesiredState
+from pyproxy.model.state import Backend, DesiredState, ServicePortState
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +59,10 @@ class BpfSettings:
     """Devices that also get the XDP program (native mode, generic as a fallback); a start removes pyproxy's
     XDP program from every other device."""
     max_entries: dict[str, int] = field(default_factory=dict)
-    """Map capacities overriding abi.h's defaults, by map name."""
+    """--bpf-map-sizes: map capacities overriding abi.h's defaults, by map name (abi.RESIZABLE's values; the flag
+    takes their short names). A capacity the kernel refuses fails the start, naming the map and the memory it
+    needs; one too small for the Services leaves the Services that do not fit out (logged, an Event, the
+    pyproxy_bpf_map_* metrics) while the others are served."""
     ct_timeouts: CtTimeouts = field(default_factory=CtTimeouts)
     """Idle timeouts of tracked flows by protocol and state (constants of the programs loaded at start)."""
     ct_gc: CtGcSettings = field(default_factory=CtGcSettings)
@@ -89,6 +96,9 @@ class BpfSettings:
                if self.devices and dev not in self.devices]
         out += [f"the capacity of map {name} must be 1..{2**32 - 1}, not {n}"
                 for name, n in self.max_entries.items() if not 0 < n < 2**32]
+        resizable = set(abi.RESIZABLE.values())
+        out += [f"--bpf-map-sizes: {name} is not a map whose size can be set (those are "
+                f"{', '.join(abi.RESIZABLE)})" for name in self.max_entries if name not in resizable]
         try:
             self.ct_timeouts.ticks(1000)
         except ValueError as e:
@@ -405,6 +415,30 @@ class Maps:
         self.run_batches([ports_batch(applied)])
 
 
+class BpfCollector(Collector):
+    """The BPF dataplane's own metrics: the connection-tracking collector's, and how full the maps the control plane
+    fills are (`pyproxy_bpf_map_entries{map}` against `pyproxy_bpf_map_capacity{map}`; a map that is full leaves
+    Services out, counted by `pyproxy_bpf_services_unserved`)."""
+
+    def __init__(self, dataplane: BpfDataplane) -> None:
+        self.gc = CtGcMetrics()
+        self._dataplane = dataplane
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.gc.collect()
+        entries = GaugeMetricFamily("pyproxy_bpf_map_entries", "Entries of a BPF map as pyproxy last programmed it",
+                                    labels=["map"])
+        capacity = GaugeMetricFamily("pyproxy_bpf_map_capacity", "Entries a BPF map holds at most (max_entries)",
+                                     labels=["map"])
+        for name, (n, cap) in sorted(self._dataplane.map_usage().items()):
+            entries.add_metric([name], n)
+            capacity.add_metric([name], cap)
+        yield entries
+        yield capacity
+        yield GaugeMetricFamily("pyproxy_bpf_services_unserved", "Services not programmed because a BPF map is full",
+                                value=len(self._dataplane.unserved))
+
+
 class BpfDataplane:
     mode = "bpf"
 
@@ -416,8 +450,10 @@ class BpfDataplane:
         self._capacity: dict[str, int] = {}
         self._watcher: netlink.LinkWatcher | None = None
         self._gc: CtGarbageCollector | None = None
-        self.collector = CtGcMetrics()
+        self.collector = BpfCollector(self)
         """The dataplane's own metrics, for the proxier's registry (a prometheus Collector)."""
+        self.unserved: dict[str, str] = {}
+        """Services left out because a map is full -> why (`_apply_what_fits`)."""
         self._lock = threading.Lock()
         self.attached: dict[str, int] = {}
         """Managed device name -> ifindex."""
@@ -462,7 +498,7 @@ class BpfDataplane:
             BpfMap(os.dup(self._obj.maps[abi.MAP_CT]), abi.MAP_CT, abi.CtKey, abi.CtValue),
             BpfMap(os.dup(self._obj.maps[abi.MAP_SERVICES]), abi.MAP_SERVICES, abi.SvcKey, abi.SvcValue),
             capacity=self._capacity[abi.MAP_CT], timeouts=timeouts, hz=clock.kernel_hz(), settings=s.ct_gc,
-            metrics=self.collector,
+            metrics=self.collector.gc,
             backends=BpfMap(os.dup(self._obj.maps[abi.MAP_BACKENDS]), abi.MAP_BACKENDS, abi.Backend, abi.BackendInfo),
         )
         self._gc.start()
@@ -558,12 +594,22 @@ class BpfDataplane:
     def apply(self, desired: DesiredState, changed: Set[str] | None) -> None:
         assert self.maps is not None
         keys = set(changed) if changed is not None else set(desired.services) | self.applied.by_service.keys()
+        # A Service left out for want of room is tried again at every sync, whatever changed: room may have come.
+        keys |= self.unserved.keys()
+        wanted = {k: desired.services.get(k, ()) for k in keys}
         try:
-            plan = render(self.applied, {k: desired.services.get(k, ()) for k in keys}, self._capacity,
-                          self.settings.masquerade,
-                          Scheduling(self.settings.scheduler, self.settings.maglev_table_size))
-        except CapacityError as e:
-            raise DataplaneError(str(e)) from e
+            self._apply(self._render(wanted))
+        except CapacityError:
+            self._apply_what_fits(wanted)
+        else:
+            self._served(keys)
+
+    def _render(self, wanted: Mapping[str, Iterable[ServicePortState]]) -> Plan:
+        return render(self.applied, wanted, self._capacity, self.settings.masquerade,
+                      Scheduling(self.settings.scheduler, self.settings.maglev_table_size))
+
+    def _apply(self, plan: Plan) -> None:
+        assert self.maps is not None
         for line in plan.skipped:
             log.warning("not served: %s", line)
         try:
@@ -576,6 +622,36 @@ class BpfDataplane:
             self.maps.write_ports(self.applied)
             raise DataplaneError(f"programming the BPF maps failed: {e}") from e
         self.applied.commit(plan)
+
+    def _apply_what_fits(self, wanted: Mapping[str, Iterable[ServicePortState]]) -> None:
+        """The maps cannot hold every Service of `wanted`: apply them one by one, those that free room first
+        (removed ones, then those already served, in name order, then new ones), and leave each that does not fit
+        as it was (a Service already served keeps its last state: its traffic never stops). Each left out is
+        logged once, until it fits (`unserved`)."""
+        served = self.applied.by_service
+        order = sorted(wanted, key=lambda k: (bool(tuple(wanted[k])), k not in served, k))
+        for key in order:
+            try:
+                plan = self._render({key: wanted[key]})
+            except CapacityError as e:
+                if key not in self.unserved:
+                    log.error("Service %s not programmed: %s", key, e)
+                self.unserved[key] = str(e)
+                continue
+            self._apply(plan)
+            self._served([key])
+
+    def _served(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            if self.unserved.pop(key, None) is not None:
+                log.info("Service %s programmed: the BPF maps have room for it again", key)
+
+    def map_usage(self) -> dict[str, tuple[int, int]]:
+        """Map name -> (entries, capacity) of the maps the control plane fills, as last applied."""
+        a = self.applied
+        held = {abi.MAP_SERVICES: len(a.frontends), abi.MAP_SLOTS: a.slots, abi.MAP_BACKENDS: len(a.backend_refs),
+                abi.MAP_STATS: a.max_id() + 1}
+        return {name: (n, self._capacity[name]) for name, n in held.items() if name in self._capacity}
 
 
 def cleanup(pin_path: Path) -> list[str]:

@@ -231,6 +231,26 @@ def _set_rodata(m: Any, config: abi.Config) -> None:
     libbpf.check(lib.bpf_map__set_initial_value(m, ffi.from_buffer(data), len(data)), "set .rodata")
 
 
+# Kernel map types whose memory _map_bytes estimates differently (uapi enum bpf_map_type).
+_ARRAYS = {2, 6}  # ARRAY, PERCPU_ARRAY
+_PERCPU = {5, 6, 10}  # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH
+_ELEMENT_OVERHEAD = 56  # a hash map element's header (struct htab_elem) and its bucket's share, roughly
+
+
+def _map_bytes(m: Any, entries: int) -> int:
+    """About the memory a map of `entries` needs: what a refused size is told in (the kernel says only ENOMEM)."""
+    lib = libbpf.lib()
+    key, value, kind = lib.bpf_map__key_size(m), lib.bpf_map__value_size(m), lib.bpf_map__type(m)
+    value = (value + 7) // 8 * 8 * (libbpf.lib().libbpf_num_possible_cpus() if kind in _PERCPU else 1)
+    if kind in _ARRAYS:
+        return entries * value
+    return entries * ((key + 7) // 8 * 8 + value + _ELEMENT_OVERHEAD)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
 def load(
     obj_path: Path,
     pin_dir: Path | None,
@@ -290,6 +310,12 @@ def load(
         if ret < 0:
             code = -ret if ret != -1 else ffi.errno
             hint = " (needs root: CAP_BPF and CAP_SYS_ADMIN)" if code in (errno.EPERM, errno.EACCES) else ""
+            if max_entries and code in (errno.ENOMEM, errno.E2BIG, errno.EINVAL):
+                hint += "; the map sizes asked for need " + "; ".join(
+                    f"{name}: {n:,} entries, about {_gib(_map_bytes(m, n))}"
+                    for m in _iter_maps(obj)
+                    if (name := ffi.string(lib.bpf_map__name(m)).decode()) in max_entries
+                    and (n := max_entries[name]))
             raise BpfUnavailable(f"the kernel refused to load {obj_path}: {os.strerror(code)}{hint}")
         for m in _iter_maps(obj):
             if not lib.bpf_map__is_internal(m):

@@ -579,23 +579,26 @@ def _check_capacity(
     refs: Mapping[Backend, int],
     capacity: Mapping[str, int],
 ) -> None:
-    """What the maps hold once the plan has run, from the applied counts and the plan's changes."""
+    """The most each map holds while the plan runs, from the applied counts and the plan's changes: new entries
+    are written before the entries they replace go (the order rules above), so a plan that removes as much as it
+    adds still needs the room for both at its peak. A plan that does not fit so may fit as several (the backend
+    applies removals first then)."""
     current = applied.frontends
-    slots = applied.slots - sum(len(current[key].backends) for key in removed)
+    slots = applied.slots
     added = 0
     top = applied.max_id()
     for key, fe in upserts.items():
         old = current.get(key)
-        slots += len(fe.backends) - (len(old.backends) if old else 0)
+        slots += max(0, len(fe.backends) - (len(old.backends) if old else 0))
         if old is None:
             added += 1
             top = max(top, fe.svc_id)
-    # The backends this plan touches leave the map unless still referenced; C-level loops, as a cold start
-    # touches 100,000.
+    # Backends new to the map come first and the released go last; C-level loops, as a cold start touches 100,000.
     held = applied.backend_refs
-    backends = len(held) - len(refs.keys() & held.keys()) + sum(map((0).__lt__, refs.values()))
+    backends = len(held) + sum(1 for b, n in refs.items() if n > 0 and b not in held)
     need = {
-        abi.MAP_SERVICES: len(current) + added - len(removed),
+        abi.MAP_SERVICES: len(current) + added,
+        abi.MAP_NAMES: len(current) + added,
         abi.MAP_SLOTS: slots,
         abi.MAP_BACKENDS: backends,
     }
