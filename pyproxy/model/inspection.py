@@ -248,6 +248,8 @@ def _least(fe: Frontend) -> tuple[list[Endpoint], str]:
 
 def _scheduled(fe: Frontend, src: str, sport: int | None, dst: str, dport: int) -> NewFlow:
     eps = fe.endpoints
+    if len(eps) == 1:
+        return NewFlow("dnat", f"{fe.scheduler}: its only endpoint", eps, str(eps[0]))
     sched = fe.scheduler
     n = len(eps)
     if sched == "sh":

@@ -82,7 +82,7 @@ def test_trace_answers_as_the_traffic_went(make_env: Callable, mode: str) -> Non
         one = json.loads(env.running.cli("inspect", "--frontend", f"{STICKY}:80", "-o", "json").stdout)
         assert [(f["ip"], f["port"]) for f in one["frontends"]] == [(STICKY, 80)], one
         text = env.running.cli("inspect", "trace", f"{client}:{port}", f"{WEB}:80/tcp").stdout
-        assert f"established: follows its" in text and held in text, text
+        assert "established: follows its" in text and held in text, text
     finally:
         holder.kill()
         holder.wait()
