@@ -78,7 +78,7 @@ class Flow:
     snat: str | None = None
     """ip:port the flow leaves the node from when masqueraded (bpf), if known."""
     ended: bool = False
-    """Over (a TCP flow in TIME_WAIT): its next packet, a new connection's, is scheduled afresh."""
+    """Over (a TCP flow closed, or in TIME_WAIT): its next packet, a new connection's, is scheduled afresh."""
 
 
 @dataclass(frozen=True)
@@ -392,7 +392,8 @@ def trace_text(t: Trace) -> str:
         lines.append(f"frontend: {fe.name} at {fe.address} ({'; '.join(policy)})")
         lines.append("endpoints: " + (", ".join(_endpoint_text(fe, e) for e in fe.endpoints) or "none"))
     for f in t.flows:
-        lines.append(f"flow: {f.proto.lower()} {f.client}:{f.client_port} -> {f.backend} ({f.state})")
+        lines.append(f"flow: {f.proto.lower()} {f.client}:{f.client_port} -> {f.backend} ({f.state}"
+                     + (", ended)" if f.ended else ")"))
     if t.affinity is not None:
         lines.append(f"affinity: {t.affinity.client} -> {t.affinity.backend} "
                      f"({t.affinity.remaining_sec:.0f}s left)")

@@ -135,10 +135,6 @@ def inspect_view(settings: ProxySettings, flows: bool = True) -> inspection.View
     return found
 
 
-def inspect(settings: ProxySettings, flows: bool = True) -> str:
-    return inspection.report(inspect_view(settings, flows), flows)
-
-
 def cleanup(settings: ProxySettings) -> list[str]:
     """Remove what every mode made here: "mode: what" per removed thing."""
     return modes.cleanup(settings)

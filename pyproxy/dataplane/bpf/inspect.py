@@ -159,12 +159,14 @@ def view(maps: Maps, flows: bool = True) -> inspection.View:
         if k.dir == abi.CT_AFFINITY:
             out.affinities.append(inspection.Affinity(
                 proto, abi.ip_of(k.saddr), abi.ip_of(k.daddr), abi.port_of(k.dport), backend, name,
-                (affinity_ticks.get(v.svc_id, 0) - idle) / hz))
+                round((affinity_ticks.get(v.svc_id, 0) - idle) / hz, 3)))
             continue
         out.flows.append(inspection.Flow(
             proto, abi.ip_of(k.saddr), abi.port_of(k.sport), abi.ip_of(k.daddr), abi.port_of(k.dport), backend,
-            name, abi.CT_STATE_NAME.get(v.state, str(v.state)), idle_sec=idle / hz,
-            snat=_snat_source(maps, k, v) if v.flags & abi.CT_F_MASQ else None))
+            name, abi.CT_STATE_NAME.get(v.state, str(v.state)), idle_sec=round(idle / hz, 3),
+            snat=_snat_source(maps, k, v) if v.flags & abi.CT_F_MASQ else None,
+            # lb.h takes a SYN on a flow past its handshake as a new connection: a closed one pins none.
+            ended=k.proto == abi.IPPROTO["TCP"] and v.state == abi.CT_ST_CLOSED))
     return out
 
 

@@ -10,6 +10,7 @@ ranges the prefixes its `firewall-…` chain lets through.
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -87,10 +88,12 @@ def view(doc: Mapping[str, Any], ct: list[nf.CtEntry]) -> inspection.View:
     """The view from the table's JSON listing and the conntrack entries."""
     state = t.parse_listing(doc)
     endpoints: dict[str, list[inspection.Endpoint]] = {}
-    for chain in sorted(state.chains):
+    for chain in state.chains:
         part, backend = t.port_part(chain), t.endpoint_of(chain)
         if part is not None and backend is not None:
             endpoints.setdefault(part, []).append(inspection.Endpoint(backend.ip, backend.port))
+    for eps in endpoints.values():
+        eps.sort(key=lambda e: (socket.inet_aton(e.ip), e.port))
     affinity_sec = {part: int(timeout or 0) for name, timeout in state.sets.items()
                     if name.startswith(t.AFFINITY_PREFIX) and (part := t.port_part(name)) is not None}
     ranges = _source_ranges(doc)
