@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import schedcases
 from flowcases import B1, B2, LB_CLOSED_IP, MANIFESTS, NODE_NAME
 
 from pyproxy.lab.netns import backend_ip
@@ -86,3 +87,21 @@ def test_trace_answers_as_the_traffic_went(make_env: Callable, mode: str) -> Non
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_trace_names_the_endpoint_the_hash_schedulers_give(make_env: Callable) -> None:
+    """bpf's sh, dh and Maglev decide by a hash the trace computes as the datapath does: the endpoint it names for
+    a source (and port) is the one real connections from there got."""
+    env = make_env(3, client_addresses=schedcases.CLIENT_ADDRESSES)
+    env.write_raw("cluster.yaml", schedcases.manifests(annotated=True))
+    env.start()
+    sources = env.lab.client_ips[:4]  # each trace is a pyproxy run: enough addresses that the hash spreads them
+    for scheduler, ports in (("sh", ()), ("dh", ()), ("maglev", schedcases.FLOW_PORTS)):
+        ip = schedcases.service_ip(scheduler)
+        result = env.probe("tcp", ip, 80, len(sources) * max(1, len(ports)), sources=sources, source_ports=ports)
+        assert result["failures"] == 0, result
+        for source, answers in result["by_source"].items():
+            assert len(answers) == 1, f"{scheduler} {source}: {answers}"
+            traced = _trace(env, source, f"{ip}:80/tcp")
+            assert traced["frontend"]["scheduler"] == scheduler, traced
+            assert traced["new_flow"]["chosen"] == _backend(next(iter(answers))), f"{scheduler} {source}: {traced}"
