@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import NamedTuple
 
 from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
+from pyproxy.model import inspection
 from pyproxy.proxier import app
 from pyproxy.proxier.config import ProxySettings, SettingError, format_duration, parse_duration
 from pyproxy.proxier.modes import MODES
@@ -106,11 +108,13 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bpf-pin-path", type=Path,
+def _add_common(p: argparse.ArgumentParser, nested: bool = False) -> None:
+    # A nested subcommand's flags must not overwrite, with their defaults, what was given before its name.
+    p.add_argument("--bpf-pin-path", type=Path, default=argparse.SUPPRESS if nested else None,
                    help=f"where BPF maps are pinned, a bpffs mounted there when none is (default: "
                         f"{DEFAULTS.bpf.pin_path})")
-    p.add_argument("-v", "--v", type=int, default=2, help="log verbosity (0 quiet .. 4 debug)")
+    p.add_argument("-v", "--v", type=int, default=argparse.SUPPRESS if nested else 2,
+                   help="log verbosity (0 quiet .. 4 debug)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -177,9 +181,23 @@ def parser() -> argparse.ArgumentParser:
                               f"{format_duration(getattr(d.bpf.ct_timeouts, ct.field))}{zero})")
     _add_common(run)
 
-    insp = sub.add_parser("inspect", help="show frontends, backends, counters and flows from the BPF maps")
+    insp = sub.add_parser("inspect", help="show frontends, backends, counters and flows (bpf or nftables mode, "
+                                          "whichever is in this network namespace)")
     insp.add_argument("--no-flows", action="store_true", help="omit the connection-tracking table")
+    insp.add_argument("--service", metavar="NS/NAME", help="only this Service's frontends and flows")
+    insp.add_argument("--frontend", metavar="IP:PORT[/PROTO]", help="only this frontend and its flows")
+    insp.add_argument("-o", "--output", choices=("text", "json"), default="text", help="output format")
     _add_common(insp)
+    views = insp.add_subparsers(dest="view")
+    trace = views.add_parser(
+        "trace", help="where a packet from SRC to DST goes: its frontend, the policy, its flow's endpoint or the "
+                      "endpoints a new flow could get",
+        epilog="SRC is ADDR or ADDR:PORT: without a port, the source's flows to the frontend are listed and a new "
+               "flow's choice is shown. DST is ADDR:PORT/PROTO (tcp when no /PROTO).")
+    trace.add_argument("src", metavar="SRC")
+    trace.add_argument("dst", metavar="DST")
+    trace.add_argument("-o", "--output", choices=("text", "json"), default=argparse.SUPPRESS, help="output format")
+    _add_common(trace, nested=True)
 
     clean = sub.add_parser("cleanup", help="remove every program, map, pin and qdisc of pyproxy")
     _add_common(clean)
@@ -229,6 +247,20 @@ def _logging(verbosity: int) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
+def _inspect(args: argparse.Namespace, settings: ProxySettings) -> str:
+    if args.view == "trace":
+        # Checked before any I/O: a typo answers at once, and never as "not a Service".
+        inspection.parse_source(args.src)
+        inspection.parse_destination(args.dst)
+        found = inspection.trace(app.inspect_view(settings), args.src, args.dst)
+        if args.output == "json":
+            return json.dumps(dataclasses.asdict(found), indent=2)
+        return inspection.trace_text(found)
+    flows = not args.no_flows
+    view = inspection.filtered(app.inspect_view(settings, flows), args.service, args.frontend)
+    return json.dumps(dataclasses.asdict(view), indent=2) if args.output == "json" else inspection.report(view, flows)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "demo":
@@ -246,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             return app.run(settings)
         if args.command == "inspect":
-            print(app.inspect(settings, flows=not args.no_flows))
+            print(_inspect(args, settings))
             return 0
         for line in app.cleanup(settings):
             print(f"removed {line}")

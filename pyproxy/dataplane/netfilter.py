@@ -16,6 +16,7 @@ Running them
     exist, loading no kernel module. `restore(tools, text)` runs `iptables-restore --noflush` (one atomic
     transaction per table). Both raise DataplaneError carrying the command's stderr; every call has a timeout.
     `conntrack_delete(*args)` runs `conntrack -D ...`, returns how many entries went (0 is not an error).
+    `conntrack_list()` -> `CtEntry` per TCP and UDP entry of `conntrack -L` (`parse_conntrack(text)`).
 Stale UDP flows (every netfilter-based mode: iptables, nftables, ipvs)
     `conntrack_filter(stale)` -> the `conntrack -D` arguments of one `model.conntrack.Stale`;
     `clear_stale_udp(stales)` deletes them after a sync (failures are logged, never raised) and returns how many
@@ -60,6 +61,7 @@ import shutil
 import subprocess
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pyproxy.dataplane.base import DataplaneError, MasqueradeSettings, ModeUnavailable
 from pyproxy.model.conntrack import Stale
@@ -267,6 +269,54 @@ def conntrack_filter(stale: Stale) -> list[str]:
     # Never DNATed: the reply would come from the frontend's address itself. Upstream deletes every entry to the
     # frontend here, which also took live flows when kube-proxy restarted and saw each frontend as new (122740).
     return [*args, "--reply-src", stale.ip]
+
+
+class CtEntry(NamedTuple):
+    """One `conntrack -L` line: the original direction's tuple, and where its reply comes from (a DNATed
+    flow's endpoint)."""
+
+    proto: str  # "TCP" | "UDP"
+    src: str
+    sport: int
+    dst: str
+    dport: int
+    reply_src: str
+    reply_sport: int
+    state: str  # TCP's state; a UDP flow's "assured" (replied to and seen again) or "unreplied" or "replied"
+    expires_sec: int
+
+
+def parse_conntrack(text: str) -> list[CtEntry]:
+    """`conntrack -L`'s lines (its default format) as entries; lines of other protocols are skipped."""
+    out = []
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) < 4 or words[0] not in ("tcp", "udp") or not words[2].isdigit():
+            continue
+        # The original tuple's key=value pairs come first, the reply's repeat the same keys.
+        orig: dict[str, str] = {}
+        reply: dict[str, str] = {}
+        for word in words[3:]:
+            key, eq, value = word.partition("=")
+            if eq:
+                (reply if key in orig else orig).setdefault(key, value)
+        if not {"src", "dst", "sport", "dport"} <= orig.keys() or not {"src", "sport"} <= reply.keys():
+            continue
+        state = words[3] if "=" not in words[3] else (
+            "unreplied" if "[UNREPLIED]" in words else "assured" if "[ASSURED]" in words else "replied")
+        out.append(CtEntry(words[0].upper(), orig["src"], int(orig["sport"]), orig["dst"], int(orig["dport"]),
+                           reply["src"], int(reply["sport"]), state.lower(), int(words[2])))
+    return out
+
+
+def conntrack_list() -> list[CtEntry]:
+    """The kernel's TCP and UDP conntrack entries of this network namespace; DataplaneError if conntrack is
+    missing or fails."""
+    path = shutil.which("conntrack")
+    if path is None:
+        raise DataplaneError("conntrack not found in PATH (install conntrack): flows are not shown")
+    return [e for proto in ("tcp", "udp")
+            for e in parse_conntrack(run([path, "-L", "-p", proto], timeout=CONNTRACK_TIMEOUT))]
 
 
 _conntrack_missing_logged = False

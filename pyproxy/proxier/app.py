@@ -9,10 +9,12 @@ from types import FrameType
 from typing import Protocol
 
 from pyproxy.dataplane.bpf import inspect as bpf_inspect
+from pyproxy.dataplane.nftables import inspect as nft_inspect
 from pyproxy.k8s.client import ApiClient, ConfigError, configuration
 from pyproxy.k8s.events import record_node_event, record_service_event
 from pyproxy.k8s.informer import ApiSource
 from pyproxy.k8s.manifest import ManifestSource
+from pyproxy.model import inspection
 from pyproxy.proxier import modes
 from pyproxy.proxier.config import ProxySettings, SettingError, node_name, parse_address
 from pyproxy.proxier.healthcheck import ServiceHealthServers
@@ -122,18 +124,23 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
     return 0
 
 
-def inspect(settings: ProxySettings, flows: bool = True) -> str:
+def inspect_view(settings: ProxySettings, flows: bool = True) -> inspection.View:
+    """What the dataplane of this network namespace holds: the BPF maps when pyproxy's programs or pins are here,
+    else pyproxy's nftables table."""
     maps = bpf_inspect.open_maps(settings.bpf.pin_path, settings.bpf.object_path)
-    if maps is None:
+    if maps is not None:
+        try:
+            return bpf_inspect.view(maps, flows)
+        finally:
+            maps.close()
+    found = nft_inspect.read()
+    if found is None:
         raise StartupError(
-            f"no pyproxy BPF dataplane here: no pins under {settings.bpf.pin_path} and no pyproxy program "
-            "attached in this network namespace (run inspect in pyproxy's network namespace, with pyproxy's "
-            "--bpf-pin-path if it pins elsewhere)"
+            f"no pyproxy dataplane here: no BPF pins under {settings.bpf.pin_path}, no pyproxy program attached in "
+            "this network namespace and no nftables table ip pyproxy (run inspect in pyproxy's network namespace, "
+            "with pyproxy's --bpf-pin-path if it pins elsewhere)"
         )
-    try:
-        return bpf_inspect.report(maps, flows)
-    finally:
-        maps.close()
+    return found
 
 
 def cleanup(settings: ProxySettings) -> list[str]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from pyproxy.dataplane.bpf import abi, attach, clock, libbpf, loader
 from pyproxy.dataplane.bpf.backend import DEFAULT_OBJECT, Maps
 from pyproxy.dataplane.bpf.render import AppliedFrontend
+from pyproxy.model import inspection
 
 log = logging.getLogger(__name__)
 
@@ -112,51 +113,62 @@ def _snat_source(maps: Maps, k: abi.CtKey, v: abi.CtValue) -> str:
     return f"{abi.ip_of(snat.nat_addr)}:{abi.port_of(snat.nat_port)}"
 
 
-def _backend(maps: Maps, fe: AppliedFrontend, i: int) -> str:
-    """The frontend's i-th backend, with its weight when it has weights and its open flows (the count lc, sed and
-    nq read) when its scheduler counts them."""
-    b = fe.backends[i]
-    out = str(b)
-    if fe.weights:
-        out += f" weight {fe.weights[i]}"
-    if abi.SCHED_NAME.get(fe.sched) in abi.COUNTING_SCHEDULERS:
-        info = maps.backends.get(abi.Backend(abi.be32(b.ip), abi.be16(b.port)))
-        out += f" ({max(0, info.active) if info is not None else 0} open)"
+def _endpoints(maps: Maps, fe: AppliedFrontend) -> tuple[inspection.Endpoint, ...]:
+    """The frontend's endpoints, in slot order (sh and dh index them), with their open flows when its scheduler
+    counts them."""
+    counting = abi.SCHED_NAME.get(fe.sched) in abi.COUNTING_SCHEDULERS
+    out = []
+    for i, b in enumerate(fe.backends):
+        active = None
+        if counting:
+            info = maps.backends.get(abi.Backend(abi.be32(b.ip), abi.be16(b.port)))
+            active = max(0, info.active) if info is not None else 0
+        out.append(inspection.Endpoint(b.ip, b.port, fe.weights[i] if fe.weights else 1, active))
+    return tuple(out)
+
+
+def view(maps: Maps, flows: bool = True) -> inspection.View:
+    """What the maps hold, as `pyproxy inspect` shows it and `inspect trace` decides from."""
+    applied = maps.read_applied()
+    out = inspection.View(mode="bpf")
+    for (ip, port, proto, scope), fe in sorted(applied.frontends.items(), key=lambda kv: kv[1].name):
+        per_cpu = maps.stats.get(fe.svc_id)
+        out.frontends.append(inspection.Frontend(
+            ip=ip, port=port, proto=proto, name=fe.name, service=fe.service,
+            scheduler=abi.SCHED_NAME.get(fe.sched, str(fe.sched)), endpoints=_endpoints(maps, fe),
+            node=scope == abi.SVC_SCOPE_NODE, affinity_sec=fe.affinity_sec, source_ranges=fe.source_ranges,
+            empty="dropped" if fe.flags & abi.SVC_F_DROP else "refused", table=tuple(map(str, fe.table)),
+            packets=sum(s.packets for s in per_cpu), bytes=sum(s.bytes for s in per_cpu)))
+    out.counters = {n: sum(v.value for v in maps.counters.get(i)) for i, n in enumerate(abi.COUNTERS)}
+    if not flows:
+        return out
+    now, hz = clock.ticks_now(), clock.kernel_hz()
+    names = {fe.svc_id: fe.name for fe in applied.frontends.values()}
+    affinity_ticks = {fe.svc_id: fe.affinity_sec * hz for fe in applied.frontends.values()}
+    for k in maps.ct.keys_list():
+        if k.dir == abi.CT_REVERSE:
+            continue
+        v = maps.ct.get(k)
+        # An SNAT pair's FORWARD entry is the reply side of a flow listed under its client (abi.h).
+        if v is None or v.flags & abi.CT_F_SNAT:
+            continue
+        proto = abi.PROTO_NAME.get(k.proto, str(k.proto))
+        backend = f"{abi.ip_of(v.nat_addr)}:{abi.port_of(v.nat_port)}"
+        idle = max(0, now - v.last_seen)
+        name = names.get(v.svc_id, "?")
+        if k.dir == abi.CT_AFFINITY:
+            out.affinities.append(inspection.Affinity(
+                proto, abi.ip_of(k.saddr), abi.ip_of(k.daddr), abi.port_of(k.dport), backend, name,
+                round((affinity_ticks.get(v.svc_id, 0) - idle) / hz, 3)))
+            continue
+        out.flows.append(inspection.Flow(
+            proto, abi.ip_of(k.saddr), abi.port_of(k.sport), abi.ip_of(k.daddr), abi.port_of(k.dport), backend,
+            name, abi.CT_STATE_NAME.get(v.state, str(v.state)), idle_sec=round(idle / hz, 3),
+            snat=_snat_source(maps, k, v) if v.flags & abi.CT_F_MASQ else None,
+            # lb.h takes a SYN on a flow past its handshake as a new connection: a closed one pins none.
+            ended=k.proto == abi.IPPROTO["TCP"] and v.state == abi.CT_ST_CLOSED))
     return out
 
 
 def report(maps: Maps, flows: bool = True) -> str:
-    applied = maps.read_applied()
-    lines = [f"{'SERVICE':40} {'FRONTEND':26} {'SCHED':12} {'PACKETS':>9} {'BYTES':>11}  BACKENDS"]
-    for key, fe in sorted(applied.frontends.items(), key=lambda kv: kv[1].name):
-        per_cpu = maps.stats.get(fe.svc_id)
-        pkts, byts = sum(s.packets for s in per_cpu), sum(s.bytes for s in per_cpu)
-        backends = ", ".join(_backend(maps, fe, i) for i in range(len(fe.backends))) or "(none: refused)"
-        frontend = f"{key[0]}:{key[1]}/{key[2]}" + (" node" if key[3] == abi.SVC_SCOPE_NODE else "")
-        sched = abi.SCHED_NAME.get(fe.sched, str(fe.sched)) + (f"/{len(fe.table)}" if fe.table else "")
-        lines.append(f"{fe.name:40} {frontend:26} {sched:12} {pkts:>9} {byts:>11}  {backends}")
-    counters = [sum(v.value for v in maps.counters.get(i)) for i in range(len(abi.COUNTERS))]
-    lines.append("")
-    lines.append("datapath: " + ", ".join(f"{n}={c}" for n, c in zip(abi.COUNTERS, counters, strict=True)))
-    if flows:
-        lines.append("")
-        lines.append(f"{'FLOW (client -> frontend)':48} {'BACKEND':22} {'SERVICE':30} {'STATE':12} IDLE")
-        now, hz = clock.ticks_now(), clock.kernel_hz()
-        names = {fe.svc_id: fe.name for fe in applied.frontends.values()}
-        for k in maps.ct.keys_list():
-            if k.dir != abi.CT_FORWARD:
-                continue
-            v = maps.ct.get(k)
-            # An SNAT pair's FORWARD entry is the reply side of a flow listed under its client (abi.h).
-            if v is None or v.flags & abi.CT_F_SNAT:
-                continue
-            proto = abi.PROTO_NAME.get(k.proto, str(k.proto))
-            flow = (f"{proto} {abi.ip_of(k.saddr)}:{abi.port_of(k.sport)} -> "
-                    f"{abi.ip_of(k.daddr)}:{abi.port_of(k.dport)}")
-            idle = max(0, now - v.last_seen) / hz
-            backend = f"{abi.ip_of(v.nat_addr)}:{abi.port_of(v.nat_port)}"
-            if v.flags & abi.CT_F_MASQ:
-                backend += f" from {_snat_source(maps, k, v)}"
-            state = abi.CT_STATE_NAME.get(v.state, str(v.state))
-            lines.append(f"{flow:48} {backend:22} {names.get(v.svc_id, '?'):30} {state:12} {idle:.1f}s")
-    return "\n".join(lines)
+    return inspection.report(view(maps, flows), flows)

@@ -1,0 +1,135 @@
+"""`pyproxy inspect` for the nftables mode: the view (pyproxy/model/inspection.py) read from `nft -j list table
+ip pyproxy` and the kernel's conntrack table.
+
+The table holds no Service names but in its objects' names (table.py), so a frontend is named by its port part,
+`ns/name/proto/port`. Its endpoints are the endpoint chains of that port part, its ClientIP affinity entries the
+elements of the port's `affinity-…` sets (one set per endpoint, each element a client address), and its source
+ranges the prefixes its `firewall-…` chain lets through.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from pyproxy.dataplane import netfilter as nf
+from pyproxy.dataplane.base import DataplaneError
+from pyproxy.dataplane.nftables import table as t
+from pyproxy.dataplane.nftables.backend import run_nft
+from pyproxy.model import inspection
+
+RANDOM = "random"
+"""The numgen draw every service chain makes (upstream's nftables mode has no other scheduler)."""
+ENDED_TCP_STATES = frozenset({"time_wait", "close"})
+"""Conntrack states of a TCP flow that is over: a new connection on the same ports is scheduled afresh."""
+
+
+def read() -> inspection.View | None:
+    """The view of this network namespace's table, or None when there is no pyproxy table."""
+    try:
+        doc = json.loads(run_nft(["-j", "list", "table", t.FAMILY, t.TABLE]))
+    except DataplaneError:
+        return None
+    try:
+        flows = nf.conntrack_list()
+    except DataplaneError:
+        flows = []
+    return view(doc, flows)
+
+
+def _items(doc: Mapping[str, Any], kind: str) -> Iterator[dict[str, Any]]:
+    for item in doc.get("nftables", []):
+        obj = item.get(kind)
+        if isinstance(obj, dict) and obj.get("table") == t.TABLE and obj.get("family", t.FAMILY) == t.FAMILY:
+            yield obj
+
+
+def _prefixes(node: Any) -> Iterator[str]:
+    """Every address or prefix in a rule's expression (the firewall chain's `ip saddr != { … } drop`)."""
+    if isinstance(node, dict):
+        if "prefix" in node and isinstance(node["prefix"], dict):
+            yield f"{node['prefix']['addr']}/{node['prefix']['len']}"
+            return
+        for value in node.values():
+            yield from _prefixes(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _prefixes(value)
+    elif isinstance(node, str) and node.count(".") == 3 and node.replace(".", "").isdigit():
+        yield f"{node}/32"
+
+
+def _source_ranges(doc: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """Firewall chain -> the ranges it lets through."""
+    out: dict[str, list[str]] = {}
+    for rule in _items(doc, "rule"):
+        if rule["chain"].startswith(t.FIREWALL_PREFIX):
+            out.setdefault(rule["chain"], []).extend(_prefixes(rule.get("expr", [])))
+    return {chain: tuple(sorted(set(ranges))) for chain, ranges in out.items()}
+
+
+def _affinities(doc: Mapping[str, Any]) -> Iterator[tuple[str, str, str, float]]:
+    """(port part, endpoint ip:port, client, seconds left) per element of an affinity set."""
+    for s in _items(doc, "set"):
+        name = s["name"]
+        part = t.port_part(name)
+        if not name.startswith(t.AFFINITY_PREFIX) or part is None or t.ENDPOINT_SEP not in name:
+            continue
+        endpoint = name.rsplit(t.ENDPOINT_SEP, 1)[1].replace("/", ":")
+        for elem in s.get("elem", []):
+            inner = elem.get("elem", {}) if isinstance(elem, dict) else {"val": elem}
+            expires = inner.get("expires", s.get("timeout", 0))
+            yield part, endpoint, str(inner.get("val")), float(expires)
+
+
+def view(doc: Mapping[str, Any], ct: list[nf.CtEntry]) -> inspection.View:
+    """The view from the table's JSON listing and the conntrack entries."""
+    state = t.parse_listing(doc)
+    endpoints: dict[str, list[inspection.Endpoint]] = {}
+    for chain in state.chains:
+        part, backend = t.port_part(chain), t.endpoint_of(chain)
+        if part is not None and backend is not None:
+            endpoints.setdefault(part, []).append(inspection.Endpoint(backend.ip, backend.port))
+    for eps in endpoints.values():
+        eps.sort(key=lambda e: (socket.inet_aton(e.ip), e.port))
+    affinity_sec = {part: int(timeout or 0) for name, timeout in state.sets.items()
+                    if name.startswith(t.AFFINITY_PREFIX) and (part := t.port_part(name)) is not None}
+    ranges = _source_ranges(doc)
+    firewalled = {key: ranges.get(t.verdict_target(e.verdict), ()) for key, e in state.elems(t.FIREWALL_IPS).items()}
+    out = inspection.View(mode="nftables", nodeport_ips=sorted(state.nodeport_ips or ()))
+    by_part: dict[str, list[inspection.Frontend]] = {}
+    for map_name in (t.SERVICE_IPS, t.SERVICE_NODEPORTS):
+        for (ip, proto, port), elem in state.elems(map_name).items():
+            target = t.verdict_target(elem.verdict)
+            part = t.port_part(target) or target
+            fe = inspection.Frontend(
+                ip=ip, port=port, proto=proto.upper(), name=part, service=t.owner(target) or "?",
+                scheduler=RANDOM, endpoints=tuple(endpoints.get(part, ())), affinity_sec=affinity_sec.get(part, 0),
+                source_ranges=firewalled.get((ip, proto, port), ()))
+            by_part.setdefault(part, []).append(fe)
+            out.frontends.append(fe)
+    for map_name in (t.NO_ENDPOINT_SERVICES, t.NO_ENDPOINT_NODEPORTS):
+        for (ip, proto, port), elem in state.elems(map_name).items():
+            name = elem.comment or "?"
+            out.frontends.append(inspection.Frontend(
+                ip=ip, port=port, proto=proto.upper(), name=name, service=name.split(":", 1)[0], scheduler=RANDOM,
+                empty="refused" if "reject" in elem.verdict else "dropped",
+                source_ranges=firewalled.get((ip, proto, port), ())))
+    for part, endpoint, client, left in _affinities(doc):
+        for fe in by_part.get(part, ()):
+            out.affinities.append(inspection.Affinity(fe.proto, client, fe.ip, fe.port, endpoint, fe.name, left))
+    out.flows = list(_flows(out, ct))
+    return out
+
+
+def _flows(v: inspection.View, ct: list[nf.CtEntry]) -> Iterator[inspection.Flow]:
+    """The conntrack entries of flows to a frontend, DNATed or not (a refused one is never confirmed)."""
+    for e in ct:
+        fe = inspection.frontend_of(v, e.dst, e.dport, e.proto)
+        if fe is None:
+            continue
+        yield inspection.Flow(e.proto, e.src, e.sport, e.dst, e.dport, f"{e.reply_src}:{e.reply_sport}", fe.name,
+                              e.state, expires_sec=e.expires_sec,
+                              ended=e.proto == "TCP" and e.state in ENDED_TCP_STATES)
