@@ -181,8 +181,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--iptables-masquerade-bit", type=int,
                      help=f"fwmark bit marking packets for SNAT (default: {d.masquerade.masquerade_bit})")
     run.add_argument("--iptables-backend", choices=("auto", "legacy", "nft"),
-                     help="iptables flavour for the iptables and ipvs modes (auto, the default: whatever "
-                          "`iptables` is here)")
+                     help="iptables flavour for the iptables and ipvs modes; auto: whatever `iptables` is "
+                          f"here (default: {d.iptables.backend})")
     run.add_argument("--ipvs-scheduler", help=f"IPVS scheduler: rr, wrr, lc, wlc, sh, dh, ... for Services "
                                               f"whose pyproxy.io/scheduler names none IPVS has "
                                               f"(default: {d.ipvs.scheduler})")

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from pyproxy.dataplane.bpf import abi
 from pyproxy.proxier.config import ProxySettings, SettingError, format_duration, parse_duration
 from pyproxy.proxier.modes import MODES
 
@@ -144,6 +145,12 @@ CT_FIELDS = {
     "conntrack.udpTimeout": "udp_new", "conntrack.udpStreamTimeout": "udp_established",
     "bpf.tcpSynTimeout": "tcp_new", "bpf.tcpCloseTimeout": "tcp_closed",
 }
+
+
+# bpf.mapSizes names the maps without pyproxy's prefix and ABI version ("ct" for pyproxy_ct_v2), so a file
+# outlives a change of a map's layout.
+MAP_NAMES = {name.removeprefix(abi.MAP_PREFIX).rsplit("_v", 1)[0]: name
+             for attr, name in vars(abi).items() if attr.startswith("MAP_") and attr != "MAP_PREFIX"}
 
 
 class ConfigFileError(SettingError):
@@ -335,7 +342,10 @@ class _Reader:
         if (size := self.fields.get("bpf.maglevTableSize")) is not None:
             b.maglev_table_size = size
         if (sizes := self.fields.get("bpf.mapSizes")) is not None:
-            b.max_entries = dict(sizes)
+            unknown = sorted(set(sizes) - set(MAP_NAMES))
+            if unknown:
+                self.refuse("bpf.mapSizes", f"no map {', '.join(unknown)}: the maps are {', '.join(MAP_NAMES)}")
+            b.max_entries = {MAP_NAMES[name]: n for name, n in sizes.items() if name in MAP_NAMES}
 
     def field_names(self, problem: str, mode: str) -> str:
         """A settings problem with the flags it names turned into this file's fields."""
@@ -380,6 +390,7 @@ def dump(s: ProxySettings) -> str:
     periods = {"syncPeriod": format_duration(s.sync_period), "minSyncPeriod": format_duration(s.min_sync_period)}
     masq = {"masqueradeAll": s.masquerade.masquerade_all, "masqueradeBit": s.masquerade.masquerade_bit}
     ct = s.bpf.ct_timeouts
+    map_sizes = {short: s.bpf.max_entries[name] for short, name in MAP_NAMES.items() if name in s.bpf.max_entries}
     doc = {
         "apiVersion": API_VERSION,
         "kind": KIND,
@@ -402,7 +413,7 @@ def dump(s: ProxySettings) -> str:
         "bpf": {"devices": list(s.bpf.devices), "xdpDevices": list(s.bpf.xdp_devices), "socketLB": s.bpf.socket_lb,
                 "cgroupRoot": str(s.bpf.cgroup_root or ""),
                 "snatPortRange": f"{s.bpf.snat_ports[0]}-{s.bpf.snat_ports[1]}", "scheduler": s.bpf.scheduler,
-                "maglevTableSize": s.bpf.maglev_table_size, "mapSizes": dict(s.bpf.max_entries),
+                "maglevTableSize": s.bpf.maglev_table_size, "mapSizes": map_sizes,
                 "tcpSynTimeout": format_duration(ct.tcp_new), "tcpCloseTimeout": format_duration(ct.tcp_closed)},
     }
     return yaml.safe_dump(doc, sort_keys=False)

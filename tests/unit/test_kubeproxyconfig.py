@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from pyproxy import cli
+from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.proxier.config import ProxySettings
 from pyproxy.proxier.kubeproxyconfig import ConfigFileError, dump, parse
@@ -110,7 +111,7 @@ def test_zero_values_are_the_defaults() -> None:
     ("bpf: {snatPortRange: 50000-50999}", "bpf.snat_ports", (50000, 50999)),
     ("bpf: {scheduler: maglev}", "bpf.scheduler", "maglev"),
     ("bpf: {maglevTableSize: 4093}", "bpf.maglev_table_size", 4093),
-    ("bpf: {mapSizes: {pyproxy_ct: 1048576}}", "bpf.max_entries", {"pyproxy_ct": 1048576}),
+    ("bpf: {mapSizes: {ct: 1048576, be: 65536}}", "bpf.max_entries", {abi.MAP_CT: 1048576, abi.MAP_BACKENDS: 65536}),
 ])
 def test_each_field_sets_its_setting(body: str, attr: str, value: object) -> None:
     s: object = read(body + "\n")
@@ -163,6 +164,8 @@ def test_fields_without_effect_here_are_accepted_with_a_warning(body: str, warni
     ("conntrack: {tcpEstablishedTimeout: -1s}", "kp.yaml: conntrack.tcpEstablishedTimeout: must be positive"),
     ("clusterCIDR: 10.0.0.0/8,10.1.0.0/16", "kp.yaml: clusterCIDR: '10.0.0.0/8,10.1.0.0/16' holds 2 IPv4 CIDRs"),
     ("bpf: {snatPortRange: many}", "kp.yaml: bpf.snatPortRange: must be FIRST-LAST"),
+    ("bpf: {mapSizes: {pyproxy_ct_v2: 10}}", "kp.yaml: bpf.mapSizes: no map pyproxy_ct_v2: the maps are svc, slot,"),
+    ("bpf: {mapSizes: {ct: 0}}", "kp.yaml: the capacity of map pyproxy_ct_v2 must be 1.."),
 ])
 def test_what_pyproxy_cannot_honour_is_refused_naming_field_and_file(body: str, message: str) -> None:
     problems = refused(body + "\n")
@@ -278,7 +281,7 @@ def every_setting() -> ProxySettings:
     s.ipvs.scheduler = "wlc"
     b = s.bpf
     b.devices, b.xdp_devices, b.socket_lb, b.cgroup_root = ("eth0", "eth1"), ("eth0",), False, Path("/sys/fs/cgroup")
-    b.snat_ports, b.scheduler, b.maglev_table_size, b.max_entries = (50000, 59999), "maglev", 251, {"pyproxy_ct": 4096}
+    b.snat_ports, b.scheduler, b.maglev_table_size, b.max_entries = (50000, 59999), "maglev", 251, {abi.MAP_CT: 4096}
     b.ct_timeouts = CtTimeouts(tcp_new=5.0, tcp_established=7200.0, tcp_closing=60.0, tcp_closed=2.5, udp_new=1.5,
                                udp_established=45.0)
     return s
