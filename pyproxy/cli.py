@@ -3,12 +3,19 @@
 Every flag that sets a setting defaults to None, "not given": the defaults are the settings dataclasses' own
 (pyproxy/proxier/config.py and each dataplane's), written once there. A value no setting can hold ends the
 command with status 2 and one line per wrong flag, before anything is changed.
+
+With `--config FILE` the settings are the file's (pyproxy/proxier/kubeproxyconfig.py) and, as upstream's
+kube-proxy does, the flags that have a field in it are ignored, each with a warning; only the flags with no
+field there still apply (ALONGSIDE_CONFIG), --hostname-override over the file's hostnameOverride as upstream.
+A command line without a subcommand is `run`'s, so kube-proxy's `--config FILE --hostname-override=NAME`
+works as it is.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import logging
 import sys
@@ -18,7 +25,7 @@ from typing import NamedTuple
 from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.model import inspection
-from pyproxy.proxier import app
+from pyproxy.proxier import app, kubeproxyconfig
 from pyproxy.proxier.config import ProxySettings, SettingError, format_duration, parse_duration
 from pyproxy.proxier.modes import MODES
 
@@ -50,6 +57,26 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "metrics_bind_address": ("metrics_bind_address",),
     "min_sync_period": ("min_sync_period",),
     "sync_period": ("sync_period",),
+}
+
+# Flags with no field in a KubeProxyConfiguration, which apply beside --config (upstream: --master, and
+# --hostname-override over the file's hostnameOverride).
+ALONGSIDE_CONFIG = frozenset({"source", "master", "hostname_override", "iptables_backend", "bpf_pin_path"})
+
+
+class SyncFlag(NamedTuple):
+    setting: str
+    ipvs: bool
+    """Whether upstream applies it in ipvs mode only (else in every mode but ipvs)."""
+
+
+# Upstream's per-mode sync flags onto the one pair of settings, applied as upstream's processV1Alpha1Flags does;
+# pyproxy's own --sync-period and --min-sync-period, in every mode, win over them.
+SYNC_FLAGS = {
+    "--iptables-sync-period": SyncFlag("sync_period", False),
+    "--iptables-min-sync-period": SyncFlag("min_sync_period", False),
+    "--ipvs-sync-period": SyncFlag("sync_period", True),
+    "--ipvs-min-sync-period": SyncFlag("min_sync_period", True),
 }
 
 # Connection-tracking timeout flags: the CtTimeouts field each sets, and whether 0 means "the default".
@@ -108,6 +135,13 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
+def version() -> str:
+    try:
+        return importlib.metadata.version("pyproxy")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _add_common(p: argparse.ArgumentParser, nested: bool = False) -> None:
     # A nested subcommand's flags must not overwrite, with their defaults, what was given before its name.
     p.add_argument("--bpf-pin-path", type=Path, default=argparse.SUPPRESS if nested else None,
@@ -120,10 +154,18 @@ def _add_common(p: argparse.ArgumentParser, nested: bool = False) -> None:
 def parser() -> argparse.ArgumentParser:
     d = DEFAULTS
     ap = argparse.ArgumentParser(prog="pyproxy", description="A Kubernetes service proxy with an eBPF dataplane")
+    ap.add_argument("--version", action="version", version=f"pyproxy {version()}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="watch Services and EndpointSlices and program the dataplane",
                          epilog="Durations take Go's form (24h0m0s, 1h, 30s, 250ms) or plain seconds.")
+    run.add_argument("--version", action="version", version=f"pyproxy {version()}")
+    run.add_argument("--config", type=Path, metavar="FILE",
+                     help="a KubeProxyConfiguration (kubeproxy.config.k8s.io/v1alpha1), as in kube-proxy's "
+                          "ConfigMap; the flags it has fields for are then ignored, as upstream")
+    run.add_argument("--write-config-to", type=Path, metavar="FILE",
+                     help="write the effective settings as a KubeProxyConfiguration to FILE and exit")
+    run.add_argument("--cleanup", action="store_true", help="do what `pyproxy cleanup` does, then exit (upstream's)")
     run.add_argument("--proxy-mode", choices=MODES,
                      help=f"the dataplane to program; auto: the first of bpf, ipvs, nftables, iptables that "
                           f"works (default: {d.mode})")
@@ -160,8 +202,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--iptables-masquerade-bit", type=int,
                      help=f"fwmark bit marking packets for SNAT (default: {d.masquerade.masquerade_bit})")
     run.add_argument("--iptables-backend", choices=("auto", "legacy", "nft"),
-                     help="iptables flavour for the iptables and ipvs modes (auto, the default: whatever "
-                          "`iptables` is here)")
+                     help="iptables flavour for the iptables and ipvs modes; auto: whatever `iptables` is "
+                          f"here (default: {d.iptables.backend})")
     run.add_argument("--ipvs-scheduler", help=f"IPVS scheduler: rr, wrr, lc, wlc, sh, dh, ... for Services "
                                               f"whose pyproxy.io/scheduler names none IPVS has "
                                               f"(default: {d.ipvs.scheduler})")
@@ -173,7 +215,12 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--min-sync-period", type=_duration,
                      help=f"time between syncs at the least; 0: none (default: {format_duration(d.min_sync_period)})")
     run.add_argument("--sync-period", type=_duration,
-                     help=f"time between syncs at the most, positive (default: {format_duration(d.sync_period)})")
+                     help="the longest time between two syncs, positive: a sync applies what changed, and "
+                          f"without changes one runs this often (default: {format_duration(d.sync_period)})")
+    for flag, sync in SYNC_FLAGS.items():
+        run.add_argument(flag, type=_duration, metavar="DURATION",
+                         help=f"upstream's: --{sync.setting.replace('_', '-')} in "
+                              f"{'ipvs mode' if sync.ipvs else 'every mode but ipvs'}, unless that is given")
     for ct in CT_FLAGS:
         zero = "; 0: the default" if ct.zero_keeps_default else ""
         run.add_argument(ct.flag, type=_duration, metavar="DURATION",
@@ -227,14 +274,60 @@ def _ct_timeouts(args: argparse.Namespace, timeouts: CtTimeouts) -> tuple[CtTime
     return timeouts, problems
 
 
+def _sync_flags(args: argparse.Namespace, s: ProxySettings) -> None:
+    log = logging.getLogger("pyproxy")
+    for flag, sync in SYNC_FLAGS.items():
+        value = getattr(args, _dest(flag), None)
+        if value is None:
+            continue
+        own = f"--{sync.setting.replace('_', '-')}"
+        if getattr(args, sync.setting, None) is not None:
+            log.warning("%s is ignored: %s is given", flag, own)
+        elif (s.mode == "ipvs") != sync.ipvs:
+            log.warning("%s is ignored in %s mode (upstream applies it %s)", flag, s.mode,
+                        "in ipvs mode only" if sync.ipvs else "in every mode but ipvs")
+        else:
+            setattr(s, sync.setting, value)
+
+
+def _given(args: argparse.Namespace) -> list[str]:
+    """The flags given that have a field in a config file, as written on the command line."""
+    dests = [*SETTINGS, *(_dest(ct.flag) for ct in CT_FLAGS), *(_dest(f) for f in SYNC_FLAGS)]
+    return [f"--{d.replace('_', '-')}" for d in dests
+            if d not in ALONGSIDE_CONFIG and getattr(args, d, None) is not None]
+
+
+def _from_config(args: argparse.Namespace) -> ProxySettings:
+    """The config file's settings with the flags that apply beside it; the others are named in a warning."""
+    log = logging.getLogger("pyproxy")
+    loaded = kubeproxyconfig.load(args.config)
+    for line in loaded.warnings:
+        log.warning("%s", line)
+    for flag in _given(args):
+        log.warning("%s is ignored: --config %s is given, whose settings are the file's (as upstream's)",
+                    flag, args.config)
+    for dest in ALONGSIDE_CONFIG:
+        value = getattr(args, dest, None)
+        if value is not None:
+            for path in SETTINGS[dest]:
+                _set(loaded.settings, path, value)
+    if args.hostname_override is not None:
+        loaded.settings.hostname_override = args.hostname_override.strip().lower()
+    return loaded.settings
+
+
 def settings_from(args: argparse.Namespace) -> ProxySettings:
-    """The settings with every given flag applied; SettingError naming each flag whose value cannot work."""
+    """The settings with every given flag applied (or --config's file, see the module's docstring);
+    SettingError naming each flag or field whose value cannot work."""
+    if getattr(args, "config", None) is not None:
+        return _from_config(args)
     s = ProxySettings()
     for dest, paths in SETTINGS.items():
         value = getattr(args, dest, None)
         if value is not None:
             for path in paths:
                 _set(s, path, value)
+    _sync_flags(args, s)
     s.bpf.ct_timeouts, problems = _ct_timeouts(args, s.bpf.ct_timeouts)
     problems += s.problems()
     if problems:
@@ -262,6 +355,9 @@ def _inspect(args: argparse.Namespace, settings: ProxySettings) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        argv = ["run", *argv]  # kube-proxy's command line has no subcommand
     args = parser().parse_args(argv)
     if args.command == "demo":
         from pyproxy.lab.demo import run_demo
@@ -275,7 +371,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pyproxy {args.command}: error: {problem}", file=sys.stderr)
         return 2
     try:
-        if args.command == "run":
+        if args.command == "run" and args.write_config_to is not None:
+            try:
+                args.write_config_to.write_text(kubeproxyconfig.dump(settings))
+            except OSError as e:
+                raise app.StartupError(f"--write-config-to {args.write_config_to}: {e.strerror or e}") from e
+            logging.getLogger("pyproxy").info("wrote the configuration to %s", args.write_config_to)
+            return 0
+        if args.command == "run" and not args.cleanup:
             return app.run(settings)
         if args.command == "inspect":
             print(_inspect(args, settings))

@@ -6,15 +6,18 @@
   status 2 and a message naming the flag, before anything is programmed;
 - `ip netns exec NODE pyproxy inspect` finds the running dataplane though each `ip netns exec` has its own /sys;
 - a setting the running mode does not honour is named in a warning;
-- an iptables-mode restart leaves its own chains alone: the stale-mode cleanup removes only other modes' things.
+- an iptables-mode restart leaves its own chains alone: the stale-mode cleanup removes only other modes' things;
+- `--config` with a kubeadm cluster's kube-proxy ConfigMap, unchanged, starts the file's mode (issue 12).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
+import yaml
 
 from pyproxy.lab.manifests import Port, endpoint_slice, service
 
@@ -136,6 +139,25 @@ def test_bpf_mode_warns_about_settings_it_does_not_honour(make_env) -> None:
         assert re.search(rf"WARNING .*bpf mode does not honour {flag}\b", log), log
     assert "--iptables-backend" not in log, log  # a flag left at its default is no setting of the user's
     env.assert_reaches("tcp", WEB_IP, 80, BOTH)
+
+
+def test_config_starts_the_mode_of_kubeadms_configmap(make_env) -> None:
+    """kube-proxy's ConfigMap of a kubeadm cluster, as its DaemonSet mounts it: the file's mode (iptables) runs
+    though the lab's command line says --proxy-mode=bpf, which is ignored beside --config as upstream, saying
+    so. Its healthz and metrics addresses are upstream's defaults, the lab's; its clusterCIDR (10.244.0.0/16)
+    does what upstream's does: the lab's client, outside it, is masqueraded."""
+    env = make_env(2)
+    env.write("web.yaml", *WEB)
+    fixture = Path(__file__).parents[1] / "unit" / "kubeproxyconfig" / "kubeadm-iptables.configmap.yaml"
+    config = env.source.parent / "config.conf"
+    config.write_text(yaml.safe_load(fixture.read_text())["data"]["config.conf"])
+    proxy = env.start(mode="bpf", args=[f"--config={config}"])
+    log = last_run_log(proxy)
+    assert "pyproxy running: mode=iptables" in log, log
+    assert re.search(rf"WARNING .*--proxy-mode is ignored: --config {config} is given", log), log
+    result = env.probe("tcp", WEB_IP, 80, 40)
+    assert result["failures"] == 0 and set(result["replies"]) == BOTH, result
+    assert env.lab.client_ip not in result["seen_from"], result["seen_from"]
 
 
 # ------------------------------------------------------------------------------------------ 5. iptables
