@@ -14,13 +14,15 @@ ARCH_INC := /usr/include/$(shell uname -m)-linux-gnu
 BPF_CC   = $(CLANG) -g -O2 -mcpu=v3 -Wall -Werror -target bpf -D__TARGET_ARCH_x86 -I bpf/include -I $(ARCH_INC)
 
 # Debian packages, checked by the binary or file each one provides.
+# mmdebstrap, umoci and runc build the container image and run it in the tests (`make image`).
 APT_PKGS := clang llvm libbpf-dev libbpf1 bpftool iproute2 iptables nftables ipset conntrack socat \
-            ethtool libcap2-bin procps python3-venv
+            ethtool libcap2-bin procps python3-venv mmdebstrap umoci runc
 APT_STAMP_FILES := /usr/bin/clang /usr/bin/llvm-strip /usr/include/bpf/bpf_helpers.h /usr/sbin/bpftool \
                    /usr/sbin/ip /usr/sbin/iptables /usr/sbin/nft /usr/sbin/ipset /usr/sbin/conntrack \
-                   /usr/bin/socat /usr/sbin/ethtool /usr/sbin/capsh
+                   /usr/bin/socat /usr/sbin/ethtool /usr/sbin/capsh /usr/bin/mmdebstrap /usr/bin/umoci \
+                   /usr/sbin/runc
 
-.PHONY: help install apt venv bpf demo test lint unit clean cleanup apiserver cluster-up cluster-down
+.PHONY: help install apt venv bpf demo test lint unit clean cleanup apiserver cluster-up cluster-down image image-test
 
 help:
 	@echo "make install   apt packages, .venv with pyproxy, BPF objects"
@@ -30,6 +32,8 @@ help:
 	@echo "make apiserver build kube-apiserver v1.20.2 once (cached in ~/.cache/pyproxy) and install etcd"
 	@echo "make cluster-up    etcd + kube-apiserver on 127.0.0.1:6443, detached; admin kubeconfig in .cluster/"
 	@echo "make cluster-down  stop that cluster and forget its etcd data"
+	@echo "make image     the container image, an OCI layout in deploy/build/ (no registry: Debian + PyPI)"
+	@echo "make image-test    build it, run it in a namespace lab with runc, and check deploy/ on a real API server"
 
 install: apt venv bpf
 
@@ -90,7 +94,16 @@ cleanup: venv
 	$(VENV)/bin/pyproxy cleanup
 
 clean:
-	rm -rf bpf/build
+	rm -rf bpf/build deploy/build
+
+# The Debian base layer is cached in ~/.cache/pyproxy/image, keyed by its inputs (about 1 minute to build fresh);
+# the pyproxy layer is rebuilt every time (seconds). Needs the Debian mirror and PyPI, no container registry.
+image: install
+	PY=$(abspath $(VPY)) bash deploy/build-image.sh
+
+# Also part of `make test` (README, "Deploying"): this target is the short way to run only these tests.
+image-test: install apiserver
+	$(VENV)/bin/pytest -q tests/e2e/test_image.py tests/api/test_deploy.py
 
 # ---- benchmarks (bench/): every part bounded by its own time budget; results in bench/results/, plots in bench/plots/
 .PHONY: bench bench-quick bench-tools kube-proxy

@@ -16,6 +16,7 @@ from typing import Any
 
 from pyproxy.k8s.client import ApiClient, ApiError, ConnectionSettings, configuration
 from pyproxy.k8s.informer import slice_locator
+from pyproxy.lab.cluster import Cluster
 
 TRIGGER_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
 
@@ -131,3 +132,26 @@ def wait_for(check: Callable[[], bool], timeout: float = 10.0, interval: float =
             raise AssertionError(f"{what} did not hold within {timeout:g}s")
         time.sleep(interval)
     return time.monotonic() - start
+
+
+def manifest_path(doc: dict[str, Any], name: bool = False) -> str:
+    """The REST path of a manifest's collection (or, with `name`, of the object itself)."""
+    version = doc["apiVersion"]
+    base = "/api/v1" if version == "v1" else f"/apis/{version}"
+    plural = doc["kind"].lower() + "s"
+    ns = doc["metadata"].get("namespace")
+    path = f"{base}/namespaces/{ns}/{plural}" if ns else f"{base}/{plural}"
+    return f"{path}/{doc['metadata']['name']}" if name else path
+
+
+def create_manifest(cluster: Cluster, doc: dict[str, Any], *, replace: bool = False) -> dict[str, Any]:
+    """POST a manifest as `kubectl create` does; one that exists already is left as it is, or with `replace`
+    deleted and created again. Returns the object as the server stored it."""
+    status, body = cluster.request("POST", manifest_path(doc), doc)
+    if status == 409 and replace:
+        cluster.request("DELETE", manifest_path(doc, name=True))
+        status, body = cluster.request("POST", manifest_path(doc), doc)
+    assert status in (201, 409), f"{doc['kind']} {doc['metadata']['name']}: {status} {body.get('message')}"
+    status, body = cluster.request("GET", manifest_path(doc, name=True))
+    assert status == 200, body
+    return body

@@ -5,11 +5,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
-from apiobjects import Kube, service, wait_for
+from apiobjects import Kube, create_manifest, service, wait_for
 
 from pyproxy.k8s.client import ApiClient, ConnectionSettings, configuration
 from pyproxy.k8s.events import record_node_event
@@ -18,7 +17,6 @@ from pyproxy.k8s.sink import RecordingSink
 from pyproxy.lab.cluster import Cluster
 
 RBAC = Path(__file__).resolve().parents[2] / "deploy" / "rbac.yaml"
-GROUPS = {"": "/api/v1", "rbac.authorization.k8s.io": "/apis/rbac.authorization.k8s.io/v1"}
 # What pyproxy does with its token; each must be allowed cluster-wide.
 NEEDED = {
     ("", "services", "list"), ("", "services", "watch"),
@@ -35,21 +33,11 @@ VERBS = ["get", "list", "watch", "create", "update", "patch", "delete", "deletec
          "impersonate"]
 
 
-def _apply(cluster: Cluster, doc: dict[str, Any]) -> None:
-    group, _, version = doc["apiVersion"].rpartition("/")
-    plural = doc["kind"].lower() + "s"
-    base = f"{GROUPS[group]}"
-    ns = doc["metadata"].get("namespace")
-    path = f"{base}/namespaces/{ns}/{plural}" if ns else f"{base}/{plural}"
-    status, body = cluster.request("POST", path, doc)
-    assert status in (201, 409), f"{doc['kind']} {doc['metadata']['name']}: {status} {body.get('message')}"
-
-
 @pytest.fixture(scope="module")
 def proxy_token(cluster: Cluster) -> str:
     """A real ServiceAccount token (TokenRequest API) for the account deploy/rbac.yaml binds."""
     for doc in yaml.safe_load_all(RBAC.read_text()):
-        _apply(cluster, doc)
+        create_manifest(cluster, doc)
     return cluster.service_account_token("kube-system", "pyproxy")
 
 
