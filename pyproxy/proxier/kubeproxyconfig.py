@@ -84,7 +84,7 @@ SCHEMA: Schema = {
     "conntrack": {"maxPerCore": INT, "min": INT, "tcpEstablishedTimeout": DURATION,
                   "tcpCloseWaitTimeout": DURATION, "tcpBeLiberal": BOOL, "udpTimeout": DURATION,
                   "udpStreamTimeout": DURATION},
-    "configSyncPeriod": DURATION, "portRange": STR, "windowsRunAsService": BOOL,
+    "configSyncPeriod": DURATION, "portRange": STR, "udpIdleTimeout": DURATION, "windowsRunAsService": BOOL,
     "bpf": {"devices": STRINGS, "xdpDevices": STRINGS, "socketLB": BOOL, "cgroupRoot": STR, "snatPortRange": STR,
             "scheduler": STR, "maglevTableSize": INT, "mapSizes": INT_MAP, "tcpSynTimeout": DURATION,
             "tcpCloseTimeout": DURATION},
@@ -122,6 +122,8 @@ NO_EFFECT = {
     "configSyncPeriod": "pyproxy's watches never resync: they relist only when the API server expired them",
     "conntrack.maxPerCore": "pyproxy does not size the kernel's conntrack table (nf_conntrack_max)",
     "conntrack.min": "pyproxy does not size the kernel's conntrack table (nf_conntrack_max)",
+    # Upstream's userspace proxy's, removed in 1.26; ConfigMaps kubeadm wrote before still carry 250ms.
+    "udpIdleTimeout": "it configured upstream's userspace proxy, which pyproxy does not have",
 }
 
 # Settings problems name flags (ProxySettings.problems); in a file's they name its fields instead. The

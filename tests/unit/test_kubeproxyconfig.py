@@ -328,3 +328,11 @@ def test_cleanup_flag_does_what_the_cleanup_command_does(monkeypatch: pytest.Mon
     assert cli.main(["--cleanup", "--bpf-pin-path=/sys/fs/bpf/x"]) == 0
     assert seen[0].bpf.pin_path == Path("/sys/fs/bpf/x")
     assert capsys.readouterr().out == "removed bpf: /sys/fs/bpf/pyproxy\n"
+
+
+def test_the_daemonsets_own_configmap_is_accepted() -> None:
+    """deploy/configmap.yaml, the kube-proxy ConfigMap pyproxy's DaemonSet reads, loads without a refusal."""
+    doc = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "configmap.yaml").read_text())
+    loaded = parse(doc["data"]["config.conf"], Path("config.conf"))
+    assert loaded.settings.connection.kubeconfig == Path("/var/lib/kube-proxy/kubeconfig.conf")
+    assert loaded.settings.healthz_bind_address == "0.0.0.0:10256"
