@@ -44,7 +44,9 @@ from pyproxy.model.state import Backend, DesiredState, ServicePortState
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OBJECT = Path(__file__).resolve().parents[3] / "bpf" / "build" / "pyproxy.bpf.o"
+DEFAULT_OBJECT = Path(os.environ.get("PYPROXY_BPF_OBJECT")
+                      or Path(__file__).resolve().parents[3] / "bpf" / "build" / "pyproxy.bpf.o")
+"""bpf/build/pyproxy.bpf.o; PYPROXY_BPF_OBJECT names another (bench/restarts.py: a changed map layout)."""
 
 
 @dataclass
