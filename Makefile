@@ -123,9 +123,10 @@ bench-tools: $(BENCH_TOOLS)
 bench: install apiserver kube-proxy guest-image bench-tools $(VENV)/.bench-stamp
 	$(VPY) -m bench.run
 
-# The restart/upgrade figure alone: 10 restarts of pyproxy under load, its failed and broken connections.
+# The restart/upgrade figure alone: 10 restarts of pyproxy under load and two switches (from pyproxy's iptables
+# mode, from upstream kube-proxy), their failed and broken connections.
 .PHONY: bench-restarts
-bench-restarts: install bench-tools $(VENV)/.bench-stamp
+bench-restarts: install apiserver kube-proxy bench-tools $(VENV)/.bench-stamp
 	$(VPY) -m bench.run --parts restarts
 
 # Small sizes, under 3 minutes.

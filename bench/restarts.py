@@ -20,9 +20,11 @@ and adopts every other map, the connection-tracking map first of all; "layout ba
 current build. The part checks that the connection-tracking map is the same kernel map (same id) before
 the first and after the last restart, and that the frags pins are what each build says.
 
-Then the same load through a switch of the proxy: pyproxy in iptables mode (standing in for upstream
-kube-proxy's iptables mode: the same rules, so the same conntrack-DNATed flows) stopped with SIGTERM (its rules
-stay, as kube-proxy's do), and pyproxy started in bpf mode (README, "Switching from kube-proxy").
+Then the same load through two switches of the proxy, the node's netfilter state reset between them:
+- pyproxy in iptables mode stopped with SIGTERM (its rules stay) and pyproxy started in bpf mode;
+- upstream kube-proxy v1.20.2 (iptables mode, iptables-nft; bench/upstream.py) serving the same Service from a
+  real API server, stopped with SIGTERM (its rules stay), and pyproxy started in bpf mode on that API server.
+What a switch loses and why: README, "Switching from kube-proxy".
 
 Reported per run: failed new connections (of all started), broken long-lived connections (of all), the
 slowest new connection (a lost SYN shows as about 1 s), the longest gap in a long-lived connection's
@@ -37,16 +39,20 @@ import os
 import select
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import controlplane as cp
 from bench import core
 from bench.core import Deadline, Measurement, Part, Recorder
 from bench.latency import build_tool
+from bench.upstream import HOSTNAME, KubeProxy, register_node
 from pyproxy.dataplane.bpf import abi, libbpf, loader
 from pyproxy.lab import Lab, Pyproxy, write_manifest
+from pyproxy.lab.cluster import Cluster, bridge_into_netns, stop_process
 from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
 from pyproxy.lab.netns import NODE_CLIENT_IP, parse_proc_net_counters
 
@@ -109,7 +115,7 @@ class Load:
         if self.opened["opened"] != long_lived:
             raise RuntimeError(f"long-lived connections did not all open: {self.opened}")
         self.seconds = seconds
-        threads = max(2, int(rate // 50))
+        threads = max(4, int(rate // 25))  # each blocks on its connection: room for a slow one
         self.conn = lab.popen(lab.client, str(build_tool()), "load", ",".join(NEW_TARGETS), str(threads),
                               f"{seconds:.1f}", "0", f"{rate:g}", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
@@ -143,13 +149,6 @@ class Load:
         return {"new": new, "talk": talk, "syn_resent": self.syn_resent() - self.resent0}
 
 
-def start_proxy(lab: Lab, source: Path, log: Path, mode: str, wrapper: Sequence[str]) -> Pyproxy:
-    proxy = Pyproxy(lab, source, log_path=log, mode=mode, wrapper=wrapper)
-    proxy.start()
-    proxy.wait_healthy(30.0)
-    return proxy
-
-
 def set_up(lab: Lab) -> Path:
     """Servers on the backends (line servers, connload servers), the Service's manifests; their folder."""
     lab.start_servers(tcp=[TALK_PORT])
@@ -169,20 +168,19 @@ def set_up(lab: Lab) -> Path:
     return source
 
 
-def run_plan(lab: Lab, source: Path, log: Path, plan: Sequence[str], first_mode: str, rate: float,
-             long_lived: int, period: float, lead: float, say: Callable[[str], None]) -> dict[str, Any]:
-    """pyproxy started in `first_mode`, the load started, the `plan`'s restarts `period` s apart after `lead` s,
-    `lead` s more of load; the load's results, each restart's seconds to healthy, the CT map's ids."""
+def run_plan(lab: Lab, first: Callable[[], Any], start: Callable[[str, Sequence[str]], Pyproxy], plan: Sequence[str],
+             p: Mapping[str, Any], say: Callable[[str], None]) -> dict[str, Any]:
+    """The proxy `first()` starts (serving the Service), the load started, the `plan`'s restarts p["period_s"]
+    apart after p["lead_s"], each ending the running proxy and starting pyproxy with `start(mode, wrapper)`,
+    p["lead_s"] more of load; the load's results, each restart's seconds to healthy, the CT map's ids."""
     ct_pin = Path(lab.pin_path) / abi.MAP_CT
-    proxy = start_proxy(lab, source, log, first_mode, ())
+    period, lead = float(p["period_s"]), float(p["lead_s"])
+    proxy = first()
     ct_ids = [map_id(ct_pin)]
     frags: list[dict[str, bool]] = []
     down: list[float] = []
     try:
-        probe = lab.probe("tcp", VIP, 81, 10)
-        if probe["failures"]:
-            raise RuntimeError(f"the Service does not answer before the restarts: {probe}")
-        load = Load(lab, rate, lead * 2 + period * (len(plan) - 1), long_lived)
+        load = Load(lab, float(p["rate"]), lead * 2 + period * (len(plan) - 1), int(p["long_lived"]))
         for k, event in enumerate(plan):
             delay = load.started + lead + k * period - time.monotonic()
             if delay > 0:
@@ -191,9 +189,9 @@ def run_plan(lab: Lab, source: Path, log: Path, plan: Sequence[str], first_mode:
             t0 = time.monotonic()
             if sig == "SIGKILL":
                 proxy.kill()
-            elif proxy.terminate() != 0:
+            elif proxy.terminate() != 0 and isinstance(proxy, Pyproxy):
                 raise RuntimeError(f"{event}: pyproxy did not exit 0 on SIGTERM:\n{proxy.log_tail()}")
-            proxy = start_proxy(lab, source, log, mode, wrapper)
+            proxy = start(mode, wrapper)
             down.append(round(time.monotonic() - t0, 2))
             ct_ids.append(map_id(ct_pin))
             pins = Path(lab.pin_path)
@@ -202,8 +200,60 @@ def run_plan(lab: Lab, source: Path, log: Path, plan: Sequence[str], first_mode:
                 f"frags pins {frags[-1]}")
         result = load.finish()
     finally:
-        proxy.close()  # killed, then `pyproxy cleanup`: the next run starts from nothing
+        proxy.close()  # pyproxy: killed, then `pyproxy cleanup`, so the next run starts from nothing
     return {**result, "seconds_to_healthy": down, "ct_map_ids": ct_ids, "frags_pins": frags}
+
+
+def wait_served(lab: Lab, what: str, timeout: float = 60.0) -> None:
+    """Until the line servers' port answers through the ClusterIP and the NodePort (a proxy's first sync)."""
+    end = time.monotonic() + timeout
+    while True:
+        results = [lab.probe("tcp", ip, port, 4) for ip, port in ((VIP, 81), (NODE_CLIENT_IP, 30081))]
+        if not any(r["failures"] for r in results):
+            return
+        if time.monotonic() > end:
+            raise RuntimeError(f"{what} does not serve the Service: {results}")
+        time.sleep(0.5)
+
+
+def kube_proxy_switch(lab: Lab, log: Path, p: Mapping[str, Any], say: Callable[[str], None]) -> dict[str, Any]:
+    """Upstream kube-proxy v1.20.2 (iptables mode, iptables-nft) serving the Service from a real API server,
+    stopped with SIGTERM under the load, pyproxy in bpf mode started on the same API server."""
+    with tempfile.TemporaryDirectory(prefix="pyproxy-bench-") as tmp, \
+            Cluster(Path(tmp), authorization_mode="AlwaysAllow") as cluster:
+        kube = cp.Kube(cluster.kubeconfig)
+        bridge = bridge_into_netns(lab.node, cluster.apiserver_port)
+        try:
+            namespace = kube.namespace("restarts")
+            register_node(kube.api, NODE_CLIENT_IP)
+            svc = cp.service("web", VIP, [(port.name, port.port, "TCP") for port in PORTS], namespace=namespace)
+            svc["spec"]["type"] = "NodePort"
+            svc["spec"]["externalTrafficPolicy"] = "Cluster"
+            for spec, port in zip(svc["spec"]["ports"], PORTS, strict=True):
+                spec.update(targetPort=port.backend_port, nodePort=port.node_port)
+            kube.create_many([svc, kube.endpoint_slice("web-1", "web", [b.ip for b in lab.backends],
+                                                       [(port.name, port.backend_port, "TCP") for port in PORTS],
+                                                       namespace=namespace)])
+            kubeconfig = cluster.write_kubeconfig(lab.workdir / "kubeconfig", cluster.admin_token,
+                                                  server="https://127.0.0.1:6443")
+
+            def first() -> KubeProxy:
+                proxy = KubeProxy(lab, kubeconfig, backend="nft")
+                proxy.start()
+                wait_served(lab, "kube-proxy")
+                return proxy
+
+            def start(mode: str, wrapper: Sequence[str]) -> Pyproxy:
+                proxy = Pyproxy(lab, None, log_path=log, mode=mode, wrapper=wrapper,
+                                extra_args=[f"--kubeconfig={kubeconfig}", f"--hostname-override={HOSTNAME}"])
+                proxy.start()
+                proxy.wait_healthy(30.0)
+                return proxy
+
+            return run_plan(lab, first, start, SWITCH, p, say)
+        finally:
+            stop_process(bridge)
+            kube.close()
 
 
 def check_layouts(plan: Sequence[str], result: Mapping[str, Any]) -> list[str]:
@@ -229,7 +279,8 @@ def record(rec: Recorder, series: str, n: int, result: Mapping[str, Any], note: 
                         f"of {total:,} at {new['rate']:.0f}/s{'; ' + note if note else ''}", detail))
     rec.add(Measurement("broken_long", series, "bpf", n, float(broken), "connections",
                         f"of {talk['connections']}, {talk['exchanges']:,} exchanges"))
-    rec.add(Measurement("total_new", series, "bpf", n, float(total), "connections"))
+    rec.add(Measurement("total_new", series, "bpf", n, float(total), "connections",
+                        f"{new['late']:,} paced starts late" if new["late"] else ""))
     rec.add(Measurement("max_new_ms", series, "bpf", n, new["max_us"] / 1000, "ms",
                         f"p99 {new['p99_us'] / 1000:.2f} ms; SYNs resent {result['syn_resent']}"))
     rec.add(Measurement("max_gap_ms", series, "bpf", n, float(talk["max_gap_ms"]), "ms", "100 ms asked"))
@@ -246,26 +297,34 @@ def run(p: Mapping[str, Any], rec: Recorder, deadline: Deadline) -> None:
              f"exchanging a line every 100 ms, through {len(plan)} restarts {p['period_s']} s apart: "
              f"{', '.join(plan)}. 'layout bump' starts a build whose frags map changed layout (pyproxy_frag_v9), "
              "'layout back' the current one; the connection-tracking map is checked to be the same kernel map "
-             "throughout. The switch row starts pyproxy in iptables mode (kube-proxy's rules and conntrack "
-             "DNAT), stops it with SIGTERM and starts bpf mode.")
+             "throughout. The switch rows start pyproxy in iptables mode, or upstream kube-proxy v1.20.2 "
+             "(iptables-nft) on a real API server, stop it with SIGTERM (its rules and conntrack entries stay) and "
+             "start pyproxy in bpf mode.")
     with Lab(3, prefix="prs") as lab:
         source = set_up(lab)
         log = lab.workdir / "pyproxy.log"
+
+        def start(mode: str, wrapper: Sequence[str]) -> Pyproxy:
+            proxy = Pyproxy(lab, source, log_path=log, mode=mode, wrapper=wrapper)
+            proxy.start()
+            proxy.wait_healthy(30.0)
+            wait_served(lab, f"pyproxy {mode}")
+            return proxy
+
         rec.step(f"{len(plan)} restarts under load")
-        result = run_plan(lab, source, log, plan, "bpf", float(p["rate"]), int(p["long_lived"]),
-                          float(p["period_s"]), float(p["lead_s"]), rec.log)
+        result = run_plan(lab, lambda: start("bpf", ()), start, plan, p, rec.log)
         problems = check_layouts(plan, result)
         record(rec, "restarts: " + ", ".join(f"{plan.count(e)}x {e}" for e in dict.fromkeys(plan)), len(plan),
                result, "; ".join(problems))
         if problems:
             raise RuntimeError("; ".join(problems))
-        if deadline.remaining() < 2 * float(p["lead_s"]) + 30:
-            rec.note("the switch from iptables mode was not run: out of time")
-            return
-        rec.step("iptables mode -> bpf mode under load")
-        result = run_plan(lab, source, log, SWITCH, "iptables", float(p["rate"]), int(p["long_lived"]),
-                          float(p["period_s"]), float(p["lead_s"]), rec.log)
+        rec.step("pyproxy iptables mode -> bpf mode under load")
+        result = run_plan(lab, lambda: start("iptables", ()), start, SWITCH, p, rec.log)
         record(rec, "switch: pyproxy iptables mode -> bpf mode", 1, result)
+        cp.reset_node(lab, legacy=False)
+        rec.step("kube-proxy v1.20.2 iptables mode -> pyproxy bpf mode under load")
+        result = kube_proxy_switch(lab, log, p, rec.log)
+        record(rec, "switch: kube-proxy v1.20.2 iptables (nft) -> pyproxy bpf", 1, result)
 
 
 def params(quick: bool) -> dict[str, Any]:
@@ -278,7 +337,7 @@ def params(quick: bool) -> dict[str, Any]:
 PART = Part(
     name="restarts",
     title="Restarts and upgrades under load: failed new and broken long-lived connections",
-    budget_s={True: 90.0, False: 180.0},
+    budget_s={True: 120.0, False: 240.0},
     params=params,
     run=run,
     metrics={
@@ -287,8 +346,8 @@ PART = Part(
         "total_new": "new connections started",
         "max_new_ms": "the slowest new connection, ms (a lost SYN would show as about 1,000 ms)",
         "max_gap_ms": "the longest gap between two exchanges of one long-lived connection, ms",
-        "healthy_s": "the longest restart: signal to /healthz 200 of the next pyproxy, s (the dataplane serves "
-                     "meanwhile)",
+        "healthy_s": "the longest restart: signal to the next pyproxy's /healthz 200 and the Service answering, s "
+                     "(the dataplane serves meanwhile)",
     },
     size_word="restart",
 )
