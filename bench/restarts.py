@@ -106,7 +106,7 @@ class Load:
 
     def __init__(self, lab: Lab, rate: float, seconds: float, long_lived: int) -> None:
         self.lab = lab
-        self.resent0 = self.syn_resent()
+        self.resent0 = self.resent()
         self.talk = lab.popen(lab.client, sys.executable, "-m", "pyproxy.lab.traffic", "talk", ",".join(TALK_TARGETS),
                               "--count", str(long_lived), "--interval", "0.1", stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
@@ -124,9 +124,17 @@ class Load:
             raise RuntimeError(f"connload did not start: {self.conn.stderr.read() if self.conn.stderr else ''}")
         self.started = time.monotonic()
 
-    def syn_resent(self) -> int:
-        text = self.lab.exec(self.lab.client, "cat", "/proc/net/netstat").stdout
-        return parse_proc_net_counters(text).get("TcpExtTCPSynRetrans", 0)
+    def resent(self) -> dict[str, int]:
+        """The client's SYNs sent again, and TCP segments sent again by the client and the backends (a packet
+        lost on the way, or its answer), from their /proc/net/netstat and /proc/net/snmp."""
+        out = {"syn": 0, "segments": 0}
+        for ns in [self.lab.client, *(b.ns for b in self.lab.backends)]:
+            text = self.lab.exec(ns, "cat", "/proc/net/netstat", "/proc/net/snmp").stdout
+            counters = parse_proc_net_counters(text)
+            out["segments"] += counters.get("TcpRetransSegs", 0)
+            if ns == self.lab.client:
+                out["syn"] = counters.get("TcpExtTCPSynRetrans", 0)
+        return out
 
     def finish(self) -> dict[str, Any]:
         """Wait for connload's window to end, then stop the talkers; both results and the SYNs resent."""
@@ -146,7 +154,9 @@ class Load:
         self.talk.wait(timeout=10)
         if new is None:
             raise RuntimeError(f"connload gave no result: {self.conn.stderr.read() if self.conn.stderr else ''}")
-        return {"new": new, "talk": talk, "syn_resent": self.syn_resent() - self.resent0}
+        now = self.resent()
+        return {"new": new, "talk": talk, "syn_resent": now["syn"] - self.resent0["syn"],
+                "segments_resent": now["segments"] - self.resent0["segments"]}
 
 
 def set_up(lab: Lab) -> Path:
@@ -274,6 +284,7 @@ def record(rec: Recorder, series: str, n: int, result: Mapping[str, Any], note: 
     total = new["requests"] + new["errors"]
     broken = len(talk["broken"]) + len(talk["failed_to_open"])
     detail = {"connload": new, "talk": talk, "syn_resent": result["syn_resent"],
+              "segments_resent": result["segments_resent"],
               "seconds_to_healthy": result["seconds_to_healthy"], "ct_map_ids": result["ct_map_ids"]}
     rec.add(Measurement("failed_new", series, "bpf", n, float(new["errors"]), "connections",
                         f"of {total:,} at {new['rate']:.0f}/s{'; ' + note if note else ''}", detail))
@@ -283,7 +294,8 @@ def record(rec: Recorder, series: str, n: int, result: Mapping[str, Any], note: 
                         f"{new['late']:,} paced starts late" if new["late"] else ""))
     rec.add(Measurement("max_new_ms", series, "bpf", n, new["max_us"] / 1000, "ms",
                         f"p99 {new['p99_us'] / 1000:.2f} ms; SYNs resent {result['syn_resent']}"))
-    rec.add(Measurement("max_gap_ms", series, "bpf", n, float(talk["max_gap_ms"]), "ms", "100 ms asked"))
+    rec.add(Measurement("max_gap_ms", series, "bpf", n, float(talk["max_gap_ms"]), "ms",
+                        f"100 ms asked; TCP segments resent {result['segments_resent']}"))
     rec.add(Measurement("healthy_s", series, "bpf", n, max(result["seconds_to_healthy"]), "s",
                         f"each: {', '.join(f'{s:.1f}' for s in result['seconds_to_healthy'])}"))
 
