@@ -24,7 +24,7 @@ Then the same load through two switches of the proxy, the node's netfilter state
 - pyproxy in iptables mode stopped with SIGTERM (its rules stay) and pyproxy started in bpf mode;
 - upstream kube-proxy v1.20.2 (iptables mode, iptables-nft; bench/upstream.py) serving the same Service from a
   real API server, stopped with SIGTERM (its rules stay), and pyproxy started in bpf mode on that API server.
-What a switch loses and why: README, "Switching from kube-proxy".
+What a switch loses and why: README, "Restarts, upgrades and switching from kube-proxy".
 
 Reported per run: failed new connections (of all started), broken long-lived connections (of all), the
 slowest new connection (a lost SYN shows as about 1 s), the longest gap in a long-lived connection's
