@@ -114,7 +114,9 @@ $(VENV)/.bench-stamp: pyproject.toml $(VENV)/.stamp
 
 # The latency part's load generator and backend server (bench/connload.c), and the packet part's
 # established path cut into steps (bench/steps.bpf.c, built on pyproxy's own headers).
-BENCH_TOOLS := bench/build/connload bench/build/steps.bpf.o
+# bench/build/pyproxy-frag-v9.bpf.o: pyproxy's programs with the frags map renamed, as a newer release whose one map
+# changed layout would be (bench/restarts.py restarts into it and back).
+BENCH_TOOLS := bench/build/connload bench/build/steps.bpf.o bench/build/pyproxy-frag-v9.bpf.o
 
 bench/build/connload: bench/connload.c
 	@mkdir -p bench/build
@@ -124,11 +126,21 @@ bench/build/steps.bpf.o: bench/steps.bpf.c $(BPF_HDRS)
 	@mkdir -p bench/build
 	$(BPF_CC) -c $< -o $@
 
+bench/build/pyproxy-frag-v9.bpf.o: bpf/pyproxy.bpf.c $(BPF_HDRS)
+	@mkdir -p bench/build
+	$(BPF_CC) -DPYPROXY_MAP_FRAGS=pyproxy_frag_v9 -c $< -o $@
+
 bench-tools: $(BENCH_TOOLS)
 
 # The full run: under 25 minutes on 2 cores.
 bench: install apiserver kube-proxy guest-image bench-tools $(VENV)/.bench-stamp
 	$(VPY) -m bench.run
+
+# The restart/upgrade figure alone: 10 restarts of pyproxy under load and two switches (from pyproxy's iptables
+# mode, from upstream kube-proxy), their failed and broken connections.
+.PHONY: bench-restarts
+bench-restarts: install apiserver kube-proxy bench-tools $(VENV)/.bench-stamp
+	$(VPY) -m bench.run --parts restarts
 
 # Small sizes, under 3 minutes.
 bench-quick: install apiserver kube-proxy guest-image bench-tools $(VENV)/.bench-stamp

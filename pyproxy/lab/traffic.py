@@ -8,6 +8,8 @@ Run inside a namespace as `python -m pyproxy.lab.traffic SUBCOMMAND ...`:
     probe --tcp 10.96.0.10 80 --sources 10.200.0.2,10.200.0.3 --source-ports 40001,40002
                                                    ... from these addresses and ports in turn
     hold 10.96.0.10 80 --count 6                   open connections and keep them (see `hold`)
+    talk 10.96.0.10:80,10.200.0.1:30080 --count 20 --interval 0.1
+                                                   long-lived connections exchanging a line each 100 ms
     http http://127.0.0.1:10256/healthz --wait 20 --expect 200
 
 Every reply is one line, `NAME:PORT PEER_IP:PEER_PORT`: the backend's name, the port the request reached it on
@@ -35,7 +37,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Sequence
-from typing import TypedDict
+from typing import Any, TypedDict
 
 # Printed by `serve` once every socket is bound, so whoever started it knows when probing can begin.
 READY_LINE = "ready"
@@ -310,6 +312,63 @@ def hold(ip: str, port: int, count: int, timeout: float = 5.0) -> int:
     return 0
 
 
+def talk(targets: Sequence[tuple[str, int]], count: int, interval: float = 0.1, timeout: float = 3.0) -> int:
+    """Long-lived connections: `count` TCP connections over `targets` in turn, each asked once at once (printed:
+    a JSON line `{"opened": N, "failed": [...]}`), then asked again every `interval` seconds until stdin ends.
+    A connection is broken when an exchange fails (no reply within `timeout`, a reset) or another backend or
+    source answers (the reply line changed: it went elsewhere after a NAT change). At stdin's end one JSON
+    line: connections, opened, broken (with why), exchanges, and the longest gap between two answered
+    exchanges of one connection (ms: a packet lost on the way shows as a retransmission's delay)."""
+    conns: list[dict[str, Any]] = []
+    failed: list[str] = []
+    for k in range(count):
+        ip, port = targets[k % len(targets)]
+        try:
+            sock = socket.create_connection((ip, port), timeout=timeout)
+            sock.sendall(REQUEST)
+            first = _read_line(sock, time.monotonic() + timeout)
+        except OSError as exc:
+            failed.append(f"{ip}:{port}: {_classify(exc)}")
+            continue
+        _reset_on_close(sock)
+        conns.append({"sock": sock, "target": f"{ip}:{port}", "reply": first, "last": time.monotonic(), "gap": 0.0})
+    print(json.dumps({"opened": len(conns), "failed": failed}), flush=True)
+    broken: list[str] = []
+    exchanges = 0
+    stop = threading.Event()
+
+    def wait_for_eof() -> None:
+        sys.stdin.read()
+        stop.set()
+
+    threading.Thread(target=wait_for_eof, daemon=True).start()
+    while not stop.wait(interval):
+        for c in conns:
+            if c.get("broken"):
+                continue
+            try:
+                c["sock"].sendall(REQUEST)
+                reply = _read_line(c["sock"], time.monotonic() + timeout)
+            except OSError as exc:
+                c["broken"] = f"{c['target']}: {_classify(exc)}"
+            else:
+                if reply != c["reply"]:
+                    c["broken"] = f"{c['target']}: answered {reply!r}, first {c['reply']!r}"
+            if c.get("broken"):
+                broken.append(c["broken"])
+                continue
+            now = time.monotonic()
+            c["gap"] = max(c["gap"], now - c["last"])
+            c["last"] = now
+            exchanges += 1
+    for c in conns:
+        c["sock"].close()
+    gap = max((c["gap"] for c in conns), default=0.0)
+    print(json.dumps({"connections": count, "opened": len(conns), "failed_to_open": failed, "broken": broken,
+                      "exchanges": exchanges, "max_gap_ms": round(1000 * gap, 1)}), flush=True)
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------------- http
 
 
@@ -382,6 +441,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_hold.add_argument("--count", type=int, default=6)
     p_hold.add_argument("--timeout", type=float, default=5.0, help="seconds per connection")
 
+    p_talk = sub.add_parser("talk", help="long-lived connections exchanging a line every --interval until stdin ends")
+    p_talk.add_argument("targets", type=lambda t: [(a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1]))
+                                                   for a in t.split(",") if a], help="IP:PORT[,IP:PORT...]")
+    p_talk.add_argument("--count", type=int, default=20)
+    p_talk.add_argument("--interval", type=float, default=0.1, help="seconds between a connection's exchanges")
+    p_talk.add_argument("--timeout", type=float, default=3.0, help="seconds an exchange may take")
+
     p_http = sub.add_parser("http", help="GET a URL, print JSON {status, body, error, elapsed}")
     p_http.add_argument("url")
     p_http.add_argument("--timeout", type=float, default=2.0, help="seconds per request")
@@ -400,6 +466,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.cmd == "hold":
             return hold(args.ip, args.port, args.count, args.timeout)
+        if args.cmd == "talk":
+            return talk(args.targets, args.count, args.interval, args.timeout)
         if args.wait and args.expect is not None:
             result = wait_http(args.url, args.expect, args.wait, args.timeout)
         else:

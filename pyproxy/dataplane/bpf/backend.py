@@ -44,9 +44,10 @@ from pyproxy.model.state import Backend, DesiredState, ServicePortState
 
 log = logging.getLogger(__name__)
 
-# The container image sets PYPROXY_BPF_OBJECT: an installed wheel has no bpf/build beside it.
 DEFAULT_OBJECT = Path(os.environ.get("PYPROXY_BPF_OBJECT")
                       or Path(__file__).resolve().parents[3] / "bpf" / "build" / "pyproxy.bpf.o")
+"""bpf/build/pyproxy.bpf.o; PYPROXY_BPF_OBJECT names another: the container image's (an installed wheel has no
+bpf/build beside it), bench/restarts.py's with a changed map layout."""
 
 
 @dataclass
