@@ -212,8 +212,16 @@ def test_session_affinity_sticks_to_one_backend(env: Env) -> None:
     env.write("sticky.yaml", service("sticky", WEB_IP, WEB_PORTS, affinity_seconds=600),
               endpoint_slice("sticky", ready(env.lab), WEB_PORTS))
     env.start()
-    first = env.probe("tcp", WEB_IP, 80, 1)
-    assert first["failures"] == 0, describe(first)
+    first: dict = {}
+
+    def answered() -> bool:
+        # Once in a busy run (18 minutes of guest under TCG beside other tests) the very first SYN after the
+        # sync met an ICMP unreachable; stickiness, not that first packet, is what this test is about.
+        nonlocal first
+        first = env.probe("tcp", WEB_IP, 80, 1)
+        return first["failures"] == 0
+
+    env.eventually(answered, "the sticky Service answers", deadline=10.0)
     env.reaches("tcp", WEB_IP, 80, set(first["replies"]), count=20)
     assert f"{WEB_IP}:80 rr persistent 600" in env.ipvsadm()
 
