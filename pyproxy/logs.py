@@ -38,7 +38,7 @@ def kv(logger: logging.Logger, v: int, msg: str, **pairs: object) -> None:
     level = vlevel(v)
     if logger.isEnabledFor(level):
         text = " ".join([msg, *(f"{k}={_value(val)}" for k, val in pairs.items())])
-        logger.log(level, "%s", text, extra={"kv_msg": msg, "kv": pairs})
+        logger.log(level, "%s", text, extra={"kv_msg": msg, "kv": pairs}, stacklevel=2)
 
 
 class JsonFormatter(logging.Formatter):
