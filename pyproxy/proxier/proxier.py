@@ -182,8 +182,8 @@ class Proxier:
                 self.metrics.mode_failures.inc()
             if self.metrics.partial_failures is not None and not full:
                 self.metrics.partial_failures.inc()
-            log.info("Sync failed: %d services changed, %s sync, %.1f ms", len(changed), "full" if full else "partial",
-                     (time.monotonic() - start) * 1000)
+            logs.kv(log, 0, "Sync failed", elapsed=f"{(time.monotonic() - start) * 1000:.1f}ms", fullSync=full,
+                    servicesChanged=len(changed))
             raise
         self._retry = set()
         self._report_unserved()

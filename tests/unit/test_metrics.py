@@ -141,7 +141,8 @@ def test_each_mode_has_upstreams_failure_counters_of_that_mode(mode: str, presen
         assert name not in got
 
 
-def test_a_failed_sync_counts_in_the_modes_failure_counter_and_syncs_by_kind() -> None:
+def test_a_failed_sync_counts_in_the_modes_failure_counter_and_syncs_by_kind(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(1)
     metrics = ProxyMetrics("iptables")
     dp = FakeDataplane()
     p = Proxier(dp, min_sync_period=0, sync_period=3600, metrics=metrics, health=ProxyHealth(sync_period=30))
@@ -162,6 +163,11 @@ def test_a_failed_sync_counts_in_the_modes_failure_counter_and_syncs_by_kind() -
     assert got["kubeproxy_sync_full_proxy_rules_duration_seconds_count"] == 2
     assert got["kubeproxy_sync_partial_proxy_rules_duration_seconds_count"] == 0
     assert got["kubeproxy_sync_proxy_rules_duration_seconds_count"] == 2
+    said = [r.getMessage() for r in caplog.records]
+    assert sum(m.startswith("SyncProxyRules complete elapsed=") for m in said) == 2
+    failed = [m for m in said if m.startswith("Sync failed ")]
+    assert len(failed) == 1
+    assert re.fullmatch(r"Sync failed elapsed=[\d.]+ms fullSync=False servicesChanged=1", failed[0])
 
 
 def test_healthz_and_livez_answers_are_counted_by_code() -> None:
