@@ -417,9 +417,11 @@ class Maps:
 
 
 class BpfCollector(Collector):
-    """The BPF dataplane's own metrics: the connection-tracking collector's, and how full the maps the control plane
+    """The BPF dataplane's own metrics: the connection-tracking collector's, how full the maps the control plane
     fills are (`pyproxy_bpf_map_entries{map}` against `pyproxy_bpf_map_capacity{map}`; a map that is full leaves
-    Services out, counted by `pyproxy_bpf_services_unserved`)."""
+    Services out, counted by `pyproxy_bpf_services_unserved`), each frontend's packets and bytes from the stats map
+    (`service_traffic_families`: one series per frontend; the maps count nothing per endpoint) and the programs'
+    event counters (`pyproxy_bpf_datapath_events_total{event}`, abi.COUNTERS), all read at scrape time."""
 
     def __init__(self, dataplane: BpfDataplane) -> None:
         self.gc = CtGcMetrics()
