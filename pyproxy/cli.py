@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+from pyproxy import logs
 from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.model import inspection
@@ -148,7 +149,10 @@ def _add_common(p: argparse.ArgumentParser, nested: bool = False) -> None:
                    help=f"where BPF maps are pinned, a bpffs mounted there when none is (default: "
                         f"{DEFAULTS.bpf.pin_path})")
     p.add_argument("-v", "--v", type=int, default=argparse.SUPPRESS if nested else 2,
-                   help="log verbosity (0 quiet .. 4 debug)")
+                   help="log verbosity as upstream's: info lines of this verbosity and below (0: only what every "
+                        "operator needs; 2: sync summaries, the default; 5 and more: debug)")
+    p.add_argument("--logging-format", choices=logs.FORMATS, default=argparse.SUPPRESS if nested else "text",
+                   help="text (default) or json: one JSON object a line with upstream's keys (ts, v, msg, ...)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -335,9 +339,8 @@ def settings_from(args: argparse.Namespace) -> ProxySettings:
     return s
 
 
-def _logging(verbosity: int) -> None:
-    level = {0: logging.ERROR, 1: logging.WARNING, 2: logging.INFO}.get(verbosity, logging.DEBUG)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+def _logging(verbosity: int, fmt: str = "text") -> None:
+    logs.setup(verbosity, fmt)
 
 
 def _inspect(args: argparse.Namespace, settings: ProxySettings) -> str:
@@ -363,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         from pyproxy.lab.demo import run_demo
 
         return run_demo()
-    _logging(args.v)
+    _logging(args.v, args.logging_format)
     try:
         settings = settings_from(args)
     except SettingError as e:

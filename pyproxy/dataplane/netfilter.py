@@ -59,9 +59,14 @@ import re
 import shlex
 import shutil
 import subprocess
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from pyproxy.dataplane.base import DataplaneError, MasqueradeSettings, ModeUnavailable
 from pyproxy.model.conntrack import Stale
@@ -322,13 +327,39 @@ def conntrack_list() -> list[CtEntry]:
 _conntrack_missing_logged = False
 
 
-def clear_stale_udp(stales: Iterable[Stale]) -> int:
+class ConntrackMetrics(Collector):
+    """Upstream's conntrack reconciler series for the stale UDP flows a netfilter mode deletes after a sync:
+    kubeproxy_conntrack_reconciler_deleted_entries_total and kubeproxy_conntrack_reconciler_sync_duration_seconds
+    (observed for each sync that had stale flows to delete; one with none runs no conntrack command)."""
+
+    def __init__(self) -> None:
+        self.deleted = Counter("kubeproxy_conntrack_reconciler_deleted_entries",
+                               "Cumulative conntrack flows deleted by conntrack reconciler", registry=None)
+        self.duration = Histogram("kubeproxy_conntrack_reconciler_sync_duration_seconds",
+                                  "ReconcileConntrackFlowsLatency latency in seconds",
+                                  buckets=tuple(0.001 * 2**i for i in range(15)), registry=None)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.deleted.collect()
+        yield from self.duration.collect()
+
+
+def clear_stale_udp(stales: Iterable[Stale], metrics: ConntrackMetrics | None = None) -> int:
     """Delete the entries of `stales` (after the rules that stop new ones are in); how many went. Failures
     are logged: a sync whose rules went in has succeeded, and the next change plans again."""
-    global _conntrack_missing_logged
     stales = list(stales)
     if not stales:
         return 0
+    start = time.monotonic()
+    total = _clear_stale_udp(stales)
+    if metrics is not None:
+        metrics.deleted.inc(total)
+        metrics.duration.observe(time.monotonic() - start)
+    return total
+
+
+def _clear_stale_udp(stales: list[Stale]) -> int:
+    global _conntrack_missing_logged
     if shutil.which("conntrack") is None:
         if not _conntrack_missing_logged:
             log.warning("conntrack not found in PATH (install conntrack): UDP flows to removed endpoints stay")

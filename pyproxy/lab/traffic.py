@@ -372,6 +372,10 @@ def talk(targets: Sequence[tuple[str, int]], count: int, interval: float = 0.1, 
 # ---------------------------------------------------------------------------------------------------- http
 
 
+HTTP_BODY_LIMIT = 64 << 20
+"""Bytes of a body read at most: /metrics has a series per frontend, megabytes at thousands of Services."""
+
+
 def http_get(url: str, timeout: float = 2.0) -> HttpResult:
     start = time.monotonic()
     # No proxies: the target is the namespace's own loopback, whatever http_proxy the environment names.
@@ -382,10 +386,10 @@ def http_get(url: str, timeout: float = 2.0) -> HttpResult:
     try:
         with opener.open(url, timeout=timeout) as resp:
             status = resp.status
-            body = resp.read(65536).decode(errors="replace")
+            body = resp.read(HTTP_BODY_LIMIT).decode(errors="replace")
     except urllib.error.HTTPError as exc:
         status = exc.code
-        body = exc.read(65536).decode(errors="replace")
+        body = exc.read(HTTP_BODY_LIMIT).decode(errors="replace")
     except Exception as exc:  # noqa: BLE001 - reported to the caller, who decides
         error = f"{type(exc).__name__}: {exc}"
     return HttpResult(status=status, body=body, error=error, elapsed=round(time.monotonic() - start, 3))

@@ -18,7 +18,7 @@ from pyproxy.model import inspection
 from pyproxy.proxier import modes
 from pyproxy.proxier.config import ProxySettings, SettingError, node_name, parse_address
 from pyproxy.proxier.healthcheck import ServiceHealthServers
-from pyproxy.proxier.metrics import InformerCollector, ProxyMetrics
+from pyproxy.proxier.metrics import InformerCollector, NoLocalEndpointsCollector, ProxyMetrics
 from pyproxy.proxier.node import NodeAddresses
 from pyproxy.proxier.proxier import Proxier
 from pyproxy.proxier.server import ProxyHealth, health_server, metrics_server
@@ -72,12 +72,13 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
         node_name=node,
         service_health=service_health,
     )
+    metrics.registry.register(NoLocalEndpointsCollector(lambda: proxier.desired))
     # The node's addresses before the sources start, so the first sync already has its NodePorts.
     node_addresses = NodeAddresses(node, settings.nodeport_addresses, proxier.set_node_inputs)
     proxier.node_addresses = node_addresses
     node_addresses.start()
     servers = [
-        health_server(*parse_address(settings.healthz_bind_address), health).start(),
+        health_server(*parse_address(settings.healthz_bind_address), health, metrics).start(),
         metrics_server(*parse_address(settings.metrics_bind_address), metrics.registry, dataplane.mode).start(),
     ]
     source: _Source

@@ -142,6 +142,7 @@ def start_dataplane(settings: ProxySettings) -> Dataplane:
                 log.info("proxy mode %s skipped: %s", mode, e)
             continue
         log.info("proxy mode %s%s", mode, " (chosen automatically)" if settings.mode == AUTO else "")
+        log.info("Using %s Proxier", mode)  # upstream's line (server_linux.go), e.g. "Using iptables Proxier"
         for line in unhonoured(settings, mode):
             log.warning("%s", line)
         for line in cleanup(settings, keep=mode, chains=_chains(dataplane)):

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+from pyproxy import logs
 from pyproxy.dataplane.base import Dataplane
 from pyproxy.model.desired import update_desired_state
 from pyproxy.model.node import NodeInputs
@@ -144,6 +145,7 @@ class Proxier:
 
     def _queued(self) -> None:
         self.health.queued()
+        self.metrics.last_queued.set_to_current_time()
         self.runner.request()
 
     # -- the one sync ----------------------------------------------------------------------------
@@ -176,6 +178,12 @@ class Proxier:
                 for svc, times in triggers.items():
                     self._triggers.setdefault(svc, []).extend(times)
             self.metrics.sync_errors.inc()
+            if self.metrics.mode_failures is not None:
+                self.metrics.mode_failures.inc()
+            if self.metrics.partial_failures is not None and not full:
+                self.metrics.partial_failures.inc()
+            logs.kv(log, 0, "Sync failed", elapsed=f"{(time.monotonic() - start) * 1000:.1f}ms", fullSync=full,
+                    servicesChanged=len(changed))
             raise
         self._retry = set()
         self._report_unserved()
@@ -188,12 +196,12 @@ class Proxier:
             self._last_full, self._need_full = start, False
         elapsed = time.monotonic() - start
         self.metrics.sync_duration.observe(elapsed)
+        (self.metrics.sync_full_duration if full else self.metrics.sync_partial_duration).observe(elapsed)
         self.metrics.last_sync.set_to_current_time()
         self.health.updated()
-        log.info(
-            "synced %s: %d services changed, %d services total, %.1f ms",
-            "all" if full else "changes", len(changed), len(self.desired.services), elapsed * 1000,
-        )
+        # Upstream's V(2) "SyncProxyRules complete" with its elapsed, and what the sync did.
+        logs.kv(log, 2, "SyncProxyRules complete", elapsed=f"{elapsed * 1000:.1f}ms", fullSync=full,
+                servicesChanged=len(changed), services=len(self.desired.services))
         return True
 
     def _report_unserved(self) -> None:

@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from pyproxy.model.objects import Node
+from pyproxy.proxier.metrics import ProxyMetrics
 
 
 def go_time(t: float | None) -> str:
@@ -134,12 +135,22 @@ def _text(body: bytes, ctype: str = "text/plain") -> tuple[int, dict[str, str], 
     return 200, {"Content-Type": ctype}, body
 
 
-def health_server(host: str, port: int, health: ProxyHealth) -> HttpServer:
+def health_server(host: str, port: int, health: ProxyHealth, metrics: ProxyMetrics | None = None) -> HttpServer:
+    """/healthz and /livez; each answer counted by its code in kubeproxy_proxy_healthz_total and
+    kubeproxy_proxy_livez_total when `metrics` are given."""
+
     def healthz(_path: str) -> tuple[int, dict[str, str], bytes]:
         code, body = health.healthz()
+        if metrics is not None:
+            metrics.healthz.labels(code=str(code)).inc()
         return code, JSON, body
 
-    return HttpServer(host, port, {"/healthz": healthz, "/livez": lambda _p: _text(b"ok\n")})
+    def livez(_path: str) -> tuple[int, dict[str, str], bytes]:
+        if metrics is not None:
+            metrics.livez.labels(code="200").inc()
+        return _text(b"ok\n")
+
+    return HttpServer(host, port, {"/healthz": healthz, "/livez": livez})
 
 
 def metrics_server(host: str, port: int, registry: CollectorRegistry, mode: str) -> HttpServer:

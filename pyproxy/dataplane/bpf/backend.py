@@ -16,8 +16,9 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pyproxy.dataplane import netlink
@@ -419,9 +420,11 @@ class Maps:
 
 
 class BpfCollector(Collector):
-    """The BPF dataplane's own metrics: the connection-tracking collector's, and how full the maps the control plane
+    """The BPF dataplane's own metrics: the connection-tracking collector's, how full the maps the control plane
     fills are (`pyproxy_bpf_map_entries{map}` against `pyproxy_bpf_map_capacity{map}`; a map that is full leaves
-    Services out, counted by `pyproxy_bpf_services_unserved`)."""
+    Services out, counted by `pyproxy_bpf_services_unserved`), each frontend's packets and bytes from the stats map
+    (`service_traffic_families`: one series per frontend; the maps count nothing per endpoint) and the programs'
+    event counters (`pyproxy_bpf_datapath_events_total{event}`, abi.COUNTERS), all read at scrape time."""
 
     def __init__(self, dataplane: BpfDataplane) -> None:
         self.gc = CtGcMetrics()
@@ -440,6 +443,42 @@ class BpfCollector(Collector):
         yield capacity
         yield GaugeMetricFamily("pyproxy_bpf_services_unserved", "Services not programmed because a BPF map is full",
                                 value=len(self._dataplane.unserved))
+        yield from service_traffic_families(self._dataplane.traffic())
+        events = CounterMetricFamily("pyproxy_bpf_datapath_events", "Events of the BPF programs, summed over CPUs "
+                                     "(abi.COUNTERS: new_flow, no_backend, ct_full, ...)", labels=["event"])
+        for name, n in self._dataplane.datapath_counters().items():
+            events.add_metric([name], n)
+        yield events
+
+
+class FrontendTraffic(NamedTuple):
+    """What the stats map counted for one frontend (a services map entry) since its service id was given."""
+
+    service: str
+    """namespace/name"""
+    port: str
+    """The Service port's name ("" when unnamed)."""
+    frontend: str
+    """address:port/PROTO, " (node)" for the node-scope entry of an externalTrafficPolicy Local frontend."""
+    packets: int
+    bytes: int
+
+
+def service_traffic_families(traffic: Iterable[FrontendTraffic]) -> Iterator[Metric]:
+    """pyproxy_service_packets_total and pyproxy_service_bytes_total{namespace,service,port,frontend}: one series
+    per frontend (a Service port has one per ClusterIP, NodePort address, external and load-balancer IP)."""
+    labels = ["namespace", "service", "port", "frontend"]
+    packets = CounterMetricFamily("pyproxy_service_packets", "Client-to-Service packets the BPF programs sent to a "
+                                  "frontend's endpoints (replies not counted); a socket hook's connection counts "
+                                  "1", labels=labels)
+    octets = CounterMetricFamily("pyproxy_service_bytes", "Bytes of those packets as the device had them (frames "
+                                 "with their link-layer header; 0 for a socket hook's connection)", labels=labels)
+    for t in traffic:
+        namespace, _, name = t.service.partition("/")
+        packets.add_metric([namespace, name, t.port, t.frontend], t.packets)
+        octets.add_metric([namespace, name, t.port, t.frontend], t.bytes)
+    yield packets
+    yield octets
 
 
 class BpfDataplane:
@@ -648,6 +687,35 @@ class BpfDataplane:
         for key in keys:
             if self.unserved.pop(key, None) is not None:
                 log.info("Service %s programmed: the BPF maps have room for it again", key)
+
+    def traffic(self) -> list[FrontendTraffic]:
+        """Per frontend as last applied, the stats map's packets and bytes summed over CPUs ([] when not started)."""
+        maps, frontends = self.maps, list(self.applied.frontends.items())
+        if maps is None:
+            return []
+        out = []
+        try:
+            for (ip, port, proto, scope), fe in frontends:
+                per_cpu = maps.stats.get(fe.svc_id)
+                port_name = fe.name[len(fe.service) + 1:] if fe.name.startswith(fe.service + ":") else ""
+                where = f"{ip}:{port}/{proto}" + (" (node)" if scope == abi.SVC_SCOPE_NODE else "")
+                out.append(FrontendTraffic(fe.service, port_name, where, sum(v.packets for v in per_cpu),
+                                           sum(v.bytes for v in per_cpu)))
+        except OSError as e:  # stopped (maps closed) while scraped
+            log.debug("reading the stats map: %s", e)
+            return []
+        return sorted(out)
+
+    def datapath_counters(self) -> dict[str, int]:
+        """abi.COUNTERS name -> the programs' count, summed over CPUs ({} when not started)."""
+        maps = self.maps
+        if maps is None:
+            return {}
+        try:
+            return {n: sum(v.value for v in maps.counters.get(i)) for i, n in enumerate(abi.COUNTERS)}
+        except OSError as e:
+            log.debug("reading the counters map: %s", e)
+            return {}
 
     def map_usage(self) -> dict[str, tuple[int, int]]:
         """Map name -> (entries, capacity) of the maps the control plane fills, as last applied."""

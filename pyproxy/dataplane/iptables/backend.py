@@ -44,6 +44,8 @@ class IptablesDataplane:
     def __init__(self, settings: IptablesSettings) -> None:
         self.settings = settings
         self.tools: nf.Tools | None = None
+        self.collector = nf.ConntrackMetrics()
+        """The dataplane's own metrics (the conntrack reconciler's), for the proxier's registry."""
         self.applied: Applied = {}
         self._reconciled = False
         """Whether `applied` is known to match the kernel (a full sync succeeded, no sync failed since)."""
@@ -89,7 +91,7 @@ class IptablesDataplane:
         self._reconciled = True
         log.debug("%s sync: %d chains written, %d removed, %d rules", "full" if full else "partial",
                   plan.written, plan.removed, plan.rules)
-        nf.clear_stale_udp(plan.stale_udp)
+        nf.clear_stale_udp(plan.stale_udp, self.collector)
 
 
 def cleanup(settings: IptablesSettings, shared: bool = True) -> list[str]:

@@ -255,6 +255,8 @@ class IpvsDataplane:
     def __init__(self, settings: IpvsSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.memory = Memory()
+        self.collector = nf.ConntrackMetrics()
+        """The dataplane's own metrics (the conntrack reconciler's), for the proxier's registry."""
         self.tools: nf.Tools | None = None
         self._clock = clock
         self._fallbacks: dict[str, str] = {}
@@ -334,7 +336,7 @@ class IpvsDataplane:
         self._last = after(observed, plan.ops)
         self._log_fallbacks(keys, plan.fallbacks)
         # After the real servers went: no new flow can pick a deleted one while its entries are deleted.
-        nf.clear_stale_udp(plan.stale_udp)
+        nf.clear_stale_udp(plan.stale_udp, self.collector)
         if plan.ops:
             log.debug("%s sync: %d IPVS/address/ipset operations", "full" if full else "partial", len(plan.ops))
 

@@ -94,6 +94,8 @@ class NftablesDataplane:
     def __init__(self, settings: NftablesSettings) -> None:
         self.settings = settings
         self.state = TableState()
+        self.collector = nf.ConntrackMetrics()
+        """The dataplane's own metrics (the conntrack reconciler's), for the proxier's registry."""
         self._need_full = True
         self._defer_deletes = False
         self._pending: dict[str, float] = {}
@@ -154,7 +156,7 @@ class NftablesDataplane:
         self._pending = {c: self._pending.get(c, now) for c in plan.deferred}
         log.debug("nft transaction: %d commands, %d rules, %.1f ms", len(plan.commands), plan.rule_count,
                   (time.monotonic() - now) * 1000)
-        nf.clear_stale_udp(plan.stale_udp)
+        nf.clear_stale_udp(plan.stale_udp, self.collector)
 
 
 def _with_known(kernel: TableState, memory: TableState) -> TableState:
