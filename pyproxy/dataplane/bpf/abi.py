@@ -75,8 +75,6 @@ SCHED = {"random": 0, "rr": 1, "wrr": 2, "lc": 3, "sed": 4, "nq": 5, "sh": 6, "d
 SCHED_NAME = {v: k for k, v in SCHED.items()}
 COUNTING_SCHEDULERS = frozenset({"lc", "sed", "nq"})
 """The schedulers that read backends' active flows: their flows are counted (CT_F_COUNTED)."""
-TABLE_SCHEDULERS = frozenset({"wrr", "maglev"})
-"""The schedulers that pick from a table of their frontend's in MAP_TABLES (svc value's table_size)."""
 SVC_SCOPE_PACKETS = 0  # PYPROXY_SVC_SCOPE_PACKETS
 SVC_SCOPE_NODE = 1  # PYPROXY_SVC_SCOPE_NODE
 

@@ -267,10 +267,12 @@ class Scheduling(NamedTuple):
     """--bpf-maglev-table-size: entries of each Maglev table (maglev.TABLE_SIZES)."""
 
 
-def _schedule(st: ServicePortState, backends: tuple[Backend, ...], scheduling: Scheduling
-              ) -> tuple[int, tuple[Backend, ...], tuple[int, ...], tuple[Backend, ...]]:
+def _schedule(st: ServicePortState, backends: tuple[Backend, ...], scheduling: Scheduling,
+              cur: AppliedFrontend | None) -> tuple[int, tuple[Backend, ...], tuple[int, ...], tuple[Backend, ...]]:
     """How the programs choose among `backends` for this frontend: the scheduler (abi.SCHED), the backends (one slot
-    each) with their weights (() when all are 1), and the frontend's table (wrr, maglev)."""
+    each) with their weights (() when all are 1), and the frontend's table (wrr, maglev). `cur`: the frontend as
+    applied, whose table is reused when nothing it is computed from changed (a Maglev table costs milliseconds, and a
+    full sync renders every Service)."""
     name = st.scheduler or scheduling.scheduler
     weights: tuple[int, ...] = ()
     if st.weights:
@@ -284,7 +286,11 @@ def _schedule(st: ServicePortState, backends: tuple[Backend, ...], scheduling: S
             return abi.SCHED["rr"], backends, weights, table  # equal weights: plain turns, no table
         table = tuple(backends[i] for i in wrr_round(weights))
     elif name == "maglev" and backends:
-        table = tuple(backends[i] for i in maglev.table(backends, scheduling.table_size, weights or None))
+        if (cur is not None and cur.sched == abi.SCHED["maglev"] and cur.backends == backends
+                and cur.weights == weights and len(cur.table) == scheduling.table_size):
+            table = cur.table
+        else:
+            table = tuple(backends[i] for i in maglev.table(backends, scheduling.table_size, weights or None))
     return abi.SCHED[name], backends, weights, table
 
 
@@ -416,7 +422,7 @@ def render(
         known = st.known_backends
         if known != backends and not set(backends).issubset(known):
             known = tuple(sorted(set(known) | set(backends)))
-        sched, backends, weights, table = _schedule(st, backends, scheduling)
+        sched, backends, weights, table = _schedule(st, backends, scheduling, cur_fe)
         nxt = AppliedFrontend(
             svc_id=cur_fe.svc_id if cur_fe else next(new_ids),
             name=st.display_name,
@@ -461,11 +467,9 @@ def render(
         if table and len(table) != len(old_table):
             table_news.append((svc_id,))
             table_sizes.append((len(table),))
-            old_table = ()
-        for i, b in enumerate(table):
-            if i >= len(old_table) or old_table[i] != b:
-                table_keys.append((svc_id, i))
-                table_values.append(b)
+        for i, b in maglev.delta(old_table, table):
+            table_keys.append((svc_id, i))
+            table_values.append(b)
         if old_table and not table:
             table_deletes.append((svc_id,))
         old_ranges = cur_fe.source_ranges if cur_fe else ()
