@@ -173,6 +173,11 @@ def test_the_packed_layouts_are_the_abi_structs() -> None:
     svc = abi.SvcKey(abi.be32(VIP), abi.be16(80), TCP)
     assert gc.SVC_KEY.pack(addr(VIP), port(80), TCP) == bytes(svc)
     assert gc.SVC_VALUE.pack(4, 2, abi.SVC_F_AFFINITY, 900) == bytes(abi.SvcValue(4, 2, abi.SVC_F_AFFINITY, 900))
+    # The recount's views: what it reads of a CT value, a backend key and the backend info it writes.
+    assert gc._CT_OPEN.unpack(packed) == (addr(BACKEND) + port(8080), abi.CT_ST_CLOSING, abi.CT_F_FIN_FWD)
+    backend = bytes(abi.Backend(abi.be32(BACKEND), abi.be16(8080)))
+    assert gc._BACKEND_KEY.unpack(backend) == (addr(BACKEND) + port(8080),)
+    assert gc._BACKEND_INFO.pack(0, -2) == bytes(abi.BackendInfo(0, -2))
 
 
 def test_the_metrics_show_in_the_registry_that_registers_them() -> None:
