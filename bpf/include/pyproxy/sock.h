@@ -51,10 +51,11 @@ static __always_inline int pyproxy_sock_forward(struct bpf_sock_addr *ctx, __u8 
 		return PYPROXY_SOCK_REFUSE;
 	}
 	now = pyproxy_now();
+	k.cookie = bpf_get_socket_cookie(ctx);
 	/* A socket has no source port yet at connect(): Maglev hashes the socket instead, so the node's sockets
 	 * spread over the backends (sh and dh see the node as one client, as affinity does). */
 	if (svc->sched == PYPROXY_SCHED_MAGLEV)
-		p.sport = (__be16)bpf_get_socket_cookie(ctx);
+		p.sport = (__be16)k.cookie;
 	if (!((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_affinity_lookup(&p, svc, now, &be))) {
 		if (!pyproxy_pick_backend(&p, svc, &be)) {
 			pyproxy_count(PYPROXY_CNT_SLOT_MISS);
@@ -64,7 +65,6 @@ static __always_inline int pyproxy_sock_forward(struct bpf_sock_addr *ctx, __u8 
 	}
 	if (svc->flags & PYPROXY_SVC_F_AFFINITY)
 		pyproxy_affinity_record(&p, &be, svc->svc_id, now);
-	k.cookie = bpf_get_socket_cookie(ctx);
 	k.addr = be.addr;
 	k.port = be.port;
 	bpf_map_update_elem(&PYPROXY_MAP_SOCKS, &k, &fe, BPF_ANY);
