@@ -50,9 +50,10 @@ def netns() -> Iterator[Node]:
         yield Node(thread, ifindex["snat0"])
 
 
-def nodeport(backends: tuple[Backend, ...] = READY, proto: int = TCP, masquerade: bool = True) -> ServicePortState:
+def nodeport(backends: tuple[Backend, ...] = READY, proto: int = TCP, masquerade: bool = True,
+             port: int = NODE_PORT) -> ServicePortState:
     return ServicePortState(
-        service="default/web", port_name="http", frontend=Frontend(NODE_IP, NODE_PORT, Protocol(
+        service="default/web", port_name="http", frontend=Frontend(NODE_IP, port, Protocol(
             "TCP" if proto == TCP else "UDP")),
         backends=backends, known_backends=backends, kind=FrontendKind.NODE_PORT, external_backends=backends,
         masquerade=masquerade,
@@ -152,6 +153,53 @@ def test_a_rebalanced_flow_frees_its_snat_pair(dp: Dataplane, netns: Node) -> No
     # A late reply of the old backend to the old port is no flow's any more: left as it is.
     verdict, out = netns.run(dp, TC_INGRESS, frame(first.reply(), tcp_flags=TCP_ACK))
     assert verdict == TC_INGRESS.ok and decode(out).flow == first.reply()
+
+
+def _closed_snated_flow(dp: Dataplane, prog: Prog, client: Flow, node: Node) -> Flow:
+    """A connection through an SNATed frontend, opened and closed (FINs both ways): how it left the node."""
+    out = forward(dp, prog, client, node)
+    backward(dp, prog, out.reply(), node)
+    forward(dp, prog, client, node, tcp_flags=TCP_FIN | TCP_ACK)
+    backward(dp, prog, out.reply(), node, tcp_flags=TCP_FIN | TCP_ACK)
+    forward(dp, prog, client, node, tcp_flags=TCP_ACK)
+    return out
+
+
+@pytest.mark.parametrize("prog", INGRESS)
+def test_a_closed_snated_flow_does_not_snat_the_next_one_to_its_backend_from_the_same_port(
+    dp: Dataplane, netns: Node, prog: Prog
+) -> None:
+    """The client closed a connection through a frontend that SNATs (externalTrafficPolicy Cluster) and opens one
+    from the same port through another frontend of the same backend that does not (Local): the old SNAT pair has
+    the new flow's tuple toward the backend, and must not put the node's address on it (seen in the two-node lab:
+    1 of 30 eTP=Local connections reached the endpoint from the node)."""
+    be = READY[0]
+    dp.apply(nodeport(backends=(be,)), nodeport(backends=(be,), masquerade=False, port=NODE_PORT + 1))
+    _closed_snated_flow(dp, prog, Flow(CLIENT, NODE_IP, 46000, NODE_PORT), netns)
+    local = Flow(CLIENT, NODE_IP, 46000, NODE_PORT + 1)
+    out = forward(dp, prog, local, netns)
+    assert (out.src, out.sport, out.dst) == (CLIENT, 46000, be.ip), "the Local frontend keeps the client's address"
+    assert backward(dp, prog, out.reply(), netns) == local.reply()
+    # Back through the SNATed frontend from the same port: a new SNAT pair, and no pair left of the old one.
+    again = forward(dp, prog, Flow(CLIENT, NODE_IP, 46000, NODE_PORT), netns)
+    assert again.src == NODE_SIDE and again.sport in SNAT_PORTS
+    snat_entries = [k for k in dp.maps.ct if dp.maps.ct[k].flags & abi.CT_F_SNAT]
+    assert len(snat_entries) == 2, f"one SNAT pair, the live flow's: {snat_entries}"
+
+
+@pytest.mark.parametrize("prog", INGRESS)
+def test_a_direct_connection_after_an_snated_one_on_the_same_ports_keeps_the_clients_address(
+    dp: Dataplane, netns: Node, prog: Prog
+) -> None:
+    """The connection-tracking defect's SNAT twin: after a closed SNATed connection to backend b from port P, the
+    client connects to b itself from P; b must see the client, and its answer must reach the client from b."""
+    be = READY[0]
+    dp.apply(nodeport(backends=(be,)))
+    _closed_snated_flow(dp, prog, Flow(CLIENT, NODE_IP, 46100, NODE_PORT), netns)
+    direct = Flow(CLIENT, be.ip, 46100, be.port)
+    assert forward(dp, prog, direct, netns) == direct, "a packet to an endpoint leaves untranslated"
+    assert backward(dp, prog, direct.reply(), netns) == direct.reply()
+    assert not [k for k in dp.maps.ct if dp.maps.ct[k].flags & abi.CT_F_SNAT], "the old SNAT pair is gone"
 
 
 def test_no_route_to_the_backend_means_no_snat(dp: Dataplane, netns: Node) -> None:

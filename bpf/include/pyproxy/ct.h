@@ -13,8 +13,9 @@
  * stay until a new flow overwrites them, the LRU evicts them, or the control plane's collector deletes them.
  *
  * A connection that ends leaves its entries behind for a while, and a later connection on the same ports must
- * not be captured by them: a SYN on a flow past its handshake starts a new flow (lb.h), and a SYN or datagram
- * that is no Service's removes the flow whose reverse entry would rewrite its replies (pyproxy_ct_untrack).
+ * not be captured by them: a SYN on a flow past its handshake starts a new flow (lb.h), a SYN or datagram
+ * that is no Service's removes the flow whose reverse entry would rewrite its replies (pyproxy_ct_untrack), and
+ * any new flow removes an SNAT pair that would rewrite its source (pyproxy_ct_forget_snat).
  */
 #ifndef PYPROXY_CT_H
 #define PYPROXY_CT_H
@@ -264,6 +265,24 @@ static __always_inline void pyproxy_ct_snat_key(const struct pyproxy_ct_key *k, 
 	pyproxy_ct_key_set(sk, k->saddr, v->nat_addr, k->sport, v->nat_port, k->proto, PYPROXY_CT_REVERSE);
 }
 
+/* Removes the SNAT pair whose REVERSE entry would put a node address on the packets client:cport -> be (snat.h), if
+ * any: a new flow, through a frontend or straight to the backend, now has that tuple. A closed flow's pair stays
+ * live until its timeout, and a TCP client reuses its port only after a close, so an old pair is what this finds.
+ * Returns whether there was one. */
+static __always_inline int pyproxy_ct_forget_snat(__be32 client, __be16 cport, const struct pyproxy_backend *be,
+						  __u8 proto)
+{
+	struct pyproxy_ct_key sk;
+	struct pyproxy_ct_value *sv;
+
+	pyproxy_ct_key_set(&sk, client, be->addr, cport, be->port, proto, PYPROXY_CT_REVERSE);
+	sv = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &sk);
+	if (!sv || !(sv->flags & PYPROXY_CT_F_SNAT))
+		return 0;
+	pyproxy_ct_delete_pair(&sk, sv);
+	return 1;
+}
+
 /* Removes a flow: the pair of `v` under `k` and, for a Service flow's FORWARD entry that has one, its SNAT pair,
  * so the node port it held is free at once. */
 static __always_inline void pyproxy_ct_delete(const struct pyproxy_ct_key *k, const struct pyproxy_ct_value *v)
@@ -332,8 +351,10 @@ static __always_inline int pyproxy_endpoint_port(__be16 port)
  * traffic pays an array read for this; a hash lookup only when its destination port is an endpoint's. */
 static __always_inline void pyproxy_ct_untrack(const struct pyproxy_pkt *p)
 {
+	struct pyproxy_backend to = { .addr = p->daddr, .port = p->dport };
 	struct pyproxy_ct_key k;
 	struct pyproxy_ct_value *v;
+	int gone;
 
 	if (p->proto == IPPROTO_TCP ? !pyproxy_is_syn(p) : p->proto != IPPROTO_UDP)
 		return;
@@ -343,10 +364,14 @@ static __always_inline void pyproxy_ct_untrack(const struct pyproxy_pkt *p)
 	v = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &k);
 	/* An SNAT pair's REVERSE entry has the tuple of the client's packets to the backend, whose replies, once
 	 * given their client back, look like such a packet: they are the flow itself. */
-	if (!v || (v->flags & PYPROXY_CT_F_SNAT))
-		return;
-	pyproxy_ct_delete(&k, v);
-	pyproxy_count(PYPROXY_CNT_CT_UNTRACKED);
+	gone = v && !(v->flags & PYPROXY_CT_F_SNAT);
+	if (gone)
+		pyproxy_ct_delete(&k, v);
+	/* The old flow, if SNATed, also left a pair that would put a node address on this connection's packets
+	 * (and a flow the LRU or a new flow's entries half replaced may have left only that pair). */
+	gone |= pyproxy_ct_forget_snat(p->saddr, p->sport, &to, p->proto);
+	if (gone)
+		pyproxy_count(PYPROXY_CNT_CT_UNTRACKED);
 }
 
 #endif

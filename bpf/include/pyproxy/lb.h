@@ -205,6 +205,9 @@ static __always_inline int pyproxy_lb_forward(void *ctx, __u32 ifindex, const st
 			return PYPROXY_DROP;
 		}
 	}
+	/* An SNAT pair an earlier flow from the client's port to this backend left would take this flow's packets
+	 * (a new flow's only extra lookup; the new flow's own pair, if it needs one, comes next). */
+	pyproxy_ct_forget_snat(p->saddr, p->sport, be, p->proto);
 	masq = pyproxy_lb_masquerade(ctx, ifindex, p, svc, be, now);
 	if (masq < 0)
 		return PYPROXY_DROP;
