@@ -58,11 +58,15 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "metrics_bind_address": ("metrics_bind_address",),
     "min_sync_period": ("min_sync_period",),
     "sync_period": ("sync_period",),
+    "v": ("logging.verbosity",),
+    "logging_format": ("logging.format",),
 }
 
 # Flags with no field in a KubeProxyConfiguration, which apply beside --config (upstream: --master, and
-# --hostname-override over the file's hostnameOverride).
-ALONGSIDE_CONFIG = frozenset({"source", "master", "hostname_override", "iptables_backend", "bpf_pin_path"})
+# --hostname-override over the file's hostnameOverride); and -v and --logging-format, which win over the file's
+# `logging` block as upstream's since 1.28 (kubernetes#119864: a file without the block reset -v to 0).
+ALONGSIDE_CONFIG = frozenset({"source", "master", "hostname_override", "iptables_backend", "bpf_pin_path", "v",
+                              "logging_format"})
 
 
 class SyncFlag(NamedTuple):
@@ -148,11 +152,13 @@ def _add_common(p: argparse.ArgumentParser, nested: bool = False) -> None:
     p.add_argument("--bpf-pin-path", type=Path, default=argparse.SUPPRESS if nested else None,
                    help=f"where BPF maps are pinned, a bpffs mounted there when none is (default: "
                         f"{DEFAULTS.bpf.pin_path})")
-    p.add_argument("-v", "--v", type=int, default=argparse.SUPPRESS if nested else 2,
-                   help="log verbosity as upstream's: info lines of this verbosity and below (0: only what every "
-                        "operator needs; 2: sync summaries, the default; 5 and more: debug)")
-    p.add_argument("--logging-format", choices=logs.FORMATS, default=argparse.SUPPRESS if nested else "text",
-                   help="text (default) or json: one JSON object a line with upstream's keys (ts, v, msg, ...)")
+    p.add_argument("-v", "--v", type=int, default=argparse.SUPPRESS if nested else None,
+                   help=f"log verbosity as upstream's: info lines of this verbosity and below (0: only what every "
+                        f"operator needs; 2: sync summaries; 5 and more: debug; default: "
+                        f"{DEFAULTS.logging.verbosity}); over --config's logging.verbosity")
+    p.add_argument("--logging-format", choices=logs.FORMATS, default=argparse.SUPPRESS if nested else None,
+                   help=f"text or json: one JSON object a line with upstream's keys (ts, v, msg, ...) (default: "
+                        f"{DEFAULTS.logging.format}); over --config's logging.format")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -301,15 +307,9 @@ def _given(args: argparse.Namespace) -> list[str]:
             if d not in ALONGSIDE_CONFIG and getattr(args, d, None) is not None]
 
 
-def _from_config(args: argparse.Namespace) -> ProxySettings:
-    """The config file's settings with the flags that apply beside it; the others are named in a warning."""
-    log = logging.getLogger("pyproxy")
+def _from_config(args: argparse.Namespace, warnings: list[str]) -> ProxySettings:
+    """The config file's settings with the flags that apply beside it; the others are named in `warnings`."""
     loaded = kubeproxyconfig.load(args.config)
-    for line in loaded.warnings:
-        log.warning("%s", line)
-    for flag in _given(args):
-        log.warning("%s is ignored: --config %s is given, whose settings are the file's (as upstream's)",
-                    flag, args.config)
     for dest in ALONGSIDE_CONFIG:
         value = getattr(args, dest, None)
         if value is not None:
@@ -317,14 +317,31 @@ def _from_config(args: argparse.Namespace) -> ProxySettings:
                 _set(loaded.settings, path, value)
     if args.hostname_override is not None:
         loaded.settings.hostname_override = args.hostname_override.strip().lower()
+    warnings += loaded.warnings
+    warnings += [f"{flag} is ignored: --config {args.config} is given, whose settings are the file's (as "
+                 "upstream's)" for flag in _given(args)]
     return loaded.settings
 
 
-def settings_from(args: argparse.Namespace) -> ProxySettings:
+def settings_from(args: argparse.Namespace, warnings: list[str] | None = None) -> ProxySettings:
     """The settings with every given flag applied (or --config's file, see the module's docstring);
-    SettingError naming each flag or field whose value cannot work."""
-    if getattr(args, "config", None) is not None:
-        return _from_config(args)
+    SettingError naming each flag or field whose value cannot work. What is accepted but has no effect goes to
+    `warnings`, else it is logged."""
+    if getattr(args, "config", None) is None:
+        return settings_from_flags(args)
+    lines: list[str] = []
+    settings = _from_config(args, lines)
+    if warnings is None:
+        for line in lines:
+            logging.getLogger("pyproxy").warning("%s", line)
+    else:
+        warnings += lines
+    return settings
+
+
+def settings_from_flags(args: argparse.Namespace) -> ProxySettings:
+    """The settings the flags ask for, whatever --config says; SettingError naming each flag whose value cannot
+    work."""
     s = ProxySettings()
     for dest, paths in SETTINGS.items():
         value = getattr(args, dest, None)
@@ -339,8 +356,8 @@ def settings_from(args: argparse.Namespace) -> ProxySettings:
     return s
 
 
-def _logging(verbosity: int, fmt: str = "text") -> None:
-    logs.setup(verbosity, fmt)
+def _logging(settings: ProxySettings) -> None:
+    logs.setup(settings.logging.verbosity, settings.logging.format)
 
 
 def _inspect(args: argparse.Namespace, settings: ProxySettings) -> str:
@@ -366,13 +383,17 @@ def main(argv: list[str] | None = None) -> int:
         from pyproxy.lab.demo import run_demo
 
         return run_demo()
-    _logging(args.v, args.logging_format)
+    warnings: list[str] = []
     try:
-        settings = settings_from(args)
+        settings = settings_from(args, warnings)
     except SettingError as e:
         for problem in e.problems:
             print(f"pyproxy {args.command}: error: {problem}", file=sys.stderr)
         return 2
+    # Set up once the settings are known, so a config file's warnings already come in the format it asks for.
+    _logging(settings)
+    for line in warnings:
+        logging.getLogger("pyproxy").warning("%s", line)
     try:
         if args.command == "run" and args.write_config_to is not None:
             try:

@@ -18,6 +18,18 @@ from pyproxy.model.node import select_nodeport_addresses
 
 
 @dataclass
+class LogSettings:
+    """-v and --logging-format (KubeProxyConfiguration's `logging` block)."""
+
+    verbosity: int = 2
+    """-v: info lines of this verbosity and below are logged, as upstream's klog levels (0: only what every
+    operator needs; 2: sync summaries; 5 and more: debug). Upstream's default is 0; pyproxy's 2 puts a line per
+    sync in the log, which an operator comparing with kube-proxy's `-v=2` DaemonSets expects."""
+    format: str = "text"
+    """--logging-format: text, or json (one object a line with upstream's keys: ts, v, msg, ...)."""
+
+
+@dataclass
 class ProxySettings:
     mode: str = "auto"
     """--proxy-mode: which dataplane programs the kernel; auto takes the first of bpf, ipvs, nftables,
@@ -54,6 +66,7 @@ class ProxySettings:
     iptables: IptablesSettings = field(default_factory=IptablesSettings)
     nftables: NftablesSettings = field(default_factory=NftablesSettings)
     ipvs: IpvsSettings = field(default_factory=IpvsSettings)
+    logging: LogSettings = field(default_factory=LogSettings)
 
     def __post_init__(self) -> None:
         # One masquerade policy for every mode, as upstream's single set of flags.

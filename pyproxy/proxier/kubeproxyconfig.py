@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from pyproxy import logs
 from pyproxy.dataplane.bpf import abi
 from pyproxy.proxier.config import ProxySettings, SettingError, format_duration, parse_duration
 from pyproxy.proxier.modes import MODES
@@ -50,6 +51,9 @@ BOOL_MAP = Kind("a map of names to true or false",
 INT_MAP = Kind("a map of names to integers",
                lambda v: isinstance(v, dict) and all(INT.check(x) for x in v.values()))
 ANY = Kind("anything", lambda v: True)
+FLUSH = Kind("a duration such as 5s, or nanoseconds",
+             lambda v: INT.check(v) or (isinstance(v, str) and _is_duration(v)))
+QUANTITY = Kind("a quantity such as 0 or 64Ki", lambda v: INT.check(v) or isinstance(v, str))
 
 
 def _is_duration(text: str) -> bool:
@@ -68,7 +72,10 @@ SCHEMA: Schema = {
     "featureGates": BOOL_MAP,
     "clientConnection": {"kubeconfig": STR, "acceptContentTypes": STR, "contentType": STR, "qps": NUMBER,
                          "burst": INT},
-    "logging": ANY,
+    # component-base's LoggingConfiguration (logs/api/v1), which kubeadm writes from 1.27 on.
+    "logging": {"format": STR, "verbosity": INT, "flushFrequency": FLUSH, "vmodule": ANY,
+                "options": {"text": {"splitStream": BOOL, "infoBufferSize": QUANTITY},
+                            "json": {"splitStream": BOOL, "infoBufferSize": QUANTITY}}},
     "hostnameOverride": STR, "bindAddress": STR, "healthzBindAddress": STR, "metricsBindAddress": STR,
     "bindAddressHardFail": BOOL, "enableProfiling": BOOL, "showHiddenMetricsForVersion": STR,
     "mode": STR,
@@ -113,6 +120,9 @@ REFUSED = {
     "ipvs.tcpFinTimeout": "pyproxy leaves the IPVS timeouts as the kernel has them (ipvsadm --set)",
     "ipvs.udpTimeout": "pyproxy leaves the IPVS timeouts as the kernel has them (ipvsadm --set)",
     "conntrack.tcpBeLiberal": "pyproxy does not set nf_conntrack_tcp_be_liberal",
+    "logging.vmodule": "pyproxy has one verbosity for all its logs (logging.verbosity)",
+    "logging.options.text.splitStream": "pyproxy writes every log line to stderr",
+    "logging.options.json.splitStream": "pyproxy writes every log line to stderr",
 }
 
 # Fields accepted whatever they hold, with a warning when they hold a real value, as they change nothing here.
@@ -124,6 +134,9 @@ NO_EFFECT = {
     "conntrack.min": "pyproxy does not size the kernel's conntrack table (nf_conntrack_max)",
     # Upstream's userspace proxy's, removed in 1.26; ConfigMaps kubeadm wrote before still carry 250ms.
     "udpIdleTimeout": "it configured upstream's userspace proxy, which pyproxy does not have",
+    "logging.flushFrequency": "pyproxy writes each log line as it logs it",
+    "logging.options.text.infoBufferSize": "pyproxy writes each log line as it logs it",
+    "logging.options.json.infoBufferSize": "pyproxy writes each log line as it logs it",
 }
 
 # Settings problems name flags (ProxySettings.problems); in a file's they name its fields instead. The
@@ -238,7 +251,19 @@ class _Reader:
         self._mode_blocks(s)
         self._conntrack(s)
         self._bpf(s)
+        self._logging(s)
         return s
+
+    def _logging(self, s: ProxySettings) -> None:
+        # Verbosity 0 is a level, not "the default": kubeadm's ConfigMaps say `verbosity: 0` and upstream then
+        # logs at 0. Only an absent field keeps pyproxy's default.
+        if (verbosity := self.fields.get("logging.verbosity")) is not None:
+            s.logging.verbosity = verbosity
+        if (fmt := self.given("logging.format")) is not None:
+            if fmt in logs.FORMATS:
+                s.logging.format = fmt
+            else:
+                self.refuse("logging.format", f"must be one of {', '.join(logs.FORMATS)}, not {fmt!r}")
 
     def _general(self, s: ProxySettings) -> None:
         api = self.fields.get("apiVersion")
@@ -406,6 +431,7 @@ def dump(s: ProxySettings) -> str:
         "healthzBindAddress": s.healthz_bind_address,
         "hostnameOverride": s.hostname_override or "",
         "iptables": {**masq, **periods, "localhostNodePorts": False},
+        "logging": {"format": s.logging.format, "verbosity": s.logging.verbosity},
         "ipvs": {**periods, "scheduler": s.ipvs.scheduler},
         "metricsBindAddress": s.metrics_bind_address,
         "mode": s.mode,

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pyproxy.cli import parser
+from pyproxy.cli import parser, settings_from
 from pyproxy.dataplane.netfilter import parse_conntrack
 from pyproxy.dataplane.nftables import inspect as nft_inspect
 from pyproxy.model.inspection import (
@@ -153,7 +153,9 @@ def test_filters_keep_a_services_or_a_frontends_frontends_and_flows() -> None:
 def test_the_trace_subcommand_keeps_flags_given_before_it() -> None:
     args = parser().parse_args(["inspect", "-o", "json", "trace", "10.200.0.2", "10.96.0.10:80/tcp",
                                 "--bpf-pin-path=/x"])
-    assert (args.view, args.output, str(args.bpf_pin_path), args.v) == ("trace", "json", "/x", 2)
+    assert (args.view, args.output, str(args.bpf_pin_path), args.v) == ("trace", "json", "/x", None)
+    nested = parser().parse_args(["inspect", "-v", "5", "trace", "10.200.0.2", "10.96.0.10:80/tcp"])
+    assert settings_from(nested).logging.verbosity == 5, "a nested subcommand's default must not reset -v"
     assert parser().parse_args(["inspect", "trace", "a", "b", "-o", "json"]).output == "json"
     assert parser().parse_args(["inspect", "--service", "default/web"]).view is None
 

@@ -4,6 +4,7 @@ read back as the same settings; and kubeadm's ConfigMaps (tests/unit/kubeproxyco
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -50,6 +51,7 @@ def test_kubeadms_ipvs_configmap_with_scheduler_lc_works_unchanged() -> None:
     expected.ipvs.scheduler = "lc"
     expected.masquerade.cluster_cidr = "10.244.0.0/16"
     expected.connection.kubeconfig = Path("/var/lib/kube-proxy/kubeconfig.conf")
+    expected.logging.verbosity = 0  # kubeadm's `verbosity: 0`: upstream's level 0 too
     assert loaded.settings == expected
     assert loaded.warnings == []
 
@@ -59,6 +61,7 @@ def test_kubeadms_iptables_configmap_works_unchanged() -> None:
     expected = ProxySettings(mode="iptables", min_sync_period=10.0)
     expected.masquerade.cluster_cidr = "10.244.0.0/16"
     expected.connection.kubeconfig = Path("/var/lib/kube-proxy/kubeconfig.conf")
+    expected.logging.verbosity = 0  # kubeadm's `verbosity: 0`: upstream's level 0 too
     assert loaded.settings == expected
     assert loaded.warnings == []
 
@@ -113,6 +116,10 @@ def test_zero_values_are_the_defaults() -> None:
     ("bpf: {maglevTableSize: 4093}", "bpf.maglev_table_size", 4093),
     ("bpf: {mapSizes: {ct: 1048576, backends: 65536}}", "bpf.max_entries",
      {abi.MAP_CT: 1048576, abi.MAP_BACKENDS: 65536}),
+    ("logging: {verbosity: 4}", "logging.verbosity", 4),
+    ("logging: {verbosity: 0}", "logging.verbosity", 0),  # kubeadm's: upstream's level 0, not "the default"
+    ("logging: {format: json}", "logging.format", "json"),
+    ("logging: {flushFrequency: 0, options: {json: {infoBufferSize: '0'}}}", "logging.verbosity", 2),
 ])
 def test_each_field_sets_its_setting(body: str, attr: str, value: object) -> None:
     s: object = read(body + "\n")
@@ -135,6 +142,9 @@ def test_the_masquerade_setting_is_shared_by_every_mode() -> None:
     ("clusterCIDR: 10.244.0.0/16,fd00::/56", "clusterCIDR: fd00::/56 ignored: pyproxy serves IPv4 only"),
     ("nftables: {masqueradeAll: true}", "nftables.masqueradeAll (True) is not used: mode auto reads "
                                          "iptables.masqueradeAll"),
+    ("logging: {flushFrequency: 5s}", "logging.flushFrequency ('5s') has no effect: pyproxy writes each log line"),
+    ("logging: {options: {json: {infoBufferSize: 64Ki}}}", "logging.options.json.infoBufferSize ('64Ki') has no "
+                                                            "effect"),
 ])
 def test_fields_without_effect_here_are_accepted_with_a_warning(body: str, warning: str) -> None:
     loaded = parse(HEAD + body + "\n", Path("kp.yaml"))
@@ -159,6 +169,10 @@ def test_fields_without_effect_here_are_accepted_with_a_warning(body: str, warni
     ("ipvs: {tcpTimeout: 900s}", "kp.yaml: ipvs.tcpTimeout: '900s' is not supported"),
     ("ipvs: {excludeCIDRs: [10.0.0.0/8]}", "kp.yaml: ipvs.excludeCIDRs: ['10.0.0.0/8'] is not supported"),
     ("conntrack: {tcpBeLiberal: true}", "kp.yaml: conntrack.tcpBeLiberal: True is not supported"),
+    ("logging: {vmodule: [{filePattern: proxier, verbosity: 5}]}", "kp.yaml: logging.vmodule: "),
+    ("logging: {options: {text: {splitStream: true}}}", "kp.yaml: logging.options.text.splitStream: True is not "
+                                                        "supported: pyproxy writes every log line to stderr"),
+    ("logging: {format: logfmt}", "kp.yaml: logging.format: must be one of text, json, not 'logfmt'"),
     ("bindAddress: 192.168.1.5", "kp.yaml: bindAddress: '192.168.1.5' is not supported"),
     ("mode: kernelspace", "kp.yaml: mode: must be one of auto, bpf, ipvs, nftables, iptables (or empty: auto), "
                           "not 'kernelspace'"),
@@ -200,6 +214,8 @@ def test_values_that_cannot_work_are_refused_naming_the_field(body: str, message
     ("nodePortAddresses: 10.0.0.0/8", "kp.yaml: field 'nodePortAddresses' must be a list of strings"),
     ("conntrack: 5", "kp.yaml: field 'conntrack' must be a mapping of maxPerCore"),
     ("bpf: {maglevTableSize: big}", "kp.yaml: field 'bpf.maglevTableSize' must be an integer, not 'big'"),
+    ("logging: {verbosity: high}", "kp.yaml: field 'logging.verbosity' must be an integer, not 'high'"),
+    ("logging: {verbose: 4}", "kp.yaml: unknown field 'logging.verbose'"),
 ])
 def test_unknown_fields_and_wrong_types_are_refused_naming_field_and_file(body: str, message: str) -> None:
     problems = refused(body + "\n")
@@ -237,6 +253,27 @@ def test_flags_with_a_field_are_ignored_beside_config_as_upstream(tmp_path: Path
     for flag in ("--proxy-mode", "--ipvs-scheduler", "--sync-period", "--conntrack-udp-timeout"):
         assert f"{flag} is ignored: --config {tmp_path / 'kp.yaml'} is given, whose settings are the file's " \
                "(as upstream's)" in ignored, ignored
+
+
+@pytest.mark.parametrize(("body", "flags", "verbosity", "fmt"), [
+    ("logging: {verbosity: 4, format: json}\n", [], 4, "json"),
+    ("logging: {verbosity: 4, format: json}\n", ["-v=6", "--logging-format=text"], 6, "text"),
+    ("mode: iptables\n", ["-v=3"], 3, "text"),  # upstream 1.28's regression (kubernetes#119864): -v reset to 0
+    ("mode: iptables\n", [], 2, "text"),
+])
+def test_logging_comes_from_the_file_and_the_flags_win(tmp_path: Path, body: str, flags: list[str],
+                                                       verbosity: int, fmt: str) -> None:
+    s = run_settings(tmp_path, body, *flags)
+    assert (s.logging.verbosity, s.logging.format) == (verbosity, fmt)
+
+
+def test_the_files_logging_format_shapes_the_lines_logged(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """What an operator sees: with `logging: {format: json}` the file's own warnings already come as JSON."""
+    config = tmp_path / "kp.yaml"
+    config.write_text(HEAD + "logging: {format: json}\noomScoreAdj: -999\n")
+    assert cli.main([f"--config={config}", f"--write-config-to={tmp_path / 'out.yaml'}"]) == 0
+    lines = [json.loads(line) for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert any("oomScoreAdj (-999) has no effect" in line["msg"] for line in lines), lines
 
 
 def test_hostname_override_and_the_flags_without_a_field_apply_beside_config(tmp_path: Path) -> None:
@@ -280,6 +317,7 @@ def every_setting() -> ProxySettings:
     s.connection.kubeconfig = Path("/var/lib/kube-proxy/kubeconfig.conf")
     s.masquerade.cluster_cidr, s.masquerade.masquerade_all, s.masquerade.masquerade_bit = "10.244.0.0/16", True, 0
     s.ipvs.scheduler = "wlc"
+    s.logging.verbosity, s.logging.format = 0, "json"
     b = s.bpf
     b.devices, b.xdp_devices, b.socket_lb, b.cgroup_root = ("eth0", "eth1"), ("eth0",), False, Path("/sys/fs/cgroup")
     b.snat_ports, b.scheduler, b.maglev_table_size, b.max_entries = (50000, 59999), "maglev", 251, {abi.MAP_CT: 4096}
