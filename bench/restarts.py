@@ -14,8 +14,9 @@ are SNATed to the node) read from a manifest folder, pyproxy in bpf mode. Throug
 
 While both run, pyproxy is restarted `period_s` apart, in the order of `plan`: SIGTERM (a graceful stop) or
 SIGKILL, then a start of the same or another build. "layout bump" starts a build whose frags map changed
-layout (bench/build/pyproxy-frag-v9.bpf.o, made with -DPYPROXY_MAP_FRAGS=pyproxy_frag_v9, and
-PYPROXY_TEST_MAP_FRAGS naming it to the Python side): that start makes a new frags map, unpins the old one
+layout (bench/build/pyproxy-frag-v9.bpf.o, made with -DPYPROXY_MAP_FRAGS=pyproxy_frag_v9, run by a copy of the
+pyproxy package whose abi.py names that map: pyproxy.lab.proxy.newer_release): that start makes a new frags map,
+unpins the old one
 and adopts every other map, the connection-tracking map first of all; "layout back" returns to the
 current build. The part checks that the connection-tracking map is the same kernel map (same id) before
 the first and after the last restart, and that the frags pins are what each build says.
@@ -55,6 +56,7 @@ from pyproxy.lab import Lab, Pyproxy, write_manifest
 from pyproxy.lab.cluster import Cluster, bridge_into_netns, stop_process
 from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
 from pyproxy.lab.netns import NODE_CLIENT_IP, parse_proc_net_counters
+from pyproxy.lab.proxy import newer_release
 
 VIP = "10.96.40.1"
 CONN_PORT = 9000
@@ -66,28 +68,29 @@ NEW_TARGETS = [f"{VIP}:80", f"{NODE_CLIENT_IP}:30080"]
 TALK_TARGETS = [f"{VIP}:81", f"{NODE_CLIENT_IP}:30081"]
 BUMPED_OBJECT = core.REPO / "bench" / "build" / "pyproxy-frag-v9.bpf.o"
 BUMPED_FRAGS = "pyproxy_frag_v9"
-BUMPED_ENV = ("env", f"PYPROXY_TEST_MAP_FRAGS={BUMPED_FRAGS}", f"PYPROXY_BPF_OBJECT={BUMPED_OBJECT}")
-MAP_FRAGS = "pyproxy_frag_v1"
-"""The current build's frags map (abi.MAP_FRAGS unless this process was itself started with the override)."""
+MAP_FRAGS = abi.MAP_FRAGS
+"""The current build's frags map."""
 
-# A restart: the signal that ends the running pyproxy, and the start after it (mode, wrapper).
-EVENTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "SIGTERM": ("SIGTERM", "bpf", ()),
-    "SIGKILL": ("SIGKILL", "bpf", ()),
-    "layout bump": ("SIGTERM", "bpf", BUMPED_ENV),
-    "layout back": ("SIGTERM", "bpf", ()),
-    "iptables -> bpf": ("SIGTERM", "bpf", ()),
+# A restart: the signal that ends the running pyproxy, and the start after it (mode, the newer release or not).
+EVENTS: dict[str, tuple[str, str, bool]] = {
+    "SIGTERM": ("SIGTERM", "bpf", False),
+    "SIGKILL": ("SIGKILL", "bpf", False),
+    "layout bump": ("SIGTERM", "bpf", True),
+    "layout back": ("SIGTERM", "bpf", False),
+    "iptables -> bpf": ("SIGTERM", "bpf", False),
 }
 PLAN = ["SIGTERM", "SIGKILL"] * 4 + ["layout bump", "layout back"]
 SWITCH = ["iptables -> bpf"]
 
 
-def ensure_bumped_object() -> Path:
-    """bench/build/pyproxy-frag-v9.bpf.o, built by `make bench-tools` when missing."""
+def bumped_release(workdir: Path) -> tuple[str, ...]:
+    """The command prefix that starts the newer release whose frags map changed layout (pyproxy_frag_v9): its
+    object, bench/build/pyproxy-frag-v9.bpf.o (`make bench-tools`, built here when missing), and a copy of the
+    pyproxy package in `workdir` that names the map so."""
     if not BUMPED_OBJECT.exists():
         subprocess.run(["make", "-s", str(BUMPED_OBJECT.relative_to(core.REPO))], cwd=core.REPO, check=True,
                        timeout=300)
-    return BUMPED_OBJECT
+    return newer_release(workdir, BUMPED_OBJECT, {f'MAP_FRAGS = "{MAP_FRAGS}"': f'MAP_FRAGS = "{BUMPED_FRAGS}"'})
 
 
 def map_id(pin: Path) -> int | None:
@@ -179,10 +182,11 @@ def set_up(lab: Lab) -> Path:
 
 
 def run_plan(lab: Lab, first: Callable[[], Any], start: Callable[[str, Sequence[str]], Pyproxy], plan: Sequence[str],
-             p: Mapping[str, Any], say: Callable[[str], None]) -> dict[str, Any]:
+             p: Mapping[str, Any], say: Callable[[str], None], bumped: Sequence[str] = ()) -> dict[str, Any]:
     """The proxy `first()` starts (serving the Service), the load started, the `plan`'s restarts p["period_s"]
-    apart after p["lead_s"], each ending the running proxy and starting pyproxy with `start(mode, wrapper)`,
-    p["lead_s"] more of load; the load's results, each restart's seconds to healthy, the CT map's ids."""
+    apart after p["lead_s"], each ending the running proxy and starting pyproxy with `start(mode, wrapper)`
+    (wrapper: `bumped` for the newer release), p["lead_s"] more of load; the load's results, each restart's
+    seconds to healthy, the CT map's ids."""
     ct_pin = Path(lab.pin_path) / abi.MAP_CT
     period, lead = float(p["period_s"]), float(p["lead_s"])
     proxy = first()
@@ -195,13 +199,13 @@ def run_plan(lab: Lab, first: Callable[[], Any], start: Callable[[str, Sequence[
             delay = load.started + lead + k * period - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            sig, mode, wrapper = EVENTS[event]
+            sig, mode, newer = EVENTS[event]
             t0 = time.monotonic()
             if sig == "SIGKILL":
                 proxy.kill()
             elif proxy.terminate() != 0 and isinstance(proxy, Pyproxy):
                 raise RuntimeError(f"{event}: pyproxy did not exit 0 on SIGTERM:\n{proxy.log_tail()}")
-            proxy = start(mode, wrapper)
+            proxy = start(mode, bumped if newer else ())
             down.append(round(time.monotonic() - t0, 2))
             ct_ids.append(map_id(ct_pin))
             pins = Path(lab.pin_path)
@@ -273,7 +277,7 @@ def check_layouts(plan: Sequence[str], result: Mapping[str, Any]) -> list[str]:
     if len(ids) != len(result["ct_map_ids"]) or len(set(ids)) != 1:
         problems.append(f"the connection-tracking map was not kept: ids {result['ct_map_ids']}")
     for event, pins in zip(plan, result["frags_pins"], strict=True):
-        bumped = EVENTS[event][2] == BUMPED_ENV
+        bumped = EVENTS[event][2]
         if pins != {MAP_FRAGS: not bumped, BUMPED_FRAGS: bumped}:
             problems.append(f"after {event}: frags pins {pins}")
     return problems
@@ -301,7 +305,6 @@ def record(rec: Recorder, series: str, n: int, result: Mapping[str, Any], note: 
 
 
 def run(p: Mapping[str, Any], rec: Recorder, deadline: Deadline) -> None:
-    ensure_bumped_object()
     build_tool()
     plan = list(p["plan"])
     rec.note(f"Namespace lab, 3 backends, one NodePort Service (externalTrafficPolicy Cluster): {p['rate']} new "
@@ -324,7 +327,7 @@ def run(p: Mapping[str, Any], rec: Recorder, deadline: Deadline) -> None:
             return proxy
 
         rec.step(f"{len(plan)} restarts under load")
-        result = run_plan(lab, lambda: start("bpf", ()), start, plan, p, rec.log)
+        result = run_plan(lab, lambda: start("bpf", ()), start, plan, p, rec.log, bumped_release(lab.workdir))
         problems = check_layouts(plan, result)
         record(rec, "restarts: " + ", ".join(f"{plan.count(e)}x {e}" for e in dict.fromkeys(plan)), len(plan),
                result, "; ".join(problems))

@@ -13,6 +13,7 @@ Shared by `pyproxy demo` and the end-to-end tests, so both start, check, stop an
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +28,30 @@ from pyproxy.lab.traffic import ProbeResult
 
 HEALTHZ_PORT = 10256
 METRICS_PORT = 10249
+
+
+PACKAGE = Path(__file__).resolve().parents[1]
+"""This checkout's pyproxy package."""
+
+
+def newer_release(workdir: Path, bpf_object: Path, abi_edits: dict[str, str]) -> tuple[str, ...]:
+    """A stand-in for a newer release of pyproxy, as an upgrade under test meets it: a copy of this package in
+    `workdir` whose pyproxy/dataplane/bpf/abi.py has each line of `abi_edits` replaced by its value (a map's new
+    name, say), run with `bpf_object` (built to match). Returns the command prefix that starts it, for
+    Pyproxy(wrapper=...): the copy first on the path and the working directory, so `python -m pyproxy` finds it
+    before this checkout."""
+    tree = workdir / "newer-release"
+    shutil.rmtree(tree, ignore_errors=True)
+    shutil.copytree(PACKAGE, tree / "pyproxy", ignore=shutil.ignore_patterns("__pycache__"))
+    abi = tree / "pyproxy" / "dataplane" / "bpf" / "abi.py"
+    lines = abi.read_text().splitlines(keepends=True)
+    for old, new in abi_edits.items():
+        at = [i for i, line in enumerate(lines) if line.rstrip("\n") == old]
+        if len(at) != 1:
+            raise LabError(f"{abi}: want one line {old!r} to replace, found {len(at)}")
+        lines[at[0]] = new + "\n"
+    abi.write_text("".join(lines))
+    return ("env", "-C", str(tree), f"PYTHONPATH={tree}", f"PYPROXY_BPF_OBJECT={bpf_object}")
 
 
 class PyproxyError(LabError):

@@ -20,6 +20,7 @@ import pytest
 
 from pyproxy.dataplane.bpf import abi, libbpf, loader
 from pyproxy.lab.manifests import Port, endpoint_slice, service
+from pyproxy.lab.proxy import newer_release
 
 MODES = [
     pytest.param("bpf", False, [], id="bpf"),
@@ -91,7 +92,7 @@ def test_a_restart_keeps_held_flows_and_their_snat(make_env, mode: str, xdp: boo
 
 REPO = Path(__file__).resolve().parents[2]
 BUMPED = "bench/build/pyproxy-frag-v9.bpf.o"
-BUMPED_ENV = ("env", "PYPROXY_TEST_MAP_FRAGS=pyproxy_frag_v9", f"PYPROXY_BPF_OBJECT={REPO / BUMPED}")
+"""pyproxy's programs with the frags map renamed pyproxy_frag_v9 (the Makefile builds it), as a newer release."""
 
 
 def _map_id(pin: Path) -> int:
@@ -136,7 +137,8 @@ def test_restarts_and_a_map_layout_change_under_load_lose_no_connection(make_env
         env.start()
         time.sleep(1)
         assert env.running.terminate() == 0
-        env.start(wrapper=BUMPED_ENV)
+        env.start(wrapper=newer_release(env.lab.workdir, REPO / BUMPED,
+                                        {f'MAP_FRAGS = "{abi.MAP_FRAGS}"': 'MAP_FRAGS = "pyproxy_frag_v9"'}))
         assert (pins / "pyproxy_frag_v9").exists() and not (pins / abi.MAP_FRAGS).exists()
         time.sleep(1)
         assert env.running.terminate() == 0

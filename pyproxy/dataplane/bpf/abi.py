@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import ipaddress
-import os
 import socket
 import struct
 
@@ -22,9 +21,7 @@ MAP_STATS = "pyproxy_stat_v1"
 MAP_COUNTERS = "pyproxy_cnt_v3"
 MAP_NAMES = "pyproxy_name_v1"
 MAP_EPOCH = "pyproxy_epoch_v1"
-MAP_FRAGS = os.environ.get("PYPROXY_TEST_MAP_FRAGS", "pyproxy_frag_v1")
-"""PYPROXY_TEST_MAP_FRAGS: only for bench/restarts.py and its e2e test, which stand in for a newer release whose
-one map changed layout with an object built with -DPYPROXY_MAP_FRAGS=<that name> (PYPROXY_BPF_OBJECT)."""
+MAP_FRAGS = "pyproxy_frag_v1"
 MAP_PORTS = "pyproxy_port_v1"
 MAP_SOCKS = "pyproxy_sock_v1"
 MAP_SRCRANGES = "pyproxy_range_v1"
