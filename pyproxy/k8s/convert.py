@@ -272,6 +272,7 @@ def service_from_dict(d: Mapping[str, Any]) -> Service:
         r.fail(f"spec.healthCheckNodePort {health_check_node_port} is outside 1-65535")
 
     annotations = r.mapping(meta, "annotations", "metadata")
+    ignored: list[str] = []
     return Service(
         namespace=namespace,
         name=name,
@@ -286,12 +287,13 @@ def service_from_dict(d: Mapping[str, Any]) -> Service:
         internal_traffic_policy=_traffic_policy(r, spec, "internalTrafficPolicy"),
         health_check_node_port=health_check_node_port,
         load_balancer_source_ranges=_source_ranges(r, spec),
-        scheduler=_scheduler(r, annotations),
-        weights=_weights(r, annotations),
+        scheduler=_scheduler(r, annotations, ignored),
+        weights=_weights(r, annotations, ignored),
         # Any value is kept: the API server decides which ones it admits, and newer ones ask for nothing here.
         traffic_distribution=r.string(spec, "trafficDistribution", "spec"),
         topology_mode=_annotation(r, annotations, TOPOLOGY_MODE_ANNOTATION)
         or _annotation(r, annotations, TOPOLOGY_AWARE_HINTS_ANNOTATION),
+        ignored=tuple(ignored),
     )
 
 
@@ -299,25 +301,36 @@ def _annotation(r: _Reader, annotations: Mapping[str, Any], name: str) -> str:
     return str(r.check(annotations.get(name, ""), str, "a string", f"metadata.annotations[{name}]")).strip()
 
 
-def _scheduler(r: _Reader, annotations: Mapping[str, Any]) -> str:
+def _scheduler(r: _Reader, annotations: Mapping[str, Any], ignored: list[str]) -> str:
+    """The scheduler annotation; one that names no scheduler is ignored (the node's default applies)."""
     scheduler = _annotation(r, annotations, SCHEDULER_ANNOTATION)
     if scheduler and scheduler not in SCHEDULERS:
-        r.fail(f"metadata.annotations[{SCHEDULER_ANNOTATION}] {scheduler!r} is not one of {', '.join(SCHEDULERS)}")
+        ignored.append(f"metadata.annotations[{SCHEDULER_ANNOTATION}] {scheduler!r} is not one of "
+                       f"{', '.join(SCHEDULERS)}: the node's default scheduler applies")
+        return ""
     return scheduler
 
 
-def _weights(r: _Reader, annotations: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
-    """`address=weight` pairs, comma-separated; each address an IPv4 address, each weight 0-MAX_WEIGHT."""
+def _weights(r: _Reader, annotations: Mapping[str, Any], ignored: list[str]) -> tuple[tuple[str, int], ...]:
+    """`address=weight` pairs, comma-separated; each address an IPv4 address, each weight 0-MAX_WEIGHT. A
+    malformed annotation is ignored whole (every endpoint weighs 1): half of one could quiesce the wrong ones."""
     text = _annotation(r, annotations, WEIGHTS_ANNOTATION)
     path = f"metadata.annotations[{WEIGHTS_ANNOTATION}]"
     weights: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         address, sep, weight = item.partition("=")
-        ip = str(r.address(path, address.strip(), ipaddress.IPv4Address, "an IPv4 address")) if sep else ""
-        if not sep or not weight.strip().isdigit() or int(weight) > MAX_WEIGHT:
-            r.fail(f"{path}: {item!r} is not address=weight with a weight of 0-{MAX_WEIGHT}")
-        if ip in weights:
-            r.fail(f"{path}: {ip} is given two weights")
+        problem = ""
+        try:
+            ip = str(ipaddress.IPv4Address(address.strip())) if sep else ""
+        except ValueError:
+            problem = f"{address.strip()!r} is not an IPv4 address"
+        if not problem and (not sep or not weight.strip().isdigit() or int(weight) > MAX_WEIGHT):
+            problem = f"{item!r} is not address=weight with a weight of 0-{MAX_WEIGHT}"
+        if not problem and ip in weights:
+            problem = f"{ip} is given two weights"
+        if problem:
+            ignored.append(f"{path}: {problem}: every endpoint weighs 1")
+            return ()
         weights[ip] = int(weight)
     return tuple(sorted(weights.items()))
 

@@ -144,7 +144,7 @@ class Reflector(Generic[T]):
         self.resource_version = ""
         """The resourceVersion the sink's state corresponds to ("" before the first list)."""
         self._known: set[str] = set()
-        self._warned: dict[str, str] = {}  # key -> resourceVersion of the invalid version already logged
+        self._warned: dict[str, str] = {}  # key -> resourceVersion of the version whose problems were logged
         self._collection = ""
         """The collection path the last list used; the watch follows the same one."""
         self._api_version = ""
@@ -155,14 +155,25 @@ class Reflector(Generic[T]):
 
     def _convert(self, key: str, obj: Mapping[str, Any]) -> T | None:
         try:
-            return self.resource.convert(obj)
+            converted = self.resource.convert(obj)
         except InvalidObject as e:
             self.stats.invalid += 1
-            rv = _resource_version(obj)
-            if self._warned.get(key) != rv:  # once per version, not at every relist
-                self._warned[key] = rv
-                log.warning("skipping %s: %s", self.resource.name, e)
+            self._warn_once(key, obj, [f"skipping {self.resource.name}: {e}"])
             return None
+        self._warn_once(key, obj, [f"{self.resource.name} {key}: ignoring {why}"
+                                   for why in getattr(converted, "ignored", ())])
+        return converted
+
+    def _warn_once(self, key: str, obj: Mapping[str, Any], lines: list[str]) -> None:
+        """Logs `lines` once per version of the object, not at every relist; with none, forgets the object."""
+        if not lines:
+            self._warned.pop(key, None)
+            return
+        rv = _resource_version(obj)
+        if self._warned.get(key) != rv:
+            self._warned[key] = rv
+            for line in lines:
+                log.warning("%s", line)
 
     def _read(self, obj: Mapping[str, Any]) -> tuple[str, T | None] | None:
         """(key, the converted object or None when it cannot be served); None without a name."""
@@ -183,7 +194,6 @@ class Reflector(Generic[T]):
         if converted is None:
             self._remove(key)
             return
-        self._warned.pop(key, None)
         self._known.add(key)
         self.resource.deliver(key, converted)
 

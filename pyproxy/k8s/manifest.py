@@ -187,6 +187,8 @@ def _read(path: Path, previous: Mapping[_ObjectId, _Object]) -> dict[_ObjectId, 
         else:
             kind, obj = outcome
             oid = (kind, obj.key)
+            for why in getattr(obj, "ignored", ()):
+                log.warning("%s: %s %s: ignoring %s", path, kind, obj.key, why)
             if oid in objects:
                 log.warning("%s: %s %s is defined twice; the later one wins", path, *oid)
             objects[oid] = obj

@@ -112,6 +112,9 @@ class Service:
     topology_mode: str = ""
     """The `service.kubernetes.io/topology-mode` annotation, else the older `topology-aware-hints` one (upstream's
     hintsAnnotation); "Auto" or "auto" asks for topology-aware routing."""
+    ignored: tuple[str, ...] = ()
+    """What of the object was ignored, each with why (a malformed pyproxy.io/ annotation: the API server checks
+    no annotation, so a typo there must not cost the Service its traffic). The sources log it once per version."""
 
     @property
     def key(self) -> str:

@@ -92,6 +92,25 @@ def test_objects_that_cannot_be_served_are_skipped_by_name(kube: Kube, namespace
     kube.delete(good)
 
 
+def test_a_typo_in_a_pyproxy_annotation_keeps_the_service_and_is_logged_once(kube: Kube, namespace: str, source,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """The API server admits any annotation: a Service whose pyproxy.io/scheduler names no scheduler is still
+    served (with the node's default), and the log says so once for that version, not at every relist."""
+    src, sink = source
+    caplog.set_level(logging.WARNING, logger="pyproxy.k8s.informer")
+    svc = service("typo", "10.96.1.30", [("http", 80, "TCP")], namespace=namespace)
+    svc["metadata"]["annotations"] = {"pyproxy.io/scheduler": "leastconn"}
+    kube.create(svc)
+    key = f"{namespace}/typo"
+    wait_for(lambda: key in sink.services, what="the Service with a bad annotation")
+    assert sink.services[key].scheduler == ""
+    src.reflectors["services"].list()  # a relist converts it again
+    lines = [r.getMessage() for r in caplog.records if key in r.getMessage()]
+    assert lines == [f"services {key}: ignoring metadata.annotations[pyproxy.io/scheduler] 'leastconn' is not one "
+                     "of random, rr, wrr, lc, sed, nq, sh, dh, maglev: the node's default scheduler applies"], lines
+    kube.delete(svc)
+
+
 def test_services_for_another_proxy_are_not_ours(kube: Kube, namespace: str, source) -> None:
     _, sink = source
     other = service("other", "10.96.1.11", namespace=namespace,

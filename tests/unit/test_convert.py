@@ -327,18 +327,8 @@ def set_path(doc: dict[str, Any], path: Path | str, value: Any) -> dict[str, Any
         ("status.loadBalancer.ingress.0.ip", "203.0.113", "status.loadBalancer.ingress[0].ip '203.0.113' is not an IP"),
         ("status.loadBalancer.ingress.0.ipMode", "NAT", "status.loadBalancer.ingress[0].ipMode 'NAT' is not one of"),
         ("status.loadBalancer", [], "status.loadBalancer must be an object"),
-        *(
-            ("metadata.annotations", {f"pyproxy.io/{name}": value}, f"metadata.annotations[pyproxy.io/{name}]{reason}")
-            for name, value, reason in [
-                ("scheduler", "wlc", " 'wlc' is not one of random, rr"),
-                ("scheduler", 3, " must be a string"),
-                ("weights", "10.0.0.1:3", ": '10.0.0.1:3' is not address=weight with a weight of 0-100"),
-                ("weights", "10.0.0.1=101", ": '10.0.0.1=101' is not address=weight"),
-                ("weights", "10.0.0.1=-1", ": '10.0.0.1=-1' is not address=weight"),
-                ("weights", "pod-a=1", " 'pod-a' is not an IPv4 address"),
-                ("weights", "10.0.0.1=1, 10.0.0.1=2", ": 10.0.0.1 is given two weights"),
-            ]
-        ),
+        # The API server admits only string annotations.
+        ("metadata.annotations", {"pyproxy.io/scheduler": 3}, "metadata.annotations[pyproxy.io/scheduler] must be a"),
     ],
 )
 def test_an_invalid_service_is_rejected_with_a_clear_reason(path: str, value: Any, reason: str) -> None:
@@ -348,6 +338,25 @@ def test_an_invalid_service_is_rejected_with_a_clear_reason(path: str, value: An
     assert caught.value.reason.startswith(reason)
     if path != "metadata":
         assert caught.value.key == ("shop/<unnamed>" if path == "metadata.name" else "shop/web")
+
+
+@pytest.mark.parametrize(("name", "value", "reason"), [
+    ("scheduler", "wlc", " 'wlc' is not one of random, rr, wrr, lc, sed, nq, sh, dh, maglev: the node's default "
+                         "scheduler applies"),
+    ("weights", "10.0.0.1:3", ": '10.0.0.1:3' is not address=weight with a weight of 0-100: every endpoint weighs 1"),
+    ("weights", "10.0.0.1=101", ": '10.0.0.1=101' is not address=weight"),
+    ("weights", "10.0.0.1=-1", ": '10.0.0.1=-1' is not address=weight"),
+    ("weights", "10.0.0.2=0, pod-a=1", ": 'pod-a' is not an IPv4 address: every endpoint weighs 1"),
+    ("weights", "10.0.0.1=1, 10.0.0.1=2", ": 10.0.0.1 is given two weights"),
+])
+def test_a_malformed_pyproxy_annotation_is_ignored_and_the_service_kept(name: str, value: str, reason: str) -> None:
+    """The API server checks no annotation: a typo in one of pyproxy's must not take the Service's traffic away.
+    It is ignored whole (a half-read weights list could quiesce the wrong endpoints), with the reason."""
+    svc = service_from_dict(set_path(service_doc(), "metadata.annotations", {f"pyproxy.io/{name}": value}))
+    assert (svc.scheduler, svc.weights) == ("", ())
+    assert svc.ignored == (f"metadata.annotations[pyproxy.io/{name}]{reason}",) or \
+        svc.ignored[0].startswith(f"metadata.annotations[pyproxy.io/{name}]{reason}"), svc.ignored
+    assert service_from_dict(service_doc()).ignored == ()
 
 
 @pytest.mark.parametrize(
