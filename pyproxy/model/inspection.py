@@ -1,8 +1,8 @@
 """What `pyproxy inspect` shows, whatever the mode: a `View` of the frontends, flows and affinity entries a
 dataplane holds (each mode's reader fills it from the kernel), filters over it, and `trace`: where a packet
 from SRC to DST:PORT/PROTO goes, decided from the view alone, as the datapath decides (bpf/include/pyproxy/lb.h,
-the nftables table's verdict maps and chains, the iptables mode's KUBE-* chains). Pure, so every case is
-testable without root.
+the nftables table's verdict maps and chains, the iptables mode's KUBE-* chains; IPVS's schedulers run in the
+kernel, so there the trace names the candidates and the rule). Pure, so every case is testable without root.
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ class Frontend:
     probabilities: tuple[float, ...] = ()
     """Per endpoint, in order, where the dataplane draws by rules (iptables' `statistic --mode random`): the
     chance its rule takes a new flow that no earlier rule took (the last one's 1)."""
+    rule: str = ""
+    """How the dataplane picks, in words, where the pick happens out of the trace's reach (IPVS's schedulers run
+    in the kernel, on state no reader sees): the trace then names the endpoints of weight > 0 and this rule."""
     packets: int | None = None
     bytes: int | None = None
 
@@ -254,6 +257,14 @@ def _least(fe: Frontend) -> tuple[list[Endpoint], str]:
 
 def _scheduled(fe: Frontend, src: str, sport: int | None, dst: str, dport: int) -> NewFlow:
     eps = fe.endpoints
+    if fe.rule:
+        able = tuple(e for e in eps if e.weight > 0)
+        if not able:
+            return NewFlow("refused", f"{fe.scheduler}: every endpoint has weight 0 (no new flows)")
+        weights = sum(e.weight for e in able) if fe.scheduler == "wrr" else len(able)
+        shares = {str(e): round((e.weight if fe.scheduler == "wrr" else 1) / weights, 4) for e in able} \
+            if fe.scheduler in ("rr", "wrr") else {}
+        return NewFlow("dnat", f"{fe.scheduler}: {fe.rule}", able, str(able[0]) if len(able) == 1 else None, shares)
     if len(eps) == 1:
         return NewFlow("dnat", f"{fe.scheduler}: its only endpoint", eps, str(eps[0]))
     sched = fe.scheduler
