@@ -112,6 +112,7 @@ def test_hz_from_jiffies_and_the_monotonic_clock() -> None:
     # Captured on a HZ=250 kernel: /proc/timer_list's jiffies and /proc/uptime read together.
     assert ii.jiffies_hz(4297482848, 10362.43) == 250
     assert ii.jiffies_hz(2**32 - 300 * 1000 + 5000 * 1000, 5000.2) == 1000
+    assert ii.jiffies_hz(2**32 - 300 * 300 + 300 * 8_640_000, 8_640_003.0) == 300  # a hundred days up
     assert ii.jiffies_hz(12345, 5000.0) is None
     assert ii.read_jiffies("now at 1 nsecs\njiffies: 4297480885\n") == 4297480885
     assert ii.parse_recent("") == []

@@ -216,12 +216,14 @@ def parse_recent(text: str) -> list[RecentEntry]:
 
 def jiffies_hz(jiffies: int, monotonic: float) -> int | None:
     """The kernel's HZ, from its jiffies now and the monotonic clock: jiffies start at INITIAL_JIFFIES, 300 s
-    short of wrapping 32 bits, and count HZ a second (none of /proc says HZ, and CLK_TCK is USER_HZ). None if
-    no HZ fits within a second."""
-    for hz in _HZ_CHOICES:
-        if abs((jiffies - (2**32 - 300 * hz)) / hz - monotonic) < 1.0:
-            return hz
-    return None
+    short of wrapping 32 bits, and count HZ a second (none of /proc says HZ, and CLK_TCK is USER_HZ). The HZ
+    whose count of seconds since boot is nearest the clock's, if within 1% (the choices are 20% apart); None
+    otherwise."""
+    def error(hz: int) -> float:
+        return abs((jiffies - (2**32 - 300 * hz)) / hz - monotonic) / max(monotonic, 1.0)
+
+    best = min(_HZ_CHOICES, key=error)
+    return best if error(best) < 0.01 else None
 
 
 def read_jiffies(text: str) -> int | None:
