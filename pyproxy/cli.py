@@ -238,8 +238,8 @@ def parser() -> argparse.ArgumentParser:
                               f"{format_duration(getattr(d.bpf.ct_timeouts, ct.field))}{zero})")
     _add_common(run)
 
-    insp = sub.add_parser("inspect", help="show frontends, backends, counters and flows (bpf or nftables mode, "
-                                          "whichever is in this network namespace)")
+    insp = sub.add_parser("inspect", help="show frontends, backends, counters and flows, read from the dataplane "
+                                          "of this network namespace (any mode)")
     insp.add_argument("--no-flows", action="store_true", help="omit the connection-tracking table")
     insp.add_argument("--service", metavar="NS/NAME", help="only this Service's frontends and flows")
     insp.add_argument("--frontend", metavar="IP:PORT[/PROTO]", help="only this frontend and its flows")

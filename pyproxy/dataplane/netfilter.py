@@ -16,7 +16,8 @@ Running them
     exist, loading no kernel module. `restore(tools, text)` runs `iptables-restore --noflush` (one atomic
     transaction per table). Both raise DataplaneError carrying the command's stderr; every call has a timeout.
     `conntrack_delete(*args)` runs `conntrack -D ...`, returns how many entries went (0 is not an error).
-    `conntrack_list()` -> `CtEntry` per TCP and UDP entry of `conntrack -L` (`parse_conntrack(text)`).
+    `conntrack_list()` -> `CtEntry` per TCP and UDP entry of `conntrack -L` (`parse_conntrack(text)`);
+    `ct_flows(view, entries)` -> the entries to a frontend of an inspection view, as its flows.
 Stale UDP flows (every netfilter-based mode: iptables, nftables, ipvs)
     `conntrack_filter(stale)` -> the `conntrack -D` arguments of one `model.conntrack.Stale`;
     `clear_stale_udp(stales)` deletes them after a sync (failures are logged, never raised) and returns how many
@@ -69,6 +70,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from pyproxy.dataplane.base import DataplaneError, MasqueradeSettings, ModeUnavailable
+from pyproxy.model import inspection
 from pyproxy.model.conntrack import Stale
 
 log = logging.getLogger(__name__)
@@ -312,6 +314,22 @@ def parse_conntrack(text: str) -> list[CtEntry]:
         out.append(CtEntry(words[0].upper(), orig["src"], int(orig["sport"]), orig["dst"], int(orig["dport"]),
                            reply["src"], int(reply["sport"]), state.lower(), int(words[2])))
     return out
+
+
+ENDED_TCP_STATES = frozenset({"time_wait", "close"})
+"""Conntrack states of a TCP flow that is over: a new connection on the same ports is scheduled afresh."""
+
+
+def ct_flows(view: inspection.View, ct: Iterable[CtEntry]) -> Iterator[inspection.Flow]:
+    """The conntrack entries of flows to a frontend of `view`, DNATed or not (a refused one is never confirmed):
+    what `pyproxy inspect` shows as flows in the modes that DNAT with netfilter (nftables, iptables)."""
+    for e in ct:
+        fe = inspection.frontend_of(view, e.dst, e.dport, e.proto)
+        if fe is None:
+            continue
+        yield inspection.Flow(e.proto, e.src, e.sport, e.dst, e.dport, f"{e.reply_src}:{e.reply_sport}", fe.name,
+                              e.state, expires_sec=e.expires_sec,
+                              ended=e.proto == "TCP" and e.state in ENDED_TCP_STATES)
 
 
 def conntrack_list() -> list[CtEntry]:

@@ -1,7 +1,8 @@
 """What `pyproxy inspect` shows, whatever the mode: a `View` of the frontends, flows and affinity entries a
 dataplane holds (each mode's reader fills it from the kernel), filters over it, and `trace`: where a packet
 from SRC to DST:PORT/PROTO goes, decided from the view alone, as the datapath decides (bpf/include/pyproxy/lb.h,
-and the nftables table's verdict maps and chains). Pure, so every case is testable without root.
+the nftables table's verdict maps and chains, the iptables mode's KUBE-* chains; IPVS's schedulers run in the
+kernel, so there the trace names the candidates and the rule). Pure, so every case is testable without root.
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ class Frontend:
     Service whose traffic policy keeps it on this node)."""
     table: tuple[str, ...] = ()
     """The scheduler's table (wrr's round, Maglev's lookup table), ip:port per entry."""
+    probabilities: tuple[float, ...] = ()
+    """Per endpoint, in order, where the dataplane draws by rules (iptables' `statistic --mode random`): the
+    chance its rule takes a new flow that no earlier rule took (the last one's 1)."""
+    rule: str = ""
+    """How the dataplane picks, in words, where the pick happens out of the trace's reach (IPVS's schedulers run
+    in the kernel, on state no reader sees): the trace then names the endpoints of weight > 0 and this rule."""
     packets: int | None = None
     bytes: int | None = None
 
@@ -102,6 +109,8 @@ class View:
     affinities: list[Affinity] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
     nodeport_ips: list[str] = field(default_factory=list)
+    source: str = ""
+    """Where the reader found it (the commands and files it read), when that is not the mode alone."""
 
 
 @dataclass(frozen=True)
@@ -248,6 +257,14 @@ def _least(fe: Frontend) -> tuple[list[Endpoint], str]:
 
 def _scheduled(fe: Frontend, src: str, sport: int | None, dst: str, dport: int) -> NewFlow:
     eps = fe.endpoints
+    if fe.rule:
+        able = tuple(e for e in eps if e.weight > 0)
+        if not able:
+            return NewFlow("refused", f"{fe.scheduler}: every endpoint has weight 0 (no new flows)")
+        weights = sum(e.weight for e in able) if fe.scheduler == "wrr" else len(able)
+        shares = {str(e): round((e.weight if fe.scheduler == "wrr" else 1) / weights, 4) for e in able} \
+            if fe.scheduler in ("rr", "wrr") else {}
+        return NewFlow("dnat", f"{fe.scheduler}: {fe.rule}", able, str(able[0]) if len(able) == 1 else None, shares)
     if len(eps) == 1:
         return NewFlow("dnat", f"{fe.scheduler}: its only endpoint", eps, str(eps[0]))
     sched = fe.scheduler
@@ -270,6 +287,14 @@ def _scheduled(fe: Frontend, src: str, sport: int | None, dst: str, dport: int) 
         best, how = _least(fe)
         return NewFlow("dnat", how + (" (ties broken at random)" if len(best) > 1 else ""), tuple(best),
                        str(best[0]) if len(best) == 1 else None)
+    if fe.probabilities and len(fe.probabilities) == n:
+        left, shares = 1.0, {}
+        for e, p in zip(eps, fe.probabilities, strict=True):
+            shares[str(e)] = round(left * p, 4)
+            left *= 1 - p
+        rules = ", then ".join(f"{p:.4g}" for p in fe.probabilities)
+        return NewFlow("dnat", f"{sched}: one of {n} by rules tried in turn, each taking a new flow with its "
+                               f"probability ({rules})", eps, shares=shares)
     if sched == "rr":
         return NewFlow("dnat", "rr: the next endpoint in turn", eps, shares=_shares(map(str, eps)))
     # random, nftables' numgen, and a table scheduler whose table is being written: a uniform draw.
@@ -358,7 +383,8 @@ def _endpoint_text(fe: Frontend, e: Endpoint) -> str:
 
 def report(view: View, flows: bool = True) -> str:
     """The view as `pyproxy inspect` prints it."""
-    lines = [f"{'SERVICE':40} {'FRONTEND':26} {'SCHED':12} {'PACKETS':>9} {'BYTES':>11}  BACKENDS"]
+    lines = [f"read from: {view.source}", ""] if view.source else []
+    lines.append(f"{'SERVICE':40} {'FRONTEND':26} {'SCHED':12} {'PACKETS':>9} {'BYTES':>11}  BACKENDS")
     for fe in sorted(view.frontends, key=lambda f: (f.name, f.ip, f.port)):
         backends = ", ".join(_endpoint_text(fe, e) for e in fe.endpoints) or f"(none: {fe.empty})"
         frontend = f"{fe.ip or '*'}:{fe.port}/{fe.proto}" + (" node" if fe.node else "")

@@ -9,6 +9,8 @@ from types import FrameType
 from typing import Protocol
 
 from pyproxy.dataplane.bpf import inspect as bpf_inspect
+from pyproxy.dataplane.iptables import inspect as iptables_inspect
+from pyproxy.dataplane.ipvs import inspect as ipvs_inspect
 from pyproxy.dataplane.nftables import inspect as nft_inspect
 from pyproxy.k8s.client import ApiClient, ConfigError, configuration
 from pyproxy.k8s.events import record_node_event, record_service_event
@@ -127,18 +129,19 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
 
 def inspect_view(settings: ProxySettings, flows: bool = True) -> inspection.View:
     """What the dataplane of this network namespace holds: the BPF maps when pyproxy's programs or pins are here,
-    else pyproxy's nftables table."""
+    else pyproxy's nftables table, else the iptables mode's chains, else pyproxy's IPVS virtual servers."""
     maps = bpf_inspect.open_maps(settings.bpf.pin_path, settings.bpf.object_path)
     if maps is not None:
         try:
             return bpf_inspect.view(maps, flows)
         finally:
             maps.close()
-    found = nft_inspect.read()
+    found = nft_inspect.read() or iptables_inspect.read(flows) or ipvs_inspect.read(flows)
     if found is None:
         raise StartupError(
             f"no pyproxy dataplane here: no BPF pins under {settings.bpf.pin_path}, no pyproxy program attached in "
-            "this network namespace and no nftables table ip pyproxy (run inspect in pyproxy's network namespace, "
+            "this network namespace, no nftables table ip pyproxy, no KUBE-SVC/KUBE-NODEPORTS chains in either "
+            "iptables backend and no IPVS virtual server of pyproxy's (run inspect in pyproxy's network namespace, "
             "with pyproxy's --bpf-pin-path if it pins elsewhere)"
         )
     return found

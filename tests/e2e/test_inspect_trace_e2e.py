@@ -1,5 +1,6 @@
-"""`pyproxy inspect trace` against real traffic, in bpf and nftables mode: the endpoint a held connection really
-uses, the sticky endpoint of a ClientIP-affinity Service, a new flow's choices, and addresses no Service has."""
+"""`pyproxy inspect trace` against real traffic, in bpf, nftables and iptables mode (both iptables backends): the
+endpoint a held connection really uses, the sticky endpoint of a ClientIP-affinity Service, a new flow's choices,
+and addresses no Service has."""
 
 from __future__ import annotations
 
@@ -31,11 +32,16 @@ def _trace(env: Any, src: str, dst: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["bpf", "nftables"])
-def test_trace_answers_as_the_traffic_went(make_env: Callable, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "args"), [
+    pytest.param("bpf", [], id="bpf"),
+    pytest.param("nftables", [], id="nftables"),
+    pytest.param("iptables", ["--iptables-backend=legacy"], id="iptables-legacy"),
+    pytest.param("iptables", ["--iptables-backend=nft"], id="iptables-nft"),
+])
+def test_trace_answers_as_the_traffic_went(make_env: Callable, mode: str, args: list[str]) -> None:
     env = make_env(3)
     env.write("cluster.yaml", MANIFESTS)
-    env.start(mode=mode, args=[f"--hostname-override={NODE_NAME}"])
+    env.start(mode=mode, args=[f"--hostname-override={NODE_NAME}", *args])
     client = env.lab.client_ip
     holder = env.lab.popen(env.lab.client, sys.executable, "-m", "pyproxy.lab.traffic", "hold", WEB, "80",
                            "--count", "1", stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -58,6 +64,11 @@ def test_trace_answers_as_the_traffic_went(make_env: Callable, mode: str) -> Non
         assert fresh["verdict"] == "dnat" and not fresh["flows"], fresh
         assert {f"{e['ip']}:{e['port']}" for e in fresh["new_flow"]["candidates"]} == {f"{B1}:8080", f"{B2}:8080"}
         assert fresh["backend"] is None and set(fresh["new_flow"]["shares"]) == {f"{B1}:8080", f"{B2}:8080"}
+        if mode == "iptables":
+            # The draw as the statistic rules state it, read back from iptables-save.
+            assert fresh["frontend"]["probabilities"] == [0.5, 1.0], fresh
+            assert "probability (0.5, then 1)" in fresh["new_flow"]["why"], fresh
+            assert set(fresh["new_flow"]["shares"].values()) == {0.5}, fresh
 
         # ClientIP affinity: the endpoint every connection got is the one a new flow is pinned to.
         result = env.probe("tcp", STICKY, 80, 5)
@@ -78,6 +89,8 @@ def test_trace_answers_as_the_traffic_went(make_env: Callable, mode: str) -> Non
 
         # The other views: filtered, as JSON and as text.
         web = json.loads(env.running.cli("inspect", "--service", "default/web", "-o", "json").stdout)
+        if mode == "iptables":
+            assert web["source"].startswith(args[0].replace("--iptables-backend=", "iptables-")), web
         assert web["mode"] == mode and {f["service"] for f in web["frontends"]} == {"default/web"}, web
         assert held in {f["backend"] for f in web["flows"]}, web
         one = json.loads(env.running.cli("inspect", "--frontend", f"{STICKY}:80", "-o", "json").stdout)

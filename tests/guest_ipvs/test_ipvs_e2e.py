@@ -281,6 +281,67 @@ def test_removed_endpoint_drains_then_disappears(env: Env) -> None:
     env.eventually(lambda: env.real(real) is None, f"{real} deleted after draining", deadline=60.0)
 
 
+def _inspect(env: Env, *args: str) -> str:
+    assert env.proxy is not None
+    return env.proxy.cli("inspect", *args, timeout=120.0).stdout  # a Python start is seconds under emulation
+
+
+def _trace(env: Env, src: str, dst: str) -> dict:
+    out: dict = json.loads(_inspect(env, "trace", src, dst, "-o", "json"))
+    return out
+
+
+def test_inspect_answers_as_the_traffic_went(env: Env) -> None:
+    """`pyproxy inspect` read back from IPVS: the real server a held connection uses (IPVS's connection table),
+    the one a persistent virtual server pins the client to (its template), a new flow's candidates and rule, an
+    address no virtual server has. Prints the raw tables it read (`-s`), the unit tests' captured input."""
+    sticky_ip = "10.96.0.60"
+    env.write("hold.yaml", service("hold", HOLD_IP, HOLD_PORTS), endpoint_slice("hold", ready(env.lab), HOLD_PORTS))
+    env.write("sticky.yaml", service("sticky", sticky_ip, WEB_PORTS, affinity_seconds=600),
+              endpoint_slice("sticky", ready(env.lab), WEB_PORTS))
+    env.start()
+    client = env.lab.client_ip
+    env.eventually(lambda: env.probe("tcp", sticky_ip, 80, 1)["failures"] == 0, "the sticky Service answers", 10.0)
+    sticky = env.reaches("tcp", sticky_ip, 80, set(env.probe("tcp", sticky_ip, 80, 1)["replies"]), count=5)
+    holder = _hold(env.lab)
+    try:
+        assert holder.stdout is not None
+        name = holder.stdout.readline().strip().split(":")[0]
+        held = f"{next(b for b in env.lab.backends if b.name == name).ip}:{HOLD_PORT}"
+        for raw in ("cat /proc/net/ip_vs_conn", "ipvsadm -Lnc", "ipvsadm -Ln", "ipset save"):
+            print(f"===== {raw}\n{env.node('sh', '-c', raw)}")
+
+        by_source = _trace(env, client, f"{HOLD_IP}:{HOLD_PORT}/tcp")
+        assert by_source["frontend"]["scheduler"] == "rr", by_source
+        live = [f for f in by_source["flows"] if not f["ended"]]
+        assert [f["backend"] for f in live] == [held], by_source
+        established = _trace(env, f"{client}:{live[0]['client_port']}", f"{HOLD_IP}:{HOLD_PORT}/tcp")
+        assert (established["verdict"], established["backend"]) == ("established", held), established
+
+        every = {f"{b.ip}:{HOLD_PORT}" for b in env.lab.backends}
+        fresh = _trace(env, f"{client}:1", f"{HOLD_IP}:{HOLD_PORT}/tcp")
+        assert fresh["verdict"] == "dnat" and fresh["backend"] is None and not fresh["flows"], fresh
+        assert {f"{e['ip']}:{e['port']}" for e in fresh["new_flow"]["candidates"]} == every, fresh
+        assert "round robin" in fresh["why"] and set(fresh["new_flow"]["shares"]) == every, fresh
+
+        pinned_to = f"{next(b for b in env.lab.backends if f'{b.name}:8080' in sticky['replies']).ip}:8080"
+        pinned = _trace(env, client, f"{sticky_ip}:80/tcp")
+        assert (pinned["verdict"], pinned["backend"]) == ("dnat", pinned_to), pinned
+        assert pinned["affinity"]["backend"] == pinned_to and pinned["frontend"]["affinity_sec"] == 600, pinned
+
+        for dst in ("10.96.99.99:80/tcp", f"{HOLD_IP}:81/tcp", f"{HOLD_IP}:{HOLD_PORT}/udp"):
+            other = _trace(env, client, dst)
+            assert (other["verdict"], other["frontend"]) == ("not a Service", None), other
+
+        listing = json.loads(_inspect(env, "--frontend", f"{HOLD_IP}:{HOLD_PORT}", "-o", "json"))
+        assert listing["mode"] == "ipvs" and [f["ip"] for f in listing["frontends"]] == [HOLD_IP], listing
+        assert held in {f["backend"] for f in listing["flows"]}, listing
+        print(_inspect(env))
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_removed_service_stops_answering(env: Env) -> None:
     env.write("web.yaml", *web(ready(env.lab)))
     env.write("dns.yaml", service("dns", DNS_IP, DNS_PORTS), endpoint_slice("dns", ready(env.lab), DNS_PORTS))

@@ -169,10 +169,15 @@ def check_ipset() -> None:
 
 
 def read_sets(names: Iterable[str] = SET_TYPES) -> dict[str, frozenset[str]]:
-    """Members of the named sets that exist (`ipset save` lines `add NAME MEMBER`)."""
+    """Members of the named sets that exist."""
+    return parse_sets(_ipset("save"), names)
+
+
+def parse_sets(text: str, names: Iterable[str] = SET_TYPES) -> dict[str, frozenset[str]]:
+    """Members of the named sets in `ipset save` output (lines `create NAME …` and `add NAME MEMBER`)."""
     wanted = set(names)
     members: dict[str, set[str]] = {}
-    for line in _ipset("save").splitlines():
+    for line in text.splitlines():
         words = line.split()
         if len(words) >= 2 and words[0] == "create" and words[1] in wanted:
             members.setdefault(words[1], set())

@@ -22,8 +22,6 @@ from pyproxy.model import inspection
 
 RANDOM = "random"
 """The numgen draw every service chain makes (upstream's nftables mode has no other scheduler)."""
-ENDED_TCP_STATES = frozenset({"time_wait", "close"})
-"""Conntrack states of a TCP flow that is over: a new connection on the same ports is scheduled afresh."""
 
 
 def read() -> inspection.View | None:
@@ -36,7 +34,9 @@ def read() -> inspection.View | None:
         flows = nf.conntrack_list()
     except DataplaneError:
         flows = []
-    return view(doc, flows)
+    out = view(doc, flows)
+    out.source = f"nft -j list table {t.FAMILY} {t.TABLE}, conntrack -L"
+    return out
 
 
 def _items(doc: Mapping[str, Any], kind: str) -> Iterator[dict[str, Any]]:
@@ -120,16 +120,5 @@ def view(doc: Mapping[str, Any], ct: list[nf.CtEntry]) -> inspection.View:
     for part, endpoint, client, left in _affinities(doc):
         for fe in by_part.get(part, ()):
             out.affinities.append(inspection.Affinity(fe.proto, client, fe.ip, fe.port, endpoint, fe.name, left))
-    out.flows = list(_flows(out, ct))
+    out.flows = list(nf.ct_flows(out, ct))
     return out
-
-
-def _flows(v: inspection.View, ct: list[nf.CtEntry]) -> Iterator[inspection.Flow]:
-    """The conntrack entries of flows to a frontend, DNATed or not (a refused one is never confirmed)."""
-    for e in ct:
-        fe = inspection.frontend_of(v, e.dst, e.dport, e.proto)
-        if fe is None:
-            continue
-        yield inspection.Flow(e.proto, e.src, e.sport, e.dst, e.dport, f"{e.reply_src}:{e.reply_sport}", fe.name,
-                              e.state, expires_sec=e.expires_sec,
-                              ended=e.proto == "TCP" and e.state in ENDED_TCP_STATES)
