@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from pyproxy.dataplane import netfilter as nf
 from pyproxy.dataplane.bpf import abi
-from pyproxy.dataplane.bpf.backend import BpfDataplane, BpfSettings
+from pyproxy.dataplane.bpf.backend import BpfDataplane, BpfSettings, endpoint_owners
 from pyproxy.dataplane.bpf.render import Applied, AppliedFrontend
 from pyproxy.dataplane.fake import FakeDataplane
 from pyproxy.k8s.informer import ReflectorStats
@@ -282,3 +282,10 @@ def test_every_series_the_readme_lists_exists() -> None:
     known = all_sample_names()
     families = {n.removesuffix(s) for n in known for s in ("_total", "_bucket", "_seconds")}
     assert {n for n in listed if n not in known and n not in families} == set()
+
+
+def test_a_shared_endpoint_is_labelled_by_namespace_then_name_then_port() -> None:
+    shared = Backend("10.0.1.3", 8080)
+    owners = endpoint_owners([_fe_of(1, "a/b", "z", shared), _fe_of(2, "a-x/a", "a", shared),
+                              _fe_of(3, "a/b", "y", shared)])
+    assert owners == {shared: ("a", "b", "y")}  # "a" before "a-x", though "a-x/a" sorts before "a/b" as a string

@@ -135,6 +135,7 @@ _BACKEND = struct.Struct("!4sHxx")  # pyproxy_backend: addr, port
 _SLOT = struct.Struct("=4s2sH")  # pyproxy_slot: addr, port (network order bytes), weight
 _BACKEND_INFO = struct.Struct("=Ixxxx")  # pyproxy_backend_info: flags (a new backend's active flows: 0)
 _NAME = struct.Struct(f"{abi.NAME_LEN}s")  # pyproxy_svc_name, NUL-padded
+_STATS = struct.Struct("=QQ")  # pyproxy_svc_stats: packets, bytes (16 bytes: the per-CPU stride too)
 _SLOT_KEY = struct.Struct("=II")  # pyproxy_slot_key: svc_id, slot
 _U32_KEY = struct.Struct("=I")  # the names map's key
 _SRCRANGE_KEY = struct.Struct("=I4s4s")  # pyproxy_srcrange_key: prefixlen, svc_id (network order), addr
@@ -362,19 +363,25 @@ class Maps:
             self.epstats.delete_batch(_endpoints(keys), len(keys))
 
     def endpoint_stats(self) -> dict[Backend, tuple[int, int]]:
-        """Every backend's counted packets and bytes, summed over CPUs."""
+        """Every backend's counted packets and bytes, summed over CPUs. Unpacked with struct, the whole map at once:
+        a scrape reads it, and it holds an entry per endpoint."""
+        keys, values = self.epstats.items_raw()
+        ncpus = self.epstats.ncpus
+        counts = _STATS.iter_unpack(values)  # each key's CPUs one after the other (the stride is the struct's size)
         out = {}
-        for key, per_cpu in self.epstats.items():
-            addr, port = _BACKEND.unpack(key)
-            out[Backend(socket.inet_ntoa(addr), port)] = (sum(v.packets for v in per_cpu),
-                                                          sum(v.bytes for v in per_cpu))
+        for addr, port in _BACKEND.iter_unpack(keys):
+            packets = octets = 0
+            for n, size in itertools.islice(counts, ncpus):
+                packets += n
+                octets += size
+            out[Backend(socket.inet_ntoa(addr), port)] = (packets, octets)
         return out
 
     def sync_endpoint_stats(self, applied: Applied, on: bool) -> None:
         """Make the per-endpoint counters map hold what plans keep it at (render: an entry per backend of
         `applied` when `on`, else none), for when it may not: a new map, counters turned on or off since the last
         run, a plan that stopped halfway. Entries of backends that stay keep their counts."""
-        held = {key for key, _ in self.epstats.items()}
+        held = set(self.epstats.keys_raw())
         wanted = {_endpoints([b]) for b in applied.backend_refs} if on else set()
         missing, stale = sorted(wanted - held), sorted(held - wanted)
         if missing:
@@ -557,12 +564,13 @@ def _port_name(fe: AppliedFrontend) -> str:
     return fe.name[len(fe.service) + 1:] if fe.name.startswith(fe.service + ":") else ""
 
 
-def endpoint_owners(frontends: Iterable[AppliedFrontend]) -> dict[Backend, tuple[str, str]]:
-    """Backend -> the Service port (namespace/name, port name) its series is labelled with: the first, in that
+def endpoint_owners(frontends: Iterable[AppliedFrontend]) -> dict[Backend, tuple[str, str, str]]:
+    """Backend -> the Service port (namespace, name, port name) its series is labelled with: the first, in that
     order, of those that have it as an endpoint (ready or not)."""
-    owners: dict[Backend, tuple[str, str]] = {}
+    owners: dict[Backend, tuple[str, str, str]] = {}
     for fe in frontends:
-        owner = (fe.service, _port_name(fe))
+        namespace, _, name = fe.service.partition("/")
+        owner = (namespace, name, _port_name(fe))
         for b in fe.known:
             cur = owners.get(b)
             if cur is None or owner < cur:
@@ -586,7 +594,7 @@ class BpfDataplane:
         self.unserved: dict[str, str] = {}
         """Services left out because a map is full -> why (`_apply_what_fits`)."""
         self._lock = threading.Lock()
-        self._owners: tuple[Applied | None, int, dict[Backend, tuple[str, str]]] = (None, -1, {})
+        self._owners: tuple[Applied | None, int, dict[Backend, tuple[str, str, str]]] = (None, -1, {})
         """endpoint_owners() of an Applied at a generation: a scrape recomputes it only after a plan was applied."""
         self.attached: dict[str, int] = {}
         """Managed device name -> ifindex."""
@@ -820,7 +828,8 @@ class BpfDataplane:
         for b, (packets, octets) in counts.items():
             owner = owners.get(b)
             if packets and owner is not None:
-                out.append(EndpointTraffic(owner[0], owner[1], f"{b.ip}:{b.port}", packets, octets))
+                namespace, name, port = owner
+                out.append(EndpointTraffic(f"{namespace}/{name}", port, f"{b.ip}:{b.port}", packets, octets))
         return sorted(out)
 
     def datapath_counters(self) -> dict[str, int]:

@@ -280,6 +280,16 @@ class PerCpuHash(_PerCpu[V], Generic[K, V]):
         super().__init__(fd, name, value_type)
         self.key_type = key_type
 
+    def get(self, key: bytes) -> list[V] | None:
+        """One packed key's value on each CPU; None when absent."""
+        raw = ffi.new("char[]", self.entry_size)
+        ret = libbpf.lib().bpf_map_lookup_elem(self.fd, ffi.from_buffer(key), raw)
+        if ret < 0:
+            if _error(ret) == errno.ENOENT:
+                return None
+            libbpf.check(ret, f"lookup in {self.name}")
+        return self._values(ffi.buffer(raw)[:], 0)
+
     def put_zeros(self, keys: bytes, count: int) -> None:
         """`count` packed keys, each with every CPU's value zeroed, in one call (see `update_batch`)."""
         update_batch(self.fd, self.name, keys, bytes(self.entry_size * count), count, ctypes.sizeof(self.key_type),
@@ -289,20 +299,22 @@ class PerCpuHash(_PerCpu[V], Generic[K, V]):
         """`count` packed keys deleted in one call; absent ones are skipped (see `delete_batch`)."""
         delete_batch(self.fd, self.name, keys, count, ctypes.sizeof(self.key_type))
 
-    def items(self) -> list[tuple[bytes, list[V]]]:
-        """Every packed key with its value on each CPU: batched where the kernel can, else one lookup per key."""
+    def items_raw(self) -> tuple[bytes, bytes]:
+        """Every key and every key's values (`entry_size` bytes each: every CPU's, at the kernel's stride), packed:
+        batched where the kernel can, else one lookup per key."""
         key_size = ctypes.sizeof(self.key_type)
         got = lookup_batch(self.fd, self.name, key_size, self.entry_size)
-        if got is None:
-            got = self._items_one_by_one(key_size)
-        keys, values = got
-        out = []
-        for i in range(len(keys) // key_size):
-            base = i * self.entry_size
-            per_cpu = [cast(V, self.value_type.from_buffer_copy(values, base + c * self._stride))
-                       for c in range(self.ncpus)]
-            out.append((keys[i * key_size:(i + 1) * key_size], per_cpu))
-        return out
+        return got if got is not None else self._items_one_by_one(key_size)
+
+    def keys_raw(self) -> list[bytes]:
+        """Every packed key."""
+        keys, _ = self.items_raw()
+        size = ctypes.sizeof(self.key_type)
+        return [keys[i:i + size] for i in range(0, len(keys), size)]
+
+    def _values(self, data: bytes, offset: int) -> list[V]:
+        """The per-CPU values of one key, packed at `offset` of `data`."""
+        return [cast(V, self.value_type.from_buffer_copy(data, offset + c * self._stride)) for c in range(self.ncpus)]
 
     def _items_one_by_one(self, key_size: int) -> tuple[bytes, bytes]:
         lib = libbpf.lib()
