@@ -22,6 +22,7 @@ from harness import (
 )
 from packets import TCP, TCP_ACK, TCP_SYN, UDP, Flow, frame
 
+from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.render import render
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, ServicePortState
@@ -59,6 +60,7 @@ def until_both_served(dp: Dataplane, first_port: int) -> dict[Backend, list[int]
 @pytest.mark.parametrize("prog", INGRESS)
 def test_each_backend_counts_the_packets_and_bytes_sent_to_it(dp_counted: Dataplane, prog: Prog) -> None:
     dp = dp_counted
+    assert dp.capacity[abi.MAP_EPSTATS] == dp.capacity[abi.MAP_BACKENDS], "sized as the backends map, resized too"
     st = port_state(TCP, TWO)
     dp.apply(st)
     # Every backend known (ready or not) has its entry from the start, at zero.
