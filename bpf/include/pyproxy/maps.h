@@ -189,8 +189,8 @@ struct {
 } PYPROXY_MAP_NAMES SEC(".maps");
 
 /* The programs' constants (abi.h): connection-tracking timeouts, SNAT ports, the cluster CIDR, whether endpoints
- * are counted. The loader always sets them from
- * the settings and the kernel's HZ; these defaults (at HZ=250) only serve a load that does not. */
+ * are counted. The loader always sets them from the settings and the kernel's HZ; these defaults (at HZ=250) only
+ * serve a load that does not. */
 const volatile struct pyproxy_config pyproxy_config = {
 	.ct = {
 		.tcp_new = 60 * 250,
