@@ -4,6 +4,12 @@ alone and among 100,000. bench/packet.py's method (read its docstring): new flow
 the floor measured the same way, established flows repeat N on a flow pinned to a backend equal to its own
 ClusterIP:port, the datapath's counters verifying every run.
 
+The per-endpoint counters (--bpf-endpoint-counters) are measured the same way: a second copy of the programs,
+loaded with them on, shares the maps of the first (which are programmed with the counters' entries, as pyproxy
+does with them on) and runs the random Service's new flows and established flow interleaved with the others, as
+the series COUNTED. The first copy, loaded with them off, has no code for them at all (the verifier folds the
+constant), so random beside COUNTED is what turning them on costs.
+
 One Service per scheduler, all programmed at once, so the new flows of every scheduler are interleaved in chunks:
 measured one scheduler after the other (reprogramming one Service), a shared machine's load changing in between
 moved the schedulers' figures by 20-40 % against each other, more than the differences measured. The smallest
@@ -18,7 +24,9 @@ The other Services are random: a Maglev table (16,381 entries, 128 KB) for each 
 from __future__ import annotations
 
 import os
+import socket
 import statistics
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,7 +54,10 @@ from pyproxy.dataplane.bpf.render import Applied, render
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, ServicePortState
 
+_BACKEND = struct.Struct("!4sHxx")  # struct pyproxy_backend: the endpoint counters' key
 SCHEDULERS = tuple(abi.SCHED)
+COUNTED = "random, endpoint counters on"
+"""The random Service through the programs loaded with --bpf-endpoint-counters."""
 WEIGHTED = frozenset({"wrr", "sed", "nq"})
 FLOOR = "XDP verdict only (floor)"
 MOVES = 40
@@ -86,7 +97,7 @@ class Node:
         self.clients = 0
 
     def program(self, desired: Mapping[str, tuple[ServicePortState, ...]]) -> int:
-        plan = render(self.applied, desired, self.capacity)
+        plan = render(self.applied, desired, self.capacity, endpoint_counters=True)
         for op in plan.ops:
             self.dp.maps.run(op)
         self.applied.commit(plan)
@@ -126,10 +137,22 @@ def pinned(node: Node, k: int, sched: str) -> Flow:
     raise RuntimeError(f"{sched}: no flow picked the self backend at {MOVES} frontend addresses")
 
 
+def endpoint_packets(node: Node, sched: str) -> int:
+    """The packets the endpoint counters map holds for the endpoints of the Service measured with `sched`."""
+    total = 0
+    for fe in node.applied.frontends.values():
+        if fe.service == f"bench/sched-{sched}":
+            for b in fe.known:
+                per_cpu = node.dp.maps.epstats.get(_BACKEND.pack(socket.inet_aton(b.ip), b.port))
+                total += sum(v.packets for v in per_cpu or ())
+    return total
+
+
 def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.LoadedObject,
                  deadline: Deadline) -> None:
     rec.step(f"{core.plural(n, 'service')}: loading the object and filling the maps through render() -> Maps.run")
     node = Node(n)
+    counted = loader.LoadedObject(None)
     try:
         first = n - len(SCHEDULERS)
         ops = node.program({**others(first), **{f"bench/sched-{s}": (measured(s, first + k),)
@@ -138,15 +161,20 @@ def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.Lo
         tc = node.dp.obj.progs[abi.PROG_TC_INGRESS]
         flows = {s: pinned(node, k, s) for k, s in enumerate(SCHEDULERS)}
         est_runs = {s: TestRun(tc, frame(f, tcp_flags=TCP_ACK)) for s, f in flows.items()}
+        counted = loader.load(PYPROXY_OBJECT, None, adopt=node.dp.obj.maps, endpoint_counters=True)
+        counted_tc = counted.progs[abi.PROG_TC_INGRESS]
+        est_runs[COUNTED] = TestRun(counted_tc, frame(flows["random"], tcp_flags=TCP_ACK))
+        series = (*SCHEDULERS, COUNTED)
         floor = TestRun(verdict.progs[VERDICT_PROG], frame(flows["random"], tcp_flags=TCP_ACK))
         repeat, rounds, singles = int(p["repeat"]), int(p["rounds"]), int(p["single_runs"])
-        new: dict[str, list[float]] = {s: [] for s in SCHEDULERS}
-        est: dict[str, list[float]] = {s: [] for s in SCHEDULERS}
-        est_rep: dict[str, list[float]] = {s: [] for s in SCHEDULERS}
+        new: dict[str, list[float]] = {s: [] for s in series}
+        est: dict[str, list[float]] = {s: [] for s in series}
+        est_rep: dict[str, list[float]] = {s: [] for s in series}
         floors: list[float] = []
         floor_rep: list[float] = []
         rec.step(f"{core.plural(n, 'service')}: {rounds} rounds of repeat={repeat:,} on each established flow")
         before = node.dp.counters()
+        counted_before = endpoint_packets(node, "random")
         for run in (floor, *est_runs.values()):
             run(repeat)  # not recorded: warms caches and the CPU's clock, as bench/packet.py's first round
         for _ in range(rounds):
@@ -158,22 +186,28 @@ def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.Lo
                 est_rep[s].append(float(ns))
         rec.step(f"{core.plural(n, 'service')}: {singles:,} single runs each of new flows and the established flow "
                  "per scheduler, and the floor")
-        frames = {s: [frame(node.flow(f.dst)) for _ in range(singles)] for s, f in flows.items()}
+        frames = {s: [frame(node.flow(flows[s if s in flows else "random"].dst)) for _ in range(singles)]
+                  for s in series}
+        progs = {s: counted_tc if s == COUNTED else tc for s in series}
         chunk = 250
         for c, start in enumerate(range(0, singles, chunk)):
             size = min(chunk, singles - start)
             floors.extend(float(floor(1)[1]) for _ in range(size))
-            # Each chunk starts at another scheduler, so none always follows the floor or the lookups of another.
-            for s in SCHEDULERS[c % len(SCHEDULERS):] + SCHEDULERS[:c % len(SCHEDULERS)]:
-                new[s].extend(float(TestRun(tc, data)(1)[1]) for data in frames[s][start:start + chunk])
+            # Each chunk starts at another series, so none always follows the floor or the lookups of another.
+            for s in series[c % len(series):] + series[:c % len(series)]:
+                new[s].extend(float(TestRun(progs[s], data)(1)[1]) for data in frames[s][start:start + chunk])
                 est[s].extend(float(est_runs[s](1)[1]) for _ in range(size))
             if deadline.expired():
                 raise RuntimeError("out of time")
-        per = len(SCHEDULERS)
+        per = len(series)
         _expect(f"{core.plural(n, 'service')}", _delta(before, node.dp.counters()),
                 {"new_flow": per * singles, "established": per * ((rounds + 1) * repeat + singles)})
+        # Only the copy with the counters on counted per endpoint: every one of its packets, none of the others'.
+        _expect("endpoint counters", {"packets": endpoint_packets(node, "random") - counted_before},
+                {"packets": singles + (rounds + 1) * repeat + singles})
         record(rec, n, new, est, est_rep, floors, floor_rep)
     finally:
+        counted.close()
         node.close()
 
 
@@ -184,7 +218,7 @@ def record(rec: Recorder, n: int, new: Mapping[str, list[float]], est: Mapping[s
     rec.add(Measurement("sched_est_single", FLOOR, "floor", n, floor, "ns", detail=summary(floors)))
     rec.add(Measurement("sched_est", FLOOR, "floor", n, statistics.median(floor_rep), "ns", detail=summary(floor_rep)))
     random_new = statistics.median(new["random"])
-    for sched in SCHEDULERS:
+    for sched in new:
         value = statistics.median(new[sched])
         rec.add(Measurement("sched_new", sched, "bpf", n, value, "ns", f"+{value - floor:.0f} ns over the floor",
                             summary(new[sched])))
@@ -217,7 +251,9 @@ def run(p: Mapping[str, Any], rec: Recorder, deadline: Deadline) -> None:
              "128 KB) for each of 100,000 Services would be 13 GB of tables. New "
              "flow: one run per bpf(2) call, distinct flows, the schedulers interleaved in chunks beside the floor "
              "measured the same way; established: the flow pinned to the self backend, repeat N (as "
-             "bench/packet.py's) and single runs. Counters verified.")
+             "bench/packet.py's) and single runs. Counters verified. \"random, endpoint counters on\": the random "
+             "Service through a second copy of the programs loaded with --bpf-endpoint-counters, on the same maps, "
+             "interleaved with the others.")
     verdict = loader.load(VERDICT_OBJECT, None)
     try:
         for n in p["services"]:

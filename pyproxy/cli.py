@@ -48,6 +48,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "bpf_scheduler": ("bpf.scheduler",),
     "bpf_maglev_table_size": ("bpf.maglev_table_size",),
     "bpf_map_sizes": ("bpf.max_entries",),
+    "bpf_endpoint_counters": ("bpf.endpoint_counters",),
     "cluster_cidr": ("masquerade.cluster_cidr",),
     "masquerade_all": ("masquerade.masquerade_all",),
     "iptables_masquerade_bit": ("masquerade.masquerade_bit",),
@@ -206,6 +207,10 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--bpf-map-sizes", type=_map_sizes, metavar="NAME=ENTRIES,...",
                      help="bpf mode: map capacities, by " + ", ".join(abi.RESIZABLE) + " (default: the "
                           "PYPROXY_MAX_* of bpf/include/pyproxy/abi.h)")
+    run.add_argument("--bpf-endpoint-counters", action=argparse.BooleanOptionalAction,
+                     help="bpf mode: count packets and bytes per endpoint address:port for "
+                          "pyproxy_endpoint_packets_total and pyproxy_endpoint_bytes_total (default: "
+                          f"{'on' if d.bpf.endpoint_counters else 'off'})")
     run.add_argument("--cluster-cidr", help="masquerade ClusterIP traffic from outside this range")
     run.add_argument("--masquerade-all", action="store_true", default=None,
                      help="masquerade all ClusterIP traffic")

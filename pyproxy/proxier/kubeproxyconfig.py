@@ -94,7 +94,7 @@ SCHEMA: Schema = {
     "configSyncPeriod": DURATION, "portRange": STR, "udpIdleTimeout": DURATION, "windowsRunAsService": BOOL,
     "bpf": {"devices": STRINGS, "xdpDevices": STRINGS, "socketLB": BOOL, "cgroupRoot": STR, "snatPortRange": STR,
             "scheduler": STR, "maglevTableSize": INT, "mapSizes": INT_MAP, "tcpSynTimeout": DURATION,
-            "tcpCloseTimeout": DURATION},
+            "tcpCloseTimeout": DURATION, "endpointCounters": BOOL},
 }
 
 # Fields pyproxy cannot honour: a real value is refused with the reason; a zero value passes.
@@ -356,6 +356,8 @@ class _Reader:
                 setattr(b, attr, tuple(value))
         if (socket_lb := self.fields.get("bpf.socketLB")) is not None:
             b.socket_lb = socket_lb
+        if (counters := self.fields.get("bpf.endpointCounters")) is not None:
+            b.endpoint_counters = counters
         if (root := self.given("bpf.cgroupRoot")) is not None:
             b.cgroup_root = Path(root)
         if (ports := self.given("bpf.snatPortRange")) is not None:
@@ -441,6 +443,7 @@ def dump(s: ProxySettings) -> str:
                 "cgroupRoot": str(s.bpf.cgroup_root or ""),
                 "snatPortRange": f"{s.bpf.snat_ports[0]}-{s.bpf.snat_ports[1]}", "scheduler": s.bpf.scheduler,
                 "maglevTableSize": s.bpf.maglev_table_size, "mapSizes": map_sizes,
-                "tcpSynTimeout": format_duration(ct.tcp_new), "tcpCloseTimeout": format_duration(ct.tcp_closed)},
+                "tcpSynTimeout": format_duration(ct.tcp_new), "tcpCloseTimeout": format_duration(ct.tcp_closed),
+                "endpointCounters": s.bpf.endpoint_counters},
     }
     return yaml.safe_dump(doc, sort_keys=False)

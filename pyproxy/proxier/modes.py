@@ -55,6 +55,7 @@ HONOURED_BY = (
     Honoured("--bpf-scheduler", lambda s: s.bpf.scheduler, _BPF),
     Honoured("--bpf-maglev-table-size", lambda s: s.bpf.maglev_table_size, _BPF),
     Honoured("--bpf-map-sizes", lambda s: s.bpf.max_entries, _BPF),
+    Honoured("--bpf-endpoint-counters", lambda s: s.bpf.endpoint_counters, _BPF),
     Honoured("--conntrack-tcp-timeout-established", lambda s: s.bpf.ct_timeouts.tcp_established, _BPF),
     Honoured("--conntrack-tcp-timeout-close-wait", lambda s: s.bpf.ct_timeouts.tcp_closing, _BPF),
     Honoured("--conntrack-udp-timeout", lambda s: s.bpf.ct_timeouts.udp_new, _BPF),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from scenarios import DNS_IP, WEB_IP, start_web_and_dns
+from scenarios import DNS_IP, WEB_IP, all_ready, dns, start_web_and_dns, web
 
 from pyproxy.dataplane.bpf import abi
 
@@ -69,3 +69,78 @@ def test_json_logs_are_one_object_a_line_with_upstreams_keys(make_env) -> None:
     sync = next(line for line in lines if line["msg"] == "SyncProxyRules complete")
     assert sync["v"] == 2 and sync["fullSync"] is True and sync["services"] == 2
     assert sync["elapsed"].endswith("ms") and sync["caller"].startswith("proxier.py:")
+
+
+def _endpoint_series(m: dict[str, float], service: str, port: str) -> dict[str, tuple[float, float]]:
+    """endpoint -> (packets, bytes) of one Service port's pyproxy_endpoint_* series."""
+    out: dict[str, tuple[float, float]] = {}
+    for key, value in m.items():
+        if not key.startswith("pyproxy_endpoint_packets_total{"):
+            continue
+        labels = dict(kv.split("=", 1) for kv in key[key.index("{") + 1:-1].split(","))
+        if (labels["namespace"], labels["service"], labels["port"]) == ("default", service, port):
+            out[labels["endpoint"]] = (value, m[key.replace("_packets_total", "_bytes_total")])
+    return out
+
+
+def _settled(env) -> dict[str, float]:
+    """A scrape once two in a row agree on the Services' counters: a connection's last ACK may still be on its way
+    when the probe returns."""
+    last = env.metrics()
+    for _ in range(100):
+        m = env.metrics()
+        if all(m.get(k) == last.get(k) for k in m if k.startswith("pyproxy_service_")):
+            return m
+        last = m
+    raise AssertionError("the Services' counters kept moving with no traffic sent")
+
+
+def test_endpoint_counters_count_exactly_the_endpoints_that_served(make_env) -> None:
+    env = make_env(3)
+    b1, b2, b3 = env.lab.backends[:3]
+    env.write("web.yaml", *web(all_ready(env)))
+    env.write("dns.yaml", *dns({b1.ip: True, b2.ip: True, b3.ip: False}))  # b3:5353 an endpoint that serves nothing
+    env.start(args=["--bpf-endpoint-counters"])
+    assert _endpoint_series(env.metrics(), "dns", "dns") == {}, "no series before any traffic"
+    ips = {b.name: b.ip for b in env.lab.backends}
+
+    n = 40
+    udp = env.probe("udp", DNS_IP, 53, n)
+    assert udp["failures"] == 0
+    m = _settled(env)
+    served = {f"{ips[name.split(':')[0]]}:5353": count for name, count in udp["replies"].items()}
+    # One datagram per probe: each endpoint counted exactly the probes it answered, and only those that answered.
+    assert _endpoint_series(m, "dns", "dns") == {ep: (count, count * UDP_FRAME) for ep, count in served.items()}
+    assert f"{b3.ip}:5353" not in served
+
+    tcp = env.probe("tcp", WEB_IP, 80, n)
+    assert tcp["failures"] == 0
+    m = _settled(env)
+    web_eps = _endpoint_series(m, "web", "http")
+    assert set(web_eps) == {f"{ips[name.split(':')[0]]}:8080" for name in tcp["replies"]}
+    for name, count in tcp["replies"].items():  # SYN, the handshake's ACK, the request, the close
+        assert web_eps[f"{ips[name.split(':')[0]]}:8080"][0] >= 3 * count
+    # The Service's counter is the sum of its endpoints' (each packet is counted once in each, at the same place).
+    for service, labels in (("web", WEB), ("dns", DNS)):
+        eps = _endpoint_series(m, service, labels.split("port=")[1].split(",")[0])
+        assert sum(p for p, _ in eps.values()) == m[f"pyproxy_service_packets_total{{{labels}}}"]
+        assert sum(b for _, b in eps.values()) == m[f"pyproxy_service_bytes_total{{{labels}}}"]
+
+
+def test_endpoint_counts_survive_a_restart_and_go_with_the_endpoint(make_env) -> None:
+    env = make_env(2)
+    b1, b2 = env.lab.backends[:2]
+    env.write("dns.yaml", *dns({b1.ip: True, b2.ip: True}))
+    env.start(args=["--bpf-endpoint-counters"])
+    assert env.probe("udp", DNS_IP, 53, 40)["failures"] == 0
+    counted = _endpoint_series(_settled(env), "dns", "dns")
+    assert set(counted) == {f"{b1.ip}:5353", f"{b2.ip}:5353"}
+
+    assert env.running.terminate() == 0
+    env.start(args=["--bpf-endpoint-counters"])
+    assert _endpoint_series(env.metrics(), "dns", "dns") == counted, "the pinned map kept every count"
+
+    env.write("dns.yaml", *dns({b1.ip: True}))  # b2:5353 leaves its only Service
+    gone = env.poll(lambda: f"{b2.ip}:5353" not in _endpoint_series(env.metrics(), "dns", "dns"), deadline=10.0)
+    assert gone is not None, "b2's series stayed after it left every Service"
+    assert _endpoint_series(env.metrics(), "dns", "dns") == {f"{b1.ip}:5353": counted[f"{b1.ip}:5353"]}

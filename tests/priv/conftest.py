@@ -51,3 +51,12 @@ def dp(bpf_object: Path) -> Iterator[Dataplane]:
     dataplane = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY))
     yield dataplane
     dataplane.close()
+
+
+@pytest.fixture
+def dp_counted(bpf_object: Path) -> Iterator[Dataplane]:
+    """As `dp`, loaded and programmed with the per-endpoint counters on (--bpf-endpoint-counters)."""
+    dataplane = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY, endpoint_counters=True),
+                          endpoint_counters=True)
+    yield dataplane
+    dataplane.close()

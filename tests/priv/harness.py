@@ -86,8 +86,10 @@ BOTH_PROTOS = [pytest.param(TCP, id="tcp"), pytest.param(UDP, id="udp")]
 class Dataplane:
     """One loaded copy of the programs and maps, programmed through render() like BpfDataplane.apply."""
 
-    def __init__(self, obj: loader.LoadedObject) -> None:
+    def __init__(self, obj: loader.LoadedObject, endpoint_counters: bool = False) -> None:
         self.obj = obj
+        self.endpoint_counters = endpoint_counters
+        """What the object was loaded with (--bpf-endpoint-counters): render keeps the endpoint counters map then."""
         # Maps owns (closes) its fds, and so does the object: give Maps its own.
         self.maps = Maps({name: os.dup(fd) for name, fd in obj.maps.items()})
         self.capacity = {name: loader.map_info(fd).max_entries for name, fd in obj.maps.items()}
@@ -101,7 +103,7 @@ class Dataplane:
 
     def apply(self, *states: ServicePortState, service: str = SERVICE,
               masq: MasqueradeSettings = NO_MASQUERADE, scheduling: Scheduling = DEFAULT_SCHEDULING) -> Plan:
-        plan = render(self.applied, {service: states}, self.capacity, masq, scheduling)
+        plan = render(self.applied, {service: states}, self.capacity, masq, scheduling, self.endpoint_counters)
         self.maps.run_batches(plan.batches)
         self.applied.commit(plan)
         return plan
@@ -144,6 +146,10 @@ class Dataplane:
     def stats(self, svc_id: int) -> tuple[int, int]:
         per_cpu = self.maps.stats.get(svc_id)
         return sum(s.packets for s in per_cpu), sum(s.bytes for s in per_cpu)
+
+    def endpoint_stats(self) -> dict[Backend, tuple[int, int]]:
+        """Backend -> (packets, bytes) of MAP_EPSTATS, summed over CPUs."""
+        return self.maps.endpoint_stats()
 
 
 def backend_of(out: bytes) -> Backend:

@@ -19,9 +19,9 @@ import pytest
 
 from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.backend import Maps
-from pyproxy.dataplane.bpf.maps import PerCpuArray
+from pyproxy.dataplane.bpf.maps import PerCpuArray, PerCpuHash
 
-BPF_MAP_TYPE_PERCPU_ARRAY = 6  # uapi/linux/bpf.h enum bpf_map_type
+BPF_MAP_TYPE_PERCPU_HASH, BPF_MAP_TYPE_PERCPU_ARRAY = 5, 6  # uapi/linux/bpf.h enum bpf_map_type
 _QUALIFIERS = ("TYPEDEF", "CONST", "VOLATILE", "RESTRICT", "TYPE_TAG")
 
 
@@ -142,21 +142,27 @@ def _py_name(cls: type) -> str:
 
 def test_python_reads_each_map_with_its_c_key_and_value_types(btf: Btf) -> None:
     """backend.Maps is how the control plane reads and writes every map: its key and value types must be
-    the map's own, and the per-CPU reader must be used exactly for the per-CPU maps."""
+    the map's own, and the per-CPU readers must be used exactly for the per-CPU maps of their kind."""
     maps = Maps({name: -1 for name in abi.ALL_MAPS})  # no fds: only the declared types are inspected
-    readers: dict[str, tuple[type, type, bool]] = {
-        m.name: (m.key_type, m.value_type, False) for m in maps.by_name.values()
+    readers: dict[str, tuple[type, type, int | None]] = {
+        m.name: (m.key_type, m.value_type, None) for m in maps.by_name.values()
     }
     for arr in (maps.stats, maps.counters):
         assert isinstance(arr, PerCpuArray)
-        readers[arr.name] = (ctypes.c_uint32, arr.value_type, True)
+        readers[arr.name] = (ctypes.c_uint32, arr.value_type, BPF_MAP_TYPE_PERCPU_ARRAY)
+    assert isinstance(maps.epstats, PerCpuHash)
+    readers[maps.epstats.name] = (maps.epstats.key_type, maps.epstats.value_type, BPF_MAP_TYPE_PERCPU_HASH)
     assert sorted(readers) == sorted(abi.ALL_MAPS)
 
     defs = btf.map_defs()
     for name, (key_type, value_type, per_cpu) in readers.items():
         d = defs.get(name)
         assert d is not None, f"map {name} is not in the object"
-        assert (btf.map_uint(d, "type") == BPF_MAP_TYPE_PERCPU_ARRAY) == per_cpu, f"{name}: per-CPU or not"
+        kind = btf.map_uint(d, "type")
+        if per_cpu is None:
+            assert kind not in (BPF_MAP_TYPE_PERCPU_HASH, BPF_MAP_TYPE_PERCPU_ARRAY), f"{name} is per-CPU"
+        else:
+            assert kind == per_cpu, f"{name}: map type {kind}, read as {per_cpu}"
         fields = [("key", key_type), ("value", value_type)]
         if name == abi.MAP_TABLES:
             # A map of maps: user space writes inner maps' fds and reads their ids (u32 both); each inner map
@@ -190,6 +196,14 @@ def test_counter_enum_matches_python_order(btf: Btf, bpf_object: Path, tool: Cal
     assert [name.removeprefix("PYPROXY_CNT_").lower() for name, _ in values[:-1]] == list(abi.COUNTERS)
     assert [val for _, val in values[:-1]] == list(range(len(abi.COUNTERS)))
     assert btf.map_uint(btf.map_defs()[abi.MAP_COUNTERS], "max_entries") == len(abi.COUNTERS)
+
+
+def test_the_endpoint_counters_map_follows_the_backends_map(btf: Btf) -> None:
+    """One entry per backend: by default as many as the backends map holds (loader.load keeps a resized backends
+    map's size for it too)."""
+    defs = btf.map_defs()
+    assert (btf.map_uint(defs[abi.MAP_EPSTATS], "max_entries")
+            == btf.map_uint(defs[abi.MAP_BACKENDS], "max_entries"))
 
 
 def test_programs_python_attaches_exist(btf: Btf) -> None:

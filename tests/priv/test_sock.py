@@ -96,7 +96,8 @@ def world(bpf_object: Path) -> Iterator[World]:
     cg, pins, ns = ensure_cgroup2() / f"sock-test-{tag}", ensure_bpffs() / f"sock-test-{tag}", f"pyp-sock-{tag}"
     cg.mkdir()
     pins.mkdir()
-    dp = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY))
+    # With the per-endpoint counters on: the hooks count a connection per endpoint as per frontend.
+    dp = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY, endpoint_counters=True), endpoint_counters=True)
     try:
         subprocess.run(["ip", "netns", "add", ns], check=True)
         subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
@@ -139,6 +140,8 @@ def test_a_node_process_reaches_frontends_through_the_socket_hooks(world: World)
     assert got["connected_udp_reply"] == "udp:c" and got["connected_udp_peer"] == [VIP, 53]
     assert got["empty"] == "ConnectionRefusedError", "a frontend without endpoints refuses at connect()"
     assert dp.counter("sock_lb") == 3 and dp.counter("sock_refused") == 1
+    # A connect() or an unconnected send counts 1 packet and no bytes, for the endpoint as for the frontend.
+    assert dp.endpoint_stats() == {TCP_BACKEND: (1, 0), UDP_BACKEND: (2, 0)}
 
 
 def test_a_process_outside_the_cgroup_is_not_affected(world: World) -> None:

@@ -110,6 +110,8 @@ def test_zero_values_are_the_defaults() -> None:
     ("bpf: {devices: [eth0, eth1]}", "bpf.devices", ("eth0", "eth1")),
     ("bpf: {devices: [eth0], xdpDevices: [eth0]}", "bpf.xdp_devices", ("eth0",)),
     ("bpf: {socketLB: false}", "bpf.socket_lb", False),
+    ("bpf: {endpointCounters: true}", "bpf.endpoint_counters", True),
+    ("bpf: {endpointCounters: false}", "bpf.endpoint_counters", False),
     ("bpf: {cgroupRoot: /sys/fs/cgroup/kubepods}", "bpf.cgroup_root", Path("/sys/fs/cgroup/kubepods")),
     ("bpf: {snatPortRange: 50000-50999}", "bpf.snat_ports", (50000, 50999)),
     ("bpf: {scheduler: maglev}", "bpf.scheduler", "maglev"),
@@ -321,6 +323,7 @@ def every_setting() -> ProxySettings:
     b = s.bpf
     b.devices, b.xdp_devices, b.socket_lb, b.cgroup_root = ("eth0", "eth1"), ("eth0",), False, Path("/sys/fs/cgroup")
     b.snat_ports, b.scheduler, b.maglev_table_size, b.max_entries = (50000, 59999), "maglev", 251, {abi.MAP_CT: 4096}
+    b.endpoint_counters = not b.endpoint_counters
     b.ct_timeouts = CtTimeouts(tcp_new=5.0, tcp_established=7200.0, tcp_closing=60.0, tcp_closed=2.5, udp_new=1.5,
                                udp_established=45.0)
     return s

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from pyproxy.dataplane import netfilter as nf
 from pyproxy.dataplane.bpf import abi
-from pyproxy.dataplane.bpf.backend import BpfDataplane, BpfSettings
+from pyproxy.dataplane.bpf.backend import BpfDataplane, BpfSettings, endpoint_owners
 from pyproxy.dataplane.bpf.render import Applied, AppliedFrontend
 from pyproxy.dataplane.fake import FakeDataplane
 from pyproxy.k8s.informer import ReflectorStats
@@ -69,8 +69,49 @@ def bpf_with_traffic() -> BpfDataplane:
     dp.maps = SimpleNamespace(  # type: ignore[assignment]
         stats=FakePerCpu({1: [abi.SvcStats(3, 300), abi.SvcStats(4, 100)], 2: [abi.SvcStats(1, 60)],
                           3: [abi.SvcStats(0, 0)]}),
-        counters=FakePerCpu(counters))
+        counters=FakePerCpu(counters),
+        endpoint_stats=lambda: {})
     return dp
+
+
+def _fe_of(svc_id: int, service: str, port: str, *known: Backend) -> AppliedFrontend:
+    return AppliedFrontend(svc_id=svc_id, name=f"{service}:{port}" if port else service, service=service,
+                           backends=known, known=known, affinity_sec=0)
+
+
+def bpf_with_endpoint_traffic() -> BpfDataplane:
+    """Two Services whose Service ports share one endpoint address:port, and a not-ready endpoint with no traffic."""
+    a, b, shared, idle = (Backend(f"10.0.1.{i}", 8080) for i in (1, 2, 3, 4))
+    dp = BpfDataplane(BpfSettings(endpoint_counters=True))
+    dp.applied = Applied({
+        ("10.96.0.10", 80, "TCP", 0): _fe_of(1, "default/web", "http", a, b, shared, idle),
+        ("192.0.2.1", 30080, "TCP", 0): _fe_of(2, "default/web", "http", a, b, shared, idle),
+        ("10.96.0.11", 80, "TCP", 0): _fe_of(3, "apps/api", "", shared),
+    })
+    counts = {a: (5, 500), b: (2, 120), shared: (7, 700), idle: (0, 0), Backend("10.9.9.9", 1): (3, 3)}
+    dp.maps = SimpleNamespace(stats=FakePerCpu({}), counters=FakePerCpu({}),  # type: ignore[assignment]
+                              endpoint_stats=lambda: counts)
+    return dp
+
+
+def test_bpf_collector_exports_each_endpoint_that_was_sent_traffic_once() -> None:
+    got = {k: v for k, v in samples(bpf_with_endpoint_traffic().collector).items() if k.startswith("pyproxy_endpoint_")}
+    web = "namespace=default,port=http,service=web"
+    assert got == {
+        f"pyproxy_endpoint_packets_total{{endpoint=10.0.1.1:8080,{web}}}": 5,
+        f"pyproxy_endpoint_bytes_total{{endpoint=10.0.1.1:8080,{web}}}": 500,
+        f"pyproxy_endpoint_packets_total{{endpoint=10.0.1.2:8080,{web}}}": 2,
+        f"pyproxy_endpoint_bytes_total{{endpoint=10.0.1.2:8080,{web}}}": 120,
+        # Shared by apps/api and default/web: one series, the first Service port's labels, both Services' packets.
+        "pyproxy_endpoint_packets_total{endpoint=10.0.1.3:8080,namespace=apps,port=,service=api}": 7,
+        "pyproxy_endpoint_bytes_total{endpoint=10.0.1.3:8080,namespace=apps,port=,service=api}": 700,
+    }, "no series for an endpoint without traffic, nor for a backend no Service has"
+
+
+def test_bpf_collector_exports_no_endpoint_series_with_the_counters_off() -> None:
+    dp = bpf_with_endpoint_traffic()
+    dp.settings.endpoint_counters = False
+    assert not [k for k in samples(dp.collector) if k.startswith("pyproxy_endpoint_")]
 
 
 def test_bpf_collector_exports_each_frontends_packets_and_bytes_summed_over_cpus() -> None:
@@ -204,7 +245,7 @@ def all_sample_names() -> set[str]:
     collectors: list[Collector] = []
     for mode in ("iptables", "ipvs", "nftables", "bpf"):
         collectors += ProxyMetrics(mode).registry._collector_to_names  # noqa: SLF001
-    collectors += [bpf_with_traffic().collector, nf.ConntrackMetrics(),
+    collectors += [bpf_with_traffic().collector, bpf_with_endpoint_traffic().collector, nf.ConntrackMetrics(),
                    InformerCollector({"services": ReflectorStats()}), NoLocalEndpointsCollector(DesiredState)]
     names: set[str] = set()
     suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
@@ -241,3 +282,10 @@ def test_every_series_the_readme_lists_exists() -> None:
     known = all_sample_names()
     families = {n.removesuffix(s) for n in known for s in ("_total", "_bucket", "_seconds")}
     assert {n for n in listed if n not in known and n not in families} == set()
+
+
+def test_a_shared_endpoint_is_labelled_by_namespace_then_name_then_port() -> None:
+    shared = Backend("10.0.1.3", 8080)
+    owners = endpoint_owners([_fe_of(1, "a/b", "z", shared), _fe_of(2, "a-x/a", "a", shared),
+                              _fe_of(3, "a/b", "y", shared)])
+    assert owners == {shared: ("a", "b", "y")}  # "a" before "a-x", though "a-x/a" sorts before "a/b" as a string

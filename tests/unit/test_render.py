@@ -73,9 +73,12 @@ def dns(*backends: Backend) -> ServicePortState:
 class MapModel:
     """The maps render() writes, as dictionaries keyed and valued by the ops' tuples."""
 
-    def __init__(self) -> None:
+    def __init__(self, endpoint_counters: bool = False) -> None:
         self.maps: MapContents = {m: {} for m in (abi.MAP_SERVICES, abi.MAP_SLOTS, abi.MAP_TABLES, abi.MAP_BACKENDS,
                                                   abi.MAP_NAMES, abi.MAP_EPOCH, abi.MAP_PORTS)}
+        self.endpoint_counters = endpoint_counters
+        if endpoint_counters:
+            self.maps[abi.MAP_EPSTATS] = {}
         self.resets: list[int] = []
         self.fresh: set[int] = set()
         self.epochs_seen: set[tuple] = set()
@@ -142,6 +145,10 @@ class MapModel:
                 # A table being replaced by one of another size may miss entries: the programs choose at random.
                 entry = tables.get((svc_id, i))
                 assert entry is None or entry in backends, f"{key}: table entry {i} of {table_size} unknown"
+        if self.endpoint_counters:
+            # A backend a slot can point at is counted from its first packet: its counters came before it.
+            uncounted = set(backends) - set(self.maps[abi.MAP_EPSTATS])
+            assert not uncounted, f"backends without counters: {uncounted}"
         if self.last_op is not None and self.last_op[:2] in (("put", abi.MAP_BACKENDS), ("put", abi.MAP_PORTS)):
             return  # a new backend's port bit comes with the batch after the backends', a word at a time
         words = self.maps[abi.MAP_PORTS]
@@ -149,10 +156,12 @@ class MapModel:
             assert words.get((p // 64,), (0,))[0] >> (p % 64) & 1, f"port {p} of a known backend not in the bitmap"
 
 
-def contents(applied: Applied) -> MapContents:
-    """What the maps hold when they match `applied`."""
+def contents(applied: Applied, endpoint_counters: bool = False) -> MapContents:
+    """What the maps hold when they match `applied` (MAP_EPSTATS: as written, zeroed; the model counts nothing)."""
     fes = applied.frontends
+    counters = {abi.MAP_EPSTATS: {(b.ip, b.port): (0, 0) for b in applied.backend_refs}} if endpoint_counters else {}
     return {
+        **counters,
         abi.MAP_SERVICES: {
             k: (f.svc_id, len(f.backends), f.flags | (abi.SVC_F_AFFINITY if f.affinity_sec else 0), f.affinity_sec,
                 f.sched, len(f.table))
@@ -189,21 +198,22 @@ def check_indexes(applied: Applied) -> None:
 class Cluster:
     """Successive plans, each run on the map model as BpfDataplane.apply runs them on the kernel."""
 
-    def __init__(self, capacity: Mapping[str, int] | None = None) -> None:
+    def __init__(self, capacity: Mapping[str, int] | None = None, endpoint_counters: bool = False) -> None:
         self.applied = Applied()
-        self.model = MapModel()
+        self.model = MapModel(endpoint_counters)
         self.capacity = dict(capacity or {})
+        self.endpoint_counters = endpoint_counters
 
     def sync(self, desired: Mapping[str, Iterable[ServicePortState]],
              scheduling: Scheduling = DEFAULT_SCHEDULING) -> Plan:
         plan = render(self.applied, {k: tuple(v) for k, v in desired.items()}, self.capacity, NO_MASQUERADE,
-                      scheduling)
+                      scheduling, self.endpoint_counters)
         for op in plan.ops:
             self.model.run(op)
             self.model.check_servable()
         self.model.check_epoch(plan)
         self.applied.commit(plan)
-        assert self.model.maps == contents(self.applied)
+        assert self.model.maps == contents(self.applied, self.endpoint_counters)
         check_indexes(self.applied)
         return plan
 
@@ -358,6 +368,36 @@ def test_capacity_exceeded_names_the_map_and_changes_nothing(full_map: str, size
     assert c.applied == before and c.model.maps == model
 
 
+def test_the_endpoint_counters_map_must_hold_every_backend_when_they_count() -> None:
+    for counters in (False, True):
+        c = Cluster({abi.MAP_EPSTATS: 2}, endpoint_counters=counters)
+        c.sync({WEB: [web(A, B)]})
+        if counters:
+            with pytest.raises(CapacityError, match=abi.MAP_EPSTATS):
+                c.sync({DNS: [dns(X)]})
+        else:
+            c.sync({DNS: [dns(X)]})  # the map stays empty: its size does not matter
+
+
+def test_an_endpoint_keeps_its_counters_while_any_service_has_it() -> None:
+    c = Cluster(endpoint_counters=True)
+    c.sync({WEB: [web(A, B)], DNS: [port(DNS, "10.96.0.53", 53, [A])]})
+    plan = c.sync({WEB: [web(B)]})
+    assert [op for op in plan.ops if op.map == abi.MAP_EPSTATS] == []
+    plan = c.sync({DNS: []})
+    assert [op for op in plan.ops if op.map == abi.MAP_EPSTATS] == [Op("del", abi.MAP_EPSTATS, (A.ip, A.port))]
+
+
+def test_the_first_plan_of_a_restart_writes_no_counters_of_backends_the_map_holds() -> None:
+    """Backends read back from the maps after a restart are unreferenced until the first sync references them
+    again and writes them to the backends map once more: their counters are not written again (that would zero
+    them); only backends new to the map get theirs."""
+    held = Applied(backend_refs={A: 0})
+    plan = render(held, {WEB: (web(A, B),)}, {}, endpoint_counters=True)
+    assert [op for op in plan.ops if op.map == abi.MAP_EPSTATS] == [Op("put", abi.MAP_EPSTATS, (B.ip, B.port), (0, 0))]
+    assert Op("put", abi.MAP_BACKENDS, (A.ip, A.port), (0,)) in plan.ops
+
+
 def test_sctp_frontends_are_reported_skipped() -> None:
     c = Cluster()
     sctp = port(WEB, "10.96.0.10", 9000, [A], protocol=Protocol.SCTP, name="sig")
@@ -433,14 +473,17 @@ def test_a_cold_start_comes_in_few_batches() -> None:
         ("del", abi.MAP_BACKENDS, 150), ("put", abi.MAP_PORTS, 1), ("put", abi.MAP_EPOCH, 1)]
 
 
+@pytest.mark.parametrize("counters", [False, True], ids=["", "endpoint-counters"])
 @pytest.mark.parametrize("seed", range(5))
-def test_random_partial_syncs_keep_the_maps_servable_and_the_indexes_exact(seed: int) -> None:
+def test_random_partial_syncs_keep_the_maps_servable_and_the_indexes_exact(seed: int, counters: bool) -> None:
     """Services come, go, change backends, ports and ClusterIPs (taking over each other's), one plan at a
-    time over a few of them; Cluster.sync checks every op and the indexes after every plan."""
+    time over a few of them; Cluster.sync checks every op and the indexes after every plan (with per-endpoint
+    counters: every backend has its counters before a slot can point at it, and exactly the backends have them
+    after each plan)."""
     rng = random.Random(seed)
     pool = [Backend(f"10.0.{i // 8}.{i % 8}", 8080) for i in range(24)]
     services = [f"ns/s{i}" for i in range(12)]
-    c = Cluster()
+    c = Cluster(endpoint_counters=counters)
     desired: dict[str, list[ServicePortState]] = {}
     for _ in range(150):
         plan: dict[str, list[ServicePortState]] = {}

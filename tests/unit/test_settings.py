@@ -122,6 +122,12 @@ def test_flags_set_their_settings() -> None:
     assert settings("--sync-period=45").sync_period == 45.0
 
 
+def test_endpoint_counters_are_a_flag_and_its_negation() -> None:
+    assert settings("--bpf-endpoint-counters").bpf.endpoint_counters is True
+    assert settings("--no-bpf-endpoint-counters").bpf.endpoint_counters is False
+    assert settings().bpf.endpoint_counters is ProxySettings().bpf.endpoint_counters
+
+
 def test_the_snat_port_range_is_first_dash_last(capsys) -> None:
     assert settings("--bpf-snat-port-range=40000-40100").bpf.snat_ports == (40000, 40100)
     with pytest.raises(SystemExit) as exited:

@@ -31,6 +31,7 @@
 #define PYPROXY_MAP_SRCRANGES pyproxy_range_v1
 #define PYPROXY_MAP_CURSORS   pyproxy_rr_v1
 #define PYPROXY_MAP_TABLES    pyproxy_tbl_v2   /* v2: an array per frontend (map in map) */
+#define PYPROXY_MAP_EPSTATS   pyproxy_epstat_v1
 
 /* Default capacities; the loader may resize before load (bpf_map__set_max_entries). */
 #define PYPROXY_MAX_SERVICES  131072   /* frontends: ClusterIP x port x protocol */
@@ -41,6 +42,7 @@
 #define PYPROXY_PORT_WORDS    1024     /* 65536 ports, a bit each */
 #define PYPROXY_MAX_SOCKS     65536    /* node sockets pointed at a backend by the socket hooks */
 #define PYPROXY_MAX_SRCRANGES 16384    /* loadBalancerSourceRanges entries over all frontends */
+#define PYPROXY_MAX_EPSTATS   PYPROXY_MAX_BACKENDS   /* one per backend; the loader keeps it the backends map's size */
 
 /* struct pyproxy_svc_value.flags */
 #define PYPROXY_SVC_F_AFFINITY  0x1    /* ClientIP session affinity: a client keeps its backend */
@@ -231,6 +233,10 @@ struct pyproxy_config {
 	struct pyproxy_ct_timeouts ct;
 	struct pyproxy_snat_ports snat;
 	struct pyproxy_cidr cluster;
+	/* 1: count each backend's packets and bytes (PYPROXY_MAP_EPSTATS, --bpf-endpoint-counters). A constant, so
+	 * with 0 the verifier removes the count and its lookup from the programs: off costs nothing per packet. */
+	__u32 endpoint_counters;
+	__u32 pad;     /* zero */
 };
 
 /* Value of PYPROXY_MAP_CURSORS: a frontend's round-robin position (rr, wrr). */
@@ -273,7 +279,8 @@ struct pyproxy_srcrange_key {
 	__be32 addr;      /* network byte order; the range's network address */
 };
 
-/* Value of PYPROXY_MAP_STATS (per-CPU): traffic from clients to one frontend. */
+/* Value of PYPROXY_MAP_STATS (per-CPU): traffic from clients to one frontend; and of PYPROXY_MAP_EPSTATS
+ * (per-CPU): the same traffic counted per backend it went to. */
 struct pyproxy_svc_stats {
 	__u64 packets;  /* host order */
 	__u64 bytes;    /* host order */

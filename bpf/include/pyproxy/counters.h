@@ -22,4 +22,19 @@ static __always_inline void pyproxy_count_svc(__u32 svc_id, __u64 bytes)
 	}
 }
 
+/* Service traffic sent to backend *be, counted per backend too when the loader asked for it (see
+ * pyproxy_config.endpoint_counters: a constant, so with counting off this is no code at all). */
+static __always_inline void pyproxy_count_endpoint(const struct pyproxy_backend *be, __u64 bytes)
+{
+	struct pyproxy_svc_stats *st;
+
+	if (!pyproxy_config.endpoint_counters)
+		return;
+	st = bpf_map_lookup_elem(&PYPROXY_MAP_EPSTATS, be);
+	if (st) {
+		st->packets += 1;
+		st->bytes += bytes;
+	}
+}
+
 #endif

@@ -174,6 +174,7 @@ static __always_inline int pyproxy_lb_forward(void *ctx, __u32 ifindex, const st
 			pyproxy_ct_seen(&k, ct, p->tcp_flags, now);
 			pyproxy_count(PYPROXY_CNT_ESTABLISHED);
 			pyproxy_count_svc(svc->svc_id, pkt_len);
+			pyproxy_count_endpoint(be, pkt_len);
 			return PYPROXY_DNAT;
 		} else {
 			pyproxy_count(PYPROXY_CNT_REBALANCED);
@@ -220,6 +221,7 @@ static __always_inline int pyproxy_lb_forward(void *ctx, __u32 ifindex, const st
 		pyproxy_active_add(be, 1);
 	pyproxy_count(PYPROXY_CNT_NEW_FLOW);
 	pyproxy_count_svc(svc->svc_id, pkt_len);
+	pyproxy_count_endpoint(be, pkt_len);
 	return PYPROXY_DNAT;
 }
 

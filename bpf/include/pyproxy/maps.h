@@ -153,6 +153,21 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_STATS SEC(".maps");
 
+/* Per-endpoint traffic counters: backend -> the packets and bytes of the Service traffic sent to it, counted
+ * beside PYPROXY_MAP_STATS when pyproxy_config.endpoint_counters is set. Keyed by the backend itself: the
+ * established path knows only its address and port (the CT entry has no room for an index). The control plane
+ * writes an entry, zeroed, when a backend enters PYPROXY_MAP_BACKENDS and deletes it when the backend leaves, so
+ * the programs only look up and add (no entry: not counted) and the map holds one entry per endpoint at most.
+ * Per-CPU so counting needs no atomics; not preallocated, so it takes no memory while the counters are off. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, PYPROXY_MAX_EPSTATS);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct pyproxy_backend);
+	__type(value, struct pyproxy_svc_stats);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_EPSTATS SEC(".maps");
+
 /* Datapath event counters (enum pyproxy_counter), for metrics and for telling why packets dropped. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -173,8 +188,9 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_NAMES SEC(".maps");
 
-/* The programs' constants (abi.h): connection-tracking timeouts, SNAT ports, the cluster CIDR. The loader always sets them from
- * the settings and the kernel's HZ; these defaults (at HZ=250) only serve a load that does not. */
+/* The programs' constants (abi.h): connection-tracking timeouts, SNAT ports, the cluster CIDR, whether endpoints
+ * are counted. The loader always sets them from the settings and the kernel's HZ; these defaults (at HZ=250) only
+ * serve a load that does not. */
 const volatile struct pyproxy_config pyproxy_config = {
 	.ct = {
 		.tcp_new = 60 * 250,
@@ -187,6 +203,7 @@ const volatile struct pyproxy_config pyproxy_config = {
 	},
 	.snat = { .min = 61000, .max = 65535 },
 	.cluster = { .addr = 0, .mask = 0 },
+	.endpoint_counters = 0,
 };
 
 #endif

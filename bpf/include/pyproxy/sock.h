@@ -72,6 +72,7 @@ static __always_inline int pyproxy_sock_forward(struct bpf_sock_addr *ctx, __u8 
 	ctx->user_port = be.port;
 	pyproxy_count(PYPROXY_CNT_SOCK_LB);
 	pyproxy_count_svc(svc->svc_id, 0);
+	pyproxy_count_endpoint(&be, 0);
 	return PYPROXY_SOCK_OK;
 }
 

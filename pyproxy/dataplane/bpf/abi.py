@@ -27,19 +27,21 @@ MAP_SOCKS = "pyproxy_sock_v1"
 MAP_SRCRANGES = "pyproxy_range_v1"
 MAP_CURSORS = "pyproxy_rr_v1"
 MAP_TABLES = "pyproxy_tbl_v2"
+MAP_EPSTATS = "pyproxy_epstat_v1"
 TABLE_NAME = "pyproxy_table"
 """The name of each frontend's table (PYPROXY_MAP_TABLES' inner arrays)."""
 MAP_PREFIX = "pyproxy_"
 """Every map name (and so every pin) starts with it: how cleanup and a newer layout find ours."""
 ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES, MAP_EPOCH,
-            MAP_FRAGS, MAP_PORTS, MAP_SOCKS, MAP_SRCRANGES, MAP_CURSORS, MAP_TABLES)
+            MAP_FRAGS, MAP_PORTS, MAP_SOCKS, MAP_SRCRANGES, MAP_CURSORS, MAP_TABLES, MAP_EPSTATS)
 RESIZABLE = {
     "services": MAP_SERVICES, "slots": MAP_SLOTS, "backends": MAP_BACKENDS, "ct": MAP_CT, "stats": MAP_STATS,
     "names": MAP_NAMES, "frags": MAP_FRAGS, "socks": MAP_SOCKS, "srcranges": MAP_SRCRANGES, "cursors": MAP_CURSORS,
-    "tables": MAP_TABLES,
+    "tables": MAP_TABLES, "epstats": MAP_EPSTATS,
 }
 """The maps whose capacity a setting may change (--bpf-map-sizes), by the short name a setting uses. Service ids
-index stats, cursors and tables too: they hold as many as services (the largest id must fit)."""
+index stats, cursors and tables too: they hold as many as services (the largest id must fit). epstats holds one
+entry per backend: unless given its own size it takes the backends map's (loader.load)."""
 NAME_LEN = 128  # PYPROXY_NAME_LEN
 PORT_WORDS = 1024  # PYPROXY_PORT_WORDS
 CONFIG_VAR = "pyproxy_config"
@@ -274,7 +276,13 @@ class Cidr(ctypes.Structure):
 class Config(ctypes.Structure):
     """struct pyproxy_config (the .rodata variable CONFIG_VAR)"""
 
-    _fields_ = [("ct", CtTimeoutTicks), ("snat", SnatPorts), ("cluster", Cidr)]
+    _fields_ = [
+        ("ct", CtTimeoutTicks),
+        ("snat", SnatPorts),
+        ("cluster", Cidr),
+        ("endpoint_counters", ctypes.c_uint32),  # 1: count per backend in MAP_EPSTATS
+        ("pad", ctypes.c_uint32),
+    ]
 
 
 class FragKey(ctypes.Structure):
@@ -321,7 +329,7 @@ class SrcRangeKey(ctypes.Structure):
 
 
 class SvcStats(ctypes.Structure):
-    """struct pyproxy_svc_stats"""
+    """struct pyproxy_svc_stats: the value of MAP_STATS (per frontend) and of MAP_EPSTATS (per backend)"""
 
     _fields_ = [
         ("packets", ctypes.c_uint64),  # host order

@@ -26,7 +26,7 @@ from pyproxy.dataplane.base import DataplaneError, MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, attach, cgroup, clock, loader, maglev, snat
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.dataplane.bpf.gc import CtGarbageCollector, CtGcMetrics, CtGcSettings
-from pyproxy.dataplane.bpf.maps import BpfMap, PerCpuArray, create_inner_array, fd_of_map_id
+from pyproxy.dataplane.bpf.maps import BpfMap, PerCpuArray, PerCpuHash, create_inner_array, fd_of_map_id
 from pyproxy.dataplane.bpf.render import (
     Applied,
     AppliedFrontend,
@@ -91,6 +91,12 @@ class BpfSettings:
     """--bpf-maglev-table-size: entries of each maglev frontend's lookup table, a prime of maglev.TABLE_SIZES.
     Larger spreads flows more evenly over many backends (each gets M/N entries, ±1) at 8 bytes per entry and
     frontend; keep it above 100 times the largest backend count."""
+    endpoint_counters: bool = False
+    """--bpf-endpoint-counters (config: bpf.endpointCounters): the programs also count the packets and bytes they
+    send to each endpoint (address:port), for pyproxy_endpoint_packets_total and pyproxy_endpoint_bytes_total.
+    Costs a hash lookup per forwarded packet (README, "Metrics"); off, the programs hold no trace of it (a
+    constant of the programs loaded at start) and the map stays empty. Counts of endpoints that stay survive a
+    restart."""
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, one line each naming its flag (ProxySettings.validate). The
@@ -129,6 +135,7 @@ _BACKEND = struct.Struct("!4sHxx")  # pyproxy_backend: addr, port
 _SLOT = struct.Struct("=4s2sH")  # pyproxy_slot: addr, port (network order bytes), weight
 _BACKEND_INFO = struct.Struct("=Ixxxx")  # pyproxy_backend_info: flags (a new backend's active flows: 0)
 _NAME = struct.Struct(f"{abi.NAME_LEN}s")  # pyproxy_svc_name, NUL-padded
+_STATS = struct.Struct("=QQ")  # pyproxy_svc_stats: packets, bytes (16 bytes: the per-CPU stride too)
 _SLOT_KEY = struct.Struct("=II")  # pyproxy_slot_key: svc_id, slot
 _U32_KEY = struct.Struct("=I")  # the names map's key
 _SRCRANGE_KEY = struct.Struct("=I4s4s")  # pyproxy_srcrange_key: prefixlen, svc_id (network order), addr
@@ -288,6 +295,7 @@ class Maps:
         self.srcranges: BpfMap = BpfMap(fds[abi.MAP_SRCRANGES], abi.MAP_SRCRANGES, abi.SrcRangeKey, ctypes.c_uint32)
         self.stats: PerCpuArray = PerCpuArray(fds[abi.MAP_STATS], abi.MAP_STATS, abi.SvcStats)
         self.counters: PerCpuArray = PerCpuArray(fds[abi.MAP_COUNTERS], abi.MAP_COUNTERS, ctypes.c_uint64)
+        self.epstats: PerCpuHash = PerCpuHash(fds[abi.MAP_EPSTATS], abi.MAP_EPSTATS, abi.Backend, abi.SvcStats)
         self.by_name: dict[str, BpfMap] = {
             m.name: m
             for m in (self.services, self.slots, self.tables.outer, self.backends, self.ct, self.names, self.epoch,
@@ -305,6 +313,7 @@ class Maps:
             m.close()
         self.stats.close()
         self.counters.close()
+        self.epstats.close()
 
     def run(self, op: Op) -> None:
         """One op, one bpf(2) call: for callers that program a few entries (a big plan: run_batches)."""
@@ -313,6 +322,9 @@ class Maps:
             return
         if op.map == abi.MAP_TABLES:
             self._run_tables(op.verb, [op.key], [op.value] if op.value is not None else None)
+            return
+        if op.map == abi.MAP_EPSTATS:
+            self._run_epstats(op.verb, [op.key])
             return
         m = self.by_name[op.map]
         key = KEY_CODECS[op.map]((op.key,))
@@ -332,6 +344,9 @@ class Maps:
             if name == abi.MAP_TABLES:
                 self._run_tables(verb, keys, values)
                 continue
+            if name == abi.MAP_EPSTATS:
+                self._run_epstats(verb, keys)
+                continue
             m = self.by_name[name]
             packed = KEY_CODECS[name](keys)
             if verb == "put":
@@ -339,6 +354,40 @@ class Maps:
                 m.update_batch(packed, self._values[name](values), len(keys))
             else:
                 m.delete_batch(packed, len(keys))
+
+    def _run_epstats(self, verb: str, keys: Sequence[tuple]) -> None:
+        """A backend's counters: "put" writes them zeroed (render's only value), "del" removes them."""
+        if verb == "put":
+            self.epstats.put_zeros(_endpoints(keys), len(keys))
+        else:
+            self.epstats.delete_batch(_endpoints(keys), len(keys))
+
+    def endpoint_stats(self) -> dict[Backend, tuple[int, int]]:
+        """Every backend's counted packets and bytes, summed over CPUs. Unpacked with struct, the whole map at once:
+        a scrape reads it, and it holds an entry per endpoint."""
+        keys, values = self.epstats.items_raw()
+        ncpus = self.epstats.ncpus
+        counts = _STATS.iter_unpack(values)  # each key's CPUs one after the other (the stride is the struct's size)
+        out = {}
+        for addr, port in _BACKEND.iter_unpack(keys):
+            packets = octets = 0
+            for n, size in itertools.islice(counts, ncpus):
+                packets += n
+                octets += size
+            out[Backend(socket.inet_ntoa(addr), port)] = (packets, octets)
+        return out
+
+    def sync_endpoint_stats(self, applied: Applied, on: bool) -> None:
+        """Make the per-endpoint counters map hold what plans keep it at (render: an entry per backend of
+        `applied` when `on`, else none), for when it may not: a new map, counters turned on or off since the last
+        run, a plan that stopped halfway. Entries of backends that stay keep their counts."""
+        held = set(self.epstats.keys_raw())
+        wanted = {_endpoints([b]) for b in applied.backend_refs} if on else set()
+        missing, stale = sorted(wanted - held), sorted(held - wanted)
+        if missing:
+            self.epstats.put_zeros(b"".join(missing), len(missing))
+        if stale:
+            self.epstats.delete_batch(b"".join(stale), len(stale))
 
     def _run_tables(self, verb: str, keys: Sequence[tuple], values: Sequence[tuple] | None) -> None:
         if verb == "new":
@@ -444,6 +493,7 @@ class BpfCollector(Collector):
         yield GaugeMetricFamily("pyproxy_bpf_services_unserved", "Services not programmed because a BPF map is full",
                                 value=len(self._dataplane.unserved))
         yield from service_traffic_families(self._dataplane.traffic())
+        yield from endpoint_traffic_families(self._dataplane.endpoint_traffic())
         events = CounterMetricFamily("pyproxy_bpf_datapath_events", "Events of the BPF programs, summed over CPUs "
                                      "(abi.COUNTERS: new_flow, no_backend, ct_full, ...)", labels=["event"])
         for name, n in self._dataplane.datapath_counters().items():
@@ -464,21 +514,68 @@ class FrontendTraffic(NamedTuple):
     bytes: int
 
 
+def _traffic_families(prefix: str, where: str, packets_help: str,
+                      traffic: Iterable[tuple[str, str, str, int, int]]) -> Iterator[Metric]:
+    """`prefix`_packets_total and `prefix`_bytes_total{namespace,service,port,`where`} of (namespace/name, port
+    name, `where`, packets, bytes) rows."""
+    labels = ["namespace", "service", "port", where]
+    packets = CounterMetricFamily(f"{prefix}_packets", packets_help + " (replies not counted); a socket hook's "
+                                  "connection counts 1", labels=labels)
+    octets = CounterMetricFamily(f"{prefix}_bytes", "Bytes of those packets as the device had them (frames "
+                                 "with their link-layer header; 0 for a socket hook's connection)", labels=labels)
+    for service, port, place, n, size in traffic:
+        namespace, _, name = service.partition("/")
+        packets.add_metric([namespace, name, port, place], n)
+        octets.add_metric([namespace, name, port, place], size)
+    yield packets
+    yield octets
+
+
 def service_traffic_families(traffic: Iterable[FrontendTraffic]) -> Iterator[Metric]:
     """pyproxy_service_packets_total and pyproxy_service_bytes_total{namespace,service,port,frontend}: one series
     per frontend (a Service port has one per ClusterIP, NodePort address, external and load-balancer IP)."""
-    labels = ["namespace", "service", "port", "frontend"]
-    packets = CounterMetricFamily("pyproxy_service_packets", "Client-to-Service packets the BPF programs sent to a "
-                                  "frontend's endpoints (replies not counted); a socket hook's connection counts "
-                                  "1", labels=labels)
-    octets = CounterMetricFamily("pyproxy_service_bytes", "Bytes of those packets as the device had them (frames "
-                                 "with their link-layer header; 0 for a socket hook's connection)", labels=labels)
-    for t in traffic:
-        namespace, _, name = t.service.partition("/")
-        packets.add_metric([namespace, name, t.port, t.frontend], t.packets)
-        octets.add_metric([namespace, name, t.port, t.frontend], t.bytes)
-    yield packets
-    yield octets
+    return _traffic_families("pyproxy_service", "frontend", "Client-to-Service packets the BPF programs sent to a "
+                             "frontend's endpoints", traffic)
+
+
+class EndpointTraffic(NamedTuple):
+    """What the per-endpoint counters map counted for one backend address:port since it became an endpoint."""
+
+    service: str
+    """namespace/name of the Service port it is labelled with: of those whose endpoint it is, the first in order
+    (namespace, name, port name). Its counts are the backend's, whichever Service port's traffic it was."""
+    port: str
+    """That Service port's name ("" when unnamed)."""
+    endpoint: str
+    """address:port"""
+    packets: int
+    bytes: int
+
+
+def endpoint_traffic_families(traffic: Iterable[EndpointTraffic]) -> Iterator[Metric]:
+    """pyproxy_endpoint_packets_total and pyproxy_endpoint_bytes_total{namespace,service,port,endpoint}: one series
+    per endpoint address:port that was sent traffic (--bpf-endpoint-counters)."""
+    return _traffic_families("pyproxy_endpoint", "endpoint", "Client-to-Service packets the BPF programs sent to "
+                             "one endpoint address:port, over every Service port it serves", traffic)
+
+
+def _port_name(fe: AppliedFrontend) -> str:
+    """The Service port's name of a frontend ("" when unnamed)."""
+    return fe.name[len(fe.service) + 1:] if fe.name.startswith(fe.service + ":") else ""
+
+
+def endpoint_owners(frontends: Iterable[AppliedFrontend]) -> dict[Backend, tuple[str, str, str]]:
+    """Backend -> the Service port (namespace, name, port name) its series is labelled with: the first, in that
+    order, of those that have it as an endpoint (ready or not)."""
+    owners: dict[Backend, tuple[str, str, str]] = {}
+    for fe in frontends:
+        namespace, _, name = fe.service.partition("/")
+        owner = (namespace, name, _port_name(fe))
+        for b in fe.known:
+            cur = owners.get(b)
+            if cur is None or owner < cur:
+                owners[b] = owner
+    return owners
 
 
 class BpfDataplane:
@@ -497,6 +594,8 @@ class BpfDataplane:
         self.unserved: dict[str, str] = {}
         """Services left out because a map is full -> why (`_apply_what_fits`)."""
         self._lock = threading.Lock()
+        self._owners: tuple[Applied | None, int, dict[Backend, tuple[str, str, str]]] = (None, -1, {})
+        """endpoint_owners() of an Applied at a generation: a scrape recomputes it only after a plan was applied."""
         self.attached: dict[str, int] = {}
         """Managed device name -> ifindex."""
 
@@ -517,7 +616,7 @@ class BpfDataplane:
         adopt = self._previous_maps()
         try:
             self._obj = loader.load(s.object_path, s.pin_path, s.max_entries, adopt, timeouts, s.snat_ports,
-                                    s.masquerade.cluster_cidr)
+                                    s.masquerade.cluster_cidr, s.endpoint_counters)
         finally:
             for fd in adopt.values():
                 os.close(fd)
@@ -527,6 +626,7 @@ class BpfDataplane:
         self.applied = self.maps.read_applied()
         self.maps.bump_epoch(self.applied)
         self.maps.write_ports(self.applied)
+        self.maps.sync_endpoint_stats(self.applied, s.endpoint_counters)
         if self.applied.frontends:
             log.info("kept %d frontends from the previous run", len(self.applied.frontends))
         # Subscribe before listing so a device created in between is not missed.
@@ -648,7 +748,8 @@ class BpfDataplane:
 
     def _render(self, wanted: Mapping[str, Iterable[ServicePortState]]) -> Plan:
         return render(self.applied, wanted, self._capacity, self.settings.masquerade,
-                      Scheduling(self.settings.scheduler, self.settings.maglev_table_size))
+                      Scheduling(self.settings.scheduler, self.settings.maglev_table_size),
+                      self.settings.endpoint_counters)
 
     def _apply(self, plan: Plan) -> None:
         assert self.maps is not None
@@ -662,6 +763,7 @@ class BpfDataplane:
             self.applied = self.maps.read_applied()
             self.maps.bump_epoch(self.applied)
             self.maps.write_ports(self.applied)
+            self.maps.sync_endpoint_stats(self.applied, self.settings.endpoint_counters)
             raise DataplaneError(f"programming the BPF maps failed: {e}") from e
         self.applied.commit(plan)
 
@@ -697,13 +799,37 @@ class BpfDataplane:
         try:
             for (ip, port, proto, scope), fe in frontends:
                 per_cpu = maps.stats.get(fe.svc_id)
-                port_name = fe.name[len(fe.service) + 1:] if fe.name.startswith(fe.service + ":") else ""
+                port_name = _port_name(fe)
                 where = f"{ip}:{port}/{proto}" + (" (node)" if scope == abi.SVC_SCOPE_NODE else "")
                 out.append(FrontendTraffic(fe.service, port_name, where, sum(v.packets for v in per_cpu),
                                            sum(v.bytes for v in per_cpu)))
         except OSError as e:  # stopped (maps closed) while scraped
             log.debug("reading the stats map: %s", e)
             return []
+        return sorted(out)
+
+    def endpoint_traffic(self) -> list[EndpointTraffic]:
+        """Per endpoint that was sent a packet, its counts summed over CPUs, labelled with a Service port it serves
+        as last applied ([] when not started or the counters are off)."""
+        maps, applied = self.maps, self.applied
+        if maps is None or not self.settings.endpoint_counters:
+            return []
+        of, generation, owners = self._owners
+        if of is not applied or generation != applied.generation:
+            generation = applied.generation  # before the frontends: a plan committed meanwhile recomputes next time
+            owners = endpoint_owners(list(applied.frontends.values()))
+            self._owners = (applied, generation, owners)
+        try:
+            counts = maps.endpoint_stats()
+        except OSError as e:  # stopped (maps closed) while scraped
+            log.debug("reading the endpoint counters map: %s", e)
+            return []
+        out = []
+        for b, (packets, octets) in counts.items():
+            owner = owners.get(b)
+            if packets and owner is not None:
+                namespace, name, port = owner
+                out.append(EndpointTraffic(f"{namespace}/{name}", port, f"{b.ip}:{b.port}", packets, octets))
         return sorted(out)
 
     def datapath_counters(self) -> dict[str, int]:
@@ -721,7 +847,8 @@ class BpfDataplane:
         """Map name -> (entries, capacity) of the maps the control plane fills, as last applied."""
         a = self.applied
         held = {abi.MAP_SERVICES: len(a.frontends), abi.MAP_SLOTS: a.slots, abi.MAP_BACKENDS: len(a.backend_refs),
-                abi.MAP_STATS: a.max_id() + 1}
+                abi.MAP_STATS: a.max_id() + 1,
+                abi.MAP_EPSTATS: len(a.backend_refs) if self.settings.endpoint_counters else 0}
         return {name: (n, self._capacity[name]) for name, n in held.items() if name in self._capacity}
 
 

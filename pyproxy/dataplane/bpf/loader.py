@@ -259,17 +259,23 @@ def load(
     ct_timeouts: abi.CtTimeoutTicks | None = None,
     snat_ports: tuple[int, int] = abi.DEFAULT_SNAT_PORTS,
     cluster_cidr: str | None = None,
+    endpoint_counters: bool = False,
 ) -> LoadedObject:
     """Open and load the object. Maps come, in this order of preference, from their pin under `pin_dir`,
     from `adopt` (name -> fd of a previous run's map), or new (and then pinned). A pinned or adopted map of
     another shape (e.g. a changed capacity) is not reused: a warning says so and a new one replaces it.
     `ct_timeouts` (default: conntrack.CtTimeouts() at this kernel's HZ), `snat_ports` (the first and last
-    source port SNAT gives out) and `cluster_cidr` (--cluster-cidr) become the programs' constants."""
+    source port SNAT gives out), `cluster_cidr` (--cluster-cidr) and `endpoint_counters` (--bpf-endpoint-counters)
+    become the programs' constants. The per-endpoint counters map takes the backends map's size unless
+    `max_entries` gives it one: it holds an entry per backend."""
     if ct_timeouts is None:
         from pyproxy.dataplane.bpf import clock, conntrack  # clock imports this module
 
         ct_timeouts = conntrack.CtTimeouts().ticks(clock.kernel_hz())
-    config = abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(cluster_cidr))
+    config = abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(cluster_cidr),
+                        endpoint_counters=int(endpoint_counters))
+    if max_entries and abi.MAP_BACKENDS in max_entries and abi.MAP_EPSTATS not in max_entries:
+        max_entries = {**max_entries, abi.MAP_EPSTATS: max_entries[abi.MAP_BACKENDS]}
     lib = libbpf.lib()
     if not obj_path.exists():
         raise BpfUnavailable(f"BPF object {obj_path} not found (run `make bpf`)")

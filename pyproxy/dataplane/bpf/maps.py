@@ -231,8 +231,8 @@ class BpfMap(MutableMapping[K, V], Generic[K, V]):
             self.pop(k, None)
 
 
-class PerCpuArray(Generic[V]):
-    """A BPF_MAP_TYPE_PERCPU_ARRAY: index -> one value per possible CPU."""
+class _PerCpu(Generic[V]):
+    """A per-CPU map: one value per possible CPU for each key. Owns the fd."""
 
     def __init__(self, fd: int, name: str, value_type: type[V]) -> None:
         self.fd = fd
@@ -241,6 +241,8 @@ class PerCpuArray(Generic[V]):
         self.ncpus = libbpf.lib().libbpf_num_possible_cpus()
         # The kernel copies each CPU's value at an 8-byte stride.
         self._stride = (ctypes.sizeof(value_type) + 7) // 8 * 8
+        self.entry_size = self._stride * self.ncpus
+        """Bytes of one key's values, every CPU's, as the kernel reads and writes them."""
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -249,6 +251,10 @@ class PerCpuArray(Generic[V]):
 
     def __del__(self) -> None:
         self.close()
+
+
+class PerCpuArray(_PerCpu[V]):
+    """A BPF_MAP_TYPE_PERCPU_ARRAY: index -> one value per possible CPU."""
 
     def get(self, index: int) -> list[V]:
         raw = (ctypes.c_uint8 * (self._stride * self.ncpus))()
@@ -264,3 +270,62 @@ class PerCpuArray(Generic[V]):
         size = self._stride * self.ncpus
         update_batch(self.fd, self.name, array.array("I", indexes).tobytes(), bytes(size * len(indexes)),
                      len(indexes), 4, size)
+
+
+class PerCpuHash(_PerCpu[V], Generic[K, V]):
+    """A BPF_MAP_TYPE_PERCPU_HASH: key -> one value per possible CPU. Keys go in and out packed, a whole map or batch
+    at a time (the per-endpoint counters: one entry per backend, read at every scrape)."""
+
+    def __init__(self, fd: int, name: str, key_type: type[K], value_type: type[V]) -> None:
+        super().__init__(fd, name, value_type)
+        self.key_type = key_type
+
+    def get(self, key: bytes) -> list[V] | None:
+        """One packed key's value on each CPU; None when absent."""
+        raw = ffi.new("char[]", self.entry_size)
+        ret = libbpf.lib().bpf_map_lookup_elem(self.fd, ffi.from_buffer(key), raw)
+        if ret < 0:
+            if _error(ret) == errno.ENOENT:
+                return None
+            libbpf.check(ret, f"lookup in {self.name}")
+        return self._values(ffi.buffer(raw)[:], 0)
+
+    def put_zeros(self, keys: bytes, count: int) -> None:
+        """`count` packed keys, each with every CPU's value zeroed, in one call (see `update_batch`)."""
+        update_batch(self.fd, self.name, keys, bytes(self.entry_size * count), count, ctypes.sizeof(self.key_type),
+                     self.entry_size)
+
+    def delete_batch(self, keys: bytes, count: int) -> None:
+        """`count` packed keys deleted in one call; absent ones are skipped (see `delete_batch`)."""
+        delete_batch(self.fd, self.name, keys, count, ctypes.sizeof(self.key_type))
+
+    def items_raw(self) -> tuple[bytes, bytes]:
+        """Every key and every key's values (`entry_size` bytes each: every CPU's, at the kernel's stride), packed:
+        batched where the kernel can, else one lookup per key."""
+        key_size = ctypes.sizeof(self.key_type)
+        got = lookup_batch(self.fd, self.name, key_size, self.entry_size)
+        return got if got is not None else self._items_one_by_one(key_size)
+
+    def keys_raw(self) -> list[bytes]:
+        """Every packed key."""
+        keys, _ = self.items_raw()
+        size = ctypes.sizeof(self.key_type)
+        return [keys[i:i + size] for i in range(0, len(keys), size)]
+
+    def _values(self, data: bytes, offset: int) -> list[V]:
+        """The per-CPU values of one key, packed at `offset` of `data`."""
+        return [cast(V, self.value_type.from_buffer_copy(data, offset + c * self._stride)) for c in range(self.ncpus)]
+
+    def _items_one_by_one(self, key_size: int) -> tuple[bytes, bytes]:
+        lib = libbpf.lib()
+        keys, values = [], []
+        cur, nxt = ffi.new("char[]", key_size), ffi.new("char[]", key_size)
+        value = ffi.new("char[]", self.entry_size)
+        ret = lib.bpf_map_get_next_key(self.fd, ffi.NULL, nxt)
+        while ret == 0:
+            if lib.bpf_map_lookup_elem(self.fd, nxt, value) == 0:
+                keys.append(ffi.buffer(nxt, key_size)[:])
+                values.append(ffi.buffer(value, self.entry_size)[:])
+            ffi.memmove(cur, nxt, key_size)
+            ret = lib.bpf_map_get_next_key(self.fd, cur, nxt)
+        return b"".join(keys), b"".join(values)

@@ -4,14 +4,16 @@
 and returns a `Plan`: ordered map operations plus the change to `Applied` that holds once they have run
 (`Applied.commit`). Order is what keeps the datapath consistent while the plan runs, packet by packet:
 
-1. backends that become known are added before any slot can point at them;
+1. backends that become known are added before any slot can point at them (and, with per-endpoint counters, their
+   zeroed entry in `MAP_EPSTATS` before them, so their first packet is counted);
 2. a frontend's slots are written before its count grows, and its count shrinks before slots go; its table
    (`MAP_TABLES`: wrr, Maglev; an array per frontend) is written before its entry's table size changes: a table of
    the same size by its changed entries in place, each write atomic, so a flow meanwhile gets the old or the new
    entry's backend, both ready; one of another size as a new array ("new"), filled before it replaces the old
    (the programs choose at random while the size in the entry and the table's disagree: never a drop);
 3. a frontend's service entry is removed before its slots and table;
-4. backends no frontend knows any more go last;
+4. backends no frontend knows any more go last, their `MAP_EPSTATS` entries with them (an endpoint's counts go
+   when it leaves every Service; one that stays keeps them, across restarts too: the map is pinned);
 5. the endpoint-port bitmap (`MAP_PORTS`: bit `port % 64` of word `port // 64` is set while some backend in
    `MAP_BACKENDS` has that port) gains its new bits right after the backends are added and loses its cleared
    ones right after they are removed, so at every instant it covers every backend in the map;
@@ -96,6 +98,7 @@ class Batch(NamedTuple):
 
 
 _BACKEND_INFO = (0,)  # the backends map's value: no flags
+_ZERO_STATS = (0, 0)  # a new MAP_EPSTATS entry: no packets, no bytes (on every CPU)
 _WORD_BITS = 64  # ports per word of MAP_PORTS
 
 
@@ -345,11 +348,13 @@ def render(
     capacity: Mapping[str, int],
     masq: MasqueradeSettings = NO_MASQUERADE,
     scheduling: Scheduling = DEFAULT_SCHEDULING,
+    endpoint_counters: bool = False,
 ) -> Plan:
     """Plan the changes for the Services in `desired` (Service key -> its frontends; an empty iterable
     means the Service is gone). Services not in `desired` are untouched. `applied` is only read. `masq`: the
     ClusterIP frontends' masquerade flags (--masquerade-all, --cluster-cidr, whose prefix the programs hold);
-    `scheduling`: the node's scheduler and Maglev table size."""
+    `scheduling`: the node's scheduler and Maglev table size; `endpoint_counters` (--bpf-endpoint-counters): keep an
+    entry in MAP_EPSTATS for each backend in MAP_BACKENDS (else the map stays empty)."""
     current = applied.frontends
     applied_refs = applied.backend_refs
     refs: dict[Backend, int] = {}
@@ -484,12 +489,15 @@ def render(
             name_values.append((nxt.name,))
         upserts[key] = nxt
 
-    _check_capacity(applied, upserts, removed, refs, capacity)
+    _check_capacity(applied, upserts, removed, refs, capacity, endpoint_counters)
     gone = [current[key] for key in removed]
     released = [b for b, n in refs.items() if n <= 0]
+    # A backend the map held already (unreferenced after a restart) keeps its entry and its counts.
+    counted = [b for b in backend_puts if b not in applied_refs] if endpoint_counters else []
     ports, port_sets, port_clears = _port_changes(applied, backend_puts, released)
     epoch = next_epoch(applied.epoch) if released else applied.epoch
     batches = (
+        Batch("put", abi.MAP_EPSTATS, counted, [_ZERO_STATS] * len(counted)),
         Batch("put", abi.MAP_BACKENDS, backend_puts, [_BACKEND_INFO] * len(backend_puts)),
         port_sets,
         Batch("reset", abi.MAP_STATS, resets),
@@ -509,6 +517,7 @@ def render(
         Batch("del", abi.MAP_NAMES, [(fe.svc_id,) for fe in gone]),
         Batch("del", abi.MAP_SRCRANGES, [(fe.svc_id, r) for fe in gone for r in fe.source_ranges]),
         Batch("del", abi.MAP_BACKENDS, released),
+        Batch("del", abi.MAP_EPSTATS, released if endpoint_counters else ()),
         port_clears,
         epoch_batch(epoch) if released else Batch("put", abi.MAP_EPOCH, ()),
     )
@@ -582,6 +591,7 @@ def _check_capacity(
     removed: list[FrontendKey],
     refs: Mapping[Backend, int],
     capacity: Mapping[str, int],
+    endpoint_counters: bool = False,
 ) -> None:
     """The most each map holds while the plan runs, from the applied counts and the plan's changes: new entries
     are written before the entries they replace go (the order rules above), so a plan that removes as much as it
@@ -606,6 +616,8 @@ def _check_capacity(
         abi.MAP_SLOTS: slots,
         abi.MAP_BACKENDS: backends,
     }
+    if endpoint_counters:
+        need[abi.MAP_EPSTATS] = backends
     # Service ids index arrays (per-CPU stats, rr cursors): the largest id must fit the smallest of them.
     by_id = [m for m in (abi.MAP_STATS, abi.MAP_CURSORS) if m in capacity]
     id_map = min(by_id, key=capacity.__getitem__) if by_id else None
