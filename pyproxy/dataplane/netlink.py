@@ -161,6 +161,8 @@ class Address:
     ip: str
     loopback: bool
     """A host-scope address (127.0.0.1 on lo) or one in 127.0.0.0/8."""
+    label: str = ""
+    """The address's label (`ip addr add ... label lo:x`); the userspace mode marks its Service addresses so."""
 
 
 RT_SCOPE_HOST = 254
@@ -174,7 +176,8 @@ def list_ipv4_addresses() -> list[Address]:
         for a in ipr.get_addr(family=socket.AF_INET):
             ip = a.get_attr("IFA_LOCAL") or a.get_attr("IFA_ADDRESS")
             device = names.get(a["index"], "")
-            out.append(Address(device, ip, a["scope"] == RT_SCOPE_HOST or ip.startswith("127.")))
+            out.append(Address(device, ip, a["scope"] == RT_SCOPE_HOST or ip.startswith("127."),
+                               a.get_attr("IFA_LABEL") or ""))
         return out
 
 
@@ -212,7 +215,7 @@ class AddressWatcher(_Watcher):
             self._on_change()
 
 
-# -- a backend's own device (IPVS mode's kube-ipvs0) ---------------------------------------------------------
+# -- a backend's own device (IPVS mode's kube-ipvs0) or addresses (the userspace mode's, on lo) -----------------
 
 
 @contextlib.contextmanager
@@ -246,9 +249,19 @@ def ipv4_addresses(ipr: IPRoute, name: str) -> frozenset[str]:
     return frozenset(a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(index=index, family=socket.AF_INET))
 
 
-def set_host_address(ipr: IPRoute, index: int, verb: str, ip: str) -> None:
-    """Add ("add") or remove ("del") `ip`/32 on the device with `index`."""
-    ipr.addr(verb, index=index, address=ip, prefixlen=32)
+def set_host_address(ipr: IPRoute, index: int, verb: str, ip: str, label: str | None = None) -> None:
+    """Add ("add") or remove ("del") `ip`/32 on the device with `index`, with `label` when given (a label starts
+    with the device's name and a colon)."""
+    if label is None:
+        ipr.addr(verb, index=index, address=ip, prefixlen=32)
+    else:
+        ipr.addr(verb, index=index, address=ip, prefixlen=32, label=label)
+
+
+def labelled_addresses(ipr: IPRoute, label: str) -> frozenset[str]:
+    """The IPv4 addresses with `label`, on whichever device."""
+    return frozenset(a.get_attr("IFA_LOCAL") or a.get_attr("IFA_ADDRESS")
+                     for a in ipr.get_addr(family=socket.AF_INET) if a.get_attr("IFA_LABEL") == label)
 
 
 def delete_link(ipr: IPRoute, name: str) -> bool:

@@ -13,6 +13,7 @@ MODES = [
     pytest.param("nftables", [], id="nftables"),
     pytest.param("iptables", ["--iptables-backend=legacy"], id="iptables-legacy"),
     pytest.param("iptables", ["--iptables-backend=nft"], id="iptables-nft"),
+    pytest.param("userspace", [], id="userspace"),
 ]
 
 
