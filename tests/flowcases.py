@@ -334,9 +334,11 @@ def matches(expected: Outcome, seen: Outcome) -> bool:
     return seen == expected
 
 
-def results(lab: Any, mode: str, cases: Sequence[FlowCase] = CASES) -> list[tuple[FlowCase, str | None]]:
+def results(lab: Any, mode: str, cases: Sequence[FlowCase] = CASES,
+            timeout: float = 1.0) -> list[tuple[FlowCase, str | None]]:
     """Run `cases` with real flows in `lab` (a started pyproxy.lab.Lab whose node runs pyproxy in `mode` on the
-    cases' manifests): each case with None when it did what `mode` must, else what was wrong."""
+    cases' manifests): each case with None when it did what `mode` must, else what was wrong. `timeout`: the
+    seconds a flow that must be answered gets."""
     addresses: dict[str, set[str]] = {}
 
     def sources(role: str) -> set[str]:
@@ -351,7 +353,7 @@ def results(lab: Any, mode: str, cases: Sequence[FlowCase] = CASES) -> list[tupl
         # Enough flows that a missing backend or a broken affinity shows; few where nothing should answer. A case
         # that must answer every flow stops after a few failures: a mode that cannot serve it is told as surely,
         # without waiting out a timeout per flow. Refused means refused within the 0.5 s a flow gets: at once.
-        result = lab.probe(case.proto, case.dst, case.port, 30 if positive else 4, timeout=1.0 if positive else 0.5,
+        result = lab.probe(case.proto, case.dst, case.port, 30 if positive else 4, timeout=timeout if positive else 0.5,
                            ns=case.src, max_failures=3 if positive else None)
         seen = outcome_of(result)
         problem = None
@@ -369,6 +371,6 @@ def describe_case(case: FlowCase) -> str:
     return f"{case.name} ({case.src} -> {case.proto} {case.dst}:{case.port})"
 
 
-def mismatches(lab: Any, mode: str, cases: Sequence[FlowCase] = CASES) -> list[str]:
+def mismatches(lab: Any, mode: str, cases: Sequence[FlowCase] = CASES, timeout: float = 1.0) -> list[str]:
     """`results` of the cases that went wrong, one line each."""
-    return [f"{describe_case(case)}: {problem}" for case, problem in results(lab, mode, cases) if problem]
+    return [f"{describe_case(case)}: {problem}" for case, problem in results(lab, mode, cases, timeout) if problem]
