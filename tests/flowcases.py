@@ -10,8 +10,8 @@ so a difference is a decision, never an accident.
 
 The userspace mode's differences, all from being a proxy rather than a NAT: every endpoint sees the node as the
 source (its own connection or socket, from the node's address toward that endpoint), so no client address is
-kept, not even with externalTrafficPolicy Local; and the Service addresses are local addresses of the node (on
-`lo`), so a port no Service has is refused by the node's own stack, as in ipvs mode (and a node process listening
+kept, not even with externalTrafficPolicy Local; and the Service addresses are the node's own (local routes), so
+a port no Service has is refused by the node's own stack, as in ipvs mode (and a node process listening
 on 0.0.0.0 on that port would answer, upstream issue 72236, which the ipvs mode's KUBE-IPVS-FILTER prevents).
 
 Lab addressing (pyproxy.lab): client 10.200.0.2 (outside the cluster), backend I at 10.201.I.2 (named bI),
@@ -197,7 +197,7 @@ CASES = (
     FlowCase("ClientIP affinity sticks", "tcp", "10.96.20.5", 80, sticky("b1:8080", "b2:8080", "b3:8080")),
     # IPVS puts every ClusterIP on the node (kube-ipvs0), so a port no Service has would reach the node's own
     # stack; upstream rejects it there (KUBE-IPVS-FILTER), and so does pyproxy. The userspace mode has the ClusterIPs
-    # on the node too (on lo), and no netfilter: the node's stack refuses the port, nothing listening on it.
+    # on the node too (local routes), and no netfilter: the node's stack refuses the port, nothing listening on it.
     FlowCase("a port the service does not have is not translated", "tcp", "10.96.20.1", 81, NO_ANSWER,
              by_mode={"ipvs": REFUSED, "userspace": REFUSED}),
     FlowCase("an address that is no service is not translated", "tcp", "10.96.20.99", 80, NO_ANSWER),

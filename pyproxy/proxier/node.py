@@ -5,9 +5,9 @@ it changes (a change recomputes every Service).
 - The name: --hostname-override, else the host name, lowercased (upstream's rule; `config.node_name`).
 - The node's addresses: every IPv4 address of pyproxy's network namespace, read from netlink and followed
   (`netlink.AddressWatcher`), but loopback ones (upstream's iptables mode also serves NodePorts on 127.0.0.1
-  under localhostNodePorts, which pyproxy does not) and those on IPVS mode's kube-ipvs0 or labelled as the
-  userspace mode's (on lo), which hold ClusterIPs (upstream's IPVS mode leaves them out too).
-  --nodeport-addresses picks among them (`select_nodeport_addresses`).
+  under localhostNodePorts, which pyproxy does not) and those on IPVS mode's kube-ipvs0, which hold ClusterIPs
+  (upstream's IPVS mode leaves them out too). --nodeport-addresses picks among them
+  (`select_nodeport_addresses`).
 - The primary address: the Node object's (`Node.primary_ipv4`) when following the API server and it has one;
   else the first IPv4 address of the device the default route leaves by, which is what the node's InternalIP
   usually is.
@@ -24,11 +24,9 @@ from typing import Protocol
 
 from pyproxy.dataplane import netlink
 from pyproxy.dataplane.ipvs.render import DUMMY_DEVICE
-from pyproxy.dataplane.userspace.render import ADDRESS_LABEL
 from pyproxy.model.node import PRIMARY, NodeInputs, select_nodeport_addresses
 
 log = logging.getLogger(__name__)
-
 
 
 class Watcher(Protocol):
@@ -88,8 +86,7 @@ class NodeAddresses:
     def refresh(self) -> None:
         """Read the kernel again; hand the model new inputs if they changed."""
         with self._lock:
-            addresses = [a for a in self._list() if not a.loopback and a.device != DUMMY_DEVICE
-                         and a.label != ADDRESS_LABEL]
+            addresses = [a for a in self._list() if not a.loopback and a.device != DUMMY_DEVICE]
             primary = self._node_primary
             if primary is None:
                 device = self._default_device()

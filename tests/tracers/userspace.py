@@ -1,7 +1,7 @@
 """The userspace mode (pyproxy/dataplane/userspace/render.py for a run of syncs, each rendered from the state the
 plan before left) followed for a new flow entering the node.
 
-Models: the Service addresses the plans put on lo (local, as the node's own addresses are); a listener per
+Models: the Service addresses the plans give local routes (local, as the node's own addresses are); a listener per
 frontend with its classic BPF socket filter, run by sockfilter.run on the packet's source as arriving on a device
 other than lo; the route's endpoints for the source (externalTrafficPolicy Local's `external_backends` for a
 source that is neither the node nor, with --cluster-cidr, a pod: the tracer's sources are the client and pods, and

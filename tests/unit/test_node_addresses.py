@@ -47,7 +47,6 @@ ETH0 = Address("eth0", "10.0.0.5", False)
 ETH1 = Address("eth1", "192.168.1.5", False)
 LO = Address("lo", "127.0.0.1", True)
 IPVS = Address("kube-ipvs0", "10.96.0.10", False)
-USERSPACE = Address("lo", "10.96.0.11", False, "lo:pyproxy")  # a ClusterIP the userspace mode put on lo
 
 
 def tracked(kernel: FakeKernel, setting: tuple[str, ...] = (), name: str = "node-a"
@@ -60,14 +59,14 @@ def tracked(kernel: FakeKernel, setting: tuple[str, ...] = (), name: str = "node
 
 
 @pytest.mark.parametrize(("setting", "chosen"), [
-    ((), ("10.0.0.5", "192.168.1.5")),  # unset: every node address but loopback ones, kube-ipvs0's, the userspace's
+    ((), ("10.0.0.5", "192.168.1.5")),  # unset: every node address but loopback ones and kube-ipvs0's
     (("192.168.0.0/16",), ("192.168.1.5",)),
     (("172.16.0.0/12",), ()),
     (("primary",), ("10.0.0.5",)),  # the default-route device's first address, without a Node
     (("fd00::/8",), ("10.0.0.5", "192.168.1.5")),  # as upstream: a family given no CIDR matches all
 ])
 def test_nodeport_addresses_filter_the_nodes_own(setting: tuple[str, ...], chosen: tuple[str, ...]) -> None:
-    kernel = FakeKernel(LO, ETH0, ETH1, IPVS, USERSPACE)
+    kernel = FakeKernel(LO, ETH0, ETH1, IPVS)
     tracker, seen = tracked(kernel, setting)
     assert kernel.started
     assert seen == [NodeInputs("node-a", chosen, "10.0.0.5")]

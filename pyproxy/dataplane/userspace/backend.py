@@ -1,23 +1,25 @@
 """The userspace dataplane backend (`--proxy-mode=userspace`): kube-proxy's original mode, the last fallback.
 
-Per sync: render.py plans from what the proxy runs now; apply() puts new addresses on `lo`, labelled
-ADDRESS_LABEL (netlink, through pyproxy's one netlink module), lets the proxy's loop open, close and re-filter
-listeners and swap routes, then removes addresses nothing uses any more. No netfilter, no bpf() syscall: what it
+Per sync: render.py plans from what the proxy runs now; apply() adds the new Service addresses' local routes
+(netlink, through pyproxy's one netlink module), lets the proxy's loop open, close and re-filter listeners and
+swap routes, then removes the local routes nothing uses any more. No netfilter, no bpf() syscall: what it
 needs is
-CAP_NET_ADMIN (the addresses) and CAP_NET_BIND_SERVICE (ports below 1024).
+CAP_NET_ADMIN (the local routes) and CAP_NET_BIND_SERVICE (ports below 1024).
 
 A listener that cannot be opened (a node process holds the port on 0.0.0.0, say) leaves its Service in
 `unserved`, named in the log and, through the proxier, in an Event; that frontend refuses flows meanwhile, the
 other frontends are served, and every periodic sync tries it again (`housekeeping_due`).
 
 Unlike the kernel modes, the dataplane is this process: a stop ends every proxied connection, and until the next
-start has synced, the frontends' addresses stay on `lo`, so their flows are refused rather than routed
-away. A start adopts the addresses a previous run left (no address flaps) and opens every listener anew.
+start has synced, the local routes stay, so flows to the Service addresses are refused rather than routed away.
+A start adopts the local routes a previous run left (no flaps) and opens every listener anew.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import resource
 from collections.abc import Set
 from dataclasses import dataclass, field, replace
 
@@ -26,7 +28,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import DataplaneError, MasqueradeSettings, ModeUnavailable
 from pyproxy.dataplane.userspace.proxy import CONNECT_TIMEOUTS, Proxy
-from pyproxy.dataplane.userspace.render import ADDRESS_LABEL, DEVICE, Plan, State, render
+from pyproxy.dataplane.userspace.render import DEVICE, ROUTE_PROTO, Plan, State, render
 from pyproxy.model.state import DesiredState
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,16 @@ def _capabilities() -> int:
     return 0
 
 
+def _raise_open_files() -> None:
+    """A socket per frontend and two per proxied connection: the default soft limit of 1,024 open files would
+    stop the proxy at a few hundred Services. Raised to the hard limit, as a server does."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    log.info("open files: up to %s", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
 class UserspaceDataplane:
     mode = "userspace"
 
@@ -78,20 +90,21 @@ class UserspaceDataplane:
         missing = [name for bit, name in ((CAP_NET_ADMIN, "CAP_NET_ADMIN"),
                                           (CAP_NET_BIND_SERVICE, "CAP_NET_BIND_SERVICE")) if not caps >> bit & 1]
         if missing:
-            raise ModeUnavailable(f"the userspace mode needs {' and '.join(missing)} (the Service addresses on "
-                                  f"{DEVICE}, ports below 1024), which this process lacks")
+            raise ModeUnavailable(f"the userspace mode needs {' and '.join(missing)} (local routes for the "
+                                  "Service addresses, ports below 1024), which this process lacks")
         try:
             with netlink.rtnl() as ipr:
                 index = netlink.link_index(ipr, DEVICE)
-                kept = netlink.labelled_addresses(ipr, ADDRESS_LABEL)
+                kept = netlink.local_routes(ipr, ROUTE_PROTO)
         except (NetlinkError, OSError) as e:
-            raise ModeUnavailable(f"cannot read the addresses of {DEVICE}: {e}") from e
+            raise ModeUnavailable(f"cannot read the local routing table: {e}") from e
         if index is None:
             raise ModeUnavailable(f"this network namespace has no {DEVICE}")
         self._index = index
+        _raise_open_files()
         self.state = State({}, kept)
         if kept:
-            log.info("kept %d Service addresses (%s) from the previous run", len(kept), ADDRESS_LABEL)
+            log.info("kept the local routes of %d Service addresses from the previous run", len(kept))
         self.proxy = Proxy(udp_idle_timeout=self.settings.udp_idle_timeout,
                            cluster_cidr=self.settings.masquerade.cluster_cidr,
                            connect_timeouts=self.settings.connect_timeouts)
@@ -136,13 +149,13 @@ class UserspaceDataplane:
             return
         try:
             with netlink.rtnl() as ipr:
-                present = netlink.labelled_addresses(ipr, ADDRESS_LABEL)
+                present = netlink.local_routes(ipr, ROUTE_PROTO)
                 for ip in ips:
                     if (ip in present) != (verb == "add"):
-                        netlink.set_host_address(ipr, self._index, verb, ip, ADDRESS_LABEL)
+                        netlink.set_local_route(ipr, verb, ip, ROUTE_PROTO, self._index)
         except (NetlinkError, OSError) as e:
-            raise DataplaneError(f"{'adding' if verb == 'add' else 'removing'} Service addresses ({ADDRESS_LABEL}) "
-                                 f"on {DEVICE} failed: {e}") from e
+            raise DataplaneError(f"{'adding' if verb == 'add' else 'removing'} the local routes of Service "
+                                 f"addresses failed: {e}") from e
 
     def _report(self, plan: Plan, failed: dict) -> None:
         owners = {f: e.service for f, e in plan.state.entries.items()}
@@ -160,14 +173,14 @@ class UserspaceDataplane:
 
 
 def cleanup(settings: UserspaceSettings) -> list[str]:
-    """Remove every Service address the userspace mode put on `lo` (a running userspace proxy is another
-    process's: its listeners go with that process)."""
+    """Remove every local route of the userspace mode (a running userspace proxy is another process's: its
+    listeners go with that process)."""
     try:
         with netlink.rtnl() as ipr:
-            index = netlink.link_index(ipr, DEVICE)
-            ips = sorted(netlink.labelled_addresses(ipr, ADDRESS_LABEL))
+            index = netlink.link_index(ipr, DEVICE) or 1
+            ips = sorted(netlink.local_routes(ipr, ROUTE_PROTO))
             for ip in ips:
-                netlink.set_host_address(ipr, index or 1, "del", ip, ADDRESS_LABEL)
+                netlink.set_local_route(ipr, "del", ip, ROUTE_PROTO, index)
     except NetlinkError as e:
-        raise DataplaneError(f"cannot remove the Service addresses ({ADDRESS_LABEL}) on {DEVICE}: {e}") from e
-    return [f"{len(ips)} Service addresses on {DEVICE} ({ADDRESS_LABEL})"] if ips else []
+        raise DataplaneError(f"cannot remove the userspace mode's local routes: {e}") from e
+    return [f"the local routes of {len(ips)} Service addresses (table local, proto {ROUTE_PROTO})"] if ips else []
