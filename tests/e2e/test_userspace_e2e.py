@@ -57,6 +57,13 @@ def test_a_connection_to_an_endpoint_that_does_not_listen_is_retried_on_the_next
         failed[mode] = result["failures"]
         results[mode] = describe(result)
         assert proxy.terminate() == 0, proxy.log_tail()
+    # The userspace mode's dataplane is its process: stopped, it serves nothing, but its local routes stay, so
+    # the ClusterIP is refused (not routed away) until the next start; cleanup removes them.
+    after = env.probe("tcp", "10.96.50.1", 80, 4, timeout=0.5)
+    assert set(after["errors"]) == {"refused"} and after["failures"] == 4, describe(after)
+    assert env.lab.exec(env.lab.node, "ip", "route", "show", "table", "local", "proto", "203").stdout.strip()
+    env.running.cleanup()
+    assert not env.lab.exec(env.lab.node, "ip", "route", "show", "table", "local", "proto", "203").stdout.strip()
     print("\nnew connections failed, of 100, one endpoint of three not listening: "
           + ", ".join(f"{mode} {n}" for mode, n in failed.items()))
     assert failed["userspace"] == 0, results["userspace"]

@@ -116,6 +116,15 @@ def test_no_endpoint_answering_resets_the_client(setup) -> None:
     assert proxy.retries == 4  # one attempt per connect timeout (upstream's four)
 
 
+def test_a_port_another_socket_holds_is_reported_not_opened(setup) -> None:
+    proxy, port, _ = setup
+    front = Frontend("127.0.0.9", _free_port(), Protocol.TCP)
+    with socket.create_server(("0.0.0.0", front.port)):  # a node process on every address
+        sp = ServicePortState("ns/web", "p", front, (Backend("127.0.0.2", port),))
+        failed = proxy.apply(render(State(), {"ns/web": (sp,)}, full=True))
+    assert list(failed) == [front] and "in use" in failed[front]
+
+
 def test_udp_sessions_go_round_robin_and_answer_from_the_frontend(setup) -> None:
     proxy, port, _ = setup
     front = Frontend("127.0.0.8", _free_port(), Protocol.UDP)
