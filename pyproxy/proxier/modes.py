@@ -2,10 +2,10 @@
 
 Auto's order is fastest first: bpf (the kernel loads and attaches the programs, and pyproxy may), ipvs (the
 kernel has IPVS), nftables (kernel 5.13 or later and `nft` works), iptables, and last userspace (a proxy in
-pyproxy's own process: it needs neither netfilter nor BPF, only CAP_NET_ADMIN for the Service addresses). A mode
-is only "available" when its own `start()` succeeded, because only that proves it: a kernel may have BPF but
-refuse this process (capabilities, lockdown), or have nf_tables but an `nft` too old.
-Each skipped mode is logged with its reason.
+pyproxy's own process: it needs neither netfilter nor BPF, only CAP_NET_ADMIN for the Service addresses' local
+routes). A mode is only "available" when its own `start()` succeeded, because only that proves it: a kernel may
+have BPF but refuse this process (capabilities, lockdown), or have nf_tables but an `nft` too old. Each skipped
+mode is logged with its reason.
 
 Starting one mode removes what the others left in this network namespace, as upstream does when switching
 modes: two dataplanes translating the same ClusterIP would fight, and leftover rules of a mode that no longer
@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 AUTO_ORDER = ("bpf", "ipvs", "nftables", "iptables", "userspace")
 MODES = (AUTO, *AUTO_ORDER)
-
 
 
 class Honoured(NamedTuple):
