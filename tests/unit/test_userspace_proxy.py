@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -131,3 +132,22 @@ def test_udp_sessions_go_round_robin_and_answer_from_the_frontend(setup) -> None
     serve(proxy, front, (Backend("127.0.0.2", port), Backend("127.0.0.3", port)))
     answers = [udp(front.ip, front.port) for _ in range(10)]  # a new socket, so a new session, each
     assert sorted(set(answers)) == ["127.0.0.2", "127.0.0.3"] and answers.count("127.0.0.2") == 5
+
+
+def test_an_idle_udp_session_ends_and_the_clients_next_datagram_starts_another(setup) -> None:
+    proxy, port, _ = setup
+    front = Frontend("127.0.0.10", _free_port(), Protocol.UDP)
+    serve(proxy, front, (Backend("127.0.0.2", port), Backend("127.0.0.3", port)))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as c:  # one client: one address and port
+        c.settimeout(5)
+        c.sendto(b"hi", (front.ip, front.port))
+        first = c.recv(64).decode()
+        c.sendto(b"hi", (front.ip, front.port))
+        assert c.recv(64).decode() == first, "one session while it is not idle"
+        sessions = proxy.frontends[front].sessions
+        end = time.monotonic() + 10
+        while sessions and time.monotonic() < end:  # ends after 250 ms idle (polled, not timed)
+            time.sleep(0.05)
+        assert not sessions
+        c.sendto(b"hi", (front.ip, front.port))
+        assert c.recv(64).decode() != first, "a new session, the round robin's next endpoint"
