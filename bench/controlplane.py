@@ -118,7 +118,12 @@ class Variant:
 
     @property
     def netfilter(self) -> bool:
-        return self.mode != "bpf"
+        return self.mode not in ("bpf", "userspace")
+
+    @property
+    def in_path(self) -> bool:
+        """The proxy process carries the traffic itself (the userspace mode): its CPU is the dataplane's."""
+        return self.mode == "userspace"
 
 
 VARIANTS = {v.name: v for v in (
@@ -129,6 +134,7 @@ VARIANTS = {v.name: v for v in (
     Variant("nftables", "nftables"),
     Variant("iptables-legacy", "iptables", "legacy"),
     Variant("iptables-nft", "iptables", "nft"),
+    Variant("userspace", "userspace"),
 )}
 """In the order they run at each size: the anchor first."""
 ANCHOR = "kube-proxy iptables-legacy"
@@ -263,8 +269,10 @@ def _sync_progress(v: Variant) -> Callable[[Lab, int], Progress]:
 
 PROGRESS: dict[str, Callable[[Lab, int], Progress]] = {
     **{name: (lambda lab, count: BpfProgress(Path(lab.pin_path), count)) for name, v in VARIANTS.items()
-       if not v.netfilter},
+       if v.mode == "bpf"},
     **{name: _sync_progress(v) for name, v in VARIANTS.items() if v.netfilter},
+    "userspace": lambda lab, count: rules.SyncProgress(lab, [core.vip(i) for i in range(count)],
+                                                        rules.userspace_lister(lab), METRICS_PORT),
 }
 
 

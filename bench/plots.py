@@ -15,7 +15,8 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: 
 
 from bench.core import Figure, Measurement, Panel  # noqa: E402
 
-FIXED = ("bpf", "nftables", "iptables-legacy", "iptables-nft", "kube-proxy iptables-legacy", "kube-proxy iptables-nft")
+FIXED = ("bpf", "nftables", "iptables-legacy", "iptables-nft", "kube-proxy iptables-legacy", "kube-proxy iptables-nft",
+         "userspace")
 
 
 def _label(series: str, panel: Panel) -> str:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import core
 from pyproxy.lab import Lab
 from pyproxy.lab.netns import NetnsThread
 
@@ -141,6 +142,20 @@ def nftables_one(lab: Lab) -> OneLister:
             return None
         return len(set(_GOTO_ENDPOINT.findall(run_in(lab, ["nft", "list", "chain", "ip", "pyproxy", chain]))))
     return one
+
+
+_LISTENING = re.compile(r"^LISTEN\s+\d+\s+\d+\s+(\d+\.\d+\.\d+\.\d+):80\s", re.M)
+
+
+def userspace_counts(ss_text: str) -> dict[str, int]:
+    """From `ss -Hltn`: the addresses listened on at port 80. The userspace proxy opens a frontend's listener in
+    the sync that gives it its endpoints (and only with endpoints), which a socket listing does not show: a
+    listening frontend counts as having all of them."""
+    return {ip: core.ENDPOINTS for ip in _LISTENING.findall(ss_text)}
+
+
+def userspace_lister(lab: Lab) -> Lister:
+    return lambda: userspace_counts(run_in(lab, ["ss", "-Hltn"]))
 
 
 def lister_for(lab: Lab, mode: str, backend: str | None) -> Lister:

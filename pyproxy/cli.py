@@ -27,7 +27,7 @@ from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.model import inspection
 from pyproxy.proxier import app, kubeproxyconfig
-from pyproxy.proxier.config import ProxySettings, SettingError, format_duration, parse_duration
+from pyproxy.proxier.config import WINDOWS_MODES, ProxySettings, SettingError, format_duration, parse_duration
 from pyproxy.proxier.modes import MODES
 
 DEFAULTS = ProxySettings()
@@ -54,6 +54,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "iptables_masquerade_bit": ("masquerade.masquerade_bit",),
     "iptables_backend": ("iptables.backend", "ipvs.iptables_backend"),
     "ipvs_scheduler": ("ipvs.scheduler",),
+    "udp_timeout": ("userspace.udp_idle_timeout",),
     "nodeport_addresses": ("nodeport_addresses",),
     "healthz_bind_address": ("healthz_bind_address",),
     "metrics_bind_address": ("metrics_bind_address",),
@@ -177,9 +178,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--write-config-to", type=Path, metavar="FILE",
                      help="write the effective settings as a KubeProxyConfiguration to FILE and exit")
     run.add_argument("--cleanup", action="store_true", help="do what `pyproxy cleanup` does, then exit (upstream's)")
-    run.add_argument("--proxy-mode", choices=MODES,
-                     help=f"the dataplane to program; auto: the first of bpf, ipvs, nftables, iptables that "
-                          f"works (default: {d.mode})")
+    run.add_argument("--proxy-mode", choices=(*MODES, *WINDOWS_MODES), metavar="{" + ",".join(MODES) + "}",
+                     help=f"the dataplane to program; auto: the first of bpf, ipvs, nftables, iptables, userspace "
+                          f"that works (default: {d.mode})")
     run.add_argument("--source", type=Path,
                      help="read a manifest file or folder (v1 Services, EndpointSlices) instead of the API")
     run.add_argument("--kubeconfig", type=Path, help="kubeconfig file of the API server to follow")
@@ -222,6 +223,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--ipvs-scheduler", help=f"IPVS scheduler: rr, wrr, lc, wlc, sh, dh, ... for Services "
                                               f"whose pyproxy.io/scheduler names none IPVS has "
                                               f"(default: {d.ipvs.scheduler})")
+    run.add_argument("--udp-timeout", type=_duration, metavar="DURATION",
+                     help="userspace mode: how long an idle UDP session lasts (upstream's flag; default: "
+                          f"{format_duration(d.userspace.udp_idle_timeout)})")
     run.add_argument("--nodeport-addresses", type=_csv,
                      help="comma-separated IPv4 CIDRs: NodePorts are served on the node addresses in them; "
                           "'primary': on the node's primary address (default: every node address)")

@@ -5,7 +5,14 @@ each mode's rendered plan, without root (tests/tracers).
 
 The outcome is what a client sees over many new flows: which backends answered, whether they were always the
 same one (session affinity), or how the flows failed. Where a mode deliberately differs from upstream's
-semantics, the case says so in `by_mode`, with the reason, so a difference is a decision, never an accident.
+semantics, the case says so in `by_mode` (and `sees_by_mode` for the source the endpoints see), with the reason,
+so a difference is a decision, never an accident.
+
+The userspace mode's differences, all from being a proxy rather than a NAT: every endpoint sees the node as the
+source (its own connection or socket, from the node's address toward that endpoint), so no client address is
+kept, not even with externalTrafficPolicy Local; and the Service addresses are the node's own (local routes), so
+a port no Service has is refused by the node's own stack, as in ipvs mode (and a node process listening
+on 0.0.0.0 on that port would answer, upstream issue 72236, which the ipvs mode's KUBE-IPVS-FILTER prevents).
 
 Lab addressing (pyproxy.lab): client 10.200.0.2 (outside the cluster), backend I at 10.201.I.2 (named bI),
 servers on TCP 8080 and 9090 and UDP 5353 in every backend. The node (pyproxy runs as `--hostname-override=
@@ -162,28 +169,42 @@ class FlowCase:
     sees: str | None = None
     """The source address every answering endpoint must have seen: "source", the sender's own (not SNATed);
     "node", one of the node's addresses (SNATed, masqueraded); None: not checked."""
+    sees_by_mode: Mapping[str, str] = field(default_factory=dict)
+    """Deliberate per-mode differences from `sees`."""
 
     def expected(self, mode: str) -> Outcome:
         return self.by_mode.get(mode, self.expect)
 
+    def seen(self, mode: str) -> str | None:
+        return self.sees_by_mode.get(mode, self.sees)
+
+
+# The userspace mode proxies: its endpoints see the node (PROXIED), in every case; the cases that check the source say
+# so.
+PROXIED = {"userspace": "node"}
 
 CASES = (
-    FlowCase("ready endpoints only, tcp", "tcp", "10.96.20.1", 80, answered_by("b1:8080", "b2:8080")),
+    # No --cluster-cidr, no --masquerade-all: a ClusterIP flow keeps the client's address, but through a proxy.
+    FlowCase("ready endpoints only, tcp", "tcp", "10.96.20.1", 80, answered_by("b1:8080", "b2:8080"), sees="source",
+             sees_by_mode=PROXIED),
     FlowCase("second port of the same service", "tcp", "10.96.20.1", 443, answered_by("b1:9090", "b2:9090")),
-    FlowCase("udp port", "udp", "10.96.20.1", 53, answered_by("b1:5353", "b2:5353")),
+    FlowCase("udp port", "udp", "10.96.20.1", 53, answered_by("b1:5353", "b2:5353"), sees="source",
+             sees_by_mode=PROXIED),
     FlowCase("endpoints from two slices", "tcp", "10.96.20.2", 80, answered_by("b1:8080", "b3:8080")),
     FlowCase("no endpoints: rejected", "tcp", "10.96.20.3", 80, REFUSED),
     FlowCase("no endpoints: rejected, udp", "udp", "10.96.20.3", 53, REFUSED),
     FlowCase("no ready endpoints: rejected", "tcp", "10.96.20.4", 80, REFUSED),
     FlowCase("ClientIP affinity sticks", "tcp", "10.96.20.5", 80, sticky("b1:8080", "b2:8080", "b3:8080")),
     # IPVS puts every ClusterIP on the node (kube-ipvs0), so a port no Service has would reach the node's own
-    # stack; upstream rejects it there (KUBE-IPVS-FILTER), and so does pyproxy.
+    # stack; upstream rejects it there (KUBE-IPVS-FILTER), and so does pyproxy. The userspace mode has the ClusterIPs
+    # on the node too (local routes), and no netfilter: the node's stack refuses the port, nothing listening on it.
     FlowCase("a port the service does not have is not translated", "tcp", "10.96.20.1", 81, NO_ANSWER,
-             by_mode={"ipvs": REFUSED}),
+             by_mode={"ipvs": REFUSED, "userspace": REFUSED}),
     FlowCase("an address that is no service is not translated", "tcp", "10.96.20.99", 80, NO_ANSWER),
     FlowCase("from a pod to another pod's service", "tcp", "10.96.20.6", 80, answered_by("b2:8080"), src="b1"),
     # The node's own processes (kubelet probes, host-network pods): the netfilter modes translate them on the
-    # OUTPUT path, IPVS by its local-out hook, bpf mode at connect()/sendmsg() (socket load balancing).
+    # OUTPUT path, IPVS by its local-out hook, bpf mode at connect()/sendmsg() (socket load balancing); in userspace
+    # mode the ClusterIP is the node's own address, where the proxy listens.
     FlowCase("from the node itself", "tcp", "10.96.20.1", 80, answered_by("b1:8080", "b2:8080"), src="node"),
     FlowCase("from the node itself, udp", "udp", "10.96.20.1", 53, answered_by("b1:5353", "b2:5353"), src="node"),
     FlowCase("from the node, no endpoints: rejected", "tcp", "10.96.20.3", 80, REFUSED, src="node"),
@@ -204,8 +225,10 @@ EXTERNAL_CASES = (
              answered_by("b1:8080", "b2:8080")),
     FlowCase("a NodePort on the node's address reaches the endpoints, udp", "udp", NODE_IP, 30053,
              answered_by("b1:5353", "b2:5353")),
-    # externalTrafficPolicy Local: only this node's endpoints serve clients from outside the cluster.
-    FlowCase("externalTrafficPolicy Local: only this node's endpoint", "tcp", NODE_IP, 30082, answered_by("b1:8080")),
+    # externalTrafficPolicy Local: only this node's endpoints serve clients from outside the cluster, which keep their
+    # address (the userspace mode's proxy cannot keep it: its endpoint sees the node).
+    FlowCase("externalTrafficPolicy Local: only this node's endpoint", "tcp", NODE_IP, 30082, answered_by("b1:8080"),
+             sees="source", sees_by_mode=PROXIED),
     # ... and with none on this node while the cluster has some, the flow is dropped (the client's load balancer
     # tries another node), as upstream's DROP; the same Service's ClusterIP still answers.
     FlowCase("externalTrafficPolicy Local, no endpoint on this node: no answer", "tcp", NODE_IP, 30083, NO_ANSWER),
@@ -311,9 +334,11 @@ def matches(expected: Outcome, seen: Outcome) -> bool:
     return seen == expected
 
 
-def results(lab: Any, mode: str, cases: Sequence[FlowCase] = CASES) -> list[tuple[FlowCase, str | None]]:
+def results(lab: Any, mode: str, cases: Sequence[FlowCase] = CASES,
+            timeout: float = 1.0) -> list[tuple[FlowCase, str | None]]:
     """Run `cases` with real flows in `lab` (a started pyproxy.lab.Lab whose node runs pyproxy in `mode` on the
-    cases' manifests): each case with None when it did what `mode` must, else what was wrong."""
+    cases' manifests): each case with None when it did what `mode` must, else what was wrong. `timeout`: the
+    seconds a flow that must be answered gets."""
     addresses: dict[str, set[str]] = {}
 
     def sources(role: str) -> set[str]:
@@ -328,16 +353,16 @@ def results(lab: Any, mode: str, cases: Sequence[FlowCase] = CASES) -> list[tupl
         # Enough flows that a missing backend or a broken affinity shows; few where nothing should answer. A case
         # that must answer every flow stops after a few failures: a mode that cannot serve it is told as surely,
         # without waiting out a timeout per flow. Refused means refused within the 0.5 s a flow gets: at once.
-        result = lab.probe(case.proto, case.dst, case.port, 30 if positive else 4, timeout=1.0 if positive else 0.5,
+        result = lab.probe(case.proto, case.dst, case.port, 30 if positive else 4, timeout=timeout if positive else 0.5,
                            ns=case.src, max_failures=3 if positive else None)
         seen = outcome_of(result)
         problem = None
         if not matches(expected, seen):
             problem = f"expected {expected}, saw {seen}"
-        elif positive and case.sees is not None:
-            allowed = sources(case.src if case.sees == "source" else "node")
+        elif positive and case.seen(mode) is not None:
+            allowed = sources(case.src if case.seen(mode) == "source" else "node")
             if not set(result["seen_from"]) <= allowed:
-                problem = f"endpoints saw {result['seen_from']}, expected the {case.sees}'s {sorted(allowed)}"
+                problem = f"endpoints saw {result['seen_from']}, expected the {case.seen(mode)}'s {sorted(allowed)}"
         done.append((case, problem))
     return done
 
@@ -346,6 +371,6 @@ def describe_case(case: FlowCase) -> str:
     return f"{case.name} ({case.src} -> {case.proto} {case.dst}:{case.port})"
 
 
-def mismatches(lab: Any, mode: str, cases: Sequence[FlowCase] = CASES) -> list[str]:
+def mismatches(lab: Any, mode: str, cases: Sequence[FlowCase] = CASES, timeout: float = 1.0) -> list[str]:
     """`results` of the cases that went wrong, one line each."""
-    return [f"{describe_case(case)}: {problem}" for case, problem in results(lab, mode, cases) if problem]
+    return [f"{describe_case(case)}: {problem}" for case, problem in results(lab, mode, cases, timeout) if problem]

@@ -16,7 +16,8 @@ that serves no load-balancer IP at all cannot pass the "left out" case by accide
 
 Every case states the intended behaviour (upstream kube-proxy's, as its own proxier tests encode it): no `by_mode`
 exceptions for modes that do not render some frontends yet. test_twonode.py marks those modes as expected to
-fail until they do.
+fail until they do. The one deliberate difference is the userspace mode's (flowcases.PROXIED): a proxy, its
+endpoints see the node, where a case expects the source's own address.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from flowcases import NO_ANSWER, REFUSED, FlowCase, answered_by, describe_case, results, sticky
+from flowcases import NO_ANSWER, PROXIED, REFUSED, FlowCase, answered_by, describe_case, results, sticky
 
 from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
 from pyproxy.lab.netns import NODE_CLIENT_IP, REMOTE_NODE_NAME, backend_ip, nonzero_checksum_errors, remote_backend_ip
@@ -112,9 +113,9 @@ CASES = (
              answered_by("b1:8080", "r1:8080"), src="client2", sees="node"),
     # externalTrafficPolicy Local: this node's endpoints only, and they see the client's own address.
     FlowCase("externalTrafficPolicy Local NodePort: only the local endpoint, the client's address kept", "tcp",
-             NODE_IP, 30183, answered_by("b1:8080"), sees="source"),
+             NODE_IP, 30183, answered_by("b1:8080"), sees="source", sees_by_mode=PROXIED),
     FlowCase("externalTrafficPolicy Local load-balancer IP: only the local endpoint, the client's address kept",
-             "tcp", LOCAL_LB, 80, answered_by("b1:8080"), sees="source"),
+             "tcp", LOCAL_LB, 80, answered_by("b1:8080"), sees="source", sees_by_mode=PROXIED),
     FlowCase("externalTrafficPolicy Local, endpoints only on the other node: no answer", "tcp", NODE_IP, 30184,
              NO_ANSWER),
     # The node's own processes: ClusterIP and NodePort, endpoints on both nodes.
@@ -128,7 +129,7 @@ CASES = (
     # traffic to a ClusterIP), and to a Service whose only endpoint is the pod itself (hairpin: always
     # masqueraded, else the pod would get a packet from its own address and drop it as martian).
     FlowCase("a pod reaches a Service on the other node with its own address", "tcp", REMOTE_IP, 80,
-             answered_by("r1:8080"), src="b2", sees="source"),
+             answered_by("r1:8080"), src="b2", sees="source", sees_by_mode=PROXIED),
     FlowCase("hairpin: a pod reaches a Service whose only endpoint is itself", "tcp", SELF_IP, 80,
              answered_by("b1:8080"), src="b1", sees="node"),
     # No endpoints: refused at once (TCP reset or ICMP port unreachable), whichever way the flow comes. One UDP
@@ -180,16 +181,16 @@ def health_problem(lab: Any, case: HealthCase) -> str | None:
     return f"expected {case.status} {case.body()}, saw {answer['status']} {answer['body'][:200]!r} {answer['error']}"
 
 
-def outcomes(lab: Any, mode: str) -> list[tuple[str, str | None]]:
+def outcomes(lab: Any, mode: str, timeout: float = 1.0) -> list[tuple[str, str | None]]:
     """Every check in `lab` (a started Lab as above, its node running pyproxy in `mode` on MANIFESTS as NODE_NAME):
     (name, None when right else what was wrong), flow cases first, then health checks, then checksums (last, so
-    they count every packet the table sent)."""
-    done = [(describe_case(case), problem) for case, problem in results(lab, mode, CASES)]
+    they count every packet the table sent). `timeout`: as flowcases.results'."""
+    done = [(describe_case(case), problem) for case, problem in results(lab, mode, CASES, timeout)]
     done += [(h.name, health_problem(lab, h)) for h in HEALTH_CASES]
     errors = nonzero_checksum_errors(lab.checksum_errors())
     return done + [(CHECKSUMS, f"counted: {errors}" if errors else None)]
 
 
-def mismatches(lab: Any, mode: str) -> list[str]:
+def mismatches(lab: Any, mode: str, timeout: float = 1.0) -> list[str]:
     """One line per check that went wrong."""
-    return [f"{name}: {problem}" for name, problem in outcomes(lab, mode) if problem]
+    return [f"{name}: {problem}" for name, problem in outcomes(lab, mode, timeout) if problem]

@@ -3,13 +3,14 @@ when they come and go.
 
 This is the only module that speaks rtnetlink through pyroute2; backends ask it for `Link`s, subscribe to
 `LinkWatcher`, the proxier lists the node's addresses and subscribes to `AddressWatcher`, and backends manage a
-device of their own (IPVS mode's dummy `kube-ipvs0`) with the small verbs at the end, instead of holding sockets
-of their own.
+device of their own (IPVS mode's dummy `kube-ipvs0`) or local routes of their own (the userspace mode's) with the
+small verbs at the end, instead of holding sockets of their own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import socket
 import threading
@@ -107,6 +108,9 @@ class _Watcher:
     def _handle(self, msgs: list[dict]) -> None:
         raise NotImplementedError
 
+    def _lost(self) -> None:
+        """Events were lost (the socket's buffer overflowed): whatever follows them must read the kernel again."""
+
     def _run(self) -> None:
         try:
             ipr = IPRoute()
@@ -121,6 +125,16 @@ class _Watcher:
         while not self._stop.is_set():
             try:
                 msgs = ipr.get()
+            except OSError as e:
+                if e.errno == errno.ENOBUFS and not self._stop.is_set():
+                    # A burst of events (thousands of routes added at once) overflowed the socket: the
+                    # subscription still stands, only those events are gone.
+                    log.info("%s: events lost in a burst (%s); reading the kernel again", self.name, e)
+                    self._lost()
+                    continue
+                if not self._stop.is_set():
+                    log.warning("%s: %s", self.name, e)
+                return
             except Exception as e:  # noqa: BLE001 - a closed socket at stop, or a netlink hiccup
                 if not self._stop.is_set():
                     log.warning("%s: %s", self.name, e)
@@ -164,6 +178,8 @@ class Address:
 
 
 RT_SCOPE_HOST = 254
+RT_TABLE_MAIN, RT_TABLE_LOCAL = 254, 255
+RTN_LOCAL = 2
 
 
 def list_ipv4_addresses() -> list[Address]:
@@ -196,20 +212,35 @@ def default_route_device() -> str | None:
 
 
 class AddressWatcher(_Watcher):
-    """Calls `on_change()` from a thread of its own whenever an IPv4 address or an IPv4 route of this network
-    namespace is added or removed (the callback lists again what it needs: the events come in bursts)."""
+    """Calls `on_change()` from a thread of its own whenever an IPv4 address or an IPv4 route of the main table
+    of this network namespace is added or removed (the callback lists again what it needs: the events come in
+    bursts), or events were lost. Routes of other tables are not news: what is read here is the addresses and
+    the main table's default route, and the local table changes with the addresses anyway, or, thousands at
+    once, with the userspace mode's Service routes, each burst of which would otherwise list every address
+    again."""
 
     name = "address-watch"
 
     _EVENTS = frozenset({"RTM_NEWADDR", "RTM_DELADDR", "RTM_NEWROUTE", "RTM_DELROUTE"})
+    _ROUTE_EVENTS = frozenset({"RTM_NEWROUTE", "RTM_DELROUTE"})
 
     def __init__(self, on_change: Callable[[], None]) -> None:
         self._on_change = on_change
         super().__init__()
 
+    def _news(self, m: dict) -> bool:
+        if m.get("event") not in self._EVENTS or m.get("family") != socket.AF_INET:
+            return False
+        if m.get("event") in self._ROUTE_EVENTS:
+            return (m.get_attr("RTA_TABLE") or m.get("table")) == RT_TABLE_MAIN  # type: ignore[attr-defined]
+        return True
+
     def _handle(self, msgs: list[dict]) -> None:
-        if any(m.get("event") in self._EVENTS and m.get("family") == socket.AF_INET for m in msgs):
+        if any(self._news(m) for m in msgs):
             self._on_change()
+
+    def _lost(self) -> None:
+        self._on_change()
 
 
 # -- a backend's own device (IPVS mode's kube-ipvs0) ---------------------------------------------------------
@@ -249,6 +280,21 @@ def ipv4_addresses(ipr: IPRoute, name: str) -> frozenset[str]:
 def set_host_address(ipr: IPRoute, index: int, verb: str, ip: str) -> None:
     """Add ("add") or remove ("del") `ip`/32 on the device with `index`."""
     ipr.addr(verb, index=index, address=ip, prefixlen=32)
+
+
+def local_routes(ipr: IPRoute, proto: int) -> frozenset[str]:
+    """The destinations of the /32 `local` routes of the local table whose routing protocol is `proto`."""
+    return frozenset(r.get_attr("RTA_DST") for r in ipr.get_routes(family=socket.AF_INET, table=RT_TABLE_LOCAL)
+                     if r["proto"] == proto and r["type"] == RTN_LOCAL and r["dst_len"] == 32)
+
+
+def set_local_route(ipr: IPRoute, verb: str, ip: str, proto: int, index: int) -> None:
+    """Add ("add") or remove ("del") `local ip/32 dev <index> table local proto <proto> src ip`: the node then
+    takes packets for `ip` as its own and a socket may bind it, as for one of its addresses, without the address
+    (the kernel inserts a route in O(log n), where an address costs a walk of the device's addresses), and its
+    own flows to `ip` leave from `ip`."""
+    ipr.route(verb, dst=f"{ip}/32", table=RT_TABLE_LOCAL, type=RTN_LOCAL, proto=proto, scope=RT_SCOPE_HOST,
+              oif=index, prefsrc=ip)
 
 
 def delete_link(ipr: IPRoute, name: str) -> bool:

@@ -13,8 +13,18 @@ from pyproxy.dataplane.iptables.backend import IptablesSettings
 from pyproxy.dataplane.ipvs.backend import IpvsSettings
 from pyproxy.dataplane.netfilter import MasqueradeSettings
 from pyproxy.dataplane.nftables.backend import NftablesSettings
+from pyproxy.dataplane.userspace.backend import UserspaceSettings
 from pyproxy.k8s.client import ConnectionSettings
 from pyproxy.model.node import select_nodeport_addresses
+
+WINDOWS_MODES = ("kernelspace", "winuserspace")
+"""Upstream's Windows proxy modes: a known name, so asking for one says why it cannot be."""
+
+
+def windows_only(mode: str) -> str:
+    """Why `mode`, one of WINDOWS_MODES, cannot run."""
+    what = "the Windows kernel's HNS load balancer" if mode == "kernelspace" else "a userspace proxy for Windows"
+    return f"{mode} is upstream's Windows mode ({what}); pyproxy runs on Linux only (its last fallback: userspace)"
 
 
 @dataclass
@@ -32,8 +42,8 @@ class LogSettings:
 @dataclass
 class ProxySettings:
     mode: str = "auto"
-    """--proxy-mode: which dataplane programs the kernel; auto takes the first of bpf, ipvs, nftables,
-    iptables that can run here."""
+    """--proxy-mode: which dataplane serves the Services; auto takes the first of bpf, ipvs, nftables,
+    iptables, userspace that can run here."""
     source: Path | None = None
     """--source: a manifest file or folder; without it, the Kubernetes API."""
     connection: ConnectionSettings = field(default_factory=ConnectionSettings)
@@ -66,16 +76,19 @@ class ProxySettings:
     iptables: IptablesSettings = field(default_factory=IptablesSettings)
     nftables: NftablesSettings = field(default_factory=NftablesSettings)
     ipvs: IpvsSettings = field(default_factory=IpvsSettings)
+    userspace: UserspaceSettings = field(default_factory=UserspaceSettings)
     logging: LogSettings = field(default_factory=LogSettings)
 
     def __post_init__(self) -> None:
         # One masquerade policy for every mode, as upstream's single set of flags.
-        for mode in (self.iptables, self.nftables, self.ipvs, self.bpf):
+        for mode in (self.iptables, self.nftables, self.ipvs, self.bpf, self.userspace):
             mode.masquerade = self.masquerade
 
     def problems(self) -> list[str]:
         """What is wrong with these settings (every mode's), one line each naming its flag; empty when none."""
         out = []
+        if self.mode in WINDOWS_MODES:
+            out.append(f"--proxy-mode: {windows_only(self.mode)}")
         if not self.sync_period > 0:
             out.append(f"--sync-period must be positive, not {format_duration(self.sync_period)} "
                        "(0 would sync without a pause, spinning a core)")
@@ -96,7 +109,8 @@ class ProxySettings:
                 parse_address(address)
             except ValueError as e:
                 out.append(f"{flag}: {e}")
-        return out + self.masquerade.problems() + self.ipvs.problems() + self.bpf.problems()
+        return (out + self.masquerade.problems() + self.ipvs.problems() + self.bpf.problems()
+                + self.userspace.problems())
 
     def validate(self) -> None:
         """SettingError naming every wrong setting: what a start checks before it changes anything."""

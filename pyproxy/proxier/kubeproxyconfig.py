@@ -25,7 +25,7 @@ import yaml
 
 from pyproxy import logs
 from pyproxy.dataplane.bpf import abi
-from pyproxy.proxier.config import ProxySettings, SettingError, format_duration, parse_duration
+from pyproxy.proxier.config import WINDOWS_MODES, ProxySettings, SettingError, format_duration, parse_duration
 from pyproxy.proxier.modes import MODES
 
 API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
@@ -102,7 +102,8 @@ REFUSED = {
     "bindAddressHardFail": "pyproxy always ends when it cannot bind its healthz or metrics address",
     "enableProfiling": "pyproxy serves no /debug/pprof",
     "showHiddenMetricsForVersion": "pyproxy has no hidden metrics",
-    "portRange": "it configured upstream's userspace proxy, which pyproxy does not have",
+    "portRange": "upstream's userspace proxy took its per-Service ports from it; pyproxy's listens on the Service "
+                 "addresses themselves",
     "windowsRunAsService": "pyproxy runs on Linux only",
     "winkernel.networkName": "pyproxy runs on Linux only",
     "winkernel.sourceVip": "pyproxy runs on Linux only",
@@ -132,8 +133,6 @@ NO_EFFECT = {
     "configSyncPeriod": "pyproxy's watches never resync: they relist only when the API server expired them",
     "conntrack.maxPerCore": "pyproxy does not size the kernel's conntrack table (nf_conntrack_max)",
     "conntrack.min": "pyproxy does not size the kernel's conntrack table (nf_conntrack_max)",
-    # Upstream's userspace proxy's, removed in 1.26; ConfigMaps kubeadm wrote before still carry 250ms.
-    "udpIdleTimeout": "it configured upstream's userspace proxy, which pyproxy does not have",
     "logging.flushFrequency": "pyproxy writes each log line as it logs it",
     "logging.options.text.infoBufferSize": "pyproxy writes each log line as it logs it",
     "logging.options.json.infoBufferSize": "pyproxy writes each log line as it logs it",
@@ -152,6 +151,7 @@ FLAG_FIELDS = {
     "--conntrack-tcp-timeout-close-wait": "conntrack.tcpCloseWaitTimeout",
     "--conntrack-udp-timeout-stream": "conntrack.udpStreamTimeout", "--conntrack-udp-timeout": "conntrack.udpTimeout",
     "--bpf-ct-tcp-syn-timeout": "bpf.tcpSynTimeout", "--bpf-ct-tcp-close-timeout": "bpf.tcpCloseTimeout",
+    "--udp-timeout": "udpIdleTimeout", "--proxy-mode": "mode",
 }
 
 # conntrack and bpf timeout fields -> CtTimeouts fields.
@@ -272,7 +272,7 @@ class _Reader:
         if self.fields.get("kind") != KIND:
             self.refuse("kind", f"must be {KIND}, not {self.fields.get('kind')!r}")
         if (mode := self.given("mode")) is not None:
-            if mode in MODES:
+            if mode in MODES or mode in WINDOWS_MODES:  # the latter refused by ProxySettings.problems
                 s.mode = mode
             else:
                 self.refuse("mode", f"must be one of {', '.join(MODES)} (or empty: {s.mode}), not {mode!r}")
@@ -295,6 +295,10 @@ class _Reader:
             s.nodeport_addresses = () if addresses == ["all"] else tuple(addresses)
         if (cidrs := self.given("clusterCIDR")) is not None:
             self._cluster_cidr(s, cidrs)
+        # Upstream's userspace proxy's (removed in 1.26; ConfigMaps kubeadm wrote before carry 250ms): the userspace
+        # mode's. Upstream refused 0; here 0s is kubeadm's "the default", as every zero value.
+        if (idle := self.given("udpIdleTimeout")) is not None:
+            s.userspace.udp_idle_timeout = parse_duration(idle)
 
     def _cluster_cidr(self, s: ProxySettings, text: str) -> None:
         """Upstream takes a dual-stack pair; pyproxy is IPv4-only, so it keeps the IPv4 one."""
@@ -431,6 +435,7 @@ def dump(s: ProxySettings) -> str:
                       "udpStreamTimeout": format_duration(ct.udp_established)},
         "detectLocalMode": "ClusterCIDR",
         "healthzBindAddress": s.healthz_bind_address,
+        "udpIdleTimeout": format_duration(s.userspace.udp_idle_timeout),
         "hostnameOverride": s.hostname_override or "",
         "iptables": {**masq, **periods, "localhostNodePorts": False},
         "logging": {"format": s.logging.format, "verbosity": s.logging.verbosity},

@@ -1,9 +1,11 @@
 """Which dataplane runs: `--proxy-mode=auto` tries each in turn, an explicit mode must work or pyproxy stops.
 
 Auto's order is fastest first: bpf (the kernel loads and attaches the programs, and pyproxy may), ipvs (the
-kernel has IPVS), nftables (kernel 5.13 or later and `nft` works), iptables. A mode is only "available" when
-its own `start()` succeeded, because only that proves it: a kernel may have BPF but refuse this process
-(capabilities, lockdown), or have nf_tables but an `nft` too old. Each skipped mode is logged with its reason.
+kernel has IPVS), nftables (kernel 5.13 or later and `nft` works), iptables, and last userspace (a proxy in
+pyproxy's own process: it needs neither netfilter nor BPF, only CAP_NET_ADMIN for the Service addresses' local
+routes). A mode is only "available" when its own `start()` succeeded, because only that proves it: a kernel may
+have BPF but refuse this process (capabilities, lockdown), or have nf_tables but an `nft` too old. Each skipped
+mode is logged with its reason.
 
 Starting one mode removes what the others left in this network namespace, as upstream does when switching
 modes: two dataplanes translating the same ClusterIP would fight, and leftover rules of a mode that no longer
@@ -25,12 +27,13 @@ from pyproxy.dataplane.bpf.loader import BpfUnavailable
 from pyproxy.dataplane.iptables import backend as iptables
 from pyproxy.dataplane.ipvs import backend as ipvs
 from pyproxy.dataplane.nftables import backend as nftables
-from pyproxy.proxier.config import ProxySettings, format_duration
+from pyproxy.dataplane.userspace import backend as userspace
+from pyproxy.proxier.config import WINDOWS_MODES, ProxySettings, format_duration, windows_only
 
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
-AUTO_ORDER = ("bpf", "ipvs", "nftables", "iptables")
+AUTO_ORDER = ("bpf", "ipvs", "nftables", "iptables", "userspace")
 MODES = (AUTO, *AUTO_ORDER)
 
 
@@ -65,6 +68,7 @@ HONOURED_BY = (
     Honoured("--iptables-masquerade-bit", lambda s: s.masquerade.masquerade_bit, _NETFILTER),
     Honoured("--iptables-backend", lambda s: s.iptables.backend, frozenset({"ipvs", "iptables"})),
     Honoured("--ipvs-scheduler", lambda s: s.ipvs.scheduler, frozenset({"ipvs"})),
+    Honoured("--udp-timeout", lambda s: s.userspace.udp_idle_timeout, frozenset({"userspace"})),
 )
 
 
@@ -101,6 +105,8 @@ def _table() -> dict[str, _Mode]:
         "nftables": _Mode(lambda s: nftables.NftablesDataplane(s.nftables), lambda s: nftables.cleanup(s.nftables)),
         "iptables": _Mode(lambda s: iptables.IptablesDataplane(s.iptables),
                           lambda s: iptables.cleanup(s.iptables, shared=False)),
+        "userspace": _Mode(lambda s: userspace.UserspaceDataplane(s.userspace),
+                           lambda s: userspace.cleanup(s.userspace)),
     }
 
 
@@ -131,6 +137,8 @@ def _try_start(mode: str, settings: ProxySettings) -> Dataplane:
 def start_dataplane(settings: ProxySettings) -> Dataplane:
     """Start the mode settings ask for (auto: the first that works); raises NoModeAvailable."""
     candidates = AUTO_ORDER if settings.mode == AUTO else (settings.mode,)
+    if settings.mode in WINDOWS_MODES:
+        raise NoModeAvailable(f"--proxy-mode={settings.mode}: {windows_only(settings.mode)}")
     if settings.mode not in MODES:
         raise NoModeAvailable(f"--proxy-mode={settings.mode}: not one of {', '.join(MODES)}")
     reasons = []

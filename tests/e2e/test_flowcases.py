@@ -14,6 +14,8 @@ MODES = [
     pytest.param("iptables", ["--iptables-backend=legacy"], id="iptables-legacy"),
     pytest.param("iptables", ["--iptables-backend=nft"], id="iptables-nft"),
 ]
+# The userspace mode runs the table in tests/e2e/test_userspace_e2e.py, chosen by --proxy-mode=auto with every
+# kernel mode made unavailable.
 
 
 @pytest.mark.parametrize("mode, args", MODES)

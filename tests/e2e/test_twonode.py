@@ -24,6 +24,7 @@ MODES = [
     ("nftables", "nftables", [], False),
     ("iptables-legacy", "iptables", ["--iptables-backend=legacy"], False),
     ("iptables-nft", "iptables", ["--iptables-backend=nft"], False),
+    ("userspace", "userspace", [], False),
 ]
 
 
@@ -44,5 +45,6 @@ def test_two_nodes_and_outside_clients(make_env, mode: str, args: list[str], xdp
     lab = env.lab
     xdp_devices = [lab.node_client_ifname, NODE_CLIENT2_IFNAME] if xdp else None
     env.start(mode=mode, args=[f"--hostname-override={NODE_NAME}", *args], xdp_devices=xdp_devices)
-    wrong = mismatches(lab, mode)
+    # The userspace mode's flows each need its process scheduled: 3 s a flow, as in test_userspace_e2e.py.
+    wrong = mismatches(lab, mode, timeout=3.0 if mode == "userspace" else 1.0)
     assert not wrong, f"{mode} {args}{' xdp' if xdp else ''}:\n" + "\n".join(wrong)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import flowcases
 import pytest
 import schedcases
-from tracers import bpf, iptables, ipvs, nftables
+from tracers import bpf, iptables, ipvs, nftables, userspace
 from tracers.common import BEFORE, SOURCES, Packet, Sync, Tracer, Unmodelled, mismatches, syncs, traced_cases
 
 from pyproxy.dataplane.bpf import abi
@@ -28,6 +28,7 @@ TRACERS: dict[str, Callable[[Sequence[Sync]], Tracer]] = {
     "iptables": iptables.tracer,
     "ipvs": ipvs.tracer,
     "nftables": nftables.tracer,
+    "userspace": userspace.tracer,
 }
 
 
@@ -195,6 +196,37 @@ def test_nftables_tracer_fails_on_an_external_form_it_does_not_know(first: list[
     assert "fib saddr type local" in script
     with pytest.raises(Unmodelled, match="fib daddr"):
         nftables.NftablesTracer([script.replace("fib saddr type local", "fib daddr type local", 1)])
+
+
+def test_userspace_tracer_sees_a_lost_filter_and_a_lost_local_policy(first: list[Sync]) -> None:
+    [plan] = userspace.plans(first)
+
+    def wrong_after(broken: userspace.us_render.Plan) -> list[str]:
+        return [w.split(" (")[0] for w in mismatches(userspace.Proxy([broken]), "userspace")]
+
+    # Every listener without its filter: the source ranges and the Local drops let everyone in.
+    unfiltered = dataclasses.replace(plan, open={f: None for f in plan.open})
+    assert wrong_after(unfiltered) == [
+        "a load-balancer IP whose source ranges leave the client out: no answer",
+        "externalTrafficPolicy Local, no endpoint on this node: no answer",
+        "internalTrafficPolicy Local, no endpoint on this node: a pod's flow is dropped"]
+    # externalTrafficPolicy Local's routes without their own endpoints: the other node's endpoint answers too.
+    unlocal = {f: dataclasses.replace(r, external_backends=None) if r is not None and r.external_backends else r
+               for f, r in plan.routes.items()}
+    assert wrong_after(dataclasses.replace(plan, routes=unlocal)) == [
+        "externalTrafficPolicy Local: only this node's endpoint",
+        "PreferClose, externalTrafficPolicy Local: outside clients get this node's endpoint"]
+
+
+def test_userspace_cluster_cidr_lets_pods_past_the_local_drop(first: list[Sync]) -> None:
+    # With --cluster-cidr the pods are inside: the Local frontends' filters let them in (the route then gives them
+    # every endpoint), while the client outside is still dropped.
+    [plan] = userspace.plans(first, cluster_cidr="10.201.0.0/16")
+    proxy = userspace.Proxy([plan], cluster_cidr="10.201.0.0/16")
+    elsewhere = Packet(SOURCES["b1"], "tcp", flowcases.NODE_IP, flowcases.ELSEWHERE_HTTP.node_port)
+    assert {v.kind for v in proxy.flows(elsewhere, frozenset())} == {"dnat"}
+    outside = dataclasses.replace(elsewhere, src=SOURCES["client"])
+    assert {v.kind for v in proxy.flows(outside, frozenset())} == {"no-answer"}
 
 
 def test_the_tracers_follow_every_case_but_the_nodes_own_traffic() -> None:

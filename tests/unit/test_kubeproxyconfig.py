@@ -121,6 +121,8 @@ def test_zero_values_are_the_defaults() -> None:
     ("logging: {verbosity: 4}", "logging.verbosity", 4),
     ("logging: {verbosity: 0}", "logging.verbosity", 0),  # kubeadm's: upstream's level 0, not "the default"
     ("logging: {format: json}", "logging.format", "json"),
+    ("udpIdleTimeout: 2s", "userspace.udp_idle_timeout", 2.0),  # upstream's userspace proxy's; pyproxy's now
+    ("udpIdleTimeout: 0s", "userspace.udp_idle_timeout", 0.25),  # kubeadm's zero: the default
     ("logging: {flushFrequency: 0, options: {json: {infoBufferSize: '0'}}}", "logging.verbosity", 2),
 ])
 def test_each_field_sets_its_setting(body: str, attr: str, value: object) -> None:
@@ -157,8 +159,8 @@ def test_fields_without_effect_here_are_accepted_with_a_warning(body: str, warni
 
 
 @pytest.mark.parametrize(("body", "message"), [
-    ("portRange: 30000-32767", "kp.yaml: portRange: '30000-32767' is not supported: it configured upstream's "
-                               "userspace proxy"),
+    ("portRange: 30000-32767", "kp.yaml: portRange: '30000-32767' is not supported: upstream's userspace proxy "
+                               "took its per-Service ports from it"),
     ("bindAddressHardFail: true", "kp.yaml: bindAddressHardFail: True is not supported"),
     ("enableProfiling: true", "kp.yaml: enableProfiling: True is not supported: pyproxy serves no /debug/pprof"),
     ("winkernel: {networkName: l2bridge}", "kp.yaml: winkernel.networkName: 'l2bridge' is not supported: "
@@ -176,8 +178,11 @@ def test_fields_without_effect_here_are_accepted_with_a_warning(body: str, warni
                                                         "supported: pyproxy writes every log line to stderr"),
     ("logging: {format: logfmt}", "kp.yaml: logging.format: must be one of text, json, not 'logfmt'"),
     ("bindAddress: 192.168.1.5", "kp.yaml: bindAddress: '192.168.1.5' is not supported"),
-    ("mode: kernelspace", "kp.yaml: mode: must be one of auto, bpf, ipvs, nftables, iptables (or empty: auto), "
-                          "not 'kernelspace'"),
+    ("mode: kernelspace", "kp.yaml: mode: kernelspace is upstream's Windows mode (the Windows kernel's HNS load "
+                          "balancer); pyproxy runs on Linux only"),
+    ("mode: winuserspace", "kp.yaml: mode: winuserspace is upstream's Windows mode"),
+    ("mode: kernelspac", "kp.yaml: mode: must be one of auto, bpf, ipvs, nftables, iptables, userspace (or empty: "
+                         "auto), not 'kernelspac'"),
     ("conntrack: {tcpEstablishedTimeout: -1s}", "kp.yaml: conntrack.tcpEstablishedTimeout: must be positive"),
     ("clusterCIDR: 10.0.0.0/8,10.1.0.0/16", "kp.yaml: clusterCIDR: '10.0.0.0/8,10.1.0.0/16' holds 2 IPv4 CIDRs"),
     ("bpf: {snatPortRange: many}", "kp.yaml: bpf.snatPortRange: must be FIRST-LAST"),

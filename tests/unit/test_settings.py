@@ -128,6 +128,26 @@ def test_endpoint_counters_are_a_flag_and_its_negation() -> None:
     assert settings().bpf.endpoint_counters is ProxySettings().bpf.endpoint_counters
 
 
+def test_udp_timeout_sets_the_userspace_modes_udp_idle_timeout(capsys) -> None:
+    assert ProxySettings().userspace.udp_idle_timeout == 0.25  # upstream's udpIdleTimeout default
+    assert settings("--udp-timeout=2s").userspace.udp_idle_timeout == 2.0
+    assert modes.unhonoured(settings("--udp-timeout=2s"), "bpf") == [
+        "bpf mode does not honour --udp-timeout (set to 2s): only the userspace mode does"]
+    with pytest.raises(SettingError, match="--udp-timeout must be positive"):
+        settings("--udp-timeout=0")
+
+
+@pytest.mark.parametrize("mode", ["kernelspace", "winuserspace"])
+def test_upstreams_windows_modes_end_the_command_saying_linux_only(monkeypatch, capsys, mode: str) -> None:
+    monkeypatch.setattr(app, "run", lambda _s: pytest.fail("pyproxy started in a Windows mode"))
+    assert cli.main(["run", f"--proxy-mode={mode}"]) == 2
+    what = {"kernelspace": "the Windows kernel's HNS load balancer", "winuserspace": "a userspace proxy for Windows"}
+    assert capsys.readouterr().err == (f"pyproxy run: error: --proxy-mode: {mode} is upstream's Windows mode "
+                                       f"({what[mode]}); pyproxy runs on Linux only (its last fallback: userspace)\n")
+    with pytest.raises(modes.NoModeAvailable, match="pyproxy runs on Linux only"):
+        modes.start_dataplane(ProxySettings(mode=mode))
+
+
 def test_the_snat_port_range_is_first_dash_last(capsys) -> None:
     assert settings("--bpf-snat-port-range=40000-40100").bpf.snat_ports == (40000, 40100)
     with pytest.raises(SystemExit) as exited:
@@ -211,6 +231,6 @@ def test_the_table_names_real_flags_and_every_mode_setting() -> None:
     # but the pin path (every mode's start cleans up the bpf mode's pins) and the masquerade policy every mode
     # follows.
     mode_flags = {f"--{dest.replace('_', '-')}" for dest, paths in cli.SETTINGS.items()
-                  if paths[0].split(".")[0] in ("bpf", "masquerade", "iptables", "ipvs", "nftables")}
+                  if paths[0].split(".")[0] in ("bpf", "masquerade", "iptables", "ipvs", "nftables", "userspace")}
     every_mode = {"--bpf-pin-path", "--cluster-cidr", "--masquerade-all"}
     assert mode_flags - every_mode | {ct.flag for ct in cli.CT_FLAGS} == listed
