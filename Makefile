@@ -84,11 +84,11 @@ apiserver:
 	bash tests/cluster/build-apiserver.sh
 
 cluster-up: install apiserver
-	$(VPY) -m pyproxy.lab.cluster up --dir .cluster
+	$(VPY) tests/cluster/cluster.py up --dir .cluster
 
-# No venv needed (pyproxy.lab.cluster is stdlib only): stopping must not first build a venv.
+# No venv needed (tests/cluster/cluster.py is stdlib only): stopping must not first build a venv.
 cluster-down:
-	@$$([ -x $(VPY) ] && echo $(VPY) || echo $(PYTHON)) -m pyproxy.lab.cluster down --dir .cluster
+	@$$([ -x $(VPY) ] && echo $(VPY) || echo $(PYTHON)) tests/cluster/cluster.py down --dir .cluster
 
 cleanup: venv
 	$(VENV)/bin/pyproxy cleanup

@@ -8,8 +8,8 @@
         cluster.start_apiserver()                           # same port, certs and tokens: kubeconfig still works
         cluster.compact()                                   # old resourceVersions now get 410 Gone
 
-    python -m pyproxy.lab.cluster up --dir .cluster         # detached; writes .cluster/kubeconfig
-    python -m pyproxy.lab.cluster down --dir .cluster
+    python tests/cluster/cluster.py up --dir .cluster       # detached; writes .cluster/kubeconfig
+    python tests/cluster/cluster.py down --dir .cluster
 
 Why it is built this way (measured facts: shared notes, real-apiserver.md):
 
@@ -71,7 +71,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-log = logging.getLogger("pyproxy.lab")
+log = logging.getLogger("cluster")
 
 APISERVER_VERSION = "v1.20.2"
 SA_ISSUER = "https://kubernetes.default.svc"
@@ -569,7 +569,7 @@ class Cluster:
                            (self.apiserver_port, "kube-apiserver")):
             if _port_in_use(port):
                 raise ClusterError(f"{what} port 127.0.0.1:{port} is already in use (another cluster? "
-                                   f"`python -m pyproxy.lab.cluster down --dir ...` stops one)")
+                                   f"`python tests/cluster/cluster.py down --dir ...` stops one)")
         self._ensure_pki()
         self.write_kubeconfig(self.kubeconfig, self.admin_token)
         self._write_state()
@@ -785,7 +785,7 @@ def _cmd_down(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pyproxy.lab.cluster",
+    parser = argparse.ArgumentParser(prog="tests/cluster/cluster.py",
                                      description="A local etcd + kube-apiserver for pyproxy's tests and demos.")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start etcd and kube-apiserver, detached")
