@@ -22,7 +22,7 @@ APT_STAMP_FILES := /usr/bin/clang /usr/bin/llvm-strip /usr/include/bpf/bpf_helpe
                    /usr/bin/socat /usr/sbin/ethtool /usr/sbin/capsh /usr/bin/mmdebstrap /usr/bin/umoci \
                    /usr/sbin/runc
 
-.PHONY: help install apt venv bpf demo test lint unit clean cleanup apiserver cluster-up cluster-down image image-test
+.PHONY: help install apt venv bpf demo test lint unit clean cleanup apiserver kube-binaries cluster-up cluster-down image image-test
 
 help:
 	@echo "make install   apt packages, .venv with pyproxy, BPF objects"
@@ -30,6 +30,7 @@ help:
 	@echo "make test      lint, type checks, layering, unit, BPF and end-to-end tests (root)"
 	@echo "make soak      the connection-tracking soak, 60 s per proxy mode (root)"
 	@echo "make apiserver build kube-apiserver v1.20.2 once (cached in ~/.cache/pyproxy) and install etcd"
+	@echo "make kube-binaries the other v1.20.2 binaries of a real cluster and kubectl, likewise (up to 40 min)"
 	@echo "make cluster-up    etcd + kube-apiserver on 127.0.0.1:6443, detached; admin kubeconfig in .cluster/"
 	@echo "make cluster-down  stop that cluster and forget its etcd data"
 	@echo "make image     the container image, an OCI layout in deploy/build/ (no registry: Debian + PyPI)"
@@ -82,6 +83,11 @@ soak: install
 # Builds only when the cached binary is missing (about 7 minutes on 2 cores), else returns at once.
 apiserver:
 	bash tests/cluster/build-apiserver.sh
+
+# kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kube-proxy and kubectl v1.20.2 for a real cluster,
+# built from one unpack of Debian's source (only the missing ones; 40 minutes for four on 2 busy cores).
+kube-binaries:
+	bash tests/cluster/build-kube-binaries.sh
 
 cluster-up: install apiserver
 	$(VPY) tests/cluster/cluster.py up --dir .cluster

@@ -3,7 +3,7 @@
 #
 # No reachable registry ships a kube-apiserver binary, but Debian's source package carries the whole v1.20.2
 # tree with vendor/, which builds offline with Debian's Go 1.19 (recipe and timings: shared notes,
-# real-apiserver.md; the steps are shared with bench/build-kube-proxy.sh in kube-build.sh). The binary is cached
+# real-apiserver.md; the steps are shared with the other commands' builds in kube-build.sh). The binary is cached
 # outside the repository so fresh clones and CI runs on the same machine reuse it; the build takes about
 # 7 minutes on 2 cores and needs about 4 GB of disk.
 #
@@ -12,15 +12,11 @@ set -euo pipefail
 
 # shellcheck source=kube-build.sh
 . "$(dirname "${BASH_SOURCE[0]}")/kube-build.sh"
-BIN=$CACHE/kube-apiserver-$VERSION
+BIN=$(kube_bin kube-apiserver)
 
 log() { echo "build-apiserver: $*" >&2; }
 
-if ! command -v etcd >/dev/null; then
-    log "installing etcd-server"
-    apt-get update -qq >&2
-    apt_install etcd-server
-fi
+apt_ensure etcd-server
 
 if kube_cached "$BIN"; then
     echo "$BIN"
@@ -28,5 +24,5 @@ if kube_cached "$BIN"; then
 fi
 
 log "no cached $BIN: building (about 7 minutes on 2 cores)"
-kube_build cmd/kube-apiserver "$BIN"
+kube_build cmd/kube-apiserver
 echo "$BIN"
