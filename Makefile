@@ -22,7 +22,7 @@ APT_STAMP_FILES := /usr/bin/clang /usr/bin/llvm-strip /usr/include/bpf/bpf_helpe
                    /usr/bin/socat /usr/sbin/ethtool /usr/sbin/capsh /usr/bin/mmdebstrap /usr/bin/umoci \
                    /usr/sbin/runc
 
-.PHONY: help install apt venv bpf demo test lint unit clean cleanup apiserver kube-binaries cluster-up cluster-down image image-test
+.PHONY: help install apt venv bpf demo test lint unit clean cleanup apiserver kube-binaries pod-image cluster-up cluster-down image image-test
 
 help:
 	@echo "make install   apt packages, .venv with pyproxy, BPF objects"
@@ -31,6 +31,7 @@ help:
 	@echo "make soak      the connection-tracking soak, 60 s per proxy mode (root)"
 	@echo "make apiserver build kube-apiserver v1.20.2 once (cached in ~/.cache/pyproxy) and install etcd"
 	@echo "make kube-binaries the other v1.20.2 binaries of a real cluster and kubectl, likewise (up to 40 min)"
+	@echo "make pod-image the lab pods' images, echo server and pause, no registry (~/.cache/pyproxy/pod-image/)"
 	@echo "make cluster-up    etcd + kube-apiserver on 127.0.0.1:6443, detached; admin kubeconfig in .cluster/"
 	@echo "make cluster-down  stop that cluster and forget its etcd data"
 	@echo "make image     the container image, an OCI layout in deploy/build/ (no registry: Debian + PyPI)"
@@ -88,6 +89,11 @@ apiserver:
 # built from one unpack of Debian's source (only the missing ones; 40 minutes for four on 2 busy cores).
 kube-binaries:
 	bash tests/cluster/build-kube-binaries.sh
+
+# The lab pods' images for `ctr -n k8s.io images import`: an echo server naming its pod and the client it saw, and
+# the pod sandbox (pause) image containerd needs and cannot pull here.
+pod-image:
+	bash tests/cluster/build-pod-image.sh
 
 cluster-up: install apiserver
 	$(VPY) tests/cluster/cluster.py up --dir .cluster
