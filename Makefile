@@ -72,7 +72,7 @@ lint: venv
 unit: venv
 	$(VENV)/bin/pytest -q tests/unit
 
-test: install apiserver guest-image lint
+test: install kube-binaries guest-image lint
 	$(VENV)/bin/pytest -q tests
 
 # Issue 16's soak at full length: a client alternating Service and direct connections to one backend from 20
