@@ -22,14 +22,16 @@ APT_STAMP_FILES := /usr/bin/clang /usr/bin/llvm-strip /usr/include/bpf/bpf_helpe
                    /usr/bin/socat /usr/sbin/ethtool /usr/sbin/capsh /usr/bin/mmdebstrap /usr/bin/umoci \
                    /usr/sbin/runc
 
-.PHONY: help install apt venv bpf demo test lint unit clean cleanup apiserver cluster-up cluster-down image image-test
+.PHONY: help install apt venv bpf demo test lint unit clean cleanup apiserver kube-binaries pod-image cluster-up cluster-down image image-test
 
 help:
 	@echo "make install   apt packages, .venv with pyproxy, BPF objects"
 	@echo "make demo      namespace lab + real traffic through the BPF dataplane"
 	@echo "make test      lint, type checks, layering, unit, BPF and end-to-end tests (root)"
 	@echo "make soak      the connection-tracking soak, 60 s per proxy mode (root)"
-	@echo "make apiserver build kube-apiserver v1.20.2 once (cached in ~/.cache/pyproxy) and install etcd"
+	@echo "make apiserver build the control plane v1.20.2 once (apiserver, controller-manager, scheduler; cached in ~/.cache/pyproxy) and install etcd"
+	@echo "make kube-binaries the other v1.20.2 binaries of a real cluster and kubectl, likewise (up to 40 min)"
+	@echo "make pod-image the lab pods' images, echo server and pause, no registry (~/.cache/pyproxy/pod-image/)"
 	@echo "make cluster-up    etcd + kube-apiserver on 127.0.0.1:6443, detached; admin kubeconfig in .cluster/"
 	@echo "make cluster-down  stop that cluster and forget its etcd data"
 	@echo "make image     the container image, an OCI layout in deploy/build/ (no registry: Debian + PyPI)"
@@ -79,16 +81,27 @@ test: install apiserver guest-image lint
 soak: install
 	PYPROXY_SOAK_SECONDS=60 $(VENV)/bin/pytest -q -s tests/e2e/test_ct_e2e.py -k soak
 
-# Builds only when the cached binary is missing (about 7 minutes on 2 cores), else returns at once.
+# kube-apiserver, kube-controller-manager and kube-scheduler (what make test runs), from one unpack of Debian's
+# source; builds only what is missing (roughly 10 minutes on 2 idle cores), else returns at once.
 apiserver:
 	bash tests/cluster/build-apiserver.sh
 
-cluster-up: install apiserver
-	$(VPY) -m pyproxy.lab.cluster up --dir .cluster
+# kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kube-proxy and kubectl v1.20.2 for a real cluster,
+# built from one unpack of Debian's source (only the missing ones; 40 minutes for four on 2 busy cores).
+kube-binaries:
+	bash tests/cluster/build-kube-binaries.sh
 
-# No venv needed (pyproxy.lab.cluster is stdlib only): stopping must not first build a venv.
+# The lab pods' images for `ctr -n k8s.io images import`: an echo server naming its pod and the client it saw, and
+# the pod sandbox (pause) image containerd needs and cannot pull here.
+pod-image:
+	bash tests/cluster/build-pod-image.sh
+
+cluster-up: install apiserver
+	$(VPY) tests/cluster/cluster.py up --dir .cluster
+
+# No venv needed (tests/cluster/cluster.py is stdlib only): stopping must not first build a venv.
 cluster-down:
-	@$$([ -x $(VPY) ] && echo $(VPY) || echo $(PYTHON)) -m pyproxy.lab.cluster down --dir .cluster
+	@$$([ -x $(VPY) ] && echo $(VPY) || echo $(PYTHON)) tests/cluster/cluster.py down --dir .cluster
 
 cleanup: venv
 	$(VENV)/bin/pyproxy cleanup

@@ -8,7 +8,7 @@ set -euo pipefail
 
 # shellcheck source=../tests/cluster/kube-build.sh
 . "$(dirname "${BASH_SOURCE[0]}")/../tests/cluster/kube-build.sh"
-BIN=$CACHE/kube-proxy-$VERSION
+BIN=$(kube_bin kube-proxy)
 
 log() { echo "build-kube-proxy: $*" >&2; }
 
@@ -18,5 +18,5 @@ if kube_cached "$BIN"; then
 fi
 
 log "no cached $BIN: building (about 4 minutes on 2 cores)"
-kube_build cmd/kube-proxy "$BIN"
+kube_build cmd/kube-proxy
 echo "$BIN"

@@ -4,7 +4,7 @@ pyproxy runs as a user runs it (`python -m pyproxy run --proxy-mode=MODE` in a n
 by one of two sources, with N Services x 10 endpoints already there when it starts:
 - manifests: one JSON `kind: List` file in --source (JSON, not YAML: PyYAML's pure-Python parser would
   dominate at 50,000 objects and measure PyYAML rather than pyproxy). This isolates pyproxy's own cost.
-- API server: the lab's real kube-apiserver v1.20.2 + etcd (pyproxy.lab.cluster), objects created through
+- API server: the lab's real kube-apiserver v1.20.2 + etcd (tests/cluster/cluster.py), objects created through
   the API beforehand with 16 client threads, pyproxy following it with --kubeconfig through a socat bridge
   into the node namespace (as tests/e2e/test_api_e2e.py does). The end-to-end figure.
 
@@ -42,7 +42,6 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -51,6 +50,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from apiobjects import Kube, service  # the tests' API helpers (tests/ is on sys.path: bench/__init__.py)
+from cluster.cluster import Cluster, bridge_into_netns, stop_process
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import core, rules
@@ -60,12 +61,8 @@ from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.inspect import open_maps
 from pyproxy.lab import Lab, Pyproxy
-from pyproxy.lab.cluster import Cluster, bridge_into_netns, stop_process
 from pyproxy.lab.netns import NODE_CLIENT_IP
 from pyproxy.lab.proxy import METRICS_PORT
-
-sys.path.insert(0, str(core.REPO / "tests"))
-from apiobjects import Kube, service  # noqa: E402 - the tests' API helpers, shared rather than copied
 
 POLL_S = 0.02
 NODE_IP = NODE_CLIENT_IP

@@ -5,7 +5,7 @@ The guest is emulated (TCG, tests/guest/run.py: /dev/kvm here cannot run a stock
 than the host, so its absolute numbers mean little; the ratios between modes measured in the same guest, on the
 same emulated CPUs, within minutes of each other, do. The ratio tables divide by upstream's ipvs mode.
 
-Host side (`run`): the lab API server (etcd + kube-apiserver, pyproxy.lab.cluster) with the Services and
+Host side (`run`): the lab API server (etcd + kube-apiserver, tests/cluster/cluster.py) with the Services and
 EndpointSlices of the latency part (bench/latency.py: N Services x 10 endpoints, 5 `targets` spread over the set
 pointing at the lab's 10 backends, the rest at unused addresses), the Node object upstream wants, and one guest
 boot. qemu gets two more devices (tests/guest/run.py's qemu_args):
@@ -229,8 +229,9 @@ def qemu_args(ctl: Path, apiserver_port: int) -> list[str]:
 
 def share_kube_proxy(ctl: Path) -> str:
     """kube-proxy into the share (a hard link when it can be); "" or why upstream cannot run."""
+    from cluster.cluster import cache_dir
+
     from bench import upstream
-    from pyproxy.lab.cluster import cache_dir
 
     path = cache_dir() / f"kube-proxy-{upstream.VERSION}"
     if not path.exists():
@@ -244,10 +245,11 @@ def share_kube_proxy(ctl: Path) -> str:
 
 
 def run(p: Mapping[str, Any], rec: Recorder, deadline: Deadline) -> None:
+    from cluster.cluster import Cluster
+
     from bench import controlplane as cp
     from bench.latency import build_tool
     from bench.upstream import register_node
-    from pyproxy.lab.cluster import Cluster
 
     rec.note("Inside a qemu guest under TCG emulation (Debian 6.1 kernel, 2 emulated CPUs on the 2 host cores): "
              "absolute numbers are 10-50x those of a real machine and mean little; the ratios between modes in "
@@ -402,8 +404,9 @@ class GuestRun:
         return ""
 
     def run(self) -> None:
+        from cluster.cluster import bridge_into_netns, stop_process
+
         from pyproxy.lab import Lab
-        from pyproxy.lab.cluster import bridge_into_netns, stop_process
 
         self.rec.step("network to the API server, lab of 10 backends")
         # Importing the benchmark's modules (the kubernetes client among them) takes some 10 s of emulated CPU:
@@ -517,7 +520,7 @@ def last_error(log: str) -> str:
 
 def api_forward() -> subprocess.Popen[bytes]:
     """The guest's NIC up (the only network it has: qemu's restricted one) and 127.0.0.1:6443 forwarded to
-    the API server's forward, so the lab's usual bridge into the node (pyproxy.lab.cluster.bridge_into_netns)
+    the API server's forward, so the lab's usual bridge into the node (cluster.cluster.bridge_into_netns)
     reaches it."""
     subprocess.run(["modprobe", "virtio_net"], check=True, timeout=60)
     for _ in range(100):

@@ -36,12 +36,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from cluster.cluster import Cluster
+
 from bench import controlplane as cp
 from bench import core, latency
 from bench.core import Deadline, Figure, Panel, Part, Recorder
 from bench.latency import LoadLab, Series, Size
 from pyproxy.lab import Lab
-from pyproxy.lab.cluster import Cluster
 from pyproxy.lab.netns import NODE_CLIENT_IP
 
 NODE_PORT = 30000

@@ -46,6 +46,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from cluster.cluster import Cluster, bridge_into_netns, stop_process
+
 from bench import controlplane as cp
 from bench import core
 from bench.core import Deadline, Measurement, Part, Recorder
@@ -53,7 +55,6 @@ from bench.latency import build_tool
 from bench.upstream import HOSTNAME, KubeProxy, register_node
 from pyproxy.dataplane.bpf import abi, libbpf, loader
 from pyproxy.lab import Lab, Pyproxy, write_manifest
-from pyproxy.lab.cluster import Cluster, bridge_into_netns, stop_process
 from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
 from pyproxy.lab.netns import NODE_CLIENT_IP, parse_proc_net_counters
 from pyproxy.lab.proxy import newer_release

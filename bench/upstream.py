@@ -30,10 +30,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from cluster.cluster import cache_dir
+
 from bench import core
 from pyproxy.k8s.client import ApiError
 from pyproxy.lab import Lab
-from pyproxy.lab.cluster import cache_dir
 from pyproxy.lab.proxy import HEALTHZ_PORT, METRICS_PORT
 
 VERSION = "v1.20.2"

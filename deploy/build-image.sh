@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # pyproxy's container image, built with no registry: there is no FROM. Debian packages make the root filesystem
-# (mmdebstrap), PyPI the Python dependencies, and umoci packs it as an OCI image layout. `make image` runs this.
+# (mmdebstrap), PyPI the Python dependencies, and umoci packs it as an OCI image layout (the steps shared with the
+# lab's pod image are in deploy/oci.sh). `make image` runs this.
 #
 # Two layers, so a change to pyproxy repacks only its own:
 #   base     Debian bookworm minbase, the tools pyproxy drives (iproute2, iptables, nftables, ipset, conntrack,
@@ -15,11 +16,11 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=oci.sh
+. "$REPO/deploy/oci.sh"
 CACHE=${PYPROXY_CACHE:-$HOME/.cache/pyproxy}/image
 OUT=$REPO/deploy/build
 PY=${PY:-$REPO/.venv/bin/python}
-MIRROR=http://deb.debian.org/debian
-SUITE=bookworm
 PYVER=3.11  # bookworm's python3; the pyproxy layer's site-packages path depends on it
 VENV=/opt/pyproxy
 ROOT_PKGS=python3,python3-venv,libbpf1,iproute2,iptables,nftables,ipset,conntrack,kmod
@@ -37,27 +38,22 @@ build_base() {  # $1: a work directory; leaves a one-layer OCI layout in $1/oci 
     local work=$1
     printf '%s\n' "$DEPS" > "$work/requirements.txt"
     # pip inside the chroot trusts the host's CA bundle: a machine whose traffic passes a TLS-inspecting proxy
-    # has that proxy's CA only there. Docs, man pages, apt lists and pip itself only cost image size.
-    mmdebstrap --variant=minbase --include="$ROOT_PKGS" \
+    # has that proxy's CA only there. pip itself only costs image size.
+    oci_debian_rootfs "$work/base.tar" "$ROOT_PKGS" \
         --customize-hook="chroot \"\$1\" python3 -m venv $VENV" \
         --customize-hook="cp /etc/ssl/certs/ca-certificates.crt \"\$1/tmp/host-ca.crt\"" \
         --customize-hook="cp \"$work/requirements.txt\" \"\$1/tmp/requirements.txt\"" \
         --customize-hook="chroot \"\$1\" /usr/bin/env -i PATH=/usr/bin:/bin HOME=/root PIP_CERT=/tmp/host-ca.crt $VENV/bin/pip install -q --no-cache-dir --disable-pip-version-check -r /tmp/requirements.txt" \
-        --customize-hook="chroot \"\$1\" $VENV/bin/python -m pip uninstall -q -y pip setuptools" \
-        --customize-hook="rm -rf \"\$1\"/tmp/* \"\$1\"/var/lib/apt/lists/* \"\$1\"/var/cache/apt/* \"\$1\"/usr/share/doc \"\$1\"/usr/share/man \"\$1\"/usr/share/info \"\$1\"/usr/share/locale" \
-        "$SUITE" "$work/base.tar" "$MIRROR" >&2
-    umoci init --layout "$work/oci"
-    umoci new --image "$work/oci:base"
-    umoci raw add-layer --image "$work/oci:base" "$work/base.tar"
+        --customize-hook="chroot \"\$1\" $VENV/bin/python -m pip uninstall -q -y pip setuptools"
+    oci_new "$work/oci" base "$work/base.tar"
     rm -f "$work/base.tar"
 }
 
-BASE_KEY=$( { declare -f build_base; echo "$SUITE $MIRROR $ROOT_PKGS $VENV"; echo "$DEPS"; } | sha256sum | cut -c1-16)
+BASE_KEY=$( { declare -f build_base oci_debian_rootfs oci_new; echo "$OCI_SUITE $OCI_MIRROR $ROOT_PKGS $VENV"; echo "$DEPS"; } |
+           sha256sum | cut -c1-16)
 BASE=$CACHE/base-$BASE_KEY
 
-for tool in mmdebstrap umoci; do
-    command -v $tool >/dev/null || { log "$tool is missing: run make install (Debian package $tool)"; exit 1; }
-done
+oci_require_tools
 [ -s "$BPF_OBJ" ] || { log "$BPF_OBJ is missing: run make bpf"; exit 1; }
 
 mkdir -p "$CACHE"
@@ -67,7 +63,7 @@ exec 9>"$CACHE/.build.lock"
 flock 9
 START=$(date +%s)
 if [ ! -f "$BASE/index.json" ]; then
-    log "base $BASE_KEY: mmdebstrap $SUITE with $ROOT_PKGS and $(echo "$DEPS" | wc -l) Python dependencies"
+    log "base $BASE_KEY: mmdebstrap $OCI_SUITE with $ROOT_PKGS and $(echo "$DEPS" | wc -l) Python dependencies"
     WORK=$(mktemp -d "$CACHE/build.XXXXXX")
     trap 'rm -rf "$WORK"' EXIT
     build_base "$WORK"
@@ -102,8 +98,7 @@ sys.exit(main())
 PYEOF
 chmod 0755 "$L/usr/local/bin/pyproxy"
 install -m 0644 "$BPF_OBJ" "$L/usr/lib/pyproxy/pyproxy.bpf.o"
-# Every entry owned by root whatever the builder's umask or user; fixed times, so an unchanged tree packs alike.
-tar --numeric-owner --owner=0 --group=0 --mtime=@0 --sort=name -C "$L" -cf "$STAGE/layer.tar" .
+oci_layer_tar "$L" "$STAGE/layer.tar"
 
 rm -rf "$OUT/oci"
 mkdir -p "$OUT"
@@ -120,7 +115,6 @@ umoci config --image "$IMG" \
     --author=pyproxy --architecture=amd64 --os=linux \
     --config.label=org.opencontainers.image.title=pyproxy \
     --config.label=org.opencontainers.image.version="$VERSION"
-umoci gc --layout "$OUT/oci"
-(cd "$OUT/oci" && tar --numeric-owner -cf "$OUT/pyproxy-$VERSION.oci.tar" .)
+oci_archive "$OUT/oci" "$OUT/pyproxy-$VERSION.oci.tar"
 log "image pyproxy:$VERSION in $OUT/oci ($(du -sm "$OUT/oci" | cut -f1) MB compressed) in $(( $(date +%s) - START )) s"
 echo "$OUT/oci:$VERSION"

@@ -14,9 +14,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from cluster.cluster import Cluster
+
 from pyproxy.k8s.client import ApiClient, ApiError, ConnectionSettings, configuration
 from pyproxy.k8s.informer import slice_locator
-from pyproxy.lab.cluster import Cluster
 
 TRIGGER_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
 

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 from apiobjects import Kube
-
-from pyproxy.lab.cluster import Cluster
+from cluster.cluster import Cluster
 
 # The IPVS end-to-end tests need a kernel with IPVS: this machine's has none, so tests/e2e/test_ipvs_guest.py runs
 # them inside a qemu guest. Where IPVS is missing they are not collected at all rather than listed as skipped.

@@ -14,7 +14,8 @@ Run inside a namespace as `python -m pyproxy.lab.traffic SUBCOMMAND ...`:
 
 Every reply is one line, `NAME:PORT PEER_IP:PEER_PORT`: the backend's name, the port the request reached it on
 (after DNAT, so a multi-port service shows which targetPort it was mapped to) and the source address the
-backend saw (so a test can tell whether the client's address survived the NAT).
+backend saw (so a test can tell whether the client's address survived the NAT). An HTTP GET gets the same line
+as the body of an HTTP/1.0 response.
 
 Everything here is bounded in time: each request has its own timeout and a probe run has an overall deadline,
 so a broken dataplane shows up as counted failures, never as a hang. The server is quiet: it never prints
@@ -109,14 +110,39 @@ class _TCPHandler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         sock: socket.socket = self.request
         sock.settimeout(SERVER_REQUEST_TIMEOUT)
+        reply = format_reply(self.server.name, self.server.server_address[1], self.client_address)
         try:
             # Wait for the request so the reply proves data crossed the forward path, not just the handshake;
             # answer each later one too, so a client can hold the connection (across a proxy restart, say).
-            while sock.recv(1024):
-                sock.sendall(format_reply(self.server.name, self.server.server_address[1], self.client_address))
+            data = sock.recv(1024)
+            if data.startswith(HTTP_METHODS):
+                _answer_http(sock, data, reply)
+                return
+            while data:
+                sock.sendall(reply)
                 sock.settimeout(SERVER_HOLD_TIMEOUT)
+                data = sock.recv(1024)
         except OSError:
             pass
+
+
+# An HTTP request gets the same line as an HTTP/1.0 response, so curl, kubelet's httpGet probes and a user's
+# browser can ask a lab pod too.
+HTTP_METHODS = (b"GET ", b"HEAD ")
+HTTP_HEADER_LIMIT = 16 << 10
+
+
+def _answer_http(sock: socket.socket, data: bytes, reply: bytes) -> None:
+    # Read the whole header first: closing with unread request bytes would reset the connection instead of
+    # ending it, and the client could lose the response.
+    while b"\r\n\r\n" not in data and len(data) < HTTP_HEADER_LIMIT:
+        more = sock.recv(4096)
+        if not more:
+            break
+        data += more
+    head = (f"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {len(reply)}\r\n"
+            "Connection: close\r\n\r\n").encode()
+    sock.sendall(head if data.startswith(b"HEAD ") else head + reply)
 
 
 def _serve_udp(name: str, sock: socket.socket) -> None:

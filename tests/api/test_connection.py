@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 from apiobjects import wait_for
+from cluster.cluster import Cluster, free_port
 
 from pyproxy.k8s.client import ApiClient, ConfigError, ConnectionSettings, configuration
 from pyproxy.k8s.informer import ApiSource
 from pyproxy.k8s.sink import RecordingSink
-from pyproxy.lab.cluster import Cluster, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

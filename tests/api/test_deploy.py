@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 import yaml
 from apiobjects import create_manifest
-
-from pyproxy.lab.cluster import Cluster
+from cluster.cluster import Cluster
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 FILES = ["rbac.yaml", "configmap.yaml", "daemonset.yaml"]

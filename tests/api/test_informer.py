@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 from apiobjects import Kube, service, wait_for
+from cluster.cluster import Cluster
 
 from pyproxy.k8s.client import ApiClient, ConnectionSettings, configuration
 from pyproxy.k8s.informer import ApiSource
 from pyproxy.k8s.sink import RecordingSink
-from pyproxy.lab.cluster import Cluster
 from pyproxy.model.objects import Protocol
 
 

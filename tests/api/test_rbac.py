@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 from apiobjects import Kube, create_manifest, service, wait_for
+from cluster.cluster import Cluster
 
 from pyproxy.k8s.client import ApiClient, ConnectionSettings, configuration
 from pyproxy.k8s.events import record_node_event
 from pyproxy.k8s.informer import ApiSource
 from pyproxy.k8s.sink import RecordingSink
-from pyproxy.lab.cluster import Cluster
 
 RBAC = Path(__file__).resolve().parents[2] / "deploy" / "rbac.yaml"
 # What pyproxy does with its token; each must be allowed cluster-wide.

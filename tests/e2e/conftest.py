@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cluster.cluster import Cluster, bridge_into_netns, stop_process
 from prometheus_client.parser import text_string_to_metric_families
 
 from pyproxy.lab import Lab, ProbeResult, Pyproxy, describe, nonzero_checksum_errors, write_manifest
-from pyproxy.lab.cluster import Cluster, bridge_into_netns, stop_process
 from pyproxy.lab.manifests import documents
 
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import pytest
 from apiobjects import Kube, service
+from cluster.cluster import Cluster
 
-from pyproxy.lab.cluster import Cluster
 from pyproxy.lab.manifests import Port, endpoint_slice
 from pyproxy.lab.manifests import service as manifest_service
 from pyproxy.lab.proxy import Pyproxy

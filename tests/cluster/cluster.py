@@ -1,4 +1,5 @@
-"""A real etcd + kube-apiserver on 127.0.0.1, for tests and `make cluster-up` / `make cluster-down` (stdlib only).
+"""A real etcd + kube-apiserver on 127.0.0.1, for tests and `make cluster-up` / `make cluster-down` (stdlib only);
+with `controllers=True` (`up --controllers`) also kube-controller-manager and kube-scheduler.
 
     with Cluster(tmp_path) as cluster:                      # etcd, then kube-apiserver; both gone on exit
         status, body = cluster.request("GET", "/api/v1/namespaces")
@@ -8,17 +9,25 @@
         cluster.start_apiserver()                           # same port, certs and tokens: kubeconfig still works
         cluster.compact()                                   # old resourceVersions now get 410 Gone
 
-    python -m pyproxy.lab.cluster up --dir .cluster         # detached; writes .cluster/kubeconfig
-    python -m pyproxy.lab.cluster down --dir .cluster
+    python tests/cluster/cluster.py up --dir .cluster       # detached; writes .cluster/kubeconfig
+    python tests/cluster/cluster.py down --dir .cluster
 
 Why it is built this way (measured facts: shared notes, real-apiserver.md):
 
 - No registry ships kube-apiserver; `make apiserver` (tests/cluster/build-apiserver.sh) builds v1.20.2 once from
   Debian's source package and caches it outside the repository, which is where `apiserver_binary()` looks.
   This module must not import `kubernetes`: it is what tests use to check the client-facing code.
-- There is no controller-manager, so nothing creates ServiceAccounts, Endpoints or EndpointSlices and deleted
-  namespaces stay Terminating: tests create what they need. The ServiceAccount admission plugin is disabled
-  because it would reject Pods for want of the `default` ServiceAccount that no controller creates.
+- By default there is no controller-manager, so nothing creates ServiceAccounts, Endpoints or EndpointSlices
+  and deleted namespaces stay Terminating: tests create what they need, and a proxy under test sees exactly the
+  slices a test wrote. The ServiceAccount admission plugin is disabled because it would reject Pods for want of
+  the `default` ServiceAccount that no controller creates.
+- `controllers=True` runs the real kube-controller-manager and kube-scheduler (`make apiserver` builds
+  them) as a real control plane does: EndpointSlices come from the EndpointSlice controller, ServiceAccounts
+  and their token Secrets from their controllers (signed with the apiserver's service-account key), so the
+  ServiceAccount admission plugin stays on; with `pod_cidr`, the node IPAM controller gives each Node a
+  /24 of it. Both use the admin token (simpler than their own client certificates, same effect under RBAC:
+  system:masters), no leader election (one of each), and serve their health on free ports of 127.0.0.1
+  with certificates they make themselves in the work directory.
   `--endpoint-reconciler-type=none`: the `kubernetes` Service exists but the apiserver writes no Endpoints for
   it (127.0.0.1 would mean nothing to a proxy under test, and each extra apiserver would add itself).
 - Our own CA signs the serving certificate (SANs 127.0.0.1, localhost, kubernetes.default.svc and the first
@@ -71,7 +80,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-log = logging.getLogger("pyproxy.lab")
+log = logging.getLogger("cluster")
 
 APISERVER_VERSION = "v1.20.2"
 SA_ISSUER = "https://kubernetes.default.svc"
@@ -101,6 +110,17 @@ def apiserver_binary() -> Path:
     if not (path.is_file() and os.access(path, os.X_OK)):
         raise ClusterError(f"no kube-apiserver at {path}: run `make apiserver` (builds {APISERVER_VERSION} once, "
                            "about 7 minutes) or set $PYPROXY_APISERVER")
+    return path
+
+
+def kube_binary(command: str) -> Path:
+    """The binary of another Kubernetes command (kube-controller-manager, kube-scheduler, ...) that
+    `make kube-binaries` caches."""
+    path = cache_dir() / f"{command}-{APISERVER_VERSION}"
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        make = "apiserver" if command in ("kube-controller-manager", "kube-scheduler") else "kube-binaries"
+        raise ClusterError(f"no {command} at {path}: run `make {make}` (builds {APISERVER_VERSION}'s binaries once, "
+                           "the missing ones)")
     return path
 
 
@@ -406,7 +426,7 @@ class Cluster:
 
     def __init__(self, workdir: Path, *, etcd_port: int = 0, apiserver_port: int = 0,
                  authorization_mode: str = "RBAC", service_cidr: str = "10.96.0.0/12",
-                 die_with_parent: bool = True) -> None:
+                 die_with_parent: bool = True, controllers: bool = False, pod_cidr: str | None = None) -> None:
         self.workdir = Path(workdir).resolve()
         self.etcd_port = etcd_port or free_port()
         self.etcd_peer_port = free_port()
@@ -416,6 +436,8 @@ class Cluster:
         self.authorization_mode = authorization_mode
         self.service_cidr = service_cidr
         self.die_with_parent = die_with_parent
+        self.controllers = controllers
+        self.pod_cidr = pod_cidr
         self.server = f"https://127.0.0.1:{self.apiserver_port}"
         self.etcd_url = f"http://127.0.0.1:{self.etcd_port}"
         self.pki = self.workdir / "pki"
@@ -429,6 +451,7 @@ class Cluster:
         self._etcd: _Process | None = None
         self._main: ApiServer | None = None
         self._extra: list[ApiServer] = []
+        self._controllers: list[tuple[_Process, int]] = []
 
     # The work directory in a command line tells our processes from whatever reused a stale pid.
     @property
@@ -515,7 +538,7 @@ class Cluster:
             f"--service-cluster-ip-range={self.service_cidr}",
             "--endpoint-reconciler-type=none",
             "--allow-privileged=true",
-            "--disable-admission-plugins=ServiceAccount",
+            *([] if self.controllers else ["--disable-admission-plugins=ServiceAccount"]),
             "--logtostderr=true",
             "--v=1",
         ]
@@ -555,21 +578,85 @@ class Cluster:
                 raise self._etcd.fail(f"etcd on {self.etcd_url} not healthy after {timeout:g}s")
             time.sleep(0.05)
 
+    def controller_argv(self, command: str, port: int) -> list[str]:
+        """kube-controller-manager's or kube-scheduler's command line, serving its health on 127.0.0.1:<port>."""
+        argv = [
+            str(kube_binary(command)),
+            f"--kubeconfig={self.kubeconfig}",
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={port}",
+            "--port=0",  # no insecure port: 10251/10252 would clash with another cluster's
+            f"--cert-dir={self.pki / command}",
+            "--logtostderr=true",
+            "--v=1",
+        ]
+        if command == "kube-controller-manager":
+            argv += [
+                f"--service-account-private-key-file={self.pki / 'sa.key'}",
+                f"--root-ca-file={self.ca_file}",
+                f"--service-cluster-ip-range={self.service_cidr}",
+            ]
+            if self.pod_cidr:
+                argv += ["--allocate-node-cidrs=true", f"--cluster-cidr={self.pod_cidr}", "--node-cidr-mask-size=24"]
+        return argv
+
+    def _start_controllers(self, timeout: float) -> None:
+        for command in ("kube-controller-manager", "kube-scheduler"):
+            port = free_port()
+            proc = _Process(command, self.controller_argv(command, port), self.workdir,
+                            die_with_parent=self.die_with_parent)
+            proc.start()
+            self._controllers.append((proc, port))
+        # Their serving certificates are their own, self-signed: /healthz only says the process is up.
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        t0 = time.monotonic()
+        for proc, port in self._controllers:
+            while True:
+                if proc.exit_code() is not None:
+                    raise proc.fail(f"{proc.name} exited during startup")
+                with contextlib.suppress(OSError, urllib.error.URLError):
+                    status, body = _http_json(f"https://127.0.0.1:{port}/healthz", context=context, timeout=2.0)
+                    if status == 200:
+                        log.info("%s healthy in %.1fs (pid %d)", proc.name, time.monotonic() - t0, proc.pid)
+                        break
+                if time.monotonic() - t0 > timeout:
+                    raise proc.fail(f"{proc.name} not healthy on 127.0.0.1:{port} after {timeout:g}s")
+                time.sleep(0.1)
+        # Healthy is not acting: kube-controller-manager starts its informers only once every controller has
+        # started, about 10 s later here. The `default` ServiceAccount its serviceaccount controller makes is the
+        # first sign that they run.
+        manager = self._controllers[0][0]
+        while self.request("GET", "/api/v1/namespaces/default/serviceaccounts/default")[0] != 200:
+            if manager.exit_code() is not None or time.monotonic() - t0 > timeout:
+                raise manager.fail(f"no `default` ServiceAccount after {time.monotonic() - t0:.0f}s: the "
+                                   "controllers do not act")
+            time.sleep(0.2)
+        log.info("controllers acting in %.1fs", time.monotonic() - t0)
+
     def _write_state(self) -> None:
         state = {"server": self.server, "apiserver_port": self.apiserver_port, "etcd_port": self.etcd_port,
                  "etcd_peer_port": self.etcd_peer_port, "authorization_mode": self.authorization_mode,
-                 "service_cidr": self.service_cidr, "kubeconfig": str(self.kubeconfig)}
+                 "service_cidr": self.service_cidr, "kubeconfig": str(self.kubeconfig),
+                 "controllers": self.controllers, "pod_cidr": self.pod_cidr}
         (self.workdir / self.STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
     def start(self, timeout: float = START_TIMEOUT) -> Cluster:
-        """etcd, then the main apiserver; returns once it is ready and the `default` namespace exists."""
+        """etcd, then the main apiserver (then the controller-manager and the scheduler); returns once it is ready
+        and the `default` namespace exists (and the controllers are healthy)."""
         t0 = time.monotonic()
-        apiserver_binary()  # fail with the `make apiserver` hint before creating anything
+        # Fail with the `make apiserver` / `make kube-binaries` hint before creating anything.
+        apiserver_binary()
+        if self.controllers:
+            kube_binary("kube-controller-manager")
+            kube_binary("kube-scheduler")
         for port, what in ((self.etcd_port, "etcd client"), (self.etcd_peer_port, "etcd peer"),
                            (self.apiserver_port, "kube-apiserver")):
             if _port_in_use(port):
                 raise ClusterError(f"{what} port 127.0.0.1:{port} is already in use (another cluster? "
-                                   f"`python -m pyproxy.lab.cluster down --dir ...` stops one)")
+                                   f"`python tests/cluster/cluster.py down --dir ...` stops one)")
         self._ensure_pki()
         self.write_kubeconfig(self.kubeconfig, self.admin_token)
         self._write_state()
@@ -577,6 +664,8 @@ class Cluster:
             self._start_etcd(timeout)
             self._main = ApiServer(self, self.apiserver_port, "apiserver")
             self._main.start(max(5.0, timeout - (time.monotonic() - t0)))
+            if self.controllers:
+                self._start_controllers(max(5.0, timeout - (time.monotonic() - t0)))
         except BaseException:
             self.stop()
             raise
@@ -610,7 +699,10 @@ class Cluster:
         return extra
 
     def stop(self) -> None:
-        """Apiservers, then etcd: SIGTERM, SIGKILL after 10 s. Idempotent; quiet about dead processes."""
+        """Controllers, apiservers, then etcd: SIGTERM, SIGKILL after 10 s. Idempotent; quiet about dead processes."""
+        for proc, _ in self._controllers:
+            proc.stop()
+        self._controllers.clear()
         for extra in self._extra:
             extra.stop()
         self._extra.clear()
@@ -664,12 +756,13 @@ class Cluster:
 
 
 def stop_dir(workdir: Path) -> list[str]:
-    """Stop every process the pid files in `workdir` name (apiservers first, then etcd); returns their names.
+    """Stop every process the pid files in `workdir` name (controllers, apiservers, then etcd); returns their names.
 
     Works across processes (the CLI's `down`); stale pid files are removed without signalling anyone."""
     workdir = Path(workdir).resolve()
     marker = f"{workdir}/"
-    pid_files = sorted(workdir.glob("apiserver*.pid")) + sorted(workdir.glob("etcd*.pid"))
+    pid_files = [*sorted(workdir.glob("kube-*.pid")), *sorted(workdir.glob("apiserver*.pid")),
+                 *sorted(workdir.glob("etcd*.pid"))]
     stopped: list[str] = []
     for pid_file in pid_files:
         pid = _pid_from_file(pid_file, marker)
@@ -759,7 +852,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"stopped leftover {name}")
     cluster = Cluster(workdir, etcd_port=args.etcd_port, apiserver_port=args.port,
                       authorization_mode=args.authorization_mode, service_cidr=args.service_cidr,
-                      die_with_parent=False)
+                      die_with_parent=False, controllers=args.controllers, pod_cidr=args.pod_cidr)
     t0 = time.monotonic()
     try:
         cluster.start()
@@ -767,7 +860,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"cluster up failed: {exc}", file=sys.stderr)
         return 1
     print(f"cluster up in {time.monotonic() - t0:.1f}s: {cluster.server} (etcd {cluster.etcd_url}, "
-          f"authorization {cluster.authorization_mode})")
+          f"authorization {cluster.authorization_mode}"
+          f"{', controller-manager and scheduler' if cluster.controllers else ''})")
     print(f"kubeconfig: {cluster.kubeconfig}")
     return 0
 
@@ -785,8 +879,9 @@ def _cmd_down(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pyproxy.lab.cluster",
-                                     description="A local etcd + kube-apiserver for pyproxy's tests and demos.")
+    parser = argparse.ArgumentParser(prog="tests/cluster/cluster.py",
+                                     description="A local etcd + kube-apiserver (+ kube-controller-manager and "
+                                                 "kube-scheduler) for pyproxy's tests and demos.")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start etcd and kube-apiserver, detached")
     up.add_argument("--dir", default=".cluster", help="state, logs, certificates and kubeconfig (default .cluster)")
@@ -794,6 +889,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--etcd-port", type=int, default=2379, help="etcd client port (default 2379)")
     up.add_argument("--authorization-mode", default="RBAC", help="RBAC (default) or AlwaysAllow")
     up.add_argument("--service-cidr", default="10.96.0.0/12", help="service cluster IP range")
+    up.add_argument("--controllers", action="store_true",
+                    help="also kube-controller-manager and kube-scheduler (`make apiserver` builds them)")
+    up.add_argument("--pod-cidr", default=None, help="with --controllers: give each Node a /24 of this range")
     down = sub.add_parser("down", help="stop the cluster `up` started and forget its etcd data")
     down.add_argument("--dir", default=".cluster")
     args = parser.parse_args(argv)
