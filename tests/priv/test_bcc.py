@@ -61,10 +61,12 @@ def _layout_probe(structs: dict[str, type[ctypes.Structure]]) -> str:
 
 
 @pytest.fixture(scope="module")
-def bcc_layout() -> dict[str, list[int]]:
+def bcc_layout(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
     """Struct name -> [size, offset, size, ...] as BCC compiled them. BCC 0.26 loads no BTF of the structs here (the
     programs' BTF holds their functions only), so a program reports what it was compiled with: one test run."""
-    module = bcc.Module(_layout_probe(abi.STRUCTS), bcc._cflags(), "the layout probe")
+    probe = tmp_path_factory.mktemp("bcc") / "layout.c"
+    probe.write_text(_layout_probe(abi.STRUCTS))
+    module = bcc.Module(probe, bcc._cflags(), "the layout probe")
     try:
         fd = module.load("probe", bcc.PROGRAMS[abi.PROG_TC_INGRESS][0], 0)
         try:

@@ -66,8 +66,8 @@ def missing() -> str | None:
         return (f"BCC is not installed ({LIBBCC} not found): install Debian's python3-bpfcc, "
                 f"e.g. `make install-bcc`")
     kdir = kernel_source()
-    for need in ("include/linux/kconfig.h", "include/generated/autoconf.h", "arch/x86/include/generated"):
-        if not (kdir / need).exists():
+    for need in ("include/linux/kconfig.h", "include/generated/autoconf.h", "arch/*/include/generated"):
+        if not any(kdir.glob(need)):
             how = "BCC_KERNEL_SOURCE" if os.environ.get("BCC_KERNEL_SOURCE") else "default"
             return (f"no kernel headers for BCC at {kdir} ({how}; {need} missing): `make install-bcc` installs "
                     f"them, or set BCC_KERNEL_SOURCE to a kernel headers tree")
@@ -86,8 +86,7 @@ def _bcc() -> ctypes.CDLL:
         lib = ctypes.CDLL(LIBBCC, use_errno=True)
         vp, u64, cp = ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_char_p
         for name, res, args in (
-            ("bpf_module_create_c_from_string", vp, [cp, ctypes.c_uint, ctypes.POINTER(cp), ctypes.c_int,
-                                                     ctypes.c_bool, cp]),
+            ("bpf_module_create_c", vp, [cp, ctypes.c_uint, ctypes.POINTER(cp), ctypes.c_int, ctypes.c_bool, cp]),
             ("bpf_module_destroy", None, [vp]),
             ("bpf_module_license", cp, [vp]),
             ("bpf_module_kern_version", ctypes.c_uint, [vp]),
@@ -111,17 +110,26 @@ def _bcc() -> ctypes.CDLL:
 
 
 class Module:
-    """One BCC compile (a `struct bpf_module`): destroyed with its tables' fds by `close()`."""
+    """One BCC compile of a source file (a `struct bpf_module`): destroyed with its tables' fds by `close()`.
 
-    def __init__(self, text: str, cflags: list[str], what: str) -> None:
+    BCC looks every include up in the working directory before the include path (a ./pyproxy/abi.h there is what
+    would be compiled in: seen here), so the compile runs in bpf/bcc, which holds only BCC's stand-ins. The
+    dataplane starts before pyproxy starts any thread that could mind."""
+
+    def __init__(self, source: Path, cflags: list[str], what: str) -> None:
         os.environ["BCC_KERNEL_SOURCE"] = str(kernel_source())  # read by libbcc at each compile
         args = [f.encode() for f in cflags]
         started = time.monotonic()
-        with _stderr_to_log(f"compiling {what}") as failed:
-            self.handle = _bcc().bpf_module_create_c_from_string(text.encode(), 0, (ctypes.c_char_p * len(args))(*args),
-                                                                 len(args), True, None)
-            if not self.handle:
-                failed.append(1)
+        here = os.getcwd()
+        os.chdir(BPF_DIR / "bcc")
+        try:
+            with _stderr_to_log(f"compiling {what}") as failed:
+                self.handle = _bcc().bpf_module_create_c(str(source).encode(), 0,
+                                                         (ctypes.c_char_p * len(args))(*args), len(args), True, None)
+                if not self.handle:
+                    failed.append(1)
+        finally:
+            os.chdir(here)
         if not self.handle:
             raise BccUnavailable(f"BCC could not compile {what} (its messages are logged above)")
         log.info("BCC compiled %s in %.1f s", what, time.monotonic() - started)
@@ -238,9 +246,8 @@ def _maps(pin_dir: Path | None, max_entries: dict[str, int] | None, adopt: dict[
                 log.info("reusing map %s of the programs already attached", name)
     elif adopt:
         raise ValueError("the BCC loader adopts maps through their pins: give it a pin path")
-    text = '#include "pyproxy/maps.h"\n'
     for attempt in range(2):
-        module = Module(text, flags, "the maps (bpf/include/pyproxy/bcc.h)")
+        module = Module(BPF_DIR / "bcc" / "maps.c", flags, "the maps (bpf/include/pyproxy/bcc.h)")
         wrong = [name for name, (fd, want) in module.tables().items() if not _compatible(fd, want)]
         if not wrong:
             return module
@@ -279,7 +286,7 @@ def load(
             loader.unpin_other_layouts(pin_dir, set(loaded.maps))
         flags = [*_cflags(), f"-DPYPROXY_BCC_CONFIG={_config_initializer(config)}"]
         flags += [f"-D{name}=PYPROXY_BCC_MAP({fd})" for name, fd in loaded.maps.items()]
-        progs = Module((BPF_DIR / "pyproxy.bpf.c").read_text(), flags, str(BPF_DIR / "pyproxy.bpf.c"))
+        progs = Module(BPF_DIR / "pyproxy.bpf.c", flags, str(BPF_DIR / "pyproxy.bpf.c"))
         obj.modules.append(progs)
         for name, (prog_type, attach_type) in PROGRAMS.items():
             fd = progs.load(name, prog_type, attach_type)
