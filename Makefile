@@ -22,10 +22,11 @@ APT_STAMP_FILES := /usr/bin/clang /usr/bin/llvm-strip /usr/include/bpf/bpf_helpe
                    /usr/bin/socat /usr/sbin/ethtool /usr/sbin/capsh /usr/bin/mmdebstrap /usr/bin/umoci \
                    /usr/sbin/runc
 
-.PHONY: help install apt venv bpf demo test lint unit clean cleanup apiserver kube-binaries pod-image cluster-up cluster-down image image-test
+.PHONY: help install install-bcc apt venv bpf demo test lint unit clean cleanup apiserver kube-binaries pod-image cluster-up cluster-down image image-test
 
 help:
 	@echo "make install   apt packages, .venv with pyproxy, BPF objects"
+	@echo "make install-bcc   BCC (python3-bpfcc) and kernel headers for --bpf-loader=bcc (not part of install)"
 	@echo "make demo      namespace lab + real traffic through the BPF dataplane"
 	@echo "make test      lint, type checks, layering, unit, BPF and end-to-end tests (root)"
 	@echo "make soak      the connection-tracking soak, 60 s per proxy mode (root)"
@@ -38,6 +39,12 @@ help:
 	@echo "make image-test    build it, run it in a namespace lab with runc, and check deploy/ on a real API server"
 
 install: apt venv bpf
+
+# --bpf-loader=bcc's needs: Debian's python3-bpfcc and a kernel headers tree (Debian's 6.1 headers, unpacked and
+# merged at /usr/local/lib/pyproxy/linux-headers: bpf/install-bcc.sh says why). About 20 s and 80 MB the first time,
+# nothing after. Not part of `make install`: the default loader, libbpf, needs neither.
+install-bcc:
+	@bash bpf/install-bcc.sh
 
 apt:
 	@missing=0; for f in $(APT_STAMP_FILES); do [ -e $$f ] || missing=1; done; \
@@ -72,7 +79,8 @@ lint: venv
 unit: venv
 	$(VENV)/bin/pytest -q tests/unit
 
-test: install apiserver guest-image lint
+# install-bcc: the BPF fixtures and the bpf end-to-end flow table also run with --bpf-loader=bcc.
+test: install install-bcc apiserver guest-image lint
 	$(VENV)/bin/pytest -q tests
 
 # Issue 16's soak at full length: a client alternating Service and direct connections to one backend from 20

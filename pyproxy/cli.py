@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 from pyproxy import logs
 from pyproxy.dataplane.bpf import abi
+from pyproxy.dataplane.bpf.backend import LOADERS
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.model import inspection
 from pyproxy.proxier import app, kubeproxyconfig
@@ -46,6 +47,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "cgroup_root": ("bpf.cgroup_root",),
     "bpf_snat_port_range": ("bpf.snat_ports",),
     "bpf_scheduler": ("bpf.scheduler",),
+    "bpf_loader": ("bpf.loader",),
     "bpf_maglev_table_size": ("bpf.maglev_table_size",),
     "bpf_map_sizes": ("bpf.max_entries",),
     "bpf_endpoint_counters": ("bpf.endpoint_counters",),
@@ -202,6 +204,10 @@ def parser() -> argparse.ArgumentParser:
                      help="bpf mode: how a new flow's endpoint is chosen where a Service's pyproxy.io/scheduler "
                           f"annotation does not say: random, rr, wrr, lc, sed, nq, sh, dh, maglev "
                           f"(default: {d.bpf.scheduler})")
+    run.add_argument("--bpf-loader", choices=LOADERS,
+                     help="bpf mode: what loads the programs: libbpf, the prebuilt bpf/build/pyproxy.bpf.o; bcc, "
+                          "bpf/ compiled at start by BCC (make install-bcc; slower to start) "
+                          f"(default: {d.bpf.loader})")
     run.add_argument("--bpf-maglev-table-size", type=int,
                      help="bpf mode: entries of each Maglev lookup table, a prime: 251, 509, 1021, 2039, 4093, "
                           f"8191, 16381, 32749, 65521 (default: {d.bpf.maglev_table_size})")

@@ -93,7 +93,7 @@ SCHEMA: Schema = {
                   "udpStreamTimeout": DURATION},
     "configSyncPeriod": DURATION, "portRange": STR, "udpIdleTimeout": DURATION, "windowsRunAsService": BOOL,
     "bpf": {"devices": STRINGS, "xdpDevices": STRINGS, "socketLB": BOOL, "cgroupRoot": STR, "snatPortRange": STR,
-            "scheduler": STR, "maglevTableSize": INT, "mapSizes": INT_MAP, "tcpSynTimeout": DURATION,
+            "scheduler": STR, "loader": STR, "maglevTableSize": INT, "mapSizes": INT_MAP, "tcpSynTimeout": DURATION,
             "tcpCloseTimeout": DURATION, "endpointCounters": BOOL},
 }
 
@@ -146,7 +146,7 @@ FLAG_FIELDS = {
     "--nodeport-addresses": "nodePortAddresses", "--healthz-bind-address": "healthzBindAddress",
     "--metrics-bind-address": "metricsBindAddress", "--ipvs-scheduler": "ipvs.scheduler",
     "--xdp-devices": "bpf.xdpDevices", "--devices": "bpf.devices", "--bpf-snat-port-range": "bpf.snatPortRange",
-    "--bpf-scheduler": "bpf.scheduler", "--bpf-maglev-table-size": "bpf.maglevTableSize",
+    "--bpf-scheduler": "bpf.scheduler", "--bpf-maglev-table-size": "bpf.maglevTableSize", "--bpf-loader": "bpf.loader",
     "--conntrack-tcp-timeout-established": "conntrack.tcpEstablishedTimeout",
     "--conntrack-tcp-timeout-close-wait": "conntrack.tcpCloseWaitTimeout",
     "--conntrack-udp-timeout-stream": "conntrack.udpStreamTimeout", "--conntrack-udp-timeout": "conntrack.udpTimeout",
@@ -371,6 +371,8 @@ class _Reader:
                 self.refuse("bpf.snatPortRange", f"must be FIRST-LAST, such as 61000-65535, not {ports!r}")
         if (scheduler := self.given("bpf.scheduler")) is not None:
             b.scheduler = scheduler
+        if (bpf_loader := self.given("bpf.loader")) is not None:
+            b.loader = bpf_loader
         if (size := self.fields.get("bpf.maglevTableSize")) is not None:
             b.maglev_table_size = size
         if (sizes := self.fields.get("bpf.mapSizes")) is not None:
@@ -447,7 +449,7 @@ def dump(s: ProxySettings) -> str:
         "bpf": {"devices": list(s.bpf.devices), "xdpDevices": list(s.bpf.xdp_devices), "socketLB": s.bpf.socket_lb,
                 "cgroupRoot": str(s.bpf.cgroup_root or ""),
                 "snatPortRange": f"{s.bpf.snat_ports[0]}-{s.bpf.snat_ports[1]}", "scheduler": s.bpf.scheduler,
-                "maglevTableSize": s.bpf.maglev_table_size, "mapSizes": map_sizes,
+                "loader": s.bpf.loader, "maglevTableSize": s.bpf.maglev_table_size, "mapSizes": map_sizes,
                 "tcpSynTimeout": format_duration(ct.tcp_new), "tcpCloseTimeout": format_duration(ct.tcp_closed),
                 "endpointCounters": s.bpf.endpoint_counters},
     }

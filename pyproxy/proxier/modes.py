@@ -56,6 +56,7 @@ HONOURED_BY = (
     Honoured("--cgroup-root", lambda s: s.bpf.cgroup_root, _BPF),
     Honoured("--bpf-snat-port-range", lambda s: s.bpf.snat_ports, _BPF),
     Honoured("--bpf-scheduler", lambda s: s.bpf.scheduler, _BPF),
+    Honoured("--bpf-loader", lambda s: s.bpf.loader, _BPF),
     Honoured("--bpf-maglev-table-size", lambda s: s.bpf.maglev_table_size, _BPF),
     Honoured("--bpf-map-sizes", lambda s: s.bpf.max_entries, _BPF),
     Honoured("--bpf-endpoint-counters", lambda s: s.bpf.endpoint_counters, _BPF),

@@ -66,7 +66,8 @@ class Env:
         self.proxy = Pyproxy(self.lab, self.source, log_path=self.log_path, xdp_devices=xdp_devices,
                              devices=devices, extra_args=args, mode=mode, wrapper=wrapper)
         self.proxy.start()
-        self.proxy.wait_healthy(20.0)
+        # BCC compiles the programs at start (some 20 s here, more beside other tests).
+        self.proxy.wait_healthy(120.0 if "--bpf-loader=bcc" in args else 20.0)
         return self.proxy
 
     def start_api(self, cluster: Cluster, *, node: str = "lab-node", args: Sequence[str] = ()) -> Pyproxy:

@@ -22,10 +22,17 @@ from scenarios import (
     write_core_manifests,
 )
 
+from pyproxy.dataplane.bpf import bcc
 from pyproxy.lab import describe
 from pyproxy.lab.manifests import Port, service
 
 pytestmark = pytest.mark.root
+
+LOADERS = [
+    pytest.param([], id="libbpf"),
+    pytest.param(["--bpf-loader=bcc"], id="bcc",
+                 marks=pytest.mark.skipif(bcc.missing() is not None, reason=f"--bpf-loader=bcc: {bcc.missing()}")),
+]
 
 
 @pytest.mark.parametrize("distro", [False, True], ids=["plain", "distro"])
@@ -107,12 +114,13 @@ def test_bad_manifests_are_named_in_the_log_and_good_ones_keep_working(make_env)
     env.assert_no_checksum_errors()
 
 
-def test_sigterm_keeps_the_dataplane_and_cleanup_removes_it(make_env, record_property) -> None:
+@pytest.mark.parametrize("loader", LOADERS)
+def test_sigterm_keeps_the_dataplane_and_cleanup_removes_it(make_env, record_property, loader: list[str]) -> None:
     env = make_env(3)
     all_ready = {b.ip: True for b in env.lab.backends}
     env.write("web.yaml", *web(all_ready))
     env.write("dns.yaml", *dns(all_ready))
-    proxy = env.start()
+    proxy = env.start(args=loader)
     env.assert_reaches("tcp", WEB_IP, 80, names(env, 8080))
     attached = env.attached_programs()
     prog_ids = {i for ids in attached.values() for i in ids}

@@ -6,10 +6,15 @@ from __future__ import annotations
 import pytest
 from flowcases import MANIFESTS, NODE_NAME, mismatches
 
+from pyproxy.dataplane.bpf import bcc
+
 pytestmark = pytest.mark.root
 
 MODES = [
     pytest.param("bpf", [], id="bpf"),
+    # The same programs compiled at start by BCC (make install-bcc).
+    pytest.param("bpf", ["--bpf-loader=bcc"], id="bpf-bcc",
+                 marks=pytest.mark.skipif(bcc.missing() is not None, reason=f"--bpf-loader=bcc: {bcc.missing()}")),
     pytest.param("nftables", [], id="nftables"),
     pytest.param("iptables", ["--iptables-backend=legacy"], id="iptables-legacy"),
     pytest.param("iptables", ["--iptables-backend=nft"], id="iptables-nft"),

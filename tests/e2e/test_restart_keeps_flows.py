@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pyproxy.dataplane.bpf import abi, libbpf, loader
+from pyproxy.dataplane.bpf import abi, bcc, libbpf, loader
 from pyproxy.lab.manifests import Port, endpoint_slice, service
 from pyproxy.lab.proxy import newer_release
 
@@ -62,6 +62,18 @@ exchange()
 
 @pytest.mark.parametrize(("mode", "xdp", "args"), MODES)
 def test_a_restart_keeps_held_flows_and_their_snat(make_env, mode: str, xdp: bool, args: list[str]) -> None:
+    _held_flows_survive_a_restart(make_env, mode, xdp, args, args)
+
+
+@pytest.mark.skipif(bcc.missing() is not None, reason=f"--bpf-loader=bcc: {bcc.missing()}")
+@pytest.mark.parametrize(("first", "then"), [(["--bpf-loader=bcc"], []), ([], ["--bpf-loader=bcc"])],
+                         ids=["bcc-to-libbpf", "libbpf-to-bcc"])
+def test_a_switch_of_bpf_loader_keeps_held_flows(make_env, first: list[str], then: list[str]) -> None:
+    """Both loaders make the same maps under the same pins: a restart with the other one is a restart."""
+    _held_flows_survive_a_restart(make_env, "bpf", False, first, then)
+
+
+def _held_flows_survive_a_restart(make_env, mode: str, xdp: bool, args: list[str], then: list[str]) -> None:
     env = make_env(backends=2)
     env.write("np.yaml", service("held", VIP, [HTTP, DNS], type="NodePort"),
               endpoint_slice("held", {B1: True, B2: True}, [HTTP, DNS]))
@@ -76,7 +88,7 @@ def test_a_restart_keeps_held_flows_and_their_snat(make_env, mode: str, xdp: boo
     assert env.lab.client_ip not in seen_from, f"the NodePort flows were not SNATed: {before}"
 
     assert env.running.terminate() == 0
-    env.start(**start)
+    env.start(**{**start, "args": then})
 
     holder.stdin.write("\n")
     holder.stdin.flush()

@@ -1,17 +1,21 @@
-"""Fixtures shared by the tests of the compiled BPF object: the object itself, built when missing or stale."""
+"""Fixtures shared by the tests of the BPF programs: the object, built when missing or stale, and `load`, which loads
+the programs with each loader (--bpf-loader): every test that loads them runs once with libbpf and once with BCC."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, Protocol
 
 import pytest
 from harness import CAPACITY, Dataplane
 
-from pyproxy.dataplane.bpf import loader
+from pyproxy.dataplane.bpf import bcc, libbpf, loader, maps
+from pyproxy.dataplane.bpf.libbpf import ffi
 
 REPO = Path(__file__).resolve().parents[2]
 BPF_OBJECT = REPO / "bpf" / "build" / "pyproxy.bpf.o"
@@ -45,10 +49,84 @@ def bpf_object() -> Path:
     return BPF_OBJECT
 
 
+class Load(Protocol):
+    def __call__(self, pin_dir: Path | None, **kwargs: Any) -> loader.LoadedObject:
+        """The programs loaded by the loader under test: loader.load's arguments but the object."""
+
+
+_ARRAYS = (2, 6)  # BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_PERCPU_ARRAY
+
+
+def clear_maps(obj: loader.LoadedObject) -> None:
+    """Every map of `obj` as a fresh load has it: hash maps emptied, arrays zeroed."""
+    lib = libbpf.lib()
+    for name, fd in obj.maps.items():
+        info = loader.map_info(fd)
+        if info.type in _ARRAYS:
+            size = (info.value_size + 7) // 8 * 8 * lib.libbpf_num_possible_cpus() if info.type == 6 \
+                else info.value_size
+            n = info.max_entries
+            maps.update_batch(fd, name, bytes((ctypes.c_uint32 * n)(*range(n))), bytes(size * n), n, 4, size)
+            continue
+        key, nxt = ffi.new("char[]", info.key_size), ffi.new("char[]", info.key_size)
+        while lib.bpf_map_get_next_key(fd, ffi.NULL, nxt) == 0:
+            ffi.memmove(key, nxt, info.key_size)
+            libbpf.check(lib.bpf_map_delete_elem(fd, key), f"empty {name}")
+
+
+class BccLoads:
+    """BCC compiles bpf/ in some 15 s a load, too slow for a fresh load per test: an unpinned load, once closed, is
+    kept and handed out again to a test asking for the same settings, with its maps emptied (what a fresh load has).
+    A load asked for while another of the same settings is out gets one of its own, so loads never share maps.
+    Pinned loads are BCC's every time (their maps are the pins')."""
+
+    def __init__(self) -> None:
+        self.idle: dict[str, list[loader.LoadedObject]] = {}
+        self.made: list[loader.LoadedObject] = []
+
+    def __call__(self, pin_dir: Path | None, **kwargs: Any) -> loader.LoadedObject:
+        if pin_dir is not None:
+            return bcc.load(pin_dir, **kwargs)
+        key = repr(sorted((k, bytes(v) if isinstance(v, ctypes.Structure) else sorted(v.items())
+                           if isinstance(v, dict) else v) for k, v in kwargs.items()))
+        idle = self.idle.setdefault(key, [])
+        if idle:
+            kept = idle.pop()
+            clear_maps(kept)
+        else:
+            kept = bcc.load(None, **kwargs)
+            self.made.append(kept)
+        return loader.LoadedObject(kept.handle, dict(kept.progs), dict(kept.maps),
+                                   release=lambda _: idle.append(kept))
+
+    def close(self) -> None:
+        for obj in self.made:
+            obj.close()
+
+
+@pytest.fixture(scope="session", params=["libbpf", "bcc"])
+def bpf_loader(request: pytest.FixtureRequest) -> str:
+    """--bpf-loader: each test that loads the programs runs with both; BCC's skipped, saying why, where it is
+    missing (`make install-bcc`)."""
+    if request.param == "bcc" and (why := bcc.missing()):
+        pytest.skip(f"--bpf-loader=bcc: {why}")
+    return str(request.param)
+
+
+@pytest.fixture(scope="session")
+def load(bpf_loader: str, bpf_object: Path) -> Iterator[Load]:
+    if bpf_loader == "libbpf":
+        yield lambda pin_dir, **kwargs: loader.load(bpf_object, pin_dir, **kwargs)
+        return
+    loads = BccLoads()
+    yield loads
+    loads.close()
+
+
 @pytest.fixture
-def dp(bpf_object: Path) -> Iterator[Dataplane]:
-    """A fresh, unpinned load of the object: maps of its own, shared with nothing."""
-    dataplane = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY))
+def dp(load: Load) -> Iterator[Dataplane]:
+    """A fresh, unpinned load of the programs: maps of its own, shared with nothing."""
+    dataplane = Dataplane(load(None, max_entries=CAPACITY))
     yield dataplane
     dataplane.close()
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from conftest import Load
 from harness import (
     CAPACITY,
     CLIENT,
@@ -49,7 +49,7 @@ from packets import (
     ip_packet,
 )
 
-from pyproxy.dataplane.bpf import abi, clock, loader
+from pyproxy.dataplane.bpf import abi, clock
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.dataplane.bpf.maps import BpfMap
 from pyproxy.model.state import Backend
@@ -237,11 +237,11 @@ def test_a_syn_after_the_handshake_starts_a_new_flow(dp: Dataplane, prog: Prog) 
 
 
 @pytest.fixture
-def short(bpf_object: Path) -> Iterator[Dataplane]:
+def short(load: Load) -> Iterator[Dataplane]:
     """A load whose UDP timeouts are 5 s (no reply yet) and 20 s (replied): the constants the programs run with
     come from the settings, at this kernel's HZ."""
     timeouts = CtTimeouts(udp_new=5, udp_established=20).ticks(clock.kernel_hz())
-    dataplane = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY, ct_timeouts=timeouts))
+    dataplane = Dataplane(load(None, max_entries=CAPACITY, ct_timeouts=timeouts))
     yield dataplane
     dataplane.close()
 

@@ -12,11 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import Load
 from harness import CAPACITY, CLIENT, ROOT, TC_INGRESS, VIP, Dataplane, dnat, port_state
 from packets import TCP, Flow
 from prometheus_client import CollectorRegistry
 
-from pyproxy.dataplane.bpf import abi, clock, gc, loader
+from pyproxy.dataplane.bpf import abi, clock, gc
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.dataplane.bpf.gc import CtGarbageCollector, CtGcMetrics, CtGcSettings
 from pyproxy.dataplane.bpf.maps import BpfMap
@@ -31,9 +32,9 @@ BE = Backend("10.0.1.1", 8080)
 
 
 @pytest.fixture
-def dp(bpf_object: Path) -> Iterator[Dataplane]:
+def dp(load: Load) -> Iterator[Dataplane]:
     """A fresh, unpinned load with room for many flows; VIP has ClientIP affinity, PLAIN_VIP has none."""
-    dataplane = Dataplane(loader.load(bpf_object, None, max_entries={**CAPACITY, abi.MAP_CT: FLOWS}))
+    dataplane = Dataplane(load(None, max_entries={**CAPACITY, abi.MAP_CT: FLOWS}))
     dataplane.apply(port_state(TCP, (BE,), (), affinity=600))
     plain = ServicePortState("default/plain", "http", Frontend(PLAIN_VIP, 80, Protocol.TCP), (BE,), (BE,))
     dataplane.apply(plain, service="default/plain")
@@ -170,10 +171,10 @@ def test_the_thread_runs_passes_and_stops_promptly(dp: Dataplane) -> None:
     assert len(dp.maps.ct.keys_list()) == 0
 
 
-def test_a_full_map_of_the_default_size(bpf_object: Path) -> None:
+def test_a_full_map_of_the_default_size(load: Load) -> None:
     """PYPROXY_MAX_FLOWS entries (262,144), three quarters of them expired: one pass, timed. (Filled to the brim,
     the LRU may evict a few entries to make room, as it frees in batches per CPU: counts come from the map.)"""
-    dataplane = Dataplane(loader.load(bpf_object, None, max_entries={**CAPACITY, abi.MAP_CT: abi_max_flows()}))
+    dataplane = Dataplane(load(None, max_entries={**CAPACITY, abi.MAP_CT: abi_max_flows()}))
     try:
         hz, now = clock.kernel_hz(), clock.ticks_now()
         day_ago = now - CtTimeouts().ticks(hz).tcp_established - 60 * hz

@@ -8,11 +8,11 @@ import errno
 import os
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
+from conftest import Load
 
-from pyproxy.dataplane.bpf import abi, libbpf, loader
+from pyproxy.dataplane.bpf import abi, libbpf
 from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.maps import MapFullError, lookup_batch, update_batch
 from pyproxy.dataplane.bpf.render import NO_MASQUERADE, Applied, Scheduling, render
@@ -24,8 +24,8 @@ CAPACITY = {abi.MAP_SERVICES: 4096, abi.MAP_SLOTS: 8192, abi.MAP_BACKENDS: 8192,
 
 
 @pytest.fixture
-def maps(bpf_object: Path) -> Iterator[Maps]:
-    obj = loader.load(bpf_object, None, max_entries=CAPACITY)
+def maps(load: Load) -> Iterator[Maps]:
+    obj = load(None, max_entries=CAPACITY)
     m = Maps({name: os.dup(fd) for name, fd in obj.maps.items()})
     yield m
     m.close()

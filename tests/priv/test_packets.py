@@ -17,6 +17,7 @@ import struct
 from pathlib import Path
 
 import pytest
+from conftest import Load
 from harness import (
     ALL_PROGS,
     BOTH_PROTOS,
@@ -377,15 +378,15 @@ def test_frontend_whose_port_changed_is_served(dp: Dataplane, prog: Prog) -> Non
     assert dp.counter("new_flow") == 1  # the old port is no frontend any more: passed untranslated
 
 
-def test_load_without_pin_dir_pins_nothing(bpf_object: Path) -> None:
+def test_load_without_pin_dir_pins_nothing(load: Load) -> None:
     """Once failed with EINVAL where /sys/fs/bpf is no bpffs, and pinned (and reused pins) where it is:
     libbpf's default pin path from LIBBPF_PIN_BY_NAME was left in place."""
     root = Path("/sys/fs/bpf")
     before = set(root.glob(f"{abi.PROG_PREFIX}*"))
     first = second = None
     try:
-        first = loader.load(bpf_object, None, max_entries=CAPACITY)
-        second = loader.load(bpf_object, None, max_entries=CAPACITY)
+        first = load(None, max_entries=CAPACITY)
+        second = load(None, max_entries=CAPACITY)
         assert set(root.glob(f"{abi.PROG_PREFIX}*")) == before
         ids = [{loader.map_info(fd).id for fd in obj.maps.values()} for obj in (first, second)]
         assert not ids[0] & ids[1], "two unpinned loads share maps"
@@ -397,20 +398,20 @@ def test_load_without_pin_dir_pins_nothing(bpf_object: Path) -> None:
             pin.unlink()
 
 
-def test_a_pinned_load_keeps_its_maps_and_drops_an_older_layouts_pins(bpf_object: Path) -> None:
+def test_a_pinned_load_keeps_its_maps_and_drops_an_older_layouts_pins(load: Load) -> None:
     """A restart reuses the pinned maps (connections survive); pins of a layout the object no longer has
     (pyproxy_ct_v1 beside pyproxy_ct_v2) are removed rather than left holding kernel memory forever."""
     pins = Path(f"/run/pyproxy-test-pins-{os.getpid()}")
     first = second = None
     try:
         loader.ensure_bpffs(pins)
-        first = loader.load(bpf_object, pins, max_entries=CAPACITY)
+        first = load(pins, max_entries=CAPACITY)
         stale = pins / f"{abi.MAP_PREFIX}ct_v0"  # a layout no object of ours has any more
         libbpf.check(libbpf.lib().bpf_obj_pin(first.maps[abi.MAP_CT], str(stale).encode()), "pin")
         ct_id = loader.map_info(first.maps[abi.MAP_CT]).id
         first.close()
         first = None
-        second = loader.load(bpf_object, pins, max_entries=CAPACITY)
+        second = load(pins, max_entries=CAPACITY)
         assert loader.map_info(second.maps[abi.MAP_CT]).id == ct_id, "the pinned CT map was not reused"
         assert not stale.exists()
         assert sorted(p.name for p in pins.glob(f"{abi.MAP_PREFIX}*")) == sorted(second.maps)

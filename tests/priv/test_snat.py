@@ -10,15 +10,14 @@ network), deleted after it, and runs the ingress programs in a thread inside it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from conftest import CAPACITY
+from conftest import CAPACITY, Load
 from harness import CLIENT, INGRESS, READY, ROOT, TC_EGRESS, TC_INGRESS, XDP, Dataplane, Prog, port_state
 from packets import TCP, UDP, Flow, decode, frame
 
 from pyproxy.dataplane.base import MasqueradeSettings
-from pyproxy.dataplane.bpf import abi, inspect, loader
+from pyproxy.dataplane.bpf import abi, inspect
 from pyproxy.lab.netns import NetnsThread, scratch_node
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
@@ -120,11 +119,11 @@ def test_a_pod_load_balanced_onto_itself_is_masqueraded(dp: Dataplane, netns: No
     assert forward(dp, TC_INGRESS, other, netns).src == other.src
 
 
-def test_flows_to_one_backend_get_distinct_ports_and_a_full_range_drops(bpf_object: Path, netns: Node) -> None:
+def test_flows_to_one_backend_get_distinct_ports_and_a_full_range_drops(load: Load, netns: Node) -> None:
     """Two ports to give out: two flows to the one backend get one each, a third is dropped (its client
     retransmits), and once a flow closes its port serves a new one."""
     first = abi.DEFAULT_SNAT_PORTS[0]
-    dp = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY, snat_ports=(first, first + 1)))
+    dp = Dataplane(load(None, max_entries=CAPACITY, snat_ports=(first, first + 1)))
     try:
         dp.apply(nodeport(backends=(READY[0],)))
         a = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 41000, NODE_PORT), netns)
@@ -244,9 +243,9 @@ def test_masquerade_all_snats_every_clusterip_flow(dp: Dataplane, netns: Node) -
     assert out.src == NODE_SIDE and out.sport in SNAT_PORTS
 
 
-def test_cluster_cidr_snats_clusterip_flows_from_outside_it(bpf_object: Path, netns: Node) -> None:
+def test_cluster_cidr_snats_clusterip_flows_from_outside_it(load: Load, netns: Node) -> None:
     cidr = "10.0.0.0/16"  # the pods: 10.0.1.0/24 is this node's share
-    dp = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY, cluster_cidr=cidr))
+    dp = Dataplane(load(None, max_entries=CAPACITY, cluster_cidr=cidr))
     try:
         dp.apply(port_state(), masq=MasqueradeSettings(cluster_cidr=cidr))
         pod = forward(dp, TC_INGRESS, Flow("10.0.1.77", "10.96.0.10", 45200, 80), netns)

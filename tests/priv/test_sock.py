@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import Load
 from harness import CAPACITY, ROOT, Dataplane
 
-from pyproxy.dataplane.bpf import abi, cgroup, libbpf, loader
+from pyproxy.dataplane.bpf import abi, cgroup, libbpf
 from pyproxy.lab.netns import ensure_bpffs, ensure_cgroup2
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, ServicePortState
@@ -90,14 +91,14 @@ def _state(vip: str, port: int, proto: Protocol, backends: tuple[Backend, ...]) 
 
 
 @pytest.fixture
-def world(bpf_object: Path) -> Iterator[World]:
+def world(load: Load) -> Iterator[World]:
     tag = secrets.token_hex(3)
     # A cgroup and a pin directory of this test's own, on the hierarchies the labs mount outside /sys.
     cg, pins, ns = ensure_cgroup2() / f"sock-test-{tag}", ensure_bpffs() / f"sock-test-{tag}", f"pyp-sock-{tag}"
     cg.mkdir()
     pins.mkdir()
     # With the per-endpoint counters on: the hooks count a connection per endpoint as per frontend.
-    dp = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY, endpoint_counters=True), endpoint_counters=True)
+    dp = Dataplane(load(None, max_entries=CAPACITY, endpoint_counters=True), endpoint_counters=True)
     try:
         subprocess.run(["ip", "netns", "add", ns], check=True)
         subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
@@ -156,10 +157,10 @@ def test_a_process_outside_the_cgroup_is_not_affected(world: World) -> None:
     assert dp.counter("sock_lb") == 0
 
 
-def test_a_restart_replaces_the_hooks_in_place_and_detach_removes_them(world: World, bpf_object: Path) -> None:
+def test_a_restart_replaces_the_hooks_in_place_and_detach_removes_them(world: World, load: Load) -> None:
     cgroup.attach(world.dp.obj.progs, world.cgroup, world.pins)
     first = {p.name: p.stat().st_ino for p in (world.pins / cgroup.LINK_DIR).iterdir()}
-    second = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY))
+    second = Dataplane(load(None, max_entries=CAPACITY))
     try:
         cgroup.attach(second.obj.progs, world.cgroup, world.pins)  # the same links, their programs replaced
         assert {p.name: p.stat().st_ino for p in (world.pins / cgroup.LINK_DIR).iterdir()} == first

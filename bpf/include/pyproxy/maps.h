@@ -6,6 +6,11 @@
 #include <bpf/bpf_helpers.h>
 #include "pyproxy/abi.h"
 
+#ifdef PYPROXY_BCC
+/* BCC compiles these sources too (--bpf-loader=bcc): the same maps in its form. */
+#include "pyproxy/bcc.h"
+#else
+
 /* Frontends: (ClusterIP, port, protocol) -> service id and ready-backend count. The first lookup of
  * every packet; a miss means "not ours" and the packet passes untouched. */
 struct {
@@ -205,5 +210,7 @@ const volatile struct pyproxy_config pyproxy_config = {
 	.cluster = { .addr = 0, .mask = 0 },
 	.endpoint_counters = 0,
 };
+
+#endif /* PYPROXY_BCC */
 
 #endif

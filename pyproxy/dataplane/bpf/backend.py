@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 
 from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import DataplaneError, MasqueradeSettings
-from pyproxy.dataplane.bpf import abi, attach, cgroup, clock, loader, maglev, snat
+from pyproxy.dataplane.bpf import abi, attach, bcc, cgroup, clock, loader, maglev, snat
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.dataplane.bpf.gc import CtGarbageCollector, CtGcMetrics, CtGcSettings
 from pyproxy.dataplane.bpf.maps import BpfMap, PerCpuArray, PerCpuHash, create_inner_array, fd_of_map_id
@@ -49,12 +49,18 @@ DEFAULT_OBJECT = Path(os.environ.get("PYPROXY_BPF_OBJECT")
                       or Path(__file__).resolve().parents[3] / "bpf" / "build" / "pyproxy.bpf.o")
 """bpf/build/pyproxy.bpf.o; PYPROXY_BPF_OBJECT names another: the container image's (an installed wheel has no
 bpf/build beside it), bench/restarts.py's with a changed map layout."""
+LOADERS = ("libbpf", "bcc")
+"""--bpf-loader: libbpf loads the prebuilt object (`make bpf`); bcc compiles bpf/ at start with BCC (bcc.py), for
+nodes where the prebuilt object does not fit. Never chosen automatically: bcc only when asked."""
 
 
 @dataclass
 class BpfSettings:
     object_path: Path = DEFAULT_OBJECT
-    """The compiled programs (bpf/build/pyproxy.bpf.o, built by `make bpf`)."""
+    """The compiled programs (bpf/build/pyproxy.bpf.o, built by `make bpf`), for the libbpf loader."""
+    loader: str = "libbpf"
+    """--bpf-loader (LOADERS): what loads the programs and makes the maps. Both make the same maps under the same
+    pins, so a restart with the other loader keeps every flow."""
     pin_path: Path = Path("/sys/fs/bpf/pyproxy")
     """Where maps are pinned; a bpffs is mounted there when none is."""
     devices: tuple[str, ...] = ()
@@ -116,6 +122,8 @@ class BpfSettings:
         lo, hi = self.snat_ports
         if not 1024 <= lo <= hi <= 65535:
             out.append(f"--bpf-snat-port-range must be FIRST-LAST within 1024-65535, not {lo}-{hi}")
+        if self.loader not in LOADERS:
+            out.append(f"--bpf-loader must be one of {', '.join(LOADERS)}, not {self.loader!r}")
         if self.scheduler not in abi.SCHED:
             out.append(f"--bpf-scheduler must be one of {', '.join(abi.SCHED)}, not {self.scheduler!r}")
         if self.maglev_table_size not in maglev.TABLE_SIZES:
@@ -603,7 +611,9 @@ class BpfDataplane:
 
     def start(self) -> None:
         s = self.settings
-        # Before anything is changed: raises ClockError where the tick rate cannot be told.
+        # Before anything is changed: what BCC lacks here, and ClockError where the tick rate cannot be told.
+        if s.loader == "bcc" and (problem := bcc.missing()):
+            raise bcc.BccUnavailable(f"--bpf-loader=bcc: {problem}")
         timeouts = s.ct_timeouts.ticks(clock.kernel_hz())
         loader.ensure_bpffs(s.pin_path)
         try:
@@ -615,8 +625,13 @@ class BpfDataplane:
                 log.info("%s", reserved)
         adopt = self._previous_maps()
         try:
-            self._obj = loader.load(s.object_path, s.pin_path, s.max_entries, adopt, timeouts, s.snat_ports,
-                                    s.masquerade.cluster_cidr, s.endpoint_counters)
+            if s.loader == "bcc":
+                self._obj = bcc.load(s.pin_path, s.max_entries, adopt, timeouts, s.snat_ports,
+                                     s.masquerade.cluster_cidr, s.endpoint_counters)
+            else:
+                self._obj = loader.load(s.object_path, s.pin_path, s.max_entries, adopt, timeouts, s.snat_ports,
+                                        s.masquerade.cluster_cidr, s.endpoint_counters)
+            log.info("BPF programs loaded by %s", s.loader)
         finally:
             for fd in adopt.values():
                 os.close(fd)

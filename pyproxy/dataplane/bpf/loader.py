@@ -13,6 +13,7 @@ import ctypes
 import errno
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,17 +166,23 @@ def ensure_bpffs(pin_dir: Path) -> None:
     mount("bpf", pin_dir, "a bpffs")
 
 
+def _close_object(handle: Any) -> None:
+    libbpf.lib().bpf_object__close(handle)
+
+
 @dataclass
 class LoadedObject:
-    """The loaded object: program and map fds, valid until `close()`."""
+    """The loaded object: program and map fds, valid until `close()`. What either loader gives the rest of pyproxy
+    (this module's `load`, libbpf's; bcc.load, BCC's), whose `release` frees its handle."""
 
     handle: Any
     progs: dict[str, int] = field(default_factory=dict)
     maps: dict[str, int] = field(default_factory=dict)
+    release: Callable[[Any], None] = _close_object
 
     def close(self) -> None:
         if self.handle is not None:
-            libbpf.lib().bpf_object__close(self.handle)
+            self.release(self.handle)
             self.handle = None
 
 
@@ -210,7 +217,7 @@ def _adopt(m: Any, name: str, adopt: dict[str, int] | None) -> None:
         log.warning("attached programs use map %s of another shape: not reusing it", name)
 
 
-def _unpin_other_layouts(pin_dir: Path, ours: set[str]) -> None:
+def unpin_other_layouts(pin_dir: Path, ours: set[str]) -> None:
     """Remove the pins of pyproxy maps this object does not have: an older layout's (pyproxy_ct_v1 once
     pyproxy_ct_v2 exists), which nothing will read again and which would otherwise hold their memory."""
     for pin in pin_dir.glob(f"{abi.MAP_PREFIX}*"):
@@ -251,6 +258,26 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+def constants(ct_timeouts: abi.CtTimeoutTicks | None, snat_ports: tuple[int, int], cluster_cidr: str | None,
+              endpoint_counters: bool = False) -> abi.Config:
+    """The programs' constants (struct pyproxy_config) from the settings; timeouts default to conntrack.CtTimeouts()
+    at this kernel's HZ."""
+    if ct_timeouts is None:
+        from pyproxy.dataplane.bpf import clock, conntrack  # clock imports this module
+
+        ct_timeouts = conntrack.CtTimeouts().ticks(clock.kernel_hz())
+    return abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(cluster_cidr),
+                      endpoint_counters=int(endpoint_counters))
+
+
+def capacities(max_entries: dict[str, int] | None) -> dict[str, int] | None:
+    """The capacities asked for, with the per-endpoint counters map at the backends map's size unless it is given
+    one: it holds an entry per backend."""
+    if max_entries and abi.MAP_BACKENDS in max_entries and abi.MAP_EPSTATS not in max_entries:
+        return {**max_entries, abi.MAP_EPSTATS: max_entries[abi.MAP_BACKENDS]}
+    return max_entries
+
+
 def load(
     obj_path: Path,
     pin_dir: Path | None,
@@ -266,16 +293,9 @@ def load(
     another shape (e.g. a changed capacity) is not reused: a warning says so and a new one replaces it.
     `ct_timeouts` (default: conntrack.CtTimeouts() at this kernel's HZ), `snat_ports` (the first and last
     source port SNAT gives out), `cluster_cidr` (--cluster-cidr) and `endpoint_counters` (--bpf-endpoint-counters)
-    become the programs' constants. The per-endpoint counters map takes the backends map's size unless
-    `max_entries` gives it one: it holds an entry per backend."""
-    if ct_timeouts is None:
-        from pyproxy.dataplane.bpf import clock, conntrack  # clock imports this module
-
-        ct_timeouts = conntrack.CtTimeouts().ticks(clock.kernel_hz())
-    config = abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(cluster_cidr),
-                        endpoint_counters=int(endpoint_counters))
-    if max_entries and abi.MAP_BACKENDS in max_entries and abi.MAP_EPSTATS not in max_entries:
-        max_entries = {**max_entries, abi.MAP_EPSTATS: max_entries[abi.MAP_BACKENDS]}
+    become the programs' constants."""
+    config = constants(ct_timeouts, snat_ports, cluster_cidr, endpoint_counters)
+    max_entries = capacities(max_entries)
     lib = libbpf.lib()
     if not obj_path.exists():
         raise BpfUnavailable(f"BPF object {obj_path} not found (run `make bpf`)")
@@ -327,7 +347,7 @@ def load(
             if not lib.bpf_map__is_internal(m):
                 loaded.maps[ffi.string(lib.bpf_map__name(m)).decode()] = lib.bpf_map__fd(m)
         if pin_dir is not None:
-            _unpin_other_layouts(pin_dir, set(loaded.maps))
+            unpin_other_layouts(pin_dir, set(loaded.maps))
         p = ffi.NULL
         while True:
             p = lib.bpf_object__next_program(obj, p)
