@@ -34,6 +34,7 @@ help:
 	@echo "make cluster-down  stop that cluster and forget its etcd data"
 	@echo "make image     the container image, an OCI layout in deploy/build/ (no registry: Debian + PyPI)"
 	@echo "make image-test    build it, run it in a namespace lab with runc, and check deploy/ on a real API server"
+	@echo "make guest-kernel-test  the BPF fixtures on Debian's 6.1 kernel in a qemu guest (also in make test)"
 
 install: apt venv bpf
 
@@ -155,3 +156,9 @@ kube-proxy:
 .PHONY: guest-image
 guest-image:
 	bash tests/guest/build-image.sh
+
+# The BPF fixtures (tests/priv) on Debian bookworm's 6.1 kernel in that guest (README, "Kernel requirements"). Part of
+# `make test` too; this target is the short way to run only it.
+.PHONY: guest-kernel-test
+guest-kernel-test: install guest-image
+	$(VENV)/bin/pytest -q tests/e2e/test_guest_kernel.py

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pyproxy.dataplane.bpf import abi, libbpf
+from pyproxy.dataplane.bpf import abi, kernel, libbpf
 from pyproxy.dataplane.bpf.libbpf import ffi
 
 log = logging.getLogger(__name__)
@@ -172,6 +172,8 @@ class LoadedObject:
     handle: Any
     progs: dict[str, int] = field(default_factory=dict)
     maps: dict[str, int] = field(default_factory=dict)
+    kernel_flags: int = 0
+    """struct pyproxy_config.kernel as loaded (abi.KERNEL_*): which of their ways the programs take."""
 
     def close(self) -> None:
         if self.handle is not None:
@@ -259,24 +261,35 @@ def load(
     ct_timeouts: abi.CtTimeoutTicks | None = None,
     snat_ports: tuple[int, int] = abi.DEFAULT_SNAT_PORTS,
     cluster_cidr: str | None = None,
+    kernel_flags: int | None = None,
 ) -> LoadedObject:
     """Open and load the object. Maps come, in this order of preference, from their pin under `pin_dir`,
     from `adopt` (name -> fd of a previous run's map), or new (and then pinned). A pinned or adopted map of
     another shape (e.g. a changed capacity) is not reused: a warning says so and a new one replaces it.
     `ct_timeouts` (default: conntrack.CtTimeouts() at this kernel's HZ), `snat_ports` (the first and last
-    source port SNAT gives out) and `cluster_cidr` (--cluster-cidr) become the programs' constants."""
+    source port SNAT gives out) and `cluster_cidr` (--cluster-cidr) become the programs' constants, and so does what
+    this kernel offers (kernel.py; `kernel_flags`, abi.KERNEL_*, overrides the probe: tests run the older kernels'
+    ways here). A kernel without what the programs need fails here, naming what it lacks."""
     if ct_timeouts is None:
         from pyproxy.dataplane.bpf import clock, conntrack  # clock imports this module
 
         ct_timeouts = conntrack.CtTimeouts().ticks(clock.kernel_hz())
-    config = abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(cluster_cidr))
+    try:
+        offered = kernel.features()
+    except PermissionError as e:
+        raise BpfUnavailable(f"cannot probe the kernel's BPF features: {e} (needs root: CAP_BPF and CAP_SYS_ADMIN)") \
+            from e
+    if offered.missing:
+        raise BpfUnavailable(kernel.describe_missing(offered.missing))
+    config = abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(cluster_cidr),
+                        kernel=offered.flags if kernel_flags is None else kernel_flags)
     lib = libbpf.lib()
     if not obj_path.exists():
         raise BpfUnavailable(f"BPF object {obj_path} not found (run `make bpf`)")
     obj = lib.bpf_object__open_file(str(obj_path).encode(), ffi.NULL)
     if obj == ffi.NULL:
         raise BpfUnavailable(f"cannot open BPF object {obj_path}: {os.strerror(ffi.errno)}")
-    loaded = LoadedObject(obj)
+    loaded = LoadedObject(obj, kernel_flags=config.kernel)
     try:
         for m in _iter_maps(obj):
             name = ffi.string(lib.bpf_map__name(m)).decode()
