@@ -13,7 +13,10 @@ kernels without it, filled as the control plane does (snat.py, from the namespac
 
 from __future__ import annotations
 
+import ctypes
+import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +28,7 @@ from packets import TCP, UDP, Flow, decode, frame
 from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, inspect, kernel, loader, snat
+from pyproxy.dataplane.bpf.maps import BpfMap
 from pyproxy.lab.netns import NetnsThread, scratch_node
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
@@ -299,4 +303,30 @@ def test_without_fib_src_the_egress_devices_primary_address_is_the_source(bpf_ob
             assert snat.write_device_addresses(dp.maps.devaddrs, {})
             assert len(dp.maps.devaddrs) == 0
         finally:
+            dp.close()
+
+
+def test_the_devices_map_follows_the_nodes_addresses(bpf_object: Path) -> None:
+    """What bpf mode runs on kernels without BPF_FIB_LOOKUP_SRC (snat.DeviceAddresses): the map holds each device's
+    primary address from the start, and follows netlink as addresses come and go."""
+    with scratch_node("pyp-snat", [("out0", "10.0.2.254/24")]) as (thread, ifindex):
+        dp = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY, kernel_flags=0))
+        # Made in the namespace's thread: the watcher's own thread, and its netlink socket, are the namespace's.
+        follower = thread.call(lambda: snat.DeviceAddresses(
+            BpfMap(os.dup(dp.obj.maps[abi.MAP_DEVADDRS]), abi.MAP_DEVADDRS, ctypes.c_uint32, ctypes.c_uint32)))
+        try:
+            thread.call(follower.start)
+
+            def devices() -> dict[int, str]:
+                return {int(k.value): abi.ip_of(int(v.value)) for k, v in dp.maps.devaddrs.items()}
+
+            assert devices() == {ifindex["out0"]: "10.0.2.254"}
+            for args in (["add", "10.0.3.1/24"], ["del", "10.0.2.254/24"]):
+                subprocess.run(["ip", "-n", thread.netns, "addr", *args, "dev", "out0"], check=True)
+            deadline = time.monotonic() + 10
+            while devices() != {ifindex["out0"]: "10.0.3.1"} and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert devices() == {ifindex["out0"]: "10.0.3.1"}
+        finally:
+            follower.stop()
             dp.close()

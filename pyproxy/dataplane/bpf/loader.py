@@ -23,6 +23,9 @@ from pyproxy.dataplane.bpf.libbpf import ffi
 log = logging.getLogger(__name__)
 
 BPF_FS_ROOT = Path("/sys/fs/bpf")
+TEST_KERNEL_FLAGS = "PYPROXY_TEST_KERNEL_FLAGS"
+"""Tests only (tests/e2e/test_flowcases.py): struct pyproxy_config.kernel (abi.KERNEL_*) instead of what the kernel
+offers, so a newer kernel runs the ways of older ones (never more than it offers: the programs would fail)."""
 
 
 class BpfUnavailable(RuntimeError):
@@ -281,6 +284,9 @@ def load(
             from e
     if offered.missing:
         raise BpfUnavailable(kernel.describe_missing(offered.missing))
+    if kernel_flags is None and TEST_KERNEL_FLAGS in os.environ:
+        kernel_flags = int(os.environ[TEST_KERNEL_FLAGS], 0)
+        log.warning("%s=%#x: the programs take these kernel features as all there is", TEST_KERNEL_FLAGS, kernel_flags)
     config = abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(cluster_cidr),
                         kernel=offered.flags if kernel_flags is None else kernel_flags)
     lib = libbpf.lib()

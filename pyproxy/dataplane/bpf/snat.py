@@ -106,10 +106,21 @@ class DeviceAddresses:
     def stop(self) -> None:
         if self._watcher is not None:
             self._watcher.stop()
+        with self._lock:
+            self._map.close()
 
     def refresh(self) -> None:
+        """Read the addresses, write what changed. Called by the watcher's thread too: a failure is logged, and the
+        next event (or a restart) tries again."""
         with self._lock:
-            wanted = self._list()
-            if write_device_addresses(self._map, wanted):
+            if self._map.fd < 0:
+                return
+            try:
+                wanted = self._list()
+                changed = write_device_addresses(self._map, wanted)
+            except OSError as e:
+                log.error("cannot update the SNAT source addresses by device: %s", e)
+                return
+            if changed:
                 log.info("SNAT source addresses by device (this kernel has no BPF_FIB_LOOKUP_SRC): %s",
                          ", ".join(f"ifindex {i}: {ip}" for i, ip in sorted(wanted.items())) or "none")
