@@ -194,6 +194,25 @@ def list_ipv4_addresses() -> list[Address]:
         return out
 
 
+IFA_F_SECONDARY = 0x01
+RT_SCOPE_UNIVERSE = 0
+
+
+def primary_ipv4_by_device() -> dict[int, str]:
+    """Device index -> its primary IPv4 address, for the devices that have one: the first global-scope address
+    that is not a secondary (another address of a subnet the device already has), in the kernel's order. What
+    MASQUERADE gives a packet leaving by the device (unless one of its addresses shares the next hop's subnet)."""
+    out: dict[int, str] = {}
+    with IPRoute() as ipr:
+        for a in ipr.get_addr(family=socket.AF_INET):
+            if a["scope"] != RT_SCOPE_UNIVERSE or a["flags"] & IFA_F_SECONDARY or a["index"] in out:
+                continue
+            ip = a.get_attr("IFA_LOCAL") or a.get_attr("IFA_ADDRESS")
+            if ip:
+                out[a["index"]] = ip
+    return out
+
+
 def default_route_device() -> str | None:
     """The device of this namespace's IPv4 default route (the first one, by metric), None without one."""
     with IPRoute() as ipr:

@@ -7,12 +7,16 @@ run, the lab removed; on failure pyproxy's whole log is printed.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shlex
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -21,6 +25,49 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pyproxy.lab import Lab, ProbeResult, Pyproxy, describe, nonzero_checksum_errors, write_manifest
 from pyproxy.lab.manifests import documents
+
+GUEST_DIR = Path(__file__).resolve().parents[1] / "guest"
+GUEST_PYTEST = "python -m pytest -q -p no:cacheprovider -ra"
+
+
+def _guest_runner() -> ModuleType:
+    # tests/guest/run.py is a stdlib-only script, not a package module: load it from its path.
+    spec = importlib.util.spec_from_file_location("pyproxy_guest_run", GUEST_DIR / "run.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+GuestPytest = Callable[..., None]
+
+
+@pytest.fixture(scope="session")
+def guest_pytest() -> GuestPytest:
+    """guest_pytest(selection, timeout, allowed_skips=()) runs `pytest SELECTION` inside the qemu guest booting
+    Debian's kernel (tests/guest: the image built when missing or stale, this checkout shared read-only) and asserts
+    it passed with nothing skipped but for a reason in `allowed_skips` (substrings): any other skip means a test
+    did not really run on that kernel. The guest's output is printed (pytest shows it for a failure, or always
+    with -s); bounded by `timeout` seconds of guest run."""
+    run = _guest_runner()
+
+    def go(selection: str, timeout: float, allowed_skips: Sequence[str] = ()) -> None:
+        image = run.build_image()
+        # PYPROXY_TEST_EMULATED: tests whose time bounds are the host's relax them (tests/priv/test_gc.py).
+        result = run.run_in_guest(f"{GUEST_PYTEST} {shlex.join(shlex.split(selection))}", timeout=timeout, echo=None,
+                                  image=image, env={"PYPROXY_TEST_EMULATED": "1"})
+        print(f"===== guest output ({result.seconds:g}s, exit {result.returncode}) =====\n{result.output}")
+        if result.returncode in (124, 125):
+            print(f"===== guest console =====\n{result.console[-20000:]}")
+        assert result.returncode == 0, f"pytest in the guest exited {result.returncode}: {result.output[-3000:]}"
+        lines = result.output.strip().splitlines()
+        assert " passed" in lines[-1], lines[-1]
+        skips = [line for line in lines if line.startswith("SKIPPED")]  # -ra lists each reason
+        unexpected = [line for line in skips if not any(reason in line for reason in allowed_skips)]
+        assert not unexpected and (skips or " skipped" not in lines[-1]), "\n".join(unexpected) or lines[-1]
+
+    return go
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -7,7 +7,7 @@
 #   vmlinuz      the standard linux-image-6.1.0-*-amd64 (not -cloud: that one has no 9p)
 #   initrd.img   a busybox stage 1: loads virtio/ext4 modules, mounts the root image, switch_root
 #   rootfs.img   ext4 made by mmdebstrap: python3, iproute2, ipvsadm (assertions only), iptables, ipset,
-#                conntrack, kmod, procps, socat, ethtool, nftables, libbpf1, the kernel's modules (a subset),
+#                conntrack, kmod, procps, socat, ethtool, nftables, libbpf1, bpftool, the kernel's modules (a subset),
 #                and a venv in /opt/pyproxy-venv with pyproxy's runtime and test dependencies
 # The repository is NOT in the image: tests/guest/run.py shares the working tree read-only over 9p, so the
 # guest always runs the current code. The image is rebuilt only when a file is missing or this script changed
@@ -24,9 +24,11 @@ VENV=/opt/pyproxy-venv
 # pyproxy's runtime dependencies (pyproject.toml) and pytest; pyroute2 pinned to the IPVS API the code uses.
 # (Quoted word by word below: the hook runs under sh -c, where a bare >= would redirect.)
 PIP_PKGS="'pyroute2==0.9.7' 'prometheus-client>=0.17' 'PyYAML>=6' 'cffi>=1.15' 'kubernetes>=29' 'pytest>=7'"
-# nftables and libbpf1: the benchmark runs pyproxy's nftables and bpf modes beside IPVS in the guest (bench/guest.py).
+# nftables and libbpf1: the benchmark runs pyproxy's nftables and bpf modes beside IPVS in the guest (bench/guest.py),
+# and tests/e2e/test_guest_kernel.py runs the BPF fixtures (tests/priv) on this kernel; bpftool: their ABI checks read
+# the object's BTF with it.
 ROOT_PKGS=python3,python3-venv,ca-certificates,iproute2,ipvsadm,iptables,ipset,conntrack,kmod,procps,socat,ethtool,\
-nftables,libbpf1
+nftables,libbpf1,bpftool
 HOST_TOOLS=(qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils mmdebstrap:mmdebstrap cpio:cpio
             busybox:busybox-static mke2fs:e2fsprogs depmod:kmod dpkg-deb:dpkg)
 # Kernel module folders copied into the guest; the rest (GPUs, sound, wireless, ...) only costs image size.

@@ -96,7 +96,7 @@ class BccLoads:
         else:
             kept = bcc.load(None, **kwargs)
             self.made.append(kept)
-        return loader.LoadedObject(kept.handle, dict(kept.progs), dict(kept.maps),
+        return loader.LoadedObject(kept.handle, dict(kept.progs), dict(kept.maps), kernel_flags=kept.kernel_flags,
                                    release=lambda _: idle.append(kept))
 
     def close(self) -> None:

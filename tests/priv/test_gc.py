@@ -27,6 +27,8 @@ from pyproxy.model.state import Backend, Frontend, ServicePortState
 pytestmark = ROOT
 
 FLOWS = 65536
+EMULATED = "PYPROXY_TEST_EMULATED"
+"""Set where the tests run under CPU emulation (the qemu guest: tests/e2e/conftest.py's guest_pytest)."""
 PLAIN_VIP = "10.96.0.11"  # a Service without affinity
 BE = Backend("10.0.1.1", 8080)
 
@@ -102,8 +104,7 @@ def test_a_pass_deletes_expired_flows_and_stale_affinity_and_keeps_every_live_fl
                    + [(i, socket.IPPROTO_UDP, NEW, minute_ago, minute_ago) for i in range(24_000, 28_000)]
                    + [(i, TCP, NEW, day_ago, None) for i in range(28_000, 29_000)])  # the reverse entry was evicted
     live = fill(dp, [(i, TCP, EST, minute_ago, minute_ago) for i in range(30_000, 32_000)]  # idle, not expired
-                + [(i, socket.IPPROTO_UDP, EST, now, day_ago) for i in range(32_000, 32_500)]  # one-way stream
-                + [(i, TCP, CLOSED, now - 5 * hz, now - 5 * hz) for i in range(32_500, 33_000)])  # closed 5 s ago
+                + [(i, socket.IPPROTO_UDP, EST, now, day_ago) for i in range(32_000, 32_500)])  # one-way stream
     # Flows the programs made themselves, with their affinity entry.
     for sport in range(41000, 41010):
         assert dnat(dp, TC_INGRESS, Flow(CLIENT, VIP, sport, 80)) == BE
@@ -116,6 +117,10 @@ def test_a_pass_deletes_expired_flows_and_stale_affinity_and_keeps_every_live_fl
 
     c = collector(dp)
     registry = registry_of(c)
+    # Closed 1 s ago, written last: the pass must come within the 9 s their 10 s linger leaves (under emulation, on a
+    # busy machine, 5 s ago written first was not enough).
+    now = clock.ticks_now()
+    live |= fill(dp, [(i, TCP, CLOSED, now - hz, now - hz) for i in range(32_500, 33_000)])
     before = ct_keys(dp)
     done = c.run_pass()
     assert ct_keys(dp) == live | by_programs | {sticky}
@@ -192,7 +197,9 @@ def test_a_full_map_of_the_default_size(load: Load) -> None:
         fill(dataplane, [(i, TCP, EST, now, now) for i in range(pairs)])  # all live again
         quiet = c.run_pass()
         print(f"GC pass over {quiet.seen} live entries: {quiet.seconds:.3f} s")
-        assert quiet.seen > 0.99 * 2 * pairs and quiet.deleted == 0 and done.seconds < 10
+        assert quiet.seen > 0.99 * 2 * pairs and quiet.deleted == 0
+        # The host's bound; under CPU emulation (the qemu guest: test_guest_kernel.py) a pass is 10-30x slower.
+        assert done.seconds < (120 if os.environ.get(EMULATED) else 10)
         c.close()
     finally:
         dataplane.close()

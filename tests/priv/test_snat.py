@@ -5,19 +5,30 @@ back on ingress and its frontend on egress, so the client sees the frontend answ
 
 The routing lookup that picks the node address runs in the network namespace of the thread that makes the test run:
 each test gets a namespace of its own set up as the node (a device holding NODE_SIDE, its address on the backends'
-network), deleted after it, and runs the ingress programs in a thread inside it."""
+network), deleted after it, and runs the ingress programs in a thread inside it.
+
+Each test taking `dp` runs both ways the programs find that address (snat.h): from the route lookup itself
+(BPF_FIB_LOOKUP_SRC, where the kernel has it), and from the egress device's entry in the devices map, the way of
+kernels without it, filled as the control plane does (snat.py, from the namespace's addresses)."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+import subprocess
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import CAPACITY, Load
 from harness import CLIENT, INGRESS, READY, ROOT, TC_EGRESS, TC_INGRESS, XDP, Dataplane, Prog, port_state
 from packets import TCP, UDP, Flow, decode, frame
 
+from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import MasqueradeSettings
-from pyproxy.dataplane.bpf import abi, inspect
+from pyproxy.dataplane.bpf import abi, inspect, kernel, loader, snat
+from pyproxy.dataplane.bpf.maps import BpfMap
 from pyproxy.lab.netns import NetnsThread, scratch_node
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
@@ -47,6 +58,20 @@ class Node:
 def netns() -> Iterator[Node]:
     with scratch_node("pyp-snat", [("snat0", f"{NODE_SIDE}/24")]) as (thread, ifindex):
         yield Node(thread, ifindex["snat0"])
+
+
+@pytest.fixture(params=["fib-src", "device-map"])
+def dp(request: pytest.FixtureRequest, load: Load, netns: Node) -> Iterator[Dataplane]:
+    """A fresh load (conftest's `dp`, by the loader under test), once with the programs asking the route lookup for
+    the source address and once with them reading the devices map, filled from the node's addresses."""
+    if request.param == "fib-src" and not kernel.features().fib_src:
+        pytest.skip(f"this kernel ({kernel.release()}) has no BPF_FIB_LOOKUP_SRC")
+    flags = abi.KERNEL_FIB_SRC if request.param == "fib-src" else 0
+    d = Dataplane(load(None, max_entries=CAPACITY, kernel_flags=flags))
+    if not flags:
+        netns.thread.call(lambda: snat.write_device_addresses(d.maps.devaddrs, netlink.primary_ipv4_by_device()))
+    yield d
+    d.close()
 
 
 def nodeport(backends: tuple[Backend, ...] = READY, proto: int = TCP, masquerade: bool = True,
@@ -254,3 +279,54 @@ def test_cluster_cidr_snats_clusterip_flows_from_outside_it(load: Load, netns: N
         assert outside.src == NODE_SIDE and outside.sport in SNAT_PORTS
     finally:
         dp.close()
+
+
+def test_without_fib_src_the_egress_devices_primary_address_is_the_source(bpf_object: Path) -> None:
+    """Kernels without BPF_FIB_LOOKUP_SRC: the route lookup names the egress device, the devices map its primary
+    address (not a secondary one, not another device's); a device missing from the map means no SNAT."""
+    with scratch_node("pyp-snat", [("in0", "10.0.1.254/24"), ("out0", "10.0.2.254/24")]) as (thread, ifindex):
+        node = Node(thread, ifindex["in0"])
+        subprocess.run(["ip", "-n", thread.netns, "addr", "add", "10.0.2.253/24", "dev", "out0"], check=True)
+        dp = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY, kernel_flags=0))
+        try:
+            far = Backend("10.0.2.7", 8080)
+            dp.apply(nodeport(backends=(far,)))
+            out = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 46200, NODE_PORT), node)
+            assert (out.src, out.dst) == (CLIENT, far.ip), "no entry for out0 yet: no SNAT"
+            assert dp.counter("snat_no_route") == 1
+            wanted = thread.call(netlink.primary_ipv4_by_device)
+            assert wanted == {ifindex["in0"]: "10.0.1.254", ifindex["out0"]: "10.0.2.254"}
+            assert snat.write_device_addresses(dp.maps.devaddrs, wanted)
+            assert not snat.write_device_addresses(dp.maps.devaddrs, wanted), "nothing changed"
+            out = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 46201, NODE_PORT), node)
+            assert out.src == "10.0.2.254" and out.sport in SNAT_PORTS
+            assert snat.write_device_addresses(dp.maps.devaddrs, {})
+            assert len(dp.maps.devaddrs) == 0
+        finally:
+            dp.close()
+
+
+def test_the_devices_map_follows_the_nodes_addresses(bpf_object: Path) -> None:
+    """What bpf mode runs on kernels without BPF_FIB_LOOKUP_SRC (snat.DeviceAddresses): the map holds each device's
+    primary address from the start, and follows netlink as addresses come and go."""
+    with scratch_node("pyp-snat", [("out0", "10.0.2.254/24")]) as (thread, ifindex):
+        dp = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY, kernel_flags=0))
+        # Made in the namespace's thread: the watcher's own thread, and its netlink socket, are the namespace's.
+        follower = thread.call(lambda: snat.DeviceAddresses(
+            BpfMap(os.dup(dp.obj.maps[abi.MAP_DEVADDRS]), abi.MAP_DEVADDRS, ctypes.c_uint32, ctypes.c_uint32)))
+        try:
+            thread.call(follower.start)
+
+            def devices() -> dict[int, str]:
+                return {int(k.value): abi.ip_of(int(v.value)) for k, v in dp.maps.devaddrs.items()}
+
+            assert devices() == {ifindex["out0"]: "10.0.2.254"}
+            for args in (["add", "10.0.3.1/24"], ["del", "10.0.2.254/24"]):
+                subprocess.run(["ip", "-n", thread.netns, "addr", *args, "dev", "out0"], check=True)
+            deadline = time.monotonic() + 10
+            while devices() != {ifindex["out0"]: "10.0.3.1"} and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert devices() == {ifindex["out0"]: "10.0.3.1"}
+        finally:
+            follower.stop()
+            dp.close()

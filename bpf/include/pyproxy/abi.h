@@ -30,8 +30,10 @@
 #define PYPROXY_MAP_SOCKS     pyproxy_sock_v1
 #define PYPROXY_MAP_SRCRANGES pyproxy_range_v1
 #define PYPROXY_MAP_CURSORS   pyproxy_rr_v1
-#define PYPROXY_MAP_TABLES    pyproxy_tbl_v2   /* v2: an array per frontend (map in map) */
+#define PYPROXY_MAP_TABLES    pyproxy_tbl_v3   /* v2: an array per frontend (map in map); v3: its inner
+                                                * template without BTF (maps.h), which 6.1 needs */
 #define PYPROXY_MAP_EPSTATS   pyproxy_epstat_v1
+#define PYPROXY_MAP_DEVADDRS  pyproxy_dev_v1
 
 /* Default capacities; the loader may resize before load (bpf_map__set_max_entries). */
 #define PYPROXY_MAX_SERVICES  131072   /* frontends: ClusterIP x port x protocol */
@@ -43,6 +45,7 @@
 #define PYPROXY_MAX_SOCKS     65536    /* node sockets pointed at a backend by the socket hooks */
 #define PYPROXY_MAX_SRCRANGES 16384    /* loadBalancerSourceRanges entries over all frontends */
 #define PYPROXY_MAX_EPSTATS   PYPROXY_MAX_BACKENDS   /* one per backend; the loader keeps it the backends map's size */
+#define PYPROXY_MAX_DEVADDRS  4096     /* node devices holding an IPv4 address (PYPROXY_MAP_DEVADDRS) */
 
 /* struct pyproxy_svc_value.flags */
 #define PYPROXY_SVC_F_AFFINITY  0x1    /* ClientIP session affinity: a client keeps its backend */
@@ -227,6 +230,13 @@ struct pyproxy_cidr {
 	__be32 mask;   /* network byte order */
 };
 
+/* struct pyproxy_config.kernel: what the running kernel offers beyond what pyproxy requires, probed by the loader
+ * (pyproxy/dataplane/bpf/kernel.py). A clear bit makes the programs take their older kernels' way; the verifier
+ * folds the test, so each kernel runs only its own branch. */
+#define PYPROXY_KERNEL_FIB_SRC 0x1     /* bpf_fib_lookup knows BPF_FIB_LOOKUP_SRC and BPF_FIB_LOOKUP_SKIP_NEIGH (mainline
+					* 6.7; 6.1.81 and later 6.1 stable kernels): it names SNAT's source address.
+					* Else SNAT takes the egress device's address from PYPROXY_MAP_DEVADDRS (snat.h) */
+
 /* The programs' constants: the .rodata variable the loader sets before load (the verifier then folds each read
  * into the code). */
 struct pyproxy_config {
@@ -236,6 +246,7 @@ struct pyproxy_config {
 	/* 1: count each backend's packets and bytes (PYPROXY_MAP_EPSTATS, --bpf-endpoint-counters). A constant, so
 	 * with 0 the verifier removes the count and its lookup from the programs: off costs nothing per packet. */
 	__u32 endpoint_counters;
+	__u32 kernel;  /* PYPROXY_KERNEL_* */
 	__u32 pad;     /* zero */
 };
 

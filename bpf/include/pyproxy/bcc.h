@@ -100,6 +100,7 @@ PYPROXY_BCC_TABLE("percpu_array", __u32, __u64, PYPROXY_MAP_COUNTERS, PYPROXY_CN
 PYPROXY_BCC_TABLE("hash", __u32, struct pyproxy_svc_name, PYPROXY_MAP_NAMES, PYPROXY_BCC_MAX_names, BPF_F_NO_PREALLOC);
 PYPROXY_BCC_TABLE("percpu_hash", struct pyproxy_backend, struct pyproxy_svc_stats, PYPROXY_MAP_EPSTATS,
 		  PYPROXY_BCC_MAX_epstats, BPF_F_NO_PREALLOC);
+PYPROXY_BCC_TABLE("hash", __u32, __be32, PYPROXY_MAP_DEVADDRS, PYPROXY_MAX_DEVADDRS, BPF_F_NO_PREALLOC);
 
 #else /* the programs */
 

@@ -128,13 +128,16 @@ struct {
 /* One frontend's wrr or Maglev table: entry n -> backend, n < its table_size. An array, so a flow's entry is a
  * read in one contiguous block (128 KB for a Maglev table of 16381): a hash map of every table's entries made a new
  * Maglev flow pay two cache misses (its bucket, its element), +60 % over random (bench/sched.py). The template of
- * PYPROXY_MAP_TABLES' inner maps; BPF_F_INNER_MAP lets each have its own size. */
+ * PYPROXY_MAP_TABLES' inner maps; BPF_F_INNER_MAP lets each have its own size. Key and value by size, not by type
+ * (__u32 -> struct pyproxy_backend): a template with BTF types has BTF-derived fields (timer_off: -ENOENT) that
+ * 6.1 compares with each inner array's, made by the control plane without BTF (-EINVAL), refusing every table
+ * (EINVAL); without BTF on either side they match on every kernel. */
 struct pyproxy_table_inner {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 1);
 	__uint(map_flags, BPF_F_INNER_MAP);
-	__type(key, __u32);
-	__type(value, struct pyproxy_backend);
+	__uint(key_size, sizeof(__u32));
+	__uint(value_size, sizeof(struct pyproxy_backend));
 };
 
 /* The wrr and Maglev tables: service id -> its table (an inner array map). wrr's is the weighted order of one
@@ -193,9 +196,23 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_NAMES SEC(".maps");
 
+/* Node device (ifindex, host order) -> the IPv4 address (network order) SNAT gives a flow leaving by it: the
+ * device's primary address, which MASQUERADE would pick too. Read only where bpf_fib_lookup cannot name the source
+ * address itself (pyproxy_config.kernel without PYPROXY_KERNEL_FIB_SRC: before 6.7); the control plane then fills
+ * it from netlink and follows address changes (pyproxy/dataplane/bpf/snat.py), and leaves it empty elsewhere.
+ * A hash: ifindexes are sparse and grow with every veth ever made. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, PYPROXY_MAX_DEVADDRS);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32);
+	__type(value, __be32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_DEVADDRS SEC(".maps");
+
 /* The programs' constants (abi.h): connection-tracking timeouts, SNAT ports, the cluster CIDR, whether endpoints
- * are counted. The loader always sets them from the settings and the kernel's HZ; these defaults (at HZ=250) only
- * serve a load that does not. */
+ * are counted, what the kernel offers. The loader always sets them from the settings, the kernel's HZ and its
+ * features; these defaults (at HZ=250) only serve a load that does not. */
 const volatile struct pyproxy_config pyproxy_config = {
 	.ct = {
 		.tcp_new = 60 * 250,
@@ -209,6 +226,7 @@ const volatile struct pyproxy_config pyproxy_config = {
 	.snat = { .min = 61000, .max = 65535 },
 	.cluster = { .addr = 0, .mask = 0 },
 	.endpoint_counters = 0,
+	.kernel = PYPROXY_KERNEL_FIB_SRC,
 };
 
 #endif /* PYPROXY_BCC */

@@ -106,6 +106,14 @@ static __always_inline void pyproxy_active_add(const struct pyproxy_backend *be,
 		__sync_fetch_and_add(&info->active, delta);
 }
 
+/* A least-loaded search's "no best load yet": ~0, kept in writable global data (.data, never written) rather than
+ * written as a constant, so the verifier cannot know it. Verifiers before 6.7 check a bpf_loop callback once, in the
+ * state the caller left its context in, and drop the code that state never reaches: with the constant, the
+ * comparison with the best load so far (`l->num == ~0` was always true to them), so on Debian's 6.1 every step
+ * replaced the best and lc, sed and nq took the last backend scanned (tests/priv/test_schedulers.py in the 6.1
+ * guest). An unknown start keeps both ways on every kernel; it costs one load per new flow of these schedulers. */
+static volatile __u64 pyproxy_no_load = ~0ULL;
+
 /* A least-loaded choice in progress, as bpf_loop hands it to each step. Loads compare as fractions num/den:
  * lc's active flows, sed's and nq's (active + 1) / weight. */
 struct pyproxy_least {
@@ -113,7 +121,7 @@ struct pyproxy_least {
 	__u32 start;                   /* the first slot compared: a random one, so ties spread */
 	__u32 count;                   /* the frontend's slots */
 	__u32 sched;                   /* PYPROXY_SCHED_LC, _SED or _NQ */
-	__u64 num, den;                /* the best load so far (num = ~0: none yet) */
+	__u64 num, den;                /* the best load so far (num = pyproxy_no_load: none yet) */
 	struct pyproxy_backend best;
 };
 
@@ -140,7 +148,7 @@ static long pyproxy_least_step(__u32 i, void *data)
 		num = active + 1;
 		den = weight;
 	}
-	if (l->num == ~0ULL || num * l->den < l->num * den) {
+	if (l->num == pyproxy_no_load || num * l->den < l->num * den) {
 		l->best = be;
 		l->num = num;
 		l->den = den;
@@ -152,12 +160,12 @@ static __always_inline int pyproxy_pick_least(const struct pyproxy_svc_value *sv
 {
 	struct pyproxy_least l = {
 		.svc_id = svc->svc_id, .start = bpf_get_prandom_u32() % svc->backend_count,
-		.count = svc->backend_count, .sched = svc->sched, .num = ~0ULL, .den = 1,
+		.count = svc->backend_count, .sched = svc->sched, .num = pyproxy_no_load, .den = 1,
 	};
 	__u32 n = svc->backend_count < PYPROXY_LEAST_SCAN ? svc->backend_count : PYPROXY_LEAST_SCAN;
 
 	bpf_loop(n, pyproxy_least_step, &l, 0);
-	if (l.num == ~0ULL)
+	if (l.num == pyproxy_no_load)
 		return 0;
 	*be = l.best;
 	return 1;

@@ -43,7 +43,12 @@ static __always_inline int pyproxy_snat_port(__be16 port)
 
 /* The address this node sends from toward `be`, as its routing picks it. 0: none, and no SNAT (the backend is
  * this node itself, delivered locally; or no route, and the stack drops the packet anyway). `ifindex` is the
- * device the packet came in on: the lookup is the forwarding one the stack will make. */
+ * device the packet came in on: the lookup is the forwarding one the stack will make.
+ * Where bpf_fib_lookup knows BPF_FIB_LOOKUP_SRC (PYPROXY_KERNEL_FIB_SRC) it names the address: the route's preferred
+ * source, else the egress device's address. Older kernels refuse that flag (-EINVAL, every packet): there a plain
+ * lookup names the egress device and PYPROXY_MAP_DEVADDRS its primary address, MASQUERADE's choice (a route's
+ * `src` is not honoured there). Without BPF_FIB_LOOKUP_SKIP_NEIGH a next hop not yet resolved answers NO_NEIGH, the
+ * route and device found all the same. The verifier folds the test: each kernel runs one branch. */
 static __always_inline __be32 pyproxy_snat_addr(void *ctx, __u32 ifindex, const struct pyproxy_pkt *p,
 						const struct pyproxy_backend *be)
 {
@@ -51,11 +56,22 @@ static __always_inline __be32 pyproxy_snat_addr(void *ctx, __u32 ifindex, const 
 		.family = AF_INET, .l4_protocol = p->proto, .sport = p->sport, .dport = be->port,
 		.ipv4_src = p->saddr, .ipv4_dst = be->addr, .ifindex = ifindex,
 	};
-	long rc = bpf_fib_lookup(ctx, &fib, sizeof(fib), BPF_FIB_LOOKUP_SRC | BPF_FIB_LOOKUP_SKIP_NEIGH);
-	/* FRAG_NEEDED (TC: the skb is larger than the route's MTU) still found the route and its source. */
-	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_FRAG_NEEDED)
+	__be32 *addr;
+	long rc;
+
+	if (pyproxy_config.kernel & PYPROXY_KERNEL_FIB_SRC) {
+		rc = bpf_fib_lookup(ctx, &fib, sizeof(fib), BPF_FIB_LOOKUP_SRC | BPF_FIB_LOOKUP_SKIP_NEIGH);
+		/* FRAG_NEEDED (TC: the skb is larger than the route's MTU) still found the route and its source. */
+		if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_FRAG_NEEDED)
+			return 0;
+		return fib.ipv4_src;
+	}
+	rc = bpf_fib_lookup(ctx, &fib, sizeof(fib), 0);
+	/* FRAG_NEEDED comes after the egress device is set (TC checks the skb's length once the route is found). */
+	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_FRAG_NEEDED && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
 		return 0;
-	return fib.ipv4_src;
+	addr = bpf_map_lookup_elem(&PYPROXY_MAP_DEVADDRS, &fib.ifindex);
+	return addr ? *addr : 0;
 }
 
 /* Whether the SNAT pair entry `v` under `k` may be taken over by a new flow: its flow is over (closed, or no

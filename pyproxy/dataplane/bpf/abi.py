@@ -26,14 +26,16 @@ MAP_PORTS = "pyproxy_port_v1"
 MAP_SOCKS = "pyproxy_sock_v1"
 MAP_SRCRANGES = "pyproxy_range_v1"
 MAP_CURSORS = "pyproxy_rr_v1"
-MAP_TABLES = "pyproxy_tbl_v2"
+MAP_TABLES = "pyproxy_tbl_v3"
 MAP_EPSTATS = "pyproxy_epstat_v1"
+MAP_DEVADDRS = "pyproxy_dev_v1"
+"""Node device (ifindex) -> its primary IPv4 address, for SNAT on kernels without BPF_FIB_LOOKUP_SRC (snat.py)."""
 TABLE_NAME = "pyproxy_table"
 """The name of each frontend's table (PYPROXY_MAP_TABLES' inner arrays)."""
 MAP_PREFIX = "pyproxy_"
 """Every map name (and so every pin) starts with it: how cleanup and a newer layout find ours."""
 ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES, MAP_EPOCH,
-            MAP_FRAGS, MAP_PORTS, MAP_SOCKS, MAP_SRCRANGES, MAP_CURSORS, MAP_TABLES, MAP_EPSTATS)
+            MAP_FRAGS, MAP_PORTS, MAP_SOCKS, MAP_SRCRANGES, MAP_CURSORS, MAP_TABLES, MAP_EPSTATS, MAP_DEVADDRS)
 RESIZABLE = {
     "services": MAP_SERVICES, "slots": MAP_SLOTS, "backends": MAP_BACKENDS, "ct": MAP_CT, "stats": MAP_STATS,
     "names": MAP_NAMES, "frags": MAP_FRAGS, "socks": MAP_SOCKS, "srcranges": MAP_SRCRANGES, "cursors": MAP_CURSORS,
@@ -47,6 +49,8 @@ PORT_WORDS = 1024  # PYPROXY_PORT_WORDS
 CONFIG_VAR = "pyproxy_config"
 """The .rodata variable (struct pyproxy_config: connection-tracking timeouts, SNAT ports) the loader sets before
 load."""
+KERNEL_FIB_SRC = 0x1
+"""PYPROXY_KERNEL_FIB_SRC (struct pyproxy_config.kernel): bpf_fib_lookup names SNAT's source address (kernel.py)."""
 DEFAULT_SNAT_PORTS = (61000, 65535)
 """The source ports SNAT gives out by default (maps.h's pyproxy_config): above Linux's default ephemeral range,
 32768-60999, so no node socket picks one (pyproxy/dataplane/bpf/snat.py)."""
@@ -281,6 +285,7 @@ class Config(ctypes.Structure):
         ("snat", SnatPorts),
         ("cluster", Cidr),
         ("endpoint_counters", ctypes.c_uint32),  # 1: count per backend in MAP_EPSTATS
+        ("kernel", ctypes.c_uint32),  # KERNEL_*: what the running kernel offers (kernel.py)
         ("pad", ctypes.c_uint32),
     ]
 

@@ -301,13 +301,14 @@ class Maps:
         self.socks: BpfMap = BpfMap(fds[abi.MAP_SOCKS], abi.MAP_SOCKS, abi.SockKey, abi.Backend)
         self.ports: BpfMap = BpfMap(fds[abi.MAP_PORTS], abi.MAP_PORTS, ctypes.c_uint32, ctypes.c_uint64)
         self.srcranges: BpfMap = BpfMap(fds[abi.MAP_SRCRANGES], abi.MAP_SRCRANGES, abi.SrcRangeKey, ctypes.c_uint32)
+        self.devaddrs: BpfMap = BpfMap(fds[abi.MAP_DEVADDRS], abi.MAP_DEVADDRS, ctypes.c_uint32, ctypes.c_uint32)
         self.stats: PerCpuArray = PerCpuArray(fds[abi.MAP_STATS], abi.MAP_STATS, abi.SvcStats)
         self.counters: PerCpuArray = PerCpuArray(fds[abi.MAP_COUNTERS], abi.MAP_COUNTERS, ctypes.c_uint64)
         self.epstats: PerCpuHash = PerCpuHash(fds[abi.MAP_EPSTATS], abi.MAP_EPSTATS, abi.Backend, abi.SvcStats)
         self.by_name: dict[str, BpfMap] = {
             m.name: m
             for m in (self.services, self.slots, self.tables.outer, self.backends, self.ct, self.names, self.epoch,
-                      self.frags, self.socks, self.ports, self.srcranges, self.cursors)
+                      self.frags, self.socks, self.ports, self.srcranges, self.cursors, self.devaddrs)
         }
 
     def _svc_values(self, values: Sequence[tuple]) -> bytes:
@@ -596,6 +597,7 @@ class BpfDataplane:
         self.applied = Applied()
         self._capacity: dict[str, int] = {}
         self._watcher: netlink.LinkWatcher | None = None
+        self._devaddrs: snat.DeviceAddresses | None = None
         self._gc: CtGarbageCollector | None = None
         self.collector = BpfCollector(self)
         """The dataplane's own metrics, for the proxier's registry (a prometheus Collector)."""
@@ -644,6 +646,11 @@ class BpfDataplane:
         self.maps.sync_endpoint_stats(self.applied, s.endpoint_counters)
         if self.applied.frontends:
             log.info("kept %d frontends from the previous run", len(self.applied.frontends))
+        if not self._obj.kernel_flags & abi.KERNEL_FIB_SRC:
+            # Before any device is attached: SNAT finds its source address from the first packet on.
+            self._devaddrs = snat.DeviceAddresses(
+                BpfMap(os.dup(self._obj.maps[abi.MAP_DEVADDRS]), abi.MAP_DEVADDRS, ctypes.c_uint32, ctypes.c_uint32))
+            self._devaddrs.start()
         # Subscribe before listing so a device created in between is not missed.
         self._watcher = netlink.LinkWatcher(self._on_link)
         for link in netlink.list_links():
@@ -682,6 +689,8 @@ class BpfDataplane:
             self._gc.stop()
         if self._watcher:
             self._watcher.stop()
+        if self._devaddrs:
+            self._devaddrs.stop()
         if self.maps:
             self.maps.close()
         if self._obj:

@@ -269,16 +269,18 @@ def load(
     snat_ports: tuple[int, int] = abi.DEFAULT_SNAT_PORTS,
     cluster_cidr: str | None = None,
     endpoint_counters: bool = False,
+    kernel_flags: int | None = None,
 ) -> loader.LoadedObject:
     """What loader.load does, with BCC compiling bpf/ here. Maps come from their pins under `pin_dir`, from
     `adopt` (pinned there first), or new (and pinned); pin_dir None: new, unpinned maps."""
     problem = missing()
     if problem:
         raise BccUnavailable(problem)
-    config = loader.constants(ct_timeouts, snat_ports, cluster_cidr, endpoint_counters)
+    config = loader.constants(ct_timeouts, snat_ports, cluster_cidr, endpoint_counters,
+                              loader.kernel_features(kernel_flags))
     max_entries = loader.capacities(max_entries)
     obj = BccObject()
-    loaded = loader.LoadedObject(obj, release=BccObject.close)
+    loaded = loader.LoadedObject(obj, release=BccObject.close, kernel_flags=config.kernel)
     try:
         maps = _maps(pin_dir, max_entries, adopt)
         obj.modules.append(maps)

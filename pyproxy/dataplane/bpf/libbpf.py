@@ -94,6 +94,17 @@ ffi.cdef(
     int bpf_obj_get_info_by_fd(int bpf_fd, void *info, uint32_t *info_len);
     int bpf_prog_test_run_opts(int prog_fd, struct bpf_test_run_opts *opts);
     int libbpf_num_possible_cpus(void);
+
+    struct bpf_prog_load_opts { size_t sz; int attempts; int expected_attach_type; uint32_t prog_btf_fd;
+                                uint32_t prog_flags; uint32_t prog_ifindex; uint32_t kern_version;
+                                uint32_t attach_btf_id; uint32_t attach_prog_fd; uint32_t attach_btf_obj_fd;
+                                const int *fd_array; const void *func_info; uint32_t func_info_cnt;
+                                uint32_t func_info_rec_size; const void *line_info; uint32_t line_info_cnt;
+                                uint32_t line_info_rec_size; uint32_t log_level; uint32_t log_size; char *log_buf; };
+    int bpf_prog_load(int prog_type, const char *prog_name, const char *license, const void *insns,
+                      size_t insn_cnt, const struct bpf_prog_load_opts *opts);
+    int libbpf_probe_bpf_prog_type(int prog_type, const void *opts);
+    int libbpf_probe_bpf_map_type(int map_type, const void *opts);
     """
 )
 

@@ -18,12 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pyproxy.dataplane.bpf import abi, libbpf
+from pyproxy.dataplane.bpf import abi, kernel, libbpf
 from pyproxy.dataplane.bpf.libbpf import ffi
 
 log = logging.getLogger(__name__)
 
 BPF_FS_ROOT = Path("/sys/fs/bpf")
+TEST_KERNEL_FLAGS = "PYPROXY_TEST_KERNEL_FLAGS"
+"""Tests only (tests/e2e/test_flowcases.py): struct pyproxy_config.kernel (abi.KERNEL_*) instead of what the kernel
+offers, so a newer kernel runs the ways of older ones (never more than it offers: the programs would fail)."""
 
 
 class BpfUnavailable(RuntimeError):
@@ -179,6 +182,8 @@ class LoadedObject:
     progs: dict[str, int] = field(default_factory=dict)
     maps: dict[str, int] = field(default_factory=dict)
     release: Callable[[Any], None] = _close_object
+    kernel_flags: int = 0
+    """struct pyproxy_config.kernel as loaded (abi.KERNEL_*): which of their ways the programs take."""
 
     def close(self) -> None:
         if self.handle is not None:
@@ -258,16 +263,33 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+def kernel_features(kernel_flags: int | None = None) -> int:
+    """struct pyproxy_config.kernel (abi.KERNEL_*): what this kernel offers, probed (kernel.py), unless
+    `kernel_flags` (or, for tests, TEST_KERNEL_FLAGS) says; BpfUnavailable naming what a kernel without what the
+    programs need lacks."""
+    try:
+        offered = kernel.features()
+    except PermissionError as e:
+        raise BpfUnavailable(f"cannot probe the kernel's BPF features: {e} (needs root: CAP_BPF and CAP_SYS_ADMIN)") \
+            from e
+    if offered.missing:
+        raise BpfUnavailable(kernel.describe_missing(offered.missing))
+    if kernel_flags is None and TEST_KERNEL_FLAGS in os.environ:
+        kernel_flags = int(os.environ[TEST_KERNEL_FLAGS], 0)
+        log.warning("%s=%#x: the programs take these kernel features as all there is", TEST_KERNEL_FLAGS, kernel_flags)
+    return offered.flags if kernel_flags is None else kernel_flags
+
+
 def constants(ct_timeouts: abi.CtTimeoutTicks | None, snat_ports: tuple[int, int], cluster_cidr: str | None,
-              endpoint_counters: bool = False) -> abi.Config:
-    """The programs' constants (struct pyproxy_config) from the settings; timeouts default to conntrack.CtTimeouts()
-    at this kernel's HZ."""
+              endpoint_counters: bool = False, kernel_flags: int = 0) -> abi.Config:
+    """The programs' constants (struct pyproxy_config) from the settings and `kernel_flags` (kernel_features());
+    timeouts default to conntrack.CtTimeouts() at this kernel's HZ."""
     if ct_timeouts is None:
         from pyproxy.dataplane.bpf import clock, conntrack  # clock imports this module
 
         ct_timeouts = conntrack.CtTimeouts().ticks(clock.kernel_hz())
     return abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(cluster_cidr),
-                      endpoint_counters=int(endpoint_counters))
+                      endpoint_counters=int(endpoint_counters), kernel=kernel_flags)
 
 
 def capacities(max_entries: dict[str, int] | None) -> dict[str, int] | None:
@@ -287,14 +309,17 @@ def load(
     snat_ports: tuple[int, int] = abi.DEFAULT_SNAT_PORTS,
     cluster_cidr: str | None = None,
     endpoint_counters: bool = False,
+    kernel_flags: int | None = None,
 ) -> LoadedObject:
     """Open and load the object. Maps come, in this order of preference, from their pin under `pin_dir`,
     from `adopt` (name -> fd of a previous run's map), or new (and then pinned). A pinned or adopted map of
     another shape (e.g. a changed capacity) is not reused: a warning says so and a new one replaces it.
     `ct_timeouts` (default: conntrack.CtTimeouts() at this kernel's HZ), `snat_ports` (the first and last
     source port SNAT gives out), `cluster_cidr` (--cluster-cidr) and `endpoint_counters` (--bpf-endpoint-counters)
-    become the programs' constants."""
-    config = constants(ct_timeouts, snat_ports, cluster_cidr, endpoint_counters)
+    become the programs' constants, and so does what this kernel offers (kernel.py; `kernel_flags`, abi.KERNEL_*,
+    overrides the probe: tests run the older kernels' ways here). A kernel without what the programs need fails
+    here, naming what it lacks."""
+    config = constants(ct_timeouts, snat_ports, cluster_cidr, endpoint_counters, kernel_features(kernel_flags))
     max_entries = capacities(max_entries)
     lib = libbpf.lib()
     if not obj_path.exists():
@@ -302,7 +327,7 @@ def load(
     obj = lib.bpf_object__open_file(str(obj_path).encode(), ffi.NULL)
     if obj == ffi.NULL:
         raise BpfUnavailable(f"cannot open BPF object {obj_path}: {os.strerror(ffi.errno)}")
-    loaded = LoadedObject(obj)
+    loaded = LoadedObject(obj, kernel_flags=config.kernel)
     try:
         for m in _iter_maps(obj):
             name = ffi.string(lib.bpf_map__name(m)).decode()

@@ -7,12 +7,24 @@ SNAT range is kept out of it: by default it lies above it, and where a node's ep
 pyproxy adds it to net.ipv4.ip_local_reserved_ports, which the kernel then skips (as Cilium does for NodePorts).
 A socket that binds one of the ports explicitly is the operator's choice; only its flows to a backend's exact
 address and port could meet an SNATed flow.
+
+And the node addresses SNAT gives out, on kernels whose bpf_fib_lookup cannot name one (no BPF_FIB_LOOKUP_SRC:
+mainline before 6.7, kernel.py): `DeviceAddresses` keeps the devices map (abi.MAP_DEVADDRS) holding each device's
+primary IPv4 address, read from netlink and followed, which the programs read for the device their route lookup
+names (snat.h). Where the kernel names the address itself, the map stays empty and nothing follows addresses.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import threading
+from collections.abc import Callable
 from pathlib import Path
+
+from pyproxy.dataplane import netlink
+from pyproxy.dataplane.bpf import abi
+from pyproxy.dataplane.bpf.maps import BpfMap
 
 log = logging.getLogger(__name__)
 
@@ -53,3 +65,62 @@ def reserve(ports: tuple[int, int], sysctl: Path = SYSCTL) -> str | None:
     reserved_file.write_text(format_ranges([*reserved, ports]) + "\n")
     return (f"SNAT ports {ports[0]}-{ports[1]} overlap the ephemeral port range {ephemeral[0]}-{ephemeral[1]}: "
             f"added them to net.ipv4.ip_local_reserved_ports")
+
+
+def _be32(ip: str) -> ctypes.c_uint32:
+    return ctypes.c_uint32(abi.be32(ip))
+
+
+def write_device_addresses(devaddrs: BpfMap, wanted: dict[int, str]) -> bool:
+    """Make the devices map hold `wanted` (ifindex -> address): new and changed entries first, then the removed
+    ones, so a device keeps an address throughout. Whether anything changed."""
+    have = {int(k.value): abi.ip_of(int(v.value)) for k, v in devaddrs.items()}
+    changed = False
+    for index, ip in wanted.items():
+        if have.get(index) != ip:
+            devaddrs[ctypes.c_uint32(index)] = _be32(ip)
+            changed = True
+    for index in have.keys() - wanted.keys():
+        del devaddrs[ctypes.c_uint32(index)]
+        changed = True
+    return changed
+
+
+class DeviceAddresses:
+    """Follows the node's addresses into the devices map (netlink.AddressWatcher; each event reads them all again:
+    they come in bursts). `list_addresses` reads the kernel (tests replace it)."""
+
+    def __init__(self, devaddrs: BpfMap,
+                 list_addresses: Callable[[], dict[int, str]] = netlink.primary_ipv4_by_device) -> None:
+        self._map = devaddrs
+        self._list = list_addresses
+        self._lock = threading.Lock()
+        self._watcher: netlink.AddressWatcher | None = None
+
+    def start(self) -> None:
+        """Subscribe, write what is there, then follow."""
+        self._watcher = netlink.AddressWatcher(self.refresh)
+        self.refresh()
+        self._watcher.start()
+
+    def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+        with self._lock:
+            self._map.close()
+
+    def refresh(self) -> None:
+        """Read the addresses, write what changed. Called by the watcher's thread too: a failure is logged, and the
+        next event (or a restart) tries again."""
+        with self._lock:
+            if self._map.fd < 0:
+                return
+            try:
+                wanted = self._list()
+                changed = write_device_addresses(self._map, wanted)
+            except OSError as e:
+                log.error("cannot update the SNAT source addresses by device: %s", e)
+                return
+            if changed:
+                log.info("SNAT source addresses by device (this kernel has no BPF_FIB_LOOKUP_SRC): %s",
+                         ", ".join(f"ifindex {i}: {ip}" for i, ip in sorted(wanted.items())) or "none")
