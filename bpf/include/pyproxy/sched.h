@@ -112,7 +112,13 @@ static __always_inline void pyproxy_active_add(const struct pyproxy_backend *be,
  * comparison with the best load so far (`l->num == ~0` was always true to them), so on Debian's 6.1 every step
  * replaced the best and lc, sed and nq took the last backend scanned (tests/priv/test_schedulers.py in the 6.1
  * guest). An unknown start keeps both ways on every kernel; it costs one load per new flow of these schedulers. */
+#ifdef PYPROXY_BCC
+/* BCC has no global data, and needs none: its loops are inlined (bcc.h), so the verifier walks every step in its
+ * own state. */
+#define pyproxy_no_load (~0ULL)
+#else
 static volatile __u64 pyproxy_no_load = ~0ULL;
+#endif
 
 /* A least-loaded choice in progress, as bpf_loop hands it to each step. Loads compare as fractions num/den:
  * lc's active flows, sed's and nq's (active + 1) / weight. */
