@@ -34,6 +34,8 @@ help:
 	@echo "make cluster-down  stop that cluster and forget its etcd data"
 	@echo "make image     the container image, an OCI layout in deploy/build/ (no registry: Debian + PyPI)"
 	@echo "make image-test    build it, run it in a namespace lab with runc, and check deploy/ on a real API server"
+	@echo "make lab-up    the Vagrant lab: PYPROXY_NODES (2) VMs, a real control plane and kubelets (root, minutes)"
+	@echo "make lab-status    its VMs and kubectl get nodes; make lab-down: destroy it, nothing left running"
 
 install: apt venv bpf
 
@@ -155,3 +157,16 @@ kube-proxy:
 .PHONY: guest-image
 guest-image:
 	bash tests/guest/build-image.sh
+
+# The Vagrant lab (issue 13, README "Vagrant lab"): PYPROXY_NODES (default 2) Debian bookworm VMs under libvirt
+# (qemu TCG), a real control plane on node 1 and kubelet + containerd on every node. vagrant/lab.sh runs libvirtd
+# and vagrant in a private network namespace; lab-down leaves nothing running.
+.PHONY: lab-up lab-down lab-status lab-box
+lab-box:
+	bash vagrant/build-box.sh
+lab-up:
+	bash vagrant/lab.sh up
+lab-down:
+	bash vagrant/lab.sh down
+lab-status:
+	bash vagrant/lab.sh status
