@@ -161,7 +161,7 @@ guest-image:
 # The Vagrant lab (issue 13, README "Vagrant lab"): PYPROXY_NODES (default 2) Debian bookworm VMs under libvirt
 # (qemu TCG), a real control plane on node 1 and kubelet + containerd on every node. vagrant/lab.sh runs libvirtd
 # and vagrant in a private network namespace; lab-down leaves nothing running.
-.PHONY: lab-up lab-down lab-status lab-box
+.PHONY: lab-up lab-down lab-status lab-smoke lab-box
 lab-box:
 	bash vagrant/build-box.sh
 lab-up:
@@ -170,3 +170,6 @@ lab-down:
 	bash vagrant/lab.sh down
 lab-status:
 	bash vagrant/lab.sh status
+# one echo pod per node behind a Service: its EndpointSlice, and pod-to-pod across nodes
+lab-smoke:
+	bash vagrant/lab.sh smoke

@@ -1,5 +1,6 @@
 #!/bin/bash
-# The Vagrant lab's life cycle: lab.sh up | down | status (make lab-up / lab-down / lab-status).
+# The Vagrant lab's life cycle: lab.sh up | down | status | smoke (make lab-up / lab-down / lab-status /
+# lab-smoke).
 #
 # There is no systemd as PID 1 on this machine, so virtlogd and libvirtd are started by hand, inside a private
 # network namespace (NETNS below) so that libvirt's bridges, dnsmasq and NAT rules never touch the host's network;
@@ -168,6 +169,23 @@ down)
     [ -z "$left" ] || { log "bridges left on the host: $left"; exit 1; }
     log "lab down"
     ;;
+smoke)
+    # One echo pod per node behind a ClusterIP Service: the EndpointSlice the real controller writes, and each
+    # pod reaching the other across nodes (pod CIDR routes, no overlay, no NAT: the peer sees the pod's address).
+    kc apply -f "$HERE/manifests/echo.yaml"
+    kc rollout status deployment/echo --timeout=900s
+    kc get pods -l app=echo -o wide
+    kc get endpointslices -l kubernetes.io/service-name=echo -o wide
+    mapfile -t pods < <(kc get pods -l app=echo -o jsonpath='{range .items[*]}{.metadata.name} {.status.podIP}{"\n"}{end}')
+    [ ${#pods[@]} -ge 2 ] || { log "expected 2 echo pods, got ${#pods[@]}"; exit 1; }
+    for k in 0 1; do
+        read -r from _ <<<"${pods[$k]}"
+        read -r _ to_ip <<<"${pods[$(( 1 - k ))]}"
+        log "$from -> $to_ip:8080"
+        kc exec "$from" -- traffic probe --tcp "$to_ip" 8080 --count 3
+    done
+    log "smoke passed"
+    ;;
 status)
     if ! pid_alive "$RUN/libvirtd.pid"; then echo "lab: not running (no libvirtd)"; exit 0; fi
     inns vagrant status
@@ -176,5 +194,5 @@ status)
     kc get pods -A -o wide
     ;;
 *)
-    echo "usage: $0 up|down|status" >&2; exit 2;;
+    echo "usage: $0 up|down|status|smoke" >&2; exit 2;;
 esac

@@ -5,7 +5,9 @@
 #   every node: routes to the other nodes' pod CIDRs, CNI bridge config for 10.244.INDEX.0/24, containerd with
 #               the pause image imported, kubelet (container runtime: containerd over CRI)
 #   node 1:     etcd (Debian's etcd-server, 127.0.0.1:2379), kube-apiserver (:6443), kube-controller-manager,
-#               kube-scheduler, as systemd units
+#               kube-scheduler, as systemd units. Under TCG on a busy host the API server answers in seconds and
+#               kubelets' status updates time out now and then: the controller manager waits 2 minutes (not 40 s)
+#               before it calls a silent node NotReady.
 set -euo pipefail
 I=$1 N=$2 NET=$3
 NODE_IP=$NET.$((10 + I))
@@ -113,7 +115,8 @@ if [ "$I" = 1 ]; then
         --bind-address=127.0.0.1 --leader-elect=false --use-service-account-credentials=true \
         --service-account-private-key-file=$P/sa.key --root-ca-file=$P/ca.crt \
         --cluster-signing-cert-file=$P/ca.crt --cluster-signing-key-file=$P/ca.key \
-        --service-cluster-ip-range=$SERVICE_CIDR --allocate-node-cidrs=false
+        --service-cluster-ip-range=$SERVICE_CIDR --allocate-node-cidrs=false \
+        --node-monitor-grace-period=2m
     service kube-scheduler kube-apiserver.service /usr/local/bin/kube-scheduler --kubeconfig=/etc/kubernetes/scheduler.kubeconfig \
         --authentication-kubeconfig=/etc/kubernetes/scheduler.kubeconfig \
         --authorization-kubeconfig=/etc/kubernetes/scheduler.kubeconfig \
