@@ -78,9 +78,15 @@ stop_libvirt() {
         pid_alive "$RUN/libvirtd.pid" || pid_alive "$RUN/virtlogd.pid" || break
         sleep 0.5
     done
-    # dnsmasq of a network libvirtd could not destroy (it records their pids)
-    for pf in /run/libvirt/network/*.pid; do
-        [ -s "$pf" ] && kill "$(cat "$pf")" 2>/dev/null && log "stopped a leftover dnsmasq ($pf)"
+    # dnsmasq of the lab's networks outlives libvirtd when vagrant-libvirt removed the network first (seen here);
+    # libvirt records their pids
+    for net in vagrant-libvirt pyproxy-lab default; do
+        local pf=/run/libvirt/network/$net.pid pid
+        pid=$(cat "$pf" 2>/dev/null || true)
+        if [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = dnsmasq ]; then
+            kill "$pid" && log "stopped the dnsmasq of network $net (pid $pid)"
+        fi
+        rm -f "$pf"
     done
     ip netns list | grep -qw "$NETNS" && ip netns del "$NETNS"
     rm -rf "$RUN"
@@ -131,7 +137,7 @@ add_box() {
 wait_ready() {
     local deadline=$(( $(date +%s) + READY_TIMEOUT )) ready
     while :; do
-        ready=$(kc get nodes --no-headers 2>/dev/null | awk '$2 == "Ready"' | wc -l)
+        ready=$( (kc get nodes --no-headers 2>/dev/null || true) | awk '$2 == "Ready"' | wc -l)
         [ "$ready" -ge "$NODES" ] && return 0
         if [ "$(date +%s)" -ge "$deadline" ]; then
             log "only $ready of $NODES nodes Ready after ${READY_TIMEOUT}s"

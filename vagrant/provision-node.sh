@@ -13,6 +13,7 @@ I=$1 N=$2 NET=$3
 NODE_IP=$NET.$((10 + I))
 API_IP=$NET.11
 SERVICE_CIDR=10.96.0.0/12
+API_READY_TIMEOUT=1500
 log() { echo "provision node$I: $(date +%T) $*"; }
 # service NAME AFTER COMMAND...: a long-running systemd unit for one lab daemon, restarted when it exits.
 service() {
@@ -122,7 +123,18 @@ if [ "$I" = 1 ]; then
         --authorization-kubeconfig=/etc/kubernetes/scheduler.kubeconfig \
         --bind-address=127.0.0.1 --leader-elect=false
     systemctl daemon-reload
-    systemctl enable --now kube-apiserver.service kube-controller-manager.service kube-scheduler.service
+    # The API server first, alone: under TCG on a busy host, starting it beside the controller manager, the
+    # scheduler and the kubelet starved it until its initial Service IP check timed out, which is fatal
+    # ("Unable to perform initial IP allocation check"), and it restarted in a loop (seen here).
+    systemctl enable --now kube-apiserver.service
+    log "waiting for the API server's /readyz (up to ${API_READY_TIMEOUT}s)"
+    deadline=$(( $(date +%s) + API_READY_TIMEOUT ))
+    until kubectl --request-timeout=20s get --raw /readyz >/dev/null 2>&1; do
+        [ "$(date +%s)" -lt "$deadline" ] || { log "the API server is not ready after ${API_READY_TIMEOUT}s"; exit 1; }
+        sleep 5
+    done
+    log "API server ready"
+    systemctl enable --now kube-controller-manager.service kube-scheduler.service
 fi
 
 # ---- containerd and kubelet
