@@ -35,7 +35,8 @@ help:
 	@echo "make image     the container image, an OCI layout in deploy/build/ (no registry: Debian + PyPI)"
 	@echo "make image-test    build it, run it in a namespace lab with runc, and check deploy/ on a real API server"
 	@echo "make lab-up    the Vagrant lab: PYPROXY_NODES (2) VMs, a real control plane and kubelets (root, minutes)"
-	@echo "make lab-status    its VMs and kubectl get nodes; make lab-down: destroy it, nothing left running"
+	@echo "make lab-status    its VMs, nodes and pods; make lab-smoke: an echo pod per node behind a Service"
+	@echo "make lab-down  destroy the lab: no VM, libvirtd, namespace or bridge left running"
 
 install: apt venv bpf
 
