@@ -38,6 +38,9 @@ help:
 	@echo "make image     the container image, an OCI layout in deploy/build/ (no registry: Debian + PyPI)"
 	@echo "make image-test    build it, run it in a namespace lab with runc, and check deploy/ on a real API server"
 	@echo "make guest-kernel-test  the BPF fixtures on Debian's 6.1 kernel in a qemu guest (11 min; not in make test)"
+	@echo "make lab-up    the Vagrant lab: PYPROXY_NODES (2) VMs, a real control plane and kubelets (root, minutes)"
+	@echo "make lab-status    its VMs, nodes and pods; make lab-smoke: an echo pod per node behind a Service"
+	@echo "make lab-down  destroy the lab: no VM, libvirtd, namespace or bridge left running"
 
 install: apt venv bpf
 
@@ -184,3 +187,18 @@ guest-image:
 .PHONY: guest-kernel-test
 guest-kernel-test: install guest-image
 	$(VENV)/bin/pytest -q tests/e2e/test_guest_kernel.py
+# The Vagrant lab (issue 13, README "Vagrant lab"): PYPROXY_NODES (default 2) Debian bookworm VMs under libvirt
+# (qemu TCG), a real control plane on node 1 and kubelet + containerd on every node. vagrant/lab.sh runs libvirtd
+# and vagrant in a private network namespace; lab-down leaves nothing running.
+.PHONY: lab-up lab-down lab-status lab-smoke lab-box
+lab-box:
+	bash vagrant/build-box.sh
+lab-up:
+	bash vagrant/lab.sh up
+lab-down:
+	bash vagrant/lab.sh down
+lab-status:
+	bash vagrant/lab.sh status
+# one echo pod per node behind a Service: its EndpointSlice, and pod-to-pod across nodes
+lab-smoke:
+	bash vagrant/lab.sh smoke
