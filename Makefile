@@ -187,6 +187,7 @@ guest-image:
 .PHONY: guest-kernel-test
 guest-kernel-test: install guest-image
 	$(VENV)/bin/pytest -q tests/e2e/test_guest_kernel.py
+
 # The Vagrant lab (issue 13, README "Vagrant lab"): PYPROXY_NODES (default 2) Debian bookworm VMs under libvirt
 # (qemu TCG), a real control plane on node 1 and kubelet + containerd on every node. vagrant/lab.sh runs libvirtd
 # and vagrant in a private network namespace; lab-down leaves nothing running.
