@@ -158,7 +158,7 @@ bench/build/pyproxy-frag-v9.bpf.o: bpf/pyproxy.bpf.c $(BPF_HDRS)
 
 bench-tools: $(BENCH_TOOLS)
 
-# The full run: under 25 minutes on 2 cores.
+# The full run: under 35 minutes on 2 cores (about 25 on a quiet machine; every part's own budget is in bench/).
 bench: install apiserver kube-proxy guest-image bench-tools $(VENV)/.bench-stamp
 	$(VPY) -m bench.run
 
