@@ -218,7 +218,8 @@ def parser() -> argparse.ArgumentParser:
                      help="bpf mode: count packets and bytes per endpoint address:port for "
                           "pyproxy_endpoint_packets_total and pyproxy_endpoint_bytes_total (default: "
                           f"{'on' if d.bpf.endpoint_counters else 'off'})")
-    run.add_argument("--cluster-cidr", help="masquerade ClusterIP traffic from outside this range")
+    run.add_argument("--cluster-cidr", help="masquerade ClusterIP traffic from outside this range (one CIDR per "
+                                            "family, comma-separated)")
     run.add_argument("--masquerade-all", action="store_true", default=None,
                      help="masquerade all ClusterIP traffic")
     run.add_argument("--iptables-masquerade-bit", type=int,
@@ -365,6 +366,8 @@ def settings_from_flags(args: argparse.Namespace) -> ProxySettings:
                 _set(s, path, value)
     _sync_flags(args, s)
     s.bpf.ct_timeouts, problems = _ct_timeouts(args, s.bpf.ct_timeouts)
+    if getattr(args, "cluster_cidr", None) is not None:  # a pair, one per family, as upstream's: split
+        problems += s.masquerade.set_cluster_cidrs(args.cluster_cidr)
     problems += s.problems()
     if problems:
         raise SettingError(problems)

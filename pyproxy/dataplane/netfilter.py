@@ -267,7 +267,9 @@ def conntrack_delete(*args: str) -> int:
 
 def conntrack_filter(stale: Stale) -> list[str]:
     """The `conntrack -D` arguments deleting `stale`'s entries, and no others."""
-    args = ["-p", "udp", *(["--orig-dst", stale.ip] if stale.ip else []), "--orig-port-dst", str(stale.port)]
+    # conntrack's family is IPv4 unless told: an IPv6 frontend's entries need `-f ipv6`.
+    family = ["-f", "ipv6"] if stale.family == 6 else []
+    args = [*family, "-p", "udp", *(["--orig-dst", stale.ip] if stale.ip else []), "--orig-port-dst", str(stale.port)]
     if stale.endpoint is not None:
         # The endpoint's port too: the same pod may serve another port of this frontend's address that stays.
         return [*args, "--dst-nat", stale.endpoint.ip, "--reply-port-src", str(stale.endpoint.port)]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pyproxy.model.node import NodeInputs
-from pyproxy.model.objects import Protocol
+from pyproxy.model.objects import IPV4, IPV6, Protocol
 
 
 class Frontend(NamedTuple):
@@ -23,11 +23,17 @@ class Frontend(NamedTuple):
     field, as a tuple) and equality are as a frozen dataclass's; `str()` is the familiar ip:port form."""
 
     ip: str
+    """Canonical, of either family: a frontend's family is its address's (`family`)."""
     port: int
     protocol: Protocol
 
     def __str__(self) -> str:
         return f"{self.ip}:{self.port}/{self.protocol.value}"
+
+    @property
+    def family(self) -> int:
+        """IPV4 or IPV6 (objects.family_of): a frontend's backends are all of its family."""
+        return IPV6 if ":" in self.ip else IPV4
 
 
 class Backend(NamedTuple):
@@ -35,7 +41,12 @@ class Backend(NamedTuple):
     port: int
 
     def __str__(self) -> str:
+        # Unbracketed for IPv6 too: bpf's Maglev hashes this spelling (dataplane/bpf/maglev.py pins it).
         return f"{self.ip}:{self.port}"
+
+    @property
+    def family(self) -> int:
+        return IPV6 if ":" in self.ip else IPV4
 
 
 class FrontendKind(enum.StrEnum):
@@ -63,6 +74,8 @@ class ServicePortState:
     """`namespace/name` of the Service."""
     port_name: str
     frontend: Frontend
+    """Of one family (`family`); every backend below is of the same one: a frontend uses only the endpoints of
+    its own family's EndpointSlices (upstream's per-family proxiers)."""
     backends: tuple[Backend, ...]
     """The endpoints new connections may use, sorted: the ready ones or, when none is ready, the serving and
     terminating ones (upstream's ProxyTerminatingEndpoints). Empty means: no usable endpoint, reject (but see
@@ -94,9 +107,10 @@ class ServicePortState:
     ClusterIP frontends --masquerade-all / --cluster-cidr); with Local, external clients and pods keep their
     address."""
     source_ranges: tuple[str, ...] = ()
-    """LoadBalancer frontends only: the IPv4 CIDRs a new flow's source must be in (loadBalancerSourceRanges, plus
-    the load-balancer IPs themselves when a range holds the node's primary IP, as upstream); traffic from
-    elsewhere is dropped. (): any source (also when a range is 0.0.0.0/0). Other kinds: always ()."""
+    """LoadBalancer frontends only: the CIDRs of the frontend's family a new flow's source must be in (the
+    loadBalancerSourceRanges of that family, plus the load-balancer IPs of it when a range holds the node's
+    primary IP of it, as upstream); traffic from elsewhere is dropped. (): any source (also when a range is
+    0.0.0.0/0 or ::/0, and, as upstream, when every range is of the other family). Other kinds: always ()."""
     health_check_node_port: int | None = None
     """The Service's healthCheckNodePort, on each of its frontends, when upstream serves one (a LoadBalancer
     Service with externalTrafficPolicy Local); else None."""
@@ -125,6 +139,11 @@ class ServicePortState:
             if ip == backend.ip:
                 return weight
         return 1
+
+    @property
+    def family(self) -> int:
+        """The frontend's family (IPV4 or IPV6)."""
+        return self.frontend.family
 
     @property
     def display_name(self) -> str:
@@ -188,13 +207,15 @@ def health_check(states: Iterable[ServicePortState]) -> HealthCheck | None:
     once however many ports it serves). None: the Service has no such server. The count comes from the
     Local-policy external frontends' `external_backends`, so a Service none of whose external frontends is
     served (no node-port address, no load-balancer IP yet, or all held by another Service) counts 0, and one
-    none of whose frontends is served (not in `DesiredState.services`) has no server."""
+    none of whose frontends is served (not in `DesiredState.services`) has no server. A dual-stack Service's
+    count is that of the family with more (upstream runs one per family, each counting its own)."""
     port = None
-    local: set[str] = set()
+    local: dict[int, set[str]] = {IPV4: set(), IPV6: set()}
     for sp in states:
         if sp.health_check_node_port is None:
             return None  # a Service-level setting: on every frontend or on none
         port = sp.health_check_node_port
         if sp.local_ready:
-            local.update(b.ip for b in sp.external_backends)
-    return None if port is None else HealthCheck(port, len(local))
+            local[sp.family].update(b.ip for b in sp.external_backends)
+    # A dual-stack pod has an address of each family: counted per family, it is one endpoint, not two.
+    return None if port is None else HealthCheck(port, max(len(local[IPV4]), len(local[IPV6])))

@@ -128,7 +128,7 @@ class Proxier:
                  ",".join(f"{t}={a}" for t, a in node.addresses) or "-", " (being deleted)" if node.deleting else "")
         self.node = node
         if self.node_addresses is not None:
-            self.node_addresses.set_from_node(node.primary_ipv4, node.zone)
+            self.node_addresses.set_from_node(node.primary_ipv4, node.zone, node.primary_ipv6)
 
     def set_node_inputs(self, inputs: NodeInputs) -> None:
         """This node as the model sees it changed (its addresses, its primary address, its zone): every Service is

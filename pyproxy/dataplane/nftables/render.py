@@ -84,6 +84,7 @@ from pyproxy.dataplane.nftables.table import (
     owner,
 )
 from pyproxy.model.conntrack import Stale, UdpFrontend, UdpKey, stale_udp, udp_frontends
+from pyproxy.model.objects import family_of
 from pyproxy.model.state import Backend, FrontendKind, ServicePortState
 
 # nft's object names are at most 256 bytes; prefixes ("endpoint-", …) stay within 16 (as upstream).
@@ -446,8 +447,8 @@ def _old_udp(old_served: Mapping[ElemKey, Elem], old_known: Mapping[ElemKey, fro
     """The UDP frontends as the table held them (read back after a restart too: the table records each
     frontend's known endpoints, so endpoints that left while pyproxy was down are cleared as well).
     `old_served`: the elements of `service-ips` and `service-nodeports` in scope (their keys never collide)."""
-    return {(vip, port): UdpFrontend(served=(vip, proto, port) in old_served,
-                                     known=old_known.get((vip, proto, port), frozenset()))
+    return {(vip, port, family_of(vip)): UdpFrontend(served=(vip, proto, port) in old_served,
+                                                     known=old_known.get((vip, proto, port), frozenset()))
             for vip, proto, port in set(old_known) | set(old_served) if proto == "udp"}
 
 
