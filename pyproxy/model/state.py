@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from pyproxy.model.node import NodeInputs
@@ -219,3 +219,64 @@ def health_check(states: Iterable[ServicePortState]) -> HealthCheck | None:
             local[sp.family].update(b.ip for b in sp.external_backends)
     # A dual-stack pod has an address of each family: counted per family, it is one endpoint, not two.
     return None if port is None else HealthCheck(port, max(len(local[IPV4]), len(local[IPV6])))
+
+
+IPV4_ONLY = frozenset({IPV4})
+BOTH_FAMILIES = frozenset({IPV4, IPV6})
+
+
+class FamilyFilter:
+    """The desired state as a dataplane that renders only some IP families sees it: the frontends of the others
+    left out (and the node-port addresses of the others), the Services left with none absent, as if they had
+    nothing to serve. The proxier runs one before `apply` for a mode that cannot render IPv6 yet, so that mode
+    keeps serving IPv4 exactly as before and never sees an address it cannot write.
+
+    Incremental, as the sync is: `update` looks at the changed Services only (every Service on a full sync), and
+    when no Service has a frontend of a left-out family, the state given is the state returned, unchanged."""
+
+    def __init__(self, families: frozenset[int]) -> None:
+        self.families = families
+        self.skipped: dict[str, tuple[tuple[ServicePortState, ...], int]] = {}
+        """Service -> (its frontends kept, how many were left out), for the Services with some left out."""
+        self.newly: list[str] = []
+        """The Services the last `update` found with frontends left out, sorted (for its log line)."""
+
+    def update(self, desired: DesiredState, changed: Iterable[str] | None) -> DesiredState:
+        """`desired` restricted to `self.families`; `changed`: the Services that changed since the last update
+        (None: all of them, a full sync)."""
+        services = desired.services
+        if changed is None:
+            self.skipped = {}
+            changed = services.keys()
+        families = self.families
+        newly = []
+        for key in changed:
+            states = services.get(key, ())
+            kept = tuple(st for st in states if st.frontend.family in families)
+            if len(kept) < len(states):
+                self.skipped[key] = (kept, len(states) - len(kept))
+                newly.append(key)
+            else:
+                self.skipped.pop(key, None)
+        self.newly = sorted(newly)
+        node = desired.node
+        addresses = tuple(ip for ip in node.nodeport_addresses if (IPV6 if ":" in ip else IPV4) in families)
+        if not self.skipped and addresses == node.nodeport_addresses:
+            return desired
+        served = dict(services)
+        for key, (kept, _) in self.skipped.items():
+            if kept:
+                served[key] = kept
+            else:
+                served.pop(key, None)
+        return replace(desired, services=served, node=replace(node, nodeport_addresses=addresses))
+
+    def summary(self, mode: str) -> str | None:
+        """One line for the log when the last update left out frontends of Services that changed; else None."""
+        if not self.newly:
+            return None
+        frontends = sum(n for _, n in self.skipped.values())
+        names = ", ".join(self.newly[:5]) + (f" and {len(self.newly) - 5} more" if len(self.newly) > 5 else "")
+        wanted = "/".join(f"IPv{f}" for f in sorted(self.families))
+        return (f"{mode} mode renders {wanted} only (yet): the other family's frontends of {names} are not served "
+                f"({frontends} frontends of {len(self.skipped)} Services in all)")

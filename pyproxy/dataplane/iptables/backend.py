@@ -26,7 +26,7 @@ from pyproxy.dataplane import netfilter as nf
 from pyproxy.dataplane.base import DataplaneError
 from pyproxy.dataplane.iptables.render import Applied, is_mode_chain, is_mode_rule, render
 from pyproxy.dataplane.netfilter import MasqueradeSettings
-from pyproxy.model.state import DesiredState
+from pyproxy.model.state import IPV4_ONLY, DesiredState
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,9 @@ class IptablesSettings:
 
 class IptablesDataplane:
     mode = "iptables"
+    ip_families = IPV4_ONLY
+    """The IP families it renders (the proxier leaves out the others' frontends): IPv4 only,
+    its ip6tables rules are not written yet."""
 
     def __init__(self, settings: IptablesSettings) -> None:
         self.settings = settings

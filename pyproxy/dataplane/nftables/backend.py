@@ -38,7 +38,7 @@ from pyproxy.dataplane.nftables.table import (
     TableState,
     parse_listing,
 )
-from pyproxy.model.state import DesiredState
+from pyproxy.model.state import IPV4_ONLY, DesiredState
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,9 @@ def _frontend_count(state: TableState) -> int:
 
 class NftablesDataplane:
     mode = "nftables"
+    ip_families = IPV4_ONLY
+    """The IP families it renders (the proxier leaves out the others' frontends): IPv4 only,
+    its ip6 table is not written yet."""
 
     def __init__(self, settings: NftablesSettings) -> None:
         self.settings = settings
