@@ -114,14 +114,15 @@ def test_the_ipv4_modes_render_a_dual_stack_service_as_its_ipv4_half() -> None:
 
 
 def test_each_mode_says_which_families_it_renders() -> None:
-    from pyproxy.dataplane.iptables.backend import IptablesDataplane
+    from pyproxy.dataplane.iptables.backend import IptablesDataplane, IptablesSettings
     from pyproxy.dataplane.ipvs.backend import IpvsDataplane
     from pyproxy.dataplane.nftables.backend import NftablesDataplane, NftablesSettings
     from pyproxy.dataplane.userspace.backend import UserspaceDataplane
     families = {cls.mode: getattr(cls, "ip_families", IPV4_ONLY) for cls in (
-        BpfDataplane, IpvsDataplane, IptablesDataplane, UserspaceDataplane)}
-    # nftables says it per instance: both, unless start() finds a kernel without IPv6 nftables.
+        BpfDataplane, IpvsDataplane, UserspaceDataplane)}
+    # nftables and iptables say it per instance: both, unless start() finds IPv6 unusable here.
     families["nftables"] = NftablesDataplane(NftablesSettings()).ip_families
+    families["iptables"] = IptablesDataplane(IptablesSettings()).ip_families
     assert set(families) == set(AUTO_ORDER)
-    assert families == {"bpf": IPV4_ONLY, "ipvs": IPV4_ONLY, "nftables": BOTH_FAMILIES, "iptables": IPV4_ONLY,
+    assert families == {"bpf": IPV4_ONLY, "ipvs": IPV4_ONLY, "nftables": BOTH_FAMILIES, "iptables": BOTH_FAMILIES,
                         "userspace": IPV4_ONLY}
