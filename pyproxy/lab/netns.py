@@ -135,6 +135,13 @@ def backend_ip(index: int) -> str:
     return f"10.201.{index}.2"
 
 
+def ipv6_of(ipv4: str) -> str:
+    """The lab's IPv6 address beside an IPv4 one: 10.A.B.C -> fd00:10:A:B::C (each link's /24 a /64), in
+    canonical form, so a case names both families of a role alike (10.200.0.2 -> fd00:10:200::2)."""
+    a, b, c, d = ipv4.split(".")
+    return str(ipaddress.IPv6Address(f"fd00:{a}:{b}:{c}::{d}"))
+
+
 def remote_backend_ip(index: int) -> str:
     """Remote pod `index`'s address (behind node2); fixed like backend_ip()."""
     return f"10.202.{index}.2"
