@@ -25,7 +25,8 @@ NODE_ZONE.
 IPv6 and dual-stack (issue 15): each role's IPv6 address is its IPv4 one's `pyproxy.lab.netns.ipv6_of`
 (10.A.B.C -> fd00:10:A:B::C). IPV6_CASES are the IPv6 counterparts of the ClusterIP, NodePort, Local, no-endpoint
 and source-range cases, and dual-stack Services reached on IPv6; the IPv4 halves of the dual-stack Services are in
-CASES (every mode serves those). A mode that does not render IPv6 yet is named in NOT_RENDERED_YET with why: its
+CASES (every mode serves those). tests/e2e/test_flowcases.py runs IPV6_CASES in a lab given IPv6 addresses
+(`Lab(ipv6=True)`). A mode that does not render IPv6 yet is named in NOT_RENDERED_YET with why: its
 IPv6 cases are not counted as passing (the tracer test marks them as expected failures, strictly, so the day the
 mode serves them the mark must go).
 """
@@ -397,6 +398,13 @@ IPV6_CASES = (
              answered_by("b2:8080")),
     FlowCase("dual-stack: the NodePort on the node's IPv6 address reaches the IPv6 endpoints only", "tcp", NODE_IP6,
              30094, answered_by("b2:8080")),
+    # The node's own processes, on the OUTPUT path as for IPv4.
+    FlowCase("IPv6: from the node itself", "tcp", "fd00:10:96::1", 80, answered_by("b1:8080", "b2:8080"), src="node"),
+    FlowCase("IPv6: from the node itself to a NodePort", "tcp", NODE_IP6, 30090, answered_by("b1:8080", "b2:8080"),
+             src="node"),
+    # TCP, as the IPv4 case: the reset reaches the node's socket. (A UDP datagram from the node itself got no
+    # ICMPv6 error back in nftables and both iptables flavours alike on this kernel: its sender waits.)
+    FlowCase("IPv6: from the node, no endpoints: rejected", "tcp", "fd00:10:96::3", 80, REFUSED, src="node"),
 )
 
 NOT_RENDERED_YET = {
