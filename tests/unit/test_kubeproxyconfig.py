@@ -323,11 +323,12 @@ def test_upstreams_sync_flags_apply_in_their_modes(flags: list[str], mode: str, 
 
 
 def every_setting() -> ProxySettings:
-    s = ProxySettings(mode="nftables", hostname_override="node-7", nodeport_addresses=("10.0.0.0/8",),
+    s = ProxySettings(mode="nftables", hostname_override="node-7", nodeport_addresses=("10.0.0.0/8", "fd00::/8"),
                       healthz_bind_address="0.0.0.0:20256", metrics_bind_address="127.0.0.1:20249",
                       min_sync_period=0.25, sync_period=90.0)
     s.connection.kubeconfig = Path("/var/lib/kube-proxy/kubeconfig.conf")
     s.masquerade.cluster_cidr, s.masquerade.masquerade_all, s.masquerade.masquerade_bit = "10.244.0.0/16", True, 0
+    s.masquerade.cluster_cidr6 = "fd00:10:244::/56"  # the dual-stack pair, written back as one clusterCIDR
     s.ipvs.scheduler = "wlc"
     s.logging.verbosity, s.logging.format = 0, "json"
     b = s.bpf
