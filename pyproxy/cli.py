@@ -234,8 +234,9 @@ def parser() -> argparse.ArgumentParser:
                      help="userspace mode: how long an idle UDP session lasts (upstream's flag; default: "
                           f"{format_duration(d.userspace.udp_idle_timeout)})")
     run.add_argument("--nodeport-addresses", type=_csv,
-                     help="comma-separated IPv4 CIDRs: NodePorts are served on the node addresses in them; "
-                          "'primary': on the node's primary address (default: every node address)")
+                     help="comma-separated CIDRs of either family: NodePorts are served on the node addresses in "
+                          "them (a family given none: all its addresses); 'primary': on the node's primary address "
+                          "of each family (default: every node address)")
     run.add_argument("--healthz-bind-address", help=f"default: {d.healthz_bind_address}")
     run.add_argument("--metrics-bind-address", help=f"default: {d.metrics_bind_address}")
     run.add_argument("--min-sync-period", type=_duration,
