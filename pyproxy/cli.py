@@ -218,7 +218,8 @@ def parser() -> argparse.ArgumentParser:
                      help="bpf mode: count packets and bytes per endpoint address:port for "
                           "pyproxy_endpoint_packets_total and pyproxy_endpoint_bytes_total (default: "
                           f"{'on' if d.bpf.endpoint_counters else 'off'})")
-    run.add_argument("--cluster-cidr", help="masquerade ClusterIP traffic from outside this range")
+    run.add_argument("--cluster-cidr", help="masquerade ClusterIP traffic from outside this range (one CIDR per "
+                                            "family, comma-separated)")
     run.add_argument("--masquerade-all", action="store_true", default=None,
                      help="masquerade all ClusterIP traffic")
     run.add_argument("--iptables-masquerade-bit", type=int,
@@ -233,8 +234,9 @@ def parser() -> argparse.ArgumentParser:
                      help="userspace mode: how long an idle UDP session lasts (upstream's flag; default: "
                           f"{format_duration(d.userspace.udp_idle_timeout)})")
     run.add_argument("--nodeport-addresses", type=_csv,
-                     help="comma-separated IPv4 CIDRs: NodePorts are served on the node addresses in them; "
-                          "'primary': on the node's primary address (default: every node address)")
+                     help="comma-separated CIDRs of either family: NodePorts are served on the node addresses in "
+                          "them (a family given none: all its addresses); 'primary': on the node's primary address "
+                          "of each family (default: every node address)")
     run.add_argument("--healthz-bind-address", help=f"default: {d.healthz_bind_address}")
     run.add_argument("--metrics-bind-address", help=f"default: {d.metrics_bind_address}")
     run.add_argument("--min-sync-period", type=_duration,
@@ -365,6 +367,8 @@ def settings_from_flags(args: argparse.Namespace) -> ProxySettings:
                 _set(s, path, value)
     _sync_flags(args, s)
     s.bpf.ct_timeouts, problems = _ct_timeouts(args, s.bpf.ct_timeouts)
+    if getattr(args, "cluster_cidr", None) is not None:  # a pair, one per family, as upstream's: split
+        problems += s.masquerade.set_cluster_cidrs(args.cluster_cidr)
     problems += s.problems()
     if problems:
         raise SettingError(problems)

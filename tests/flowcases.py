@@ -21,6 +21,14 @@ uplink; NodePorts are served on all of them (no --nodeport-addresses). Every bac
 a slice may still say another `nodeName`, which is what externalTrafficPolicy Local looks at, and zone hints
 (`hints.forZones`), which topology-aware routing looks at: the manifests hold the node's Node object, in zone
 NODE_ZONE.
+
+IPv6 and dual-stack (issue 15): each role's IPv6 address is its IPv4 one's `pyproxy.lab.netns.ipv6_of`
+(10.A.B.C -> fd00:10:A:B::C). IPV6_CASES are the IPv6 counterparts of the ClusterIP, NodePort, Local, no-endpoint
+and source-range cases, and dual-stack Services reached on IPv6; the IPv4 halves of the dual-stack Services are in
+CASES (every mode serves those). tests/e2e/test_flowcases.py runs IPV6_CASES in a lab given IPv6 addresses
+(`Lab(ipv6=True)`). A mode that does not render IPv6 yet is named in NOT_RENDERED_YET with why: its
+IPv6 cases are not counted as passing (the tracer test marks them as expected failures, strictly, so the day the
+mode serves them the mark must go).
 """
 
 from __future__ import annotations
@@ -33,11 +41,20 @@ from pyproxy.lab.manifests import Port, documents, endpoint_slice, node, service
 from pyproxy.model.objects import TOPOLOGY_MODE_ANNOTATION, ZONE_LABEL
 
 B1, B2, B3 = "10.201.1.2", "10.201.2.2", "10.201.3.2"
+B1_6, B2_6, B3_6 = "fd00:10:201:1::2", "fd00:10:201:2::2", "fd00:10:201:3::2"
+"""The backends' IPv6 addresses (pyproxy.lab.netns.ipv6_of)."""
 HTTP, ALT, DNS = Port("http", 80, 8080), Port("alt", 443, 9090), Port("dns", 53, 5353, "UDP")
 NODE_NAME = "lab-node"
 NODE_ZONE = "zone-a"
 NODE_IP = "10.200.0.1"
 """The node's address on the client's link: where the client sends NodePort traffic."""
+NODE_IP6 = "fd00:10:200::1"
+"""Its IPv6 address there."""
+CLIENT_NET6 = "fd00:10:200::/64"
+LB6_CLOSED_IP, LB6_OPEN_IP = "2001:db8::12", "2001:db8::13"
+NP6_HTTP, NP6_DNS = Port("http", 80, 8080, node_port=30090), Port("dns", 53, 5353, "UDP", node_port=30091)
+LOCAL6_HTTP, EMPTY6_HTTP = Port("http", 80, 8080, node_port=30092), Port("http", 80, 8080, node_port=30093)
+DUAL_NP_HTTP = Port("http", 80, 8080, node_port=30094)
 EXTERNAL_IP, LB_IP, LB_CLOSED_IP, LB_OPEN_IP = "192.0.2.10", "203.0.113.10", "203.0.113.11", "203.0.113.12"
 NP_HTTP, NP_DNS = Port("http", 80, 8080, node_port=30080), Port("dns", 53, 5353, "UDP", node_port=30053)
 LOCAL_HTTP, ELSEWHERE_HTTP = Port("http", 80, 8080, node_port=30082), Port("http", 80, 8080, node_port=30083)
@@ -125,6 +142,37 @@ MANIFESTS = documents(
     # pyproxy.io/weights: b2 quiesced (weight 0): new flows never reach it, in every mode (the model leaves it out).
     service("quiesced", "10.96.20.25", [HTTP, DNS], annotations={"pyproxy.io/weights": f"{B2}=0"}),
     endpoint_slice("quiesced", {B1: True, B2: True, B3: True}, [HTTP, DNS]),
+    # IPv6 (single-stack), as the IPv4 ones above: b3 not ready.
+    service("web6", "fd00:10:96::1", [HTTP, DNS], cluster_ips=["fd00:10:96::1"], ip_family_policy="SingleStack"),
+    endpoint_slice("web6", {B1_6: True, B2_6: True, B3_6: False}, [HTTP, DNS]),
+    service("empty6", "fd00:10:96::3", [HTTP, DNS], cluster_ips=["fd00:10:96::3"]),
+    endpoint_slice("empty6", {B1_6: False}, [HTTP, DNS]),
+    service("np6", "fd00:10:96::11", [NP6_HTTP, NP6_DNS], type="NodePort", cluster_ips=["fd00:10:96::11"]),
+    endpoint_slice("np6", {B1_6: True, B2_6: True}, [NP6_HTTP, NP6_DNS]),
+    service("np6-local", "fd00:10:96::12", [LOCAL6_HTTP], type="NodePort", external_traffic_policy="Local",
+            cluster_ips=["fd00:10:96::12"]),
+    endpoint_slice("np6-local", {B1_6: True, B2_6: True}, [LOCAL6_HTTP],
+                   node_names={B1_6: NODE_NAME, B2_6: "other-node"}),
+    service("np6-empty", "fd00:10:96::14", [EMPTY6_HTTP], type="NodePort", cluster_ips=["fd00:10:96::14"]),
+    endpoint_slice("np6-empty", {}, [EMPTY6_HTTP]),
+    service("lb6-closed", "fd00:10:96::9", [HTTP], type="LoadBalancer", cluster_ips=["fd00:10:96::9"],
+            load_balancer_ips=[LB6_CLOSED_IP], source_ranges=["2001:db8:ffff::/48", "198.51.100.0/24"]),
+    endpoint_slice("lb6-closed", {B1_6: True, B2_6: True}, [HTTP]),
+    service("lb6-open", "fd00:10:96::10", [HTTP], type="LoadBalancer", cluster_ips=["fd00:10:96::10"],
+            load_balancer_ips=[LB6_OPEN_IP], source_ranges=["2001:db8:ffff::/48", CLIENT_NET6]),
+    endpoint_slice("lb6-open", {B1_6: True, B2_6: True}, [HTTP]),
+    # Dual-stack: each family's frontends reach that family's endpoints only (b1 by IPv4, b2 by IPv6).
+    service("dual", "10.96.20.30", [HTTP], cluster_ips=["10.96.20.30", "fd00:10:96::30"],
+            ip_family_policy="RequireDualStack"),
+    endpoint_slice("dual", {B1: True}, [HTTP], name="dual-v4"),
+    endpoint_slice("dual", {B2_6: True}, [HTTP], name="dual-v6"),
+    service("dual-np", "10.96.20.32", [DUAL_NP_HTTP], type="NodePort", cluster_ips=["10.96.20.32", "fd00:10:96::32"],
+            ip_family_policy="PreferDualStack"),
+    endpoint_slice("dual-np", {B1: True}, [DUAL_NP_HTTP], name="dual-np-v4"),
+    endpoint_slice("dual-np", {B2_6: True}, [DUAL_NP_HTTP], name="dual-np-v6"),
+    # An IPv4-only Service with an IPv6 slice: not its family's, so it has no endpoint.
+    service("v4-with-v6-slice", "10.96.20.31", [HTTP]),
+    endpoint_slice("v4-with-v6-slice", {B1_6: True}, [HTTP]),
 )
 
 
@@ -174,6 +222,11 @@ class FlowCase:
 
     def expected(self, mode: str) -> Outcome:
         return self.by_mode.get(mode, self.expect)
+
+    @property
+    def family(self) -> int:
+        """The destination's IP family: 6 for an IPv6 case."""
+        return 6 if ":" in self.dst else 4
 
     def seen(self, mode: str) -> str | None:
         return self.sees_by_mode.get(mode, self.sees)
@@ -309,7 +362,57 @@ WEIGHT_CASES = (
     FlowCase("weight 0 quiesces an endpoint: TCP", "tcp", "10.96.20.25", 80, answered_by("b1:8080", "b3:8080")),
     FlowCase("weight 0 quiesces an endpoint: UDP", "udp", "10.96.20.25", 53, answered_by("b1:5353", "b3:5353")),
 )
-CASES += EXTERNAL_CASES + ITP_CASES + TOPOLOGY_CASES + WEIGHT_CASES
+# The IPv4 halves of the dual-stack Services: every mode serves them, its IPv6 halves or not.
+DUAL_STACK_IPV4_CASES = (
+    FlowCase("dual-stack: the IPv4 ClusterIP reaches the IPv4 endpoints only", "tcp", "10.96.20.30", 80,
+             answered_by("b1:8080")),
+    FlowCase("dual-stack: the NodePort on the node's IPv4 address reaches the IPv4 endpoints only", "tcp", NODE_IP,
+             30094, answered_by("b1:8080")),
+    # A frontend uses only its family's slices (upstream's per-family proxiers).
+    FlowCase("an IPv4-only Service ignores IPv6 slices: no endpoints, rejected", "tcp", "10.96.20.31", 80, REFUSED),
+)
+CASES += EXTERNAL_CASES + ITP_CASES + TOPOLOGY_CASES + WEIGHT_CASES + DUAL_STACK_IPV4_CASES
+
+# The IPv6 counterparts of the cases above, and dual-stack Services reached on IPv6. The client and the pods send
+# from their IPv6 addresses.
+IPV6_CASES = (
+    FlowCase("IPv6: ready endpoints only, tcp", "tcp", "fd00:10:96::1", 80, answered_by("b1:8080", "b2:8080"),
+             sees="source", sees_by_mode=PROXIED),
+    FlowCase("IPv6: udp port", "udp", "fd00:10:96::1", 53, answered_by("b1:5353", "b2:5353")),
+    FlowCase("IPv6: from a pod", "tcp", "fd00:10:96::1", 80, answered_by("b1:8080", "b2:8080"), src="b3"),
+    # A TCP reset; for UDP ICMPv6 port unreachable (nftables' `reject` in ip6, ip6tables' icmp6-port-unreachable).
+    FlowCase("IPv6: no ready endpoints: rejected", "tcp", "fd00:10:96::3", 80, REFUSED),
+    FlowCase("IPv6: no ready endpoints: rejected, udp", "udp", "fd00:10:96::3", 53, REFUSED),
+    FlowCase("IPv6: a NodePort on the node's IPv6 address reaches the endpoints", "tcp", NODE_IP6, 30090,
+             answered_by("b1:8080", "b2:8080")),
+    FlowCase("IPv6: a NodePort on the node's IPv6 address reaches the endpoints, udp", "udp", NODE_IP6, 30091,
+             answered_by("b1:5353", "b2:5353")),
+    FlowCase("IPv6: externalTrafficPolicy Local: only this node's endpoint", "tcp", NODE_IP6, 30092,
+             answered_by("b1:8080"), sees="source", sees_by_mode=PROXIED),
+    FlowCase("IPv6: a NodePort of a Service without endpoints: refused", "tcp", NODE_IP6, 30093, REFUSED),
+    FlowCase("IPv6: a load-balancer IP whose source ranges leave the client out: no answer", "tcp", LB6_CLOSED_IP,
+             80, NO_ANSWER),
+    FlowCase("IPv6: a load-balancer IP whose source ranges hold the client", "tcp", LB6_OPEN_IP, 80,
+             answered_by("b1:8080", "b2:8080")),
+    FlowCase("dual-stack: the IPv6 ClusterIP reaches the IPv6 endpoints only", "tcp", "fd00:10:96::30", 80,
+             answered_by("b2:8080")),
+    FlowCase("dual-stack: the NodePort on the node's IPv6 address reaches the IPv6 endpoints only", "tcp", NODE_IP6,
+             30094, answered_by("b2:8080")),
+    # The node's own processes, on the OUTPUT path as for IPv4.
+    FlowCase("IPv6: from the node itself", "tcp", "fd00:10:96::1", 80, answered_by("b1:8080", "b2:8080"), src="node"),
+    FlowCase("IPv6: from the node itself to a NodePort", "tcp", NODE_IP6, 30090, answered_by("b1:8080", "b2:8080"),
+             src="node"),
+    # TCP, as the IPv4 case: the reset reaches the node's socket. (A UDP datagram from the node itself got no
+    # ICMPv6 error back in nftables and both iptables flavours alike on this kernel: its sender waits.)
+    FlowCase("IPv6: from the node, no endpoints: rejected", "tcp", "fd00:10:96::3", 80, REFUSED, src="node"),
+)
+
+NOT_RENDERED_YET = {
+    "bpf": "bpf mode renders IPv4 only until its IPv6 datapath (TC, XDP, socket hooks) lands (issue 15)",
+    "ipvs": "ipvs mode renders IPv4 only: IPv6 virtual servers are not built yet (issue 15)",
+    "userspace": "the userspace mode renders IPv4 only: its IPv6 listeners are not built yet (issue 15)",
+}
+"""The modes that do not serve IPV6_CASES yet, and why (their backends' `ip_families`)."""
 
 
 def outcome_of(result: Mapping[str, Any]) -> Outcome:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from pyproxy.lab import Lab
 
 Target = tuple[str, int, int]
-"""(address, port, the client's fixed source port)."""
+"""(address, port, the client's fixed source port); an IPv6 address makes an IPv6 flow."""
 
 # Every 50 ms, per target: one datagram from the FIXED source port (a connected socket, as a DNS stub resolver's),
 # and one from a fresh socket (a new flow: shows when the rules changed). Every answer is printed as it comes,
@@ -28,8 +28,8 @@ import json, select, socket, sys, time
 targets = json.loads(sys.argv[1])
 fixed = {}
 for name, (ip, port, sport) in targets.items():
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.bind(("0.0.0.0", sport))
+    s = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("::" if ":" in ip else "0.0.0.0", sport))
     s.connect((ip, port))
     fixed[s] = name
 fresh = {}
@@ -38,7 +38,7 @@ while True:
     for s, name in fixed.items():
         s.send(b"probe\\n")
     for name, (ip, port, _) in targets.items():
-        f = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        f = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_DGRAM)
         f.connect((ip, port))
         f.send(b"probe\\n")
         fresh[f] = (name, time.monotonic())

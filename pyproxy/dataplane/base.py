@@ -13,8 +13,11 @@ from pyproxy.model.state import DesiredState
 @dataclass
 class MasqueradeSettings:
     cluster_cidr: str | None = None
-    """--cluster-cidr: traffic to a ClusterIP from outside this range is masqueraded (upstream); None: no
-    such rule, so clients keep their source address."""
+    """--cluster-cidr's IPv4 CIDR: traffic to an IPv4 ClusterIP from outside this range is masqueraded (upstream);
+    None: no such rule, so clients keep their source address."""
+    cluster_cidr6: str | None = None
+    """--cluster-cidr's IPv6 CIDR (upstream's flag takes one per family, comma-separated): the same for IPv6
+    ClusterIPs. None: no such rule for IPv6."""
     masquerade_all: bool = False
     """--masquerade-all: SNAT all traffic sent to a ClusterIP."""
     masquerade_bit: int = 14
@@ -29,8 +32,36 @@ class MasqueradeSettings:
             try:
                 ipaddress.IPv4Network(self.cluster_cidr, strict=False)
             except ValueError:
-                out.append(f"--cluster-cidr must be an IPv4 CIDR such as 10.244.0.0/16, not {self.cluster_cidr!r}")
+                out.append(f"--cluster-cidr must be an IPv4 CIDR such as 10.244.0.0/16 and/or an IPv6 one, "
+                           f"comma-separated, not {self.cluster_cidr!r}")
+        if self.cluster_cidr6 is not None:
+            try:
+                ipaddress.IPv6Network(self.cluster_cidr6, strict=False)
+            except ValueError:
+                out.append(f"--cluster-cidr: {self.cluster_cidr6!r} is not an IPv6 CIDR such as fd00:10:244::/56")
         return out
+
+    def set_cluster_cidrs(self, text: str) -> list[str]:
+        """Take --cluster-cidr's value, one CIDR or a comma-separated pair of one per family (upstream's), into
+        `cluster_cidr` and `cluster_cidr6`; what is wrong with it, one line each (an entry that is no CIDR is kept
+        as the IPv4 one, for `problems` to name)."""
+        v4: list[str] = []
+        v6: list[str] = []
+        for cidr in (c.strip() for c in text.split(",")):
+            try:
+                (v4 if ipaddress.ip_network(cidr, strict=False).version == 4 else v6).append(cidr)
+            except ValueError:
+                v4.append(cidr)
+        out = []
+        if len(v4) > 1 or len(v6) > 1:
+            out.append(f"--cluster-cidr {text!r} holds {len(v4)} IPv4 and {len(v6)} IPv6 CIDRs; at most one of each")
+        self.cluster_cidr = v4[0] if v4 else None
+        self.cluster_cidr6 = v6[0] if v6 else None
+        return out
+
+    def cluster_cidr_of(self, family: int) -> str | None:
+        """The cluster CIDR of `family` (4 or 6): that family's ClusterIPs masquerade what comes from outside it."""
+        return self.cluster_cidr6 if family == 6 else self.cluster_cidr
 
 
 class DataplaneError(RuntimeError):
@@ -43,6 +74,11 @@ class ModeUnavailable(RuntimeError):
 
 
 class Dataplane(Protocol):
+    """A backend may also say which IP families it renders, `ip_families` (model.state.IPV4_ONLY or
+    BOTH_FAMILIES): the proxier gives it the desired state without the other family's frontends
+    (model.state.FamilyFilter), with one log line per sync that left some out. Without the attribute (bpf mode's
+    backend, until its IPv6 datapath lands) it renders IPv4 only."""
+
     mode: str
     """The --proxy-mode this backend implements ("bpf", "nftables"…)."""
 

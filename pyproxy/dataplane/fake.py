@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Set
 
 from pyproxy.dataplane.base import DataplaneError
-from pyproxy.model.state import DesiredState
+from pyproxy.model.state import BOTH_FAMILIES, DesiredState
 
 
 class FakeDataplane:
     mode = "fake"
+    ip_families = BOTH_FAMILIES
 
     def __init__(self) -> None:
         self.applies: list[tuple[DesiredState, frozenset[str] | None]] = []

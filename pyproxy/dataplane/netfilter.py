@@ -5,11 +5,13 @@ two iptables backends (legacy or nft).
 Backends never import each other; both import this module. Its API is stable:
 
 Tools (which binaries)
-    `tools(backend)` -> `Tools(backend, save, restore)` for "legacy", "nft" or "auto" (= whatever the plain
-    `iptables` command is, from `iptables --version`); ModeUnavailable when a binary is missing.
+    `tools(backend, family=4)` -> `Tools(backend, save, restore, family)` for "legacy", "nft" or "auto" (=
+    whatever the plain `iptables` command is, from `iptables --version`); family 6: the same flavour's
+    ip6tables-save/-restore. ModeUnavailable when a binary is missing.
     `check_usable(tools)` -> ModeUnavailable when iptables-save cannot read nat/filter (no CAP_NET_ADMIN, no
     kernel tables). `usable_tools(backend, masquerade)` = both, after checking the masquerade bit: what a
-    mode's start() calls. `installed_backends()` -> the backends whose binaries are here (for cleanup).
+    mode's start() calls. `installed_backends(families=(4,))` -> the backends whose binaries are here, per
+    family (cleanup takes both families: the iptables mode writes ip6tables too).
 Running them
     `run(argv, input=, timeout=)` -> stdout, DataplaneError with the command and its stderr otherwise.
     `save(tools, tables=("nat", "filter"))` -> {table: SavedTable}; `tables=None` reads only the tables that
@@ -103,6 +105,13 @@ class Tools:
     """"legacy" or "nft"."""
     save: str
     restore: str
+    family: int = 4
+    """4: iptables-save/-restore; 6: ip6tables-save/-restore."""
+
+    @property
+    def command(self) -> str:
+        """"iptables" or "ip6tables", as the binaries are named."""
+        return "ip6tables" if self.family == 6 else "iptables"
 
 
 def _which(name: str) -> str:
@@ -125,8 +134,8 @@ def detect_backend() -> str:
     raise ModeUnavailable(f"cannot tell the iptables backend from `iptables --version`: {out.strip()!r}")
 
 
-def tools(backend: str) -> Tools:
-    """The save/restore binaries of `backend` ("legacy", "nft", or "auto")."""
+def tools(backend: str, family: int = 4) -> Tools:
+    """The save/restore binaries of `backend` ("legacy", "nft", or "auto") for `family` (4, 6)."""
     if backend == "auto":
         try:
             backend = detect_backend()
@@ -134,17 +143,19 @@ def tools(backend: str) -> Tools:
             raise ModeUnavailable(str(e)) from e
     if backend not in BACKENDS:
         raise ModeUnavailable(f"unknown iptables backend {backend!r}: want auto, legacy or nft")
-    return Tools(backend, _which(f"iptables-{backend}-save"), _which(f"iptables-{backend}-restore"))
+    command = "ip6tables" if family == 6 else "iptables"
+    return Tools(backend, _which(f"{command}-{backend}-save"), _which(f"{command}-{backend}-restore"), family)
 
 
-def installed_backends() -> list[Tools]:
-    """The backends whose binaries are installed."""
+def installed_backends(families: Sequence[int] = (4,)) -> list[Tools]:
+    """The backends whose binaries are installed, for each of `families`."""
     found = []
-    for backend in BACKENDS:
-        try:
-            found.append(tools(backend))
-        except ModeUnavailable:
-            continue
+    for family in families:
+        for backend in BACKENDS:
+            try:
+                found.append(tools(backend, family))
+            except ModeUnavailable:
+                continue
     return found
 
 
@@ -267,7 +278,9 @@ def conntrack_delete(*args: str) -> int:
 
 def conntrack_filter(stale: Stale) -> list[str]:
     """The `conntrack -D` arguments deleting `stale`'s entries, and no others."""
-    args = ["-p", "udp", *(["--orig-dst", stale.ip] if stale.ip else []), "--orig-port-dst", str(stale.port)]
+    # conntrack's family is IPv4 unless told: an IPv6 frontend's entries need `-f ipv6`.
+    family = ["-f", "ipv6"] if stale.family == 6 else []
+    args = [*family, "-p", "udp", *(["--orig-dst", stale.ip] if stale.ip else []), "--orig-port-dst", str(stale.port)]
     if stale.endpoint is not None:
         # The endpoint's port too: the same pod may serve another port of this frontend's address that stays.
         return [*args, "--dst-nat", stale.endpoint.ip, "--reply-port-src", str(stale.endpoint.port)]
@@ -522,13 +535,13 @@ MASQUERADE_JUMPS = (
 )
 
 
-def mark_masq_rule(m: MasqueradeSettings, match: str) -> str | None:
-    """The body of the rule that marks ClusterIP traffic (`match`) for SNAT: all of it with
-    --masquerade-all, what comes from outside --cluster-cidr, or None (no such rule)."""
+def mark_masq_rule(m: MasqueradeSettings, match: str, family: int = 4) -> str | None:
+    """The body of the rule that marks ClusterIP traffic (`match`) of `family` for SNAT: all of it with
+    --masquerade-all, what comes from outside --cluster-cidr's CIDR of that family, or None (no such rule)."""
     if m.masquerade_all:
         return f"{match} -j {MARK_MASQ_CHAIN}"
-    if m.cluster_cidr:
-        return f"{match} ! -s {m.cluster_cidr} -j {MARK_MASQ_CHAIN}"
+    if cidr := m.cluster_cidr_of(family):
+        return f"{match} ! -s {cidr} -j {MARK_MASQ_CHAIN}"
     return None
 
 
@@ -591,11 +604,11 @@ def removal_plan(saved: Mapping[str, SavedTable], mode_chain: ModeChain, mode_ru
 
 def cleanup(mode_chain: ModeChain, mode_rule: ModeRule, backends: Iterable[Tools] | None = None,
             keep: Collection[ChainRef] = (), shared: bool = True) -> list[str]:
-    """Remove one mode's chains and rules from every installed iptables backend (a node may have run either),
-    and with `shared` the shared chains once unused, but those in `keep` (the running mode's); "<backend>
-    <what> (<why>)" per removed thing."""
+    """Remove one mode's chains and rules from every installed iptables backend (a node may have run either), in
+    both families (iptables and ip6tables), and with `shared` the shared chains once unused, but those in `keep`
+    (the running mode's, in either family); "<command>-<backend> <what> (<why>)" per removed thing."""
     done: list[str] = []
-    for t in installed_backends() if backends is None else backends:
+    for t in installed_backends((4, 6)) if backends is None else backends:
         try:
             saved = save(t, tables=None)
         except DataplaneError:
@@ -605,7 +618,7 @@ def cleanup(mode_chain: ModeChain, mode_rule: ModeRule, backends: Iterable[Tools
         edits, removed = removal_plan({k: v for k, v in saved.items() if k in TABLES}, mode_chain, mode_rule, kept)
         if removed:
             restore(t, restore_input(edits))
-            done += [f"iptables-{t.backend} {line}" for line in removed]
+            done += [f"{t.command}-{t.backend} {line}" for line in removed]
     return done
 
 

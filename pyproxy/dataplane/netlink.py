@@ -169,12 +169,12 @@ class LinkWatcher(_Watcher):
 
 @dataclass(frozen=True, order=True)
 class Address:
-    """One IPv4 address of this network namespace."""
+    """One address of this network namespace (IPv4 or IPv6)."""
 
     device: str
     ip: str
     loopback: bool
-    """A host-scope address (127.0.0.1 on lo) or one in 127.0.0.0/8."""
+    """A host-scope address (127.0.0.1 or ::1 on lo) or one in 127.0.0.0/8."""
 
 
 RT_SCOPE_HOST = 254
@@ -184,13 +184,20 @@ RTN_LOCAL = 2
 
 def list_ipv4_addresses() -> list[Address]:
     """Every IPv4 address of this network namespace, with its device, in the kernel's order."""
+    return list_addresses((socket.AF_INET,))
+
+
+def list_addresses(families: tuple[int, ...] = (socket.AF_INET, socket.AF_INET6)) -> list[Address]:
+    """Every address of `families` (socket.AF_*) of this network namespace, with its device, in the kernel's order,
+    IPv4 first."""
     with IPRoute() as ipr:
         names = {m["index"]: m.get_attr("IFLA_IFNAME") for m in ipr.get_links()}
         out = []
-        for a in ipr.get_addr(family=socket.AF_INET):
-            ip = a.get_attr("IFA_LOCAL") or a.get_attr("IFA_ADDRESS")
-            device = names.get(a["index"], "")
-            out.append(Address(device, ip, a["scope"] == RT_SCOPE_HOST or ip.startswith("127.")))
+        for family in families:
+            for a in ipr.get_addr(family=family):
+                ip = a.get_attr("IFA_LOCAL") or a.get_attr("IFA_ADDRESS")
+                device = names.get(a["index"], "")
+                out.append(Address(device, ip, a["scope"] == RT_SCOPE_HOST or ip.startswith("127.")))
         return out
 
 
@@ -213,10 +220,11 @@ def primary_ipv4_by_device() -> dict[int, str]:
     return out
 
 
-def default_route_device() -> str | None:
-    """The device of this namespace's IPv4 default route (the first one, by metric), None without one."""
+def default_route_device(family: int = socket.AF_INET) -> str | None:
+    """The device of this namespace's default route of `family` (socket.AF_INET or AF_INET6; the first one, by
+    metric), None without one."""
     with IPRoute() as ipr:
-        routes = [r for r in ipr.get_routes(family=socket.AF_INET, table=254) if r["dst_len"] == 0]
+        routes = [r for r in ipr.get_routes(family=family, table=254) if r["dst_len"] == 0]
         routes.sort(key=lambda r: r.get_attr("RTA_PRIORITY") or 0)
         for r in routes:
             oif = r.get_attr("RTA_OIF")
@@ -231,24 +239,26 @@ def default_route_device() -> str | None:
 
 
 class AddressWatcher(_Watcher):
-    """Calls `on_change()` from a thread of its own whenever an IPv4 address or an IPv4 route of the main table
-    of this network namespace is added or removed (the callback lists again what it needs: the events come in
-    bursts), or events were lost. Routes of other tables are not news: what is read here is the addresses and
-    the main table's default route, and the local table changes with the addresses anyway, or, thousands at
-    once, with the userspace mode's Service routes, each burst of which would otherwise list every address
-    again."""
+    """Calls `on_change()` from a thread of its own whenever an address or a route of the main table of
+    `families` (IPv4 unless told) of this network namespace is added or removed (the callback lists again what
+    it needs: the events come in bursts), or events were lost. Routes of other tables are not news: what is read
+    here is the addresses and the main table's default route, and the local table changes with the addresses
+    anyway, or, thousands at once, with the userspace mode's Service routes, each burst of which would otherwise
+    list every address again."""
 
     name = "address-watch"
 
     _EVENTS = frozenset({"RTM_NEWADDR", "RTM_DELADDR", "RTM_NEWROUTE", "RTM_DELROUTE"})
     _ROUTE_EVENTS = frozenset({"RTM_NEWROUTE", "RTM_DELROUTE"})
+    _families: tuple[int, ...] = (socket.AF_INET,)
 
-    def __init__(self, on_change: Callable[[], None]) -> None:
+    def __init__(self, on_change: Callable[[], None], families: tuple[int, ...] = (socket.AF_INET,)) -> None:
         self._on_change = on_change
+        self._families = families
         super().__init__()
 
     def _news(self, m: dict) -> bool:
-        if m.get("event") not in self._EVENTS or m.get("family") != socket.AF_INET:
+        if m.get("event") not in self._EVENTS or m.get("family") not in self._families:
             return False
         if m.get("event") in self._ROUTE_EVENTS:
             return (m.get_attr("RTA_TABLE") or m.get("table")) == RT_TABLE_MAIN  # type: ignore[attr-defined]

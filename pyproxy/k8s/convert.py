@@ -14,6 +14,8 @@ from typing import Any, NoReturn
 
 from pyproxy.model.objects import (
     DEFAULT_SESSION_AFFINITY_TIMEOUT,
+    FAMILY_NAMES,
+    IP_FAMILY_POLICIES,
     LAST_CHANGE_TRIGGER_TIME_ANNOTATION,
     MAX_WEIGHT,
     NODE_IP_TYPES,
@@ -174,23 +176,53 @@ def _service_port(r: _Reader, entry: Mapping[str, Any], path: str) -> ServicePor
     )
 
 
-def _ipv4s(r: _Reader, entries: list[tuple[str, str]], what: str = "an IP address") -> tuple[str, ...]:
-    """The IPv4 addresses of (path, value) pairs, in canonical form; IPv6 ones are valid but not served."""
-    ips: list[str] = []
-    for path, value in entries:
-        ip = r.address(path, value, ipaddress.ip_address, what)
-        if ip.version == 4:
-            ips.append(str(ip))
-    return tuple(ips)
+def _ips(r: _Reader, entries: list[tuple[str, str]], what: str = "an IP address") -> tuple[str, ...]:
+    """The addresses (IPv4 or IPv6) of (path, value) pairs, in canonical form."""
+    return tuple(str(r.address(path, value, ipaddress.ip_address, what)) for path, value in entries)
 
 
-def _cluster_ips(r: _Reader, spec: Mapping[str, Any]) -> tuple[str, ...]:
-    """The IPv4 ClusterIPs; IPv6 ones are valid but not served."""
+def _ip_families(r: _Reader, spec: Mapping[str, Any]) -> tuple[str, ...]:
+    """spec.ipFamilies: each IPv4 or IPv6, each once."""
+    families: list[str] = []
+    for path, value in r.elements(spec, "ipFamilies", "spec", str, "a string"):
+        if value not in FAMILY_NAMES.values():
+            r.fail(f"{path} {value!r} is not one of {', '.join(FAMILY_NAMES.values())}")
+        if value in families:
+            r.fail(f"{path} {value!r} is given twice")
+        families.append(value)
+    return tuple(families)
+
+
+def _cluster_ips(r: _Reader, spec: Mapping[str, Any], families: tuple[str, ...], policy: str) -> tuple[str, ...]:
+    """spec.clusterIPs (else spec.clusterIP) of both families, at most one each and, when spec.ipFamilies is given,
+    in its families and order; SingleStack allows one, RequireDualStack needs one of each (the API server's own
+    rules, so a manifest cannot ask for what no cluster would hold)."""
     entries = r.elements(spec, "clusterIPs", "spec", str, "a string") or [
         ("spec.clusterIP", r.string(spec, "clusterIP", "spec"))
     ]
     # "" is not allocated, "None" headless.
-    return _ipv4s(r, [(p, v) for p, v in entries if v not in ("", "None")], 'an IP address, "None" or empty')
+    entries = [(p, v) for p, v in entries if v not in ("", "None")]
+    ips = _ips(r, entries, 'an IP address, "None" or empty')
+    if len(ips) > 2:
+        r.fail(f"spec.clusterIPs holds {len(ips)} addresses; at most one IPv4 and one IPv6")
+    names = [FAMILY_NAMES[ipaddress.ip_address(ip).version] for ip in ips]
+    if len(names) == 2 and names[0] == names[1]:
+        r.fail(f"spec.clusterIPs holds two {names[0]} addresses; at most one IPv4 and one IPv6")
+    for i, ((path, value), name) in enumerate(zip(entries, names, strict=True)):
+        if families and (i >= len(families) or families[i] != name):
+            r.fail(f"{path} {value!r} is {name}, but spec.ipFamilies is {list(families)}")
+    if policy == "SingleStack" and len(ips) > 1:
+        r.fail("spec.clusterIPs holds two addresses, but spec.ipFamilyPolicy is SingleStack")
+    if policy == "RequireDualStack" and len(ips) == 1:
+        r.fail(f"spec.ipFamilyPolicy is RequireDualStack, but spec.clusterIPs holds only the {names[0]} {ips[0]}")
+    return ips
+
+
+def _ip_family_policy(r: _Reader, spec: Mapping[str, Any]) -> str:
+    policy = r.string(spec, "ipFamilyPolicy", "spec")
+    if policy and policy not in IP_FAMILY_POLICIES:
+        r.fail(f"spec.ipFamilyPolicy {policy!r} is not one of {', '.join(IP_FAMILY_POLICIES)}")
+    return policy
 
 
 def _traffic_policy(r: _Reader, spec: Mapping[str, Any], field: str) -> TrafficPolicy:
@@ -205,8 +237,8 @@ def _traffic_policy(r: _Reader, spec: Mapping[str, Any], field: str) -> TrafficP
 
 
 def _source_ranges(r: _Reader, spec: Mapping[str, Any]) -> tuple[str, ...]:
-    """spec.loadBalancerSourceRanges: the IPv4 CIDRs, trimmed (the API's validation lets whitespace through, and
-    upstream trims it) and in canonical form (host bits cleared, as Go's ParseCIDR gives them)."""
+    """spec.loadBalancerSourceRanges: the CIDRs of both families, trimmed (the API's validation lets whitespace
+    through, and upstream trims it) and in canonical form (host bits cleared, as Go's ParseCIDR gives them)."""
     ranges: list[str] = []
     for path, value in r.elements(spec, "loadBalancerSourceRanges", "spec", str, "a string"):
         text = value.strip()
@@ -216,13 +248,12 @@ def _source_ranges(r: _Reader, spec: Mapping[str, Any]) -> tuple[str, ...]:
             network = ipaddress.ip_network(text, strict=False)
         except ValueError:
             r.fail(f"{path} {value!r} is not a CIDR")
-        if network.version == 4:
-            ranges.append(str(network))
+        ranges.append(str(network))
     return tuple(ranges)
 
 
 def _load_balancer_ips(r: _Reader, d: Mapping[str, Any]) -> tuple[str, ...]:
-    """status.loadBalancer.ingress[].ip of the ingresses whose ipMode is VIP (or unset), IPv4 ones."""
+    """status.loadBalancer.ingress[].ip of the ingresses whose ipMode is VIP (or unset), of both families."""
     within = "status.loadBalancer"
     status = r.mapping(r.mapping(d, "status", ""), "loadBalancer", "status")
     entries: list[tuple[str, str]] = []
@@ -233,7 +264,7 @@ def _load_balancer_ips(r: _Reader, d: Mapping[str, Any]) -> tuple[str, ...]:
         ip = r.string(entry, "ip", path)
         if ip and mode == "VIP":  # an ingress may have only a hostname
             entries.append((f"{path}.ip", ip))
-    return _ipv4s(r, entries)
+    return _ips(r, entries)
 
 
 def service_from_dict(d: Mapping[str, Any]) -> Service:
@@ -273,15 +304,17 @@ def service_from_dict(d: Mapping[str, Any]) -> Service:
 
     annotations = r.mapping(meta, "annotations", "metadata")
     ignored: list[str] = []
+    families = _ip_families(r, spec)
+    policy = _ip_family_policy(r, spec)
     return Service(
         namespace=namespace,
         name=name,
         type=svc_type,
-        cluster_ips=_cluster_ips(r, spec),
+        cluster_ips=_cluster_ips(r, spec, families, policy),
         ports=tuple(ports),
         session_affinity=affinity,
         session_affinity_timeout=DEFAULT_SESSION_AFFINITY_TIMEOUT if timeout is None else timeout,
-        external_ips=_ipv4s(r, r.elements(spec, "externalIPs", "spec", str, "a string")),
+        external_ips=_ips(r, r.elements(spec, "externalIPs", "spec", str, "a string")),
         load_balancer_ips=_load_balancer_ips(r, d),
         external_traffic_policy=_traffic_policy(r, spec, "externalTrafficPolicy"),
         internal_traffic_policy=_traffic_policy(r, spec, "internalTrafficPolicy"),
@@ -293,6 +326,8 @@ def service_from_dict(d: Mapping[str, Any]) -> Service:
         traffic_distribution=r.string(spec, "trafficDistribution", "spec"),
         topology_mode=_annotation(r, annotations, TOPOLOGY_MODE_ANNOTATION)
         or _annotation(r, annotations, TOPOLOGY_AWARE_HINTS_ANNOTATION),
+        ip_families=families,
+        ip_family_policy=policy,
         ignored=tuple(ignored),
     )
 
@@ -312,7 +347,7 @@ def _scheduler(r: _Reader, annotations: Mapping[str, Any], ignored: list[str]) -
 
 
 def _weights(r: _Reader, annotations: Mapping[str, Any], ignored: list[str]) -> tuple[tuple[str, int], ...]:
-    """`address=weight` pairs, comma-separated; each address an IPv4 address, each weight 0-MAX_WEIGHT. A
+    """`address=weight` pairs, comma-separated; each address an IP address, each weight 0-MAX_WEIGHT. A
     malformed annotation is ignored whole (every endpoint weighs 1): half of one could quiesce the wrong ones."""
     text = _annotation(r, annotations, WEIGHTS_ANNOTATION)
     path = f"metadata.annotations[{WEIGHTS_ANNOTATION}]"
@@ -321,9 +356,9 @@ def _weights(r: _Reader, annotations: Mapping[str, Any], ignored: list[str]) -> 
         address, sep, weight = item.partition("=")
         problem = ""
         try:
-            ip = str(ipaddress.IPv4Address(address.strip())) if sep else ""
+            ip = str(ipaddress.ip_address(address.strip())) if sep else ""
         except ValueError:
-            problem = f"{address.strip()!r} is not an IPv4 address"
+            problem = f"{address.strip()!r} is not an IP address"
         if not problem and (not sep or not weight.strip().isdigit() or int(weight) > MAX_WEIGHT):
             problem = f"{item!r} is not address=weight with a weight of 0-{MAX_WEIGHT}"
         if not problem and ip in weights:

@@ -46,15 +46,22 @@ def service(name: str, cluster_ip: str, ports: Sequence[Port], *, namespace: str
             external_traffic_policy: str | None = None, internal_traffic_policy: str | None = None,
             health_check_node_port: int | None = None, external_ips: Sequence[str] = (),
             load_balancer_ips: Sequence[str] = (), source_ranges: Sequence[str] = (),
-            traffic_distribution: str | None = None, annotations: Mapping[str, str] | None = None) -> str:
+            traffic_distribution: str | None = None, annotations: Mapping[str, str] | None = None,
+            cluster_ips: Sequence[str] = (), ip_family_policy: str | None = None) -> str:
     """A Service (ClusterIP unless `type` says otherwise); `affinity_seconds` turns on ClientIP session affinity
     for that long; `external_ips` are spec.externalIPs, `load_balancer_ips` its status's ingress IPs,
     `source_ranges` spec.loadBalancerSourceRanges, `traffic_distribution` spec.trafficDistribution;
-    `annotations` its metadata's."""
+    `annotations` its metadata's. `cluster_ips`: spec.clusterIPs (the first must be `cluster_ip`), with
+    spec.ipFamilies written to match, and `ip_family_policy` spec.ipFamilyPolicy (dual-stack Services)."""
     lines = ["apiVersion: v1", "kind: Service", "metadata:", f"  name: {_q(name)}", f"  namespace: {_q(namespace)}"]
     if annotations:
         lines += ["  annotations:"] + [f"    {_q(k)}: {_q(v)}" for k, v in annotations.items()]
     lines += ["spec:", f"  type: {_q(type)}", f"  clusterIP: {_q(cluster_ip)}"]
+    if cluster_ips:
+        lines += ["  clusterIPs:"] + [f"  - {_q(ip)}" for ip in cluster_ips]
+        lines += ["  ipFamilies:"] + [f"  - {'IPv6' if ':' in ip else 'IPv4'}" for ip in cluster_ips]
+    if ip_family_policy is not None:
+        lines.append(f"  ipFamilyPolicy: {_q(ip_family_policy)}")
     if traffic_distribution is not None:
         lines.append(f"  trafficDistribution: {_q(traffic_distribution)}")
     if external_traffic_policy is not None:
@@ -85,13 +92,14 @@ def endpoint_slice(service_name: str, endpoints: Mapping[str, bool | None], port
                    name: str | None = None, namespace: str = "default",
                    node_names: Mapping[str, str] | None = None, terminating: Collection[str] = (),
                    zone_hints: Mapping[str, Sequence[str]] | None = None) -> str:
-    """An IPv4 slice: `endpoints` maps address -> ready (None: no conditions, which the API reads as ready);
-    `node_names` address -> the endpoint's nodeName; `terminating` the addresses that are terminating and still
-    serving (their ready is then false); `zone_hints` address -> its hints.forZones names; its ports are the
-    Service ports' backend ports."""
+    """An IPv4 slice, or an IPv6 one when its addresses are IPv6: `endpoints` maps address -> ready (None: no
+    conditions, which the API reads as ready); `node_names` address -> the endpoint's nodeName; `terminating` the
+    addresses that are terminating and still serving (their ready is then false); `zone_hints` address -> its
+    hints.forZones names; its ports are the Service ports' backend ports."""
     lines = ["apiVersion: discovery.k8s.io/v1", "kind: EndpointSlice", "metadata:",
              f"  name: {_q(name or service_name + '-abc12')}", f"  namespace: {_q(namespace)}", "  labels:",
-             f"    {SERVICE_NAME_LABEL}: {_q(service_name)}", "addressType: IPv4"]
+             f"    {SERVICE_NAME_LABEL}: {_q(service_name)}",
+             f"addressType: {'IPv6' if any(':' in a for a in endpoints) else 'IPv4'}"]
     lines.append("endpoints:" if endpoints else "endpoints: []")
     for address, ready in endpoints.items():
         lines.append(f"- addresses: [{_q(address)}]")

@@ -9,6 +9,10 @@ the client does (a path with a smaller MTU on the way, where a router answers "f
     node --to-router/eth0-- router 10.198.0.2 --to-bI/eth0-- backend I      (router="backends")
     client --eth0/to-client-- router 10.198.0.2 --eth0/to-router-- node      (router="client")
 
+With `ipv6=True` every link also gets an IPv6 /64 beside its IPv4 /24, each address its IPv4 one's `ipv6_of`
+(client fd00:10:200::2, backend I fd00:10:201:I::2, the node fd00:10:200::1, ...; `nodad`, so they work at once),
+default routes of both families, and the node forwards IPv6 too (not with a router, node2 or a second client).
+
 `router_mtu` sets the MTU of both ends of the node-router link. `client_addresses=N` gives the client N more
 addresses on its link, 10.200.0.3 onwards (`Lab.client_ips`), as N clients behind one link: what source-hashing
 schedulers tell apart.
@@ -133,6 +137,13 @@ class Backend:
 def backend_ip(index: int) -> str:
     """Backend `index`'s address; fixed, so manifests written ahead of time match the lab."""
     return f"10.201.{index}.2"
+
+
+def ipv6_of(ipv4: str) -> str:
+    """The lab's IPv6 address beside an IPv4 one: 10.A.B.C -> fd00:10:A:B::C (each link's /24 a /64), in
+    canonical form, so a case names both families of a role alike (10.200.0.2 -> fd00:10:200::2)."""
+    a, b, c, d = ipv4.split(".")
+    return str(ipaddress.IPv6Address(f"fd00:{a}:{b}:{c}::{d}"))
 
 
 def remote_backend_ip(index: int) -> str:
@@ -367,12 +378,14 @@ class Lab:
     def __init__(self, backends: int = 3, *, prefix: str = "pyp", distro: bool = False,
                  csum_offload: bool = False, rp_filter: int = 1, router: str | None = None,
                  router_mtu: int | None = None, remote_backends: int = 0, second_client: bool = False,
-                 client_addresses: int = 0) -> None:
+                 client_addresses: int = 0, ipv6: bool = False) -> None:
         if not 0 <= backends <= MAX_BACKENDS or not 0 <= remote_backends <= MAX_BACKENDS:
             raise ValueError(f"backends and remote_backends must be 0..{MAX_BACKENDS}")
         if router is not None and (remote_backends or second_client):
             # Both would need their own routes through the router: not built, so refused rather than half-wired.
             raise ValueError("a router does not combine with remote_backends or second_client")
+        if ipv6 and (router is not None or remote_backends or second_client):
+            raise ValueError("ipv6 is built for the client, the backends and the uplink only")
         if not 0 <= client_addresses <= MAX_CLIENT_ADDRESSES:
             raise ValueError(f"client_addresses must be 0..{MAX_CLIENT_ADDRESSES}")
         if rp_filter not in (0, 1, 2):
@@ -392,6 +405,8 @@ class Lab:
         self._initial_remote = remote_backends
         self.second_client = second_client
         self.client_addresses = client_addresses
+        self.ipv6 = ipv6
+        """Every link has IPv6 addresses beside its IPv4 ones (`ipv6_of`)."""
         self.id = ""
         self._backends: list[Backend] = []
         self._remote: list[Backend] = []
@@ -547,6 +562,10 @@ class Lab:
         run(["ip", "netns", "add", ns])
         self._namespaces.append(ns)
         run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        if self.ipv6:
+            # No duplicate address detection on the devices made here, their link-local addresses included:
+            # while one is tentative (a second), neighbour discovery through it waits, and a first flow with it.
+            self.sysctl(ns, {"net.ipv6.conf.all.accept_dad": 0, "net.ipv6.conf.default.accept_dad": 0})
         return ns
 
     def _link(self, node_ifname: str, peer_ns: str, node_cidr: str, peer_cidr: str, gateway: str | None, *,
@@ -568,6 +587,9 @@ class Lab:
             self.sysctl(self.node, {f"net.ipv4.conf.{node_ifname}.rp_filter": self.rp_filter})
         run(["ip", "-n", up, "addr", "add", node_cidr, "dev", node_ifname])
         run(["ip", "-n", peer_ns, "addr", "add", peer_cidr, "dev", PEER_IFNAME])
+        if self.ipv6:
+            for ns, dev, cidr in ((up, node_ifname, node_cidr), (peer_ns, PEER_IFNAME, peer_cidr)):
+                run(["ip", "-n", ns, "addr", "add", f"{ipv6_of(cidr.split('/')[0])}/64", "dev", dev, "nodad"])
         if not self.csum_offload and peer_ns != self.uplink:
             # Full checksums on the wire, so the receiver verifies (and counts) what NAT did (pitfall 3).
             self.exec(peer_ns, "ethtool", "-K", PEER_IFNAME, "tx", "off")
@@ -575,10 +597,14 @@ class Lab:
         run(["ip", "-n", peer_ns, "link", "set", PEER_IFNAME, "up"])
         if gateway is not None:
             run(["ip", "-n", peer_ns, "route", "add", "default", "via", gateway])
+            if self.ipv6:
+                run(["ip", "-n", peer_ns, "-6", "route", "add", "default", "via", ipv6_of(gateway)])
 
     def _build(self) -> None:
         self._add_ns("node")
         self.sysctl(self.node, {"net.ipv4.ip_forward": 1})
+        if self.ipv6:
+            self.sysctl(self.node, {"net.ipv6.conf.all.forwarding": 1})
         if self.distro:
             self.sysctl(self.node, {"net.ipv4.conf.all.rp_filter": self.rp_filter,
                                     "net.ipv4.conf.default.rp_filter": self.rp_filter,
@@ -608,6 +634,8 @@ class Lab:
             # The node's default route leaves through the uplink, as a real node's does: traffic the dataplane
             # does not translate goes there, not back to the client.
             run(["ip", "-n", self.node, "route", "add", "default", "via", UPLINK_IP])
+            if self.ipv6:
+                run(["ip", "-n", self.node, "-6", "route", "add", "default", "via", ipv6_of(UPLINK_IP)])
         for _ in range(self._initial_backends):
             self._add_backend()
         if self.node2:
@@ -751,6 +779,7 @@ class Lab:
             # stdin stays an open pipe: the server exits on its EOF, i.e. when this process is gone.
             proc = self.popen(b.ns, sys.executable, "-m", "pyproxy.lab.traffic", "serve", "--name", b.name,
                               "--tcp", ",".join(map(str, tcp_ports)), "--udp", ",".join(map(str, udp_ports)),
+                              *(["--bind6", "::"] if self.ipv6 else []),
                               "--exit-on-stdin-eof", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE)
             self._servers[b.name] = proc
@@ -830,9 +859,11 @@ class Lab:
         return result
 
     def addresses(self, ns: str) -> set[str]:
-        """The IPv4 addresses of `ns` (a role or a full name), except loopback's, as the kernel lists them."""
-        links = json.loads(self.exec(ns, "ip", "-j", "-4", "addr", "show").stdout or "[]")
-        return {a["local"] for link in links if link.get("ifname") != "lo" for a in link.get("addr_info", [])}
+        """The IPv4 addresses of `ns` (a role or a full name), and with `ipv6` its global IPv6 ones, except
+        loopback's, as the kernel lists them."""
+        links = json.loads(self.exec(ns, "ip", "-j", *([] if self.ipv6 else ["-4"]), "addr", "show").stdout or "[]")
+        return {a["local"] for link in links if link.get("ifname") != "lo" for a in link.get("addr_info", [])
+                if a.get("scope") != "link"}
 
     def net_counters(self, ns: str) -> dict[str, int]:
         """Every counter of /proc/net/snmp and /proc/net/netstat inside `ns`, named as nstat names them

@@ -104,6 +104,17 @@ class _QuietTCPServer(socketserver.ThreadingTCPServer):
         pass
 
 
+class _QuietTCPServer6(_QuietTCPServer):
+    """On an IPv6 address, IPv6 only: the IPv4 server beside it keeps answering IPv4 with IPv4 peers (not
+    ::ffff:-mapped ones), so who connected reads the same in both families."""
+
+    address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        super().server_bind()
+
+
 class _TCPHandler(socketserver.BaseRequestHandler):
     server: _QuietTCPServer
 
@@ -157,15 +168,20 @@ def _serve_udp(name: str, sock: socket.socket) -> None:
 
 
 def serve(name: str, tcp_ports: Sequence[int], udp_ports: Sequence[int], bind: str = "0.0.0.0",
-          exit_on_stdin_eof: bool = False) -> int:
+          exit_on_stdin_eof: bool = False, bind6: str | None = None) -> int:
+    """Answer on `bind` (IPv4) and, given `bind6`, on that IPv6 address too (IPv6 only there)."""
     # Bind everything before announcing readiness, so a port clash is an error the starter sees, not a hang.
     tcp_servers = [_QuietTCPServer(name, (bind, port)) for port in tcp_ports]
+    tcp_servers += [_QuietTCPServer6(name, (bind6, port)) for port in tcp_ports if bind6 is not None]
     udp_socks = []
-    for port in udp_ports:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((bind, port))
-        udp_socks.append(sock)
+    for address in (bind, *([bind6] if bind6 is not None else [])):
+        for port in udp_ports:
+            sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_DGRAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if ":" in address:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((address, port))
+            udp_socks.append(sock)
     for server in tcp_servers:
         threading.Thread(target=server.serve_forever, daemon=True).start()
     for sock in udp_socks:
@@ -229,7 +245,7 @@ def _tcp_request(ip: str, port: int, timeout: float, source: tuple[str, int] | N
 
 
 def _udp_request(ip: str, port: int, timeout: float, source: tuple[str, int] | None = None) -> bytes:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_DGRAM) as sock:
         if source is not None:
             sock.bind(source)
         # connect() makes the kernel drop replies whose source is not ip:port, as a real resolver would: a
@@ -448,6 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_serve.add_argument("--tcp", type=_ports, default=[], help="comma-separated ports")
     p_serve.add_argument("--udp", type=_ports, default=[], help="comma-separated ports")
     p_serve.add_argument("--bind", default="0.0.0.0")
+    p_serve.add_argument("--bind6", default=None, help="an IPv6 address to answer on too (\"::\": every one)")
     p_serve.add_argument("--exit-on-stdin-eof", action="store_true", help="exit when stdin closes")
 
     p_probe = sub.add_parser("probe", help="send requests, print a JSON summary of who answered")
@@ -489,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         if args.cmd == "serve":
-            return serve(args.name, args.tcp, args.udp, args.bind, args.exit_on_stdin_eof)
+            return serve(args.name, args.tcp, args.udp, args.bind, args.exit_on_stdin_eof, args.bind6)
         if args.cmd == "probe":
             print(json.dumps(probe(args.proto, args.ip, args.port, args.count, args.timeout, args.deadline,
                                    args.interval, args.max_failures, args.sources, args.source_ports)))

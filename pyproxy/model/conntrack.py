@@ -31,11 +31,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from pyproxy.model.objects import Protocol
+from pyproxy.model.objects import IPV4, IPV6, Protocol, family_of
 from pyproxy.model.state import Backend, FrontendKind, ServicePortState
 
-UdpKey = tuple[str, int]
-"""(address, port) of a UDP frontend; address "" for a NodePort (all its addresses)."""
+UdpKey = tuple[str, int, int]
+"""(address, port, family) of a UDP frontend; address "" for a NodePort (all its addresses of that family: a
+dual-stack NodePort is two frontends, each of which gets its first endpoint on its own)."""
 
 
 class Stale(NamedTuple):
@@ -48,6 +49,13 @@ class Stale(NamedTuple):
 
     def __str__(self) -> str:
         return f"udp {self.ip or '*'}:{self.port} -> {self.endpoint or '(not DNATed)'}"
+
+    @property
+    def family(self) -> int:
+        """IPV4 or IPV6: the frontend's address's, else (a NodePort's, any address) the endpoint's."""
+        if self.ip:
+            return family_of(self.ip)
+        return self.endpoint.family if self.endpoint is not None else IPV4
 
 
 @dataclass(frozen=True)
@@ -67,7 +75,8 @@ class UdpFrontend:
 
 
 def udp_key(sp: ServicePortState) -> UdpKey:
-    return ("" if sp.kind is FrontendKind.NODE_PORT else sp.frontend.ip, sp.frontend.port)
+    fe = sp.frontend
+    return ("" if sp.kind is FrontendKind.NODE_PORT else fe.ip, fe.port, IPV6 if ":" in fe.ip else IPV4)
 
 
 def udp_frontends(states: Iterable[ServicePortState]) -> dict[UdpKey, UdpFrontend]:
@@ -89,7 +98,7 @@ def stale_udp(old: Mapping[UdpKey, UdpFrontend], new: Mapping[UdpKey, UdpFronten
     missing from `old` is one the mode knew nothing of, as after a restart: it is treated as unserved)."""
     out: list[Stale] = []
     for key in sorted(set(old) | set(new)):
-        ip, port = key
+        ip, port, _ = key
         before, after = old.get(key), new.get(key)
         if after is not None and after.served and (before is None or not before.served):
             # Flows begun while it had no endpoint were never DNATed: they would stay untranslated.

@@ -4,7 +4,10 @@ Every rule is decided here, once; the dataplane backends only render what it say
 
 - the frontends of each Service port: each ClusterIP; for NodePort and LoadBalancer Services, each node-port
   address (an input: `NodeInputs.nodeport_addresses`) with the port's nodePort; each external IP; for
-  LoadBalancer Services, each ingress IP. One Service's frontends are unique: of two that are one address,
+  LoadBalancer Services, each ingress IP. Per family, as upstream's per-family proxiers (kube-proxy's
+  MetaProxier): a Service has the other frontends of a family (IPv4, IPv6) only when it has a ClusterIP of it,
+  and each frontend uses only the endpoints of its own family's EndpointSlices, the source ranges of its family
+  and the node's primary address of it. One Service's frontends are unique: of two that are one address,
   port and protocol, the first kind (ClusterIP, ExternalIP, LoadBalancer, NodePort: upstream's rule order) stays;
 - each frontend's policy (ServicePortState): the endpoints new flows from inside and from outside the cluster
   may use (ready ones, else serving and terminating ones; with topology-aware routing the ready ones hinted
@@ -28,14 +31,24 @@ import operator
 from collections.abc import Callable, Collection, Iterable, Mapping
 
 from pyproxy.model.node import NodeInputs
-from pyproxy.model.objects import PREFER_CLOSE, PREFER_SAME_ZONE, EndpointSlice, Service, ServicePort, TrafficPolicy
+from pyproxy.model.objects import (
+    FAMILY_NAMES,
+    IPV4,
+    PREFER_CLOSE,
+    PREFER_SAME_ZONE,
+    EndpointSlice,
+    Service,
+    ServicePort,
+    TrafficPolicy,
+    family_of,
+)
 from pyproxy.model.state import Backend, DesiredState, Frontend, FrontendKind, RejectedClaim, ServicePortState
 
 # ExternalName Services are DNS-only; every other type gets a ClusterIP frontend.
 _PROXIED_TYPES = frozenset({"ClusterIP", "NodePort", "LoadBalancer"})
 _NODE_PORT_TYPES = frozenset({"NodePort", "LoadBalancer"})
 _KIND_RANK = {kind: i for i, kind in enumerate(FrontendKind)}
-_ANY_SOURCE = "0.0.0.0/0"
+_ANY_SOURCE = frozenset({"0.0.0.0/0", "::/0"})
 _NO_NODE = NodeInputs()
 _by_frontend = operator.attrgetter("frontend")
 _TOPOLOGY_DISTRIBUTIONS = frozenset({PREFER_CLOSE, PREFER_SAME_ZONE})
@@ -75,7 +88,7 @@ class _PortBackends:
     __slots__ = ("usable", "known", "local", "local_ready", "skipped")
 
     def __init__(self, port: ServicePort, slices: Iterable[EndpointSlice], local: bool, node_name: str | None,
-                 zone: str | None = None):
+                 zone: str | None = None, family: int = IPV4):
         ready: set[Backend] = set()
         known: set[Backend] = set()
         draining: set[Backend] = set()
@@ -85,8 +98,9 @@ class _PortBackends:
         """Ready and hinted for `zone`."""
         unhinted = False
         """A ready one has no zone hint: no topology (upstream: "one or more endpoints is missing a zone hint")."""
+        address_type = FAMILY_NAMES[family]
         for eps in slices:
-            if eps.address_type != "IPv4":
+            if eps.address_type != address_type:  # another family's, or FQDN
                 continue
             # Match by (name, protocol), not targetPort: the slice controller already resolved targetPort
             # (named ones included) into the slice ports' numbers, and names the slice ports after the
@@ -137,24 +151,32 @@ def _quiesced(backends: tuple[Backend, ...], quiet: frozenset[str]) -> tuple[Bac
     return tuple(b for b in backends if b.ip in quiet) if quiet else ()
 
 
-def _source_ranges(svc: Service, node: NodeInputs) -> tuple[str, ...]:
-    """The source ranges of the Service's load-balancer frontends (see ServicePortState.source_ranges)."""
-    ranges = svc.load_balancer_source_ranges
-    if not ranges or _ANY_SOURCE in ranges:
+def _source_ranges(svc: Service, node: NodeInputs, family: int) -> tuple[str, ...]:
+    """The source ranges of the Service's load-balancer frontends of `family` (see ServicePortState.source_ranges):
+    the ranges of that family only, as upstream's per-family proxiers (none of it: any source)."""
+    ranges = tuple(r for r in svc.load_balancer_source_ranges if family_of(r) == family)
+    if not ranges or not _ANY_SOURCE.isdisjoint(ranges):
         return ()
-    if node.primary_ip and any(ipaddress.ip_address(node.primary_ip) in ipaddress.ip_network(r) for r in ranges):
-        ranges += tuple(f"{ip}/32" for ip in svc.load_balancer_ips if f"{ip}/32" not in ranges)
+    primary = node.primary_ip if family == IPV4 else node.primary_ipv6
+    if primary and any(ipaddress.ip_address(primary) in ipaddress.ip_network(r) for r in ranges):
+        host = 32 if family == IPV4 else 128
+        ranges += tuple(f"{ip}/{host}" for ip in svc.load_balancer_ips
+                        if family_of(ip) == family and f"{ip}/{host}" not in ranges)
     return ranges
 
 
-def _external_frontends(svc: Service, port: ServicePort, node: NodeInputs) -> list[tuple[FrontendKind, Frontend]]:
-    """Every frontend of one service port but its ClusterIPs, by kind."""
+def _external_frontends(svc: Service, port: ServicePort, node: NodeInputs, family: int
+                        ) -> list[tuple[FrontendKind, Frontend]]:
+    """Every frontend of `family` of one service port but its ClusterIPs, by kind."""
     number, proto = port.port, port.protocol
-    frontends = [(FrontendKind.EXTERNAL_IP, Frontend(ip, number, proto)) for ip in svc.external_ips]
+    frontends = [(FrontendKind.EXTERNAL_IP, Frontend(ip, number, proto)) for ip in svc.external_ips
+                 if family_of(ip) == family]
     if svc.type == "LoadBalancer":
-        frontends += [(FrontendKind.LOAD_BALANCER, Frontend(ip, number, proto)) for ip in svc.load_balancer_ips]
+        frontends += [(FrontendKind.LOAD_BALANCER, Frontend(ip, number, proto)) for ip in svc.load_balancer_ips
+                      if family_of(ip) == family]
     if svc.type in _NODE_PORT_TYPES and port.node_port:
-        frontends += [(FrontendKind.NODE_PORT, Frontend(ip, port.node_port, proto)) for ip in node.nodeport_addresses]
+        frontends += [(FrontendKind.NODE_PORT, Frontend(ip, port.node_port, proto)) for ip in node.nodeport_addresses
+                      if family_of(ip) == family]
     return frontends
 
 
@@ -163,25 +185,47 @@ def compute_service_state(
 ) -> tuple[ServicePortState, ...]:
     """Every frontend one Service claims, with its policy, sorted by frontend; () when it has nothing to serve:
     absent, ExternalName, headless or without a ClusterIP (as upstream, a Service without one serves none of
-    its other frontends either)."""
+    its other frontends either; per family: without a ClusterIP of a family, none of that family's)."""
     if svc is None or svc.type not in _PROXIED_TYPES or not svc.cluster_ips:
         return ()
     node = node or _NO_NODE
     slices = tuple(slices)
-    key = svc.key
     affinity = svc.session_affinity_timeout if svc.session_affinity == "ClientIP" else 0
     cluster_policy = svc.external_traffic_policy is TrafficPolicy.CLUSTER
     internal_local = svc.internal_traffic_policy is TrafficPolicy.LOCAL
     health = None if cluster_policy or svc.type != "LoadBalancer" else svc.health_check_node_port
-    ranges = _source_ranges(svc, node) if svc.type == "LoadBalancer" else ()
     scheduler, weights = svc.scheduler, svc.weights
     quiet = frozenset(ip for ip, weight in weights if weight == 0)
     zone = _topology_zone(svc, node)
     states: list[ServicePortState] = []
+    for cluster_ip in svc.cluster_ips:  # at most one per family (the conversion checks it)
+        family = family_of(cluster_ip)
+        ranges = _source_ranges(svc, node, family) if svc.type == "LoadBalancer" else ()
+        states += _family_states(svc, cluster_ip, family, slices, node, ranges, affinity, cluster_policy,
+                                 internal_local, health, scheduler, weights, quiet, zone)
+    if len(states) > 1 and len({st.frontend for st in states}) < len(states):
+        # One frontend claimed twice by the Service itself: the first kind stays (sorted() is stable).
+        unique: dict[Frontend, ServicePortState] = {}
+        for st in sorted(states, key=lambda st: _KIND_RANK[st.kind]):
+            unique.setdefault(st.frontend, st)
+        states = list(unique.values())
+    states.sort(key=_by_frontend)
+    return tuple(states)
+
+
+def _family_states(svc: Service, cluster_ip: str, family: int, slices: tuple[EndpointSlice, ...], node: NodeInputs,
+                   ranges: tuple[str, ...], affinity: int, cluster_policy: bool, internal_local: bool,
+                   health: int | None, scheduler: str, weights: tuple[tuple[str, int], ...], quiet: frozenset[str],
+                   zone: str | None) -> list[ServicePortState]:
+    """The frontends of one family of a Service (`cluster_ip` its ClusterIP of that family), with that family's
+    endpoints only."""
+    key = svc.key
+    states: list[ServicePortState] = []
     # Positional arguments, in ServicePortState's order: a cold start builds one per frontend of every Service.
     for port in svc.ports:
-        external = _external_frontends(svc, port, node)
-        b = _PortBackends(port, slices, internal_local or (bool(external) and not cluster_policy), node.name, zone)
+        external = _external_frontends(svc, port, node, family)
+        b = _PortBackends(port, slices, internal_local or (bool(external) and not cluster_policy), node.name, zone,
+                          family)
         usable, known, local = b.usable, b.known, b.local
         # Weight 0 (pyproxy.io/weights) quiesces an endpoint, IPVS's way: no new flow in any mode; it stays known,
         # so its established flows go on.
@@ -194,10 +238,9 @@ def compute_service_state(
         internal = local if internal_local else usable
         drop = internal_local and not internal and bool(usable)
         quiesced = _quiesced(b.local if internal_local else b.usable, quiet)
-        states += [ServicePortState(key, port.name, Frontend(ip, port.port, port.protocol), internal, known, affinity,
-                                    FrontendKind.CLUSTER_IP, (), False, (), health, False, drop, scheduler, weights,
-                                    quiesced)
-                   for ip in svc.cluster_ips]
+        states.append(ServicePortState(key, port.name, Frontend(cluster_ip, port.port, port.protocol), internal, known,
+                                       affinity, FrontendKind.CLUSTER_IP, (), False, (), health, False, drop,
+                                       scheduler, weights, quiesced))
         if external:
             outside = usable if cluster_policy else local
             ready = not cluster_policy and b.local_ready
@@ -206,14 +249,7 @@ def compute_service_state(
                                         ranges if kind is FrontendKind.LOAD_BALANCER else (), health, ready, False,
                                         scheduler, weights, quiesced)
                        for kind, fe in external]
-    if len(states) > 1 and len({st.frontend for st in states}) < len(states):
-        # One frontend claimed twice by the Service itself: the first kind stays (sorted() is stable).
-        unique: dict[Frontend, ServicePortState] = {}
-        for st in sorted(states, key=lambda st: _KIND_RANK[st.kind]):
-            unique.setdefault(st.frontend, st)
-        states = list(unique.values())
-    states.sort(key=_by_frontend)
-    return tuple(states)
+    return states
 
 
 class _Update:

@@ -148,8 +148,14 @@ class Trace:
 # ------------------------------------------------------------------------------------------------ parsing
 
 
+def _no_ipv6(text: str) -> None:
+    if text.startswith("[") or text.count(":") > 1:
+        raise ValueError(f"{text!r}: IPv6 flows are not inspected yet; inspect reads the IPv4 frontends only")
+
+
 def parse_source(text: str) -> tuple[str, int | None]:
     """ADDR or ADDR:PORT."""
+    _no_ipv6(text)
     ip, _, port = text.partition(":")
     ipaddress.IPv4Address(ip)
     if not port:
@@ -161,6 +167,7 @@ def parse_source(text: str) -> tuple[str, int | None]:
 
 def parse_destination(text: str) -> tuple[str, int, str]:
     """ADDR:PORT[/PROTO], PROTO tcp (the default) or udp."""
+    _no_ipv6(text)
     addr, _, proto = text.partition("/")
     ip, _, port = addr.partition(":")
     ipaddress.IPv4Address(ip)

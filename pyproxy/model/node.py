@@ -19,8 +19,8 @@ class NodeInputs:
     """This node's name: an endpoint whose nodeName equals it is local (externalTrafficPolicy Local). None: no
     endpoint is local."""
     nodeport_addresses: tuple[str, ...] = ()
-    """The IPv4 addresses node ports are served on, as `select_nodeport_addresses` chose them. (): no node port
-    frontends."""
+    """The addresses node ports are served on, of both families (IPv4 first), as `select_nodeport_addresses` chose
+    them. (): no node port frontends. A Service gets node ports of a family only if it has a ClusterIP of it."""
     primary_ip: str | None = None
     """The node's primary IPv4 address (Node.primary_ipv4): a loadBalancerSourceRanges entry holding it also
     admits the load-balancer IPs as sources (upstream's allowFromNode: a VIP routed locally loops back with
@@ -28,21 +28,30 @@ class NodeInputs:
     zone: str | None = None
     """The node's `topology.kubernetes.io/zone` label (Node.zone): topology-aware routing prefers endpoints
     hinted for it. None (or no Node object): no topology-aware routing."""
+    primary_ipv6: str | None = None
+    """The node's primary IPv6 address (Node.primary_ipv6): the same for the IPv6 source ranges."""
 
 
-def select_nodeport_addresses(addresses: Iterable[str], setting: Sequence[str], primary: str | None) -> tuple[str, ...]:
-    """The IPv4 addresses among `addresses` (the node's own) that node ports are served on, per
-    --nodeport-addresses (`setting`), as upstream's NodePortAddresses chooses them, sorted:
+def select_nodeport_addresses(addresses: Iterable[str], setting: Sequence[str], primary: str | None,
+                              primary6: str | None = None) -> tuple[str, ...]:
+    """The addresses among `addresses` (the node's own, of both families) that node ports are served on, per
+    --nodeport-addresses (`setting`), as upstream's NodePortAddresses chooses them per family, sorted, IPv4 first:
 
     - () (unset): all of them, as upstream's iptables mode;
-    - ("primary",): `primary`, i.e. its /32, as upstream turns it into;
-    - CIDRs: those in one of the IPv4 CIDRs. As upstream, a family given no CIDR matches all its addresses: IPv6
-      CIDRs alone, or "primary" without a primary IPv4 address, select every IPv4 address.
+    - ("primary",): `primary` and `primary6` (the primary IPv4 and IPv6 addresses), i.e. their /32 and /128, as
+      upstream turns it into;
+    - CIDRs: those in one of the CIDRs of their family. As upstream, a family given no CIDR matches all its
+      addresses: IPv6 CIDRs alone select every IPv4 address, and "primary" without a primary address of a family
+      selects every address of that family.
+
+    IPv6 link-local addresses (fe80::/10) are never chosen: one is the same on every link, so a frontend on it
+    would not say which link it serves (upstream's iptables mode matches them by `addrtype LOCAL`; its nftables
+    mode, whose default is "primary", does not).
 
     Raises ValueError naming an entry that is neither a CIDR nor a lone "primary"."""
     if list(setting) == [PRIMARY]:
-        setting = [f"{primary}/32"] if primary else []
-    networks = []
+        setting = [*([f"{primary}/32"] if primary else []), *([f"{primary6}/128"] if primary6 else [])]
+    networks: dict[int, list[ipaddress.IPv4Network | ipaddress.IPv6Network]] = {4: [], 6: []}
     for entry in setting:
         try:
             if "/" not in entry:
@@ -50,11 +59,13 @@ def select_nodeport_addresses(addresses: Iterable[str], setting: Sequence[str], 
             network = ipaddress.ip_network(entry.strip(), strict=False)
         except ValueError:
             raise ValueError(f"--nodeport-addresses: {entry!r} is not a CIDR (or a lone {PRIMARY!r})") from None
-        if network.version == 4:
-            networks.append(network)
-    chosen = set()
+        networks[network.version].append(network)
+    chosen: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
     for address in addresses:
         ip = ipaddress.ip_address(address)
-        if ip.version == 4 and (not networks or any(ip in n for n in networks)):
+        if ip.is_link_local and ip.version == 6:
+            continue
+        mine = networks[ip.version]
+        if not mine or any(ip in n for n in mine):
             chosen.add(ip)
-    return tuple(str(ip) for ip in sorted(chosen))
+    return tuple(str(ip) for ip in sorted(chosen, key=lambda ip: (ip.version, ip)))

@@ -30,6 +30,18 @@ TOPOLOGY_MODE_ANNOTATION = "service.kubernetes.io/topology-mode"
 TOPOLOGY_AWARE_HINTS_ANNOTATION = "service.kubernetes.io/topology-aware-hints"
 PREFER_CLOSE = "PreferClose"
 PREFER_SAME_ZONE = "PreferSameZone"
+# IP families, as ipaddress's `version` numbers them; an address's is `family_of(address)`.
+IPV4 = 4
+IPV6 = 6
+# spec.ipFamilies' and an EndpointSlice's addressType's names of each family.
+FAMILY_NAMES = {IPV4: "IPv4", IPV6: "IPv6"}
+# spec.ipFamilyPolicy's values.
+IP_FAMILY_POLICIES = ("SingleStack", "PreferDualStack", "RequireDualStack")
+
+
+def family_of(address: str) -> int:
+    """IPV6 for an IPv6 address (or CIDR), else IPV4: model addresses are valid and canonical, so a colon tells."""
+    return IPV6 if ":" in address else IPV4
 
 
 class Protocol(enum.StrEnum):
@@ -80,17 +92,20 @@ class Service:
     type: str
     """ClusterIP, NodePort, LoadBalancer or ExternalName."""
     cluster_ips: tuple[str, ...]
-    """IPv4 ClusterIPs in dotted form; empty for a headless Service or one without a ClusterIP."""
+    """spec.clusterIPs in canonical form, at most one per family, the primary family's first; empty for a headless
+    Service or one without a ClusterIP. A family's other frontends (external IPs, load-balancer IPs, node ports)
+    are served only when the Service has a ClusterIP of that family, as upstream's per-family proxiers."""
     ports: tuple[ServicePort, ...]
     session_affinity: str = "None"
     """"None" or "ClientIP"."""
     session_affinity_timeout: int = DEFAULT_SESSION_AFFINITY_TIMEOUT
     """Seconds a ClientIP affinity lasts."""
     external_ips: tuple[str, ...] = ()
-    """spec.externalIPs, the IPv4 ones (IPv6 ones are valid but not served), in the object's order."""
+    """spec.externalIPs of both families, canonical, in the object's order."""
     load_balancer_ips: tuple[str, ...] = ()
-    """status.loadBalancer.ingress[].ip, the IPv4 ones whose ipMode is VIP (or unset): traffic arrives addressed
-    to them. Traffic from an ingress with ipMode Proxy (a proxying load balancer) is not addressed to its IP."""
+    """status.loadBalancer.ingress[].ip of both families, those whose ipMode is VIP (or unset): traffic arrives
+    addressed to them. Traffic from an ingress with ipMode Proxy (a proxying load balancer) is not addressed to
+    its IP."""
     external_traffic_policy: TrafficPolicy = TrafficPolicy.CLUSTER
     """Applies to the external frontends (node ports, external IPs, load-balancer IPs); absent means Cluster."""
     internal_traffic_policy: TrafficPolicy = TrafficPolicy.CLUSTER
@@ -98,13 +113,13 @@ class Service:
     health_check_node_port: int | None = None
     """spec.healthCheckNodePort (None: unset or 0)."""
     load_balancer_source_ranges: tuple[str, ...] = ()
-    """spec.loadBalancerSourceRanges, the IPv4 ones, trimmed and in canonical form ("10.0.0.0/8"); empty: any
-    source. IPv6 ones are valid but dropped, as upstream's IPv4 proxier does."""
+    """spec.loadBalancerSourceRanges of both families, trimmed and in canonical form ("10.0.0.0/8"); empty: any
+    source. Each family's load-balancer IPs take that family's ranges only (upstream's per-family proxiers)."""
     scheduler: str = ""
     """The `pyproxy.io/scheduler` annotation, one of SCHEDULERS; "": the node's default (--bpf-scheduler,
     --ipvs-scheduler)."""
     weights: tuple[tuple[str, int], ...] = ()
-    """The `pyproxy.io/weights` annotation ("10.244.1.5=3,10.244.2.7=0"): endpoint address -> weight
+    """The `pyproxy.io/weights` annotation ("10.244.1.5=3,fd00::7=0"): endpoint address (canonical) -> weight
     (0-MAX_WEIGHT; 0: no new flows, as IPVS's quiesced server), sorted; an endpoint not named weighs 1."""
     traffic_distribution: str = ""
     """spec.trafficDistribution as written ("": unset); PreferClose (or PreferSameZone) asks for topology-aware
@@ -112,6 +127,12 @@ class Service:
     topology_mode: str = ""
     """The `service.kubernetes.io/topology-mode` annotation, else the older `topology-aware-hints` one (upstream's
     hintsAnnotation); "Auto" or "auto" asks for topology-aware routing."""
+    ip_families: tuple[str, ...] = ()
+    """spec.ipFamilies as written ("IPv4", "IPv6"; the primary first), checked against `cluster_ips`; (): unset
+    (the families are the ClusterIPs')."""
+    ip_family_policy: str = ""
+    """spec.ipFamilyPolicy (IP_FAMILY_POLICIES; "": unset, SingleStack): checked against the ClusterIPs, else
+    informational, as upstream's proxies: which frontends a Service has follows its ClusterIPs."""
     ignored: tuple[str, ...] = ()
     """What of the object was ignored, each with why (a malformed pyproxy.io/ annotation: the API server checks
     no annotation, so a typo there must not cost the Service its traffic). The sources log it once per version."""
@@ -153,7 +174,8 @@ class EndpointSlice:
     service_name: str
     """From the `kubernetes.io/service-name` label."""
     address_type: str
-    """IPv4, IPv6 or FQDN; only IPv4 slices are served today."""
+    """IPv4, IPv6 or FQDN. A frontend uses the slices of its own family only; FQDN slices are never used (as
+    upstream)."""
     endpoints: tuple[Endpoint, ...] = ()
     ports: tuple[EndpointPort, ...] = ()
     trigger_time: float | None = field(default=None, compare=False)
@@ -196,15 +218,22 @@ class Node:
     def zone(self) -> str | None:
         return dict(self.labels).get(ZONE_LABEL)
 
-    @property
-    def primary_ipv4(self) -> str | None:
-        """The node's primary IPv4 address as upstream picks it (GetNodeHostIPs): the first IPv4 InternalIP, else
-        the first IPv4 ExternalIP; None when it has neither."""
+    def primary_ip(self, family: int) -> str | None:
+        """The node's primary address of `family` as upstream picks it (GetNodeHostIPs): the first InternalIP of
+        that family, else the first ExternalIP of it; None when it has neither."""
         for wanted in NODE_IP_TYPES:
             for kind, address in self.addresses:
-                if kind == wanted and "." in address:
+                if kind == wanted and family_of(address) == family:
                     return address
         return None
+
+    @property
+    def primary_ipv4(self) -> str | None:
+        return self.primary_ip(IPV4)
+
+    @property
+    def primary_ipv6(self) -> str | None:
+        return self.primary_ip(IPV6)
 
 
 # The taint the cluster autoscaler puts on a node it is about to delete.

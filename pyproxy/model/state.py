@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from pyproxy.model.node import NodeInputs
-from pyproxy.model.objects import Protocol
+from pyproxy.model.objects import IPV4, IPV6, Protocol
 
 
 class Frontend(NamedTuple):
@@ -23,11 +23,17 @@ class Frontend(NamedTuple):
     field, as a tuple) and equality are as a frozen dataclass's; `str()` is the familiar ip:port form."""
 
     ip: str
+    """Canonical, of either family: a frontend's family is its address's (`family`)."""
     port: int
     protocol: Protocol
 
     def __str__(self) -> str:
         return f"{self.ip}:{self.port}/{self.protocol.value}"
+
+    @property
+    def family(self) -> int:
+        """IPV4 or IPV6 (objects.family_of): a frontend's backends are all of its family."""
+        return IPV6 if ":" in self.ip else IPV4
 
 
 class Backend(NamedTuple):
@@ -35,7 +41,12 @@ class Backend(NamedTuple):
     port: int
 
     def __str__(self) -> str:
+        # Unbracketed for IPv6 too: bpf's Maglev hashes this spelling (dataplane/bpf/maglev.py pins it).
         return f"{self.ip}:{self.port}"
+
+    @property
+    def family(self) -> int:
+        return IPV6 if ":" in self.ip else IPV4
 
 
 class FrontendKind(enum.StrEnum):
@@ -63,6 +74,8 @@ class ServicePortState:
     """`namespace/name` of the Service."""
     port_name: str
     frontend: Frontend
+    """Of one family (`family`); every backend below is of the same one: a frontend uses only the endpoints of
+    its own family's EndpointSlices (upstream's per-family proxiers)."""
     backends: tuple[Backend, ...]
     """The endpoints new connections may use, sorted: the ready ones or, when none is ready, the serving and
     terminating ones (upstream's ProxyTerminatingEndpoints). Empty means: no usable endpoint, reject (but see
@@ -94,9 +107,10 @@ class ServicePortState:
     ClusterIP frontends --masquerade-all / --cluster-cidr); with Local, external clients and pods keep their
     address."""
     source_ranges: tuple[str, ...] = ()
-    """LoadBalancer frontends only: the IPv4 CIDRs a new flow's source must be in (loadBalancerSourceRanges, plus
-    the load-balancer IPs themselves when a range holds the node's primary IP, as upstream); traffic from
-    elsewhere is dropped. (): any source (also when a range is 0.0.0.0/0). Other kinds: always ()."""
+    """LoadBalancer frontends only: the CIDRs of the frontend's family a new flow's source must be in (the
+    loadBalancerSourceRanges of that family, plus the load-balancer IPs of it when a range holds the node's
+    primary IP of it, as upstream); traffic from elsewhere is dropped. (): any source (also when a range is
+    0.0.0.0/0 or ::/0, and, as upstream, when every range is of the other family). Other kinds: always ()."""
     health_check_node_port: int | None = None
     """The Service's healthCheckNodePort, on each of its frontends, when upstream serves one (a LoadBalancer
     Service with externalTrafficPolicy Local); else None."""
@@ -125,6 +139,11 @@ class ServicePortState:
             if ip == backend.ip:
                 return weight
         return 1
+
+    @property
+    def family(self) -> int:
+        """The frontend's family (IPV4 or IPV6)."""
+        return self.frontend.family
 
     @property
     def display_name(self) -> str:
@@ -188,13 +207,76 @@ def health_check(states: Iterable[ServicePortState]) -> HealthCheck | None:
     once however many ports it serves). None: the Service has no such server. The count comes from the
     Local-policy external frontends' `external_backends`, so a Service none of whose external frontends is
     served (no node-port address, no load-balancer IP yet, or all held by another Service) counts 0, and one
-    none of whose frontends is served (not in `DesiredState.services`) has no server."""
+    none of whose frontends is served (not in `DesiredState.services`) has no server. A dual-stack Service's
+    count is that of the family with more (upstream runs one per family, each counting its own)."""
     port = None
-    local: set[str] = set()
+    local: dict[int, set[str]] = {IPV4: set(), IPV6: set()}
     for sp in states:
         if sp.health_check_node_port is None:
             return None  # a Service-level setting: on every frontend or on none
         port = sp.health_check_node_port
         if sp.local_ready:
-            local.update(b.ip for b in sp.external_backends)
-    return None if port is None else HealthCheck(port, len(local))
+            local[sp.family].update(b.ip for b in sp.external_backends)
+    # A dual-stack pod has an address of each family: counted per family, it is one endpoint, not two.
+    return None if port is None else HealthCheck(port, max(len(local[IPV4]), len(local[IPV6])))
+
+
+IPV4_ONLY = frozenset({IPV4})
+BOTH_FAMILIES = frozenset({IPV4, IPV6})
+
+
+class FamilyFilter:
+    """The desired state as a dataplane that renders only some IP families sees it: the frontends of the others
+    left out (and the node-port addresses of the others), the Services left with none absent, as if they had
+    nothing to serve. The proxier runs one before `apply` for a mode that cannot render IPv6 yet, so that mode
+    keeps serving IPv4 exactly as before and never sees an address it cannot write.
+
+    Incremental, as the sync is: `update` looks at the changed Services only (every Service on a full sync), and
+    when no Service has a frontend of a left-out family, the state given is the state returned, unchanged."""
+
+    def __init__(self, families: frozenset[int]) -> None:
+        self.families = families
+        self.skipped: dict[str, tuple[tuple[ServicePortState, ...], int]] = {}
+        """Service -> (its frontends kept, how many were left out), for the Services with some left out."""
+        self.newly: list[str] = []
+        """The Services the last `update` found with frontends left out, sorted (for its log line)."""
+
+    def update(self, desired: DesiredState, changed: Iterable[str] | None) -> DesiredState:
+        """`desired` restricted to `self.families`; `changed`: the Services that changed since the last update
+        (None: all of them, a full sync)."""
+        services = desired.services
+        if changed is None:
+            self.skipped = {}
+            changed = services.keys()
+        families = self.families
+        newly = []
+        for key in changed:
+            states = services.get(key, ())
+            kept = tuple(st for st in states if st.frontend.family in families)
+            if len(kept) < len(states):
+                self.skipped[key] = (kept, len(states) - len(kept))
+                newly.append(key)
+            else:
+                self.skipped.pop(key, None)
+        self.newly = sorted(newly)
+        node = desired.node
+        addresses = tuple(ip for ip in node.nodeport_addresses if (IPV6 if ":" in ip else IPV4) in families)
+        if not self.skipped and addresses == node.nodeport_addresses:
+            return desired
+        served = dict(services)
+        for key, (kept, _) in self.skipped.items():
+            if kept:
+                served[key] = kept
+            else:
+                served.pop(key, None)
+        return replace(desired, services=served, node=replace(node, nodeport_addresses=addresses))
+
+    def summary(self, mode: str) -> str | None:
+        """One line for the log when the last update left out frontends of Services that changed; else None."""
+        if not self.newly:
+            return None
+        frontends = sum(n for _, n in self.skipped.values())
+        names = ", ".join(self.newly[:5]) + (f" and {len(self.newly) - 5} more" if len(self.newly) > 5 else "")
+        wanted = "/".join(f"IPv{f}" for f in sorted(self.families))
+        return (f"{mode} mode renders {wanted} only (yet): the other family's frontends of {names} are not served "
+                f"({frontends} frontends of {len(self.skipped)} Services in all)")

@@ -74,7 +74,7 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
         node_name=node,
         service_health=service_health,
     )
-    metrics.registry.register(NoLocalEndpointsCollector(lambda: proxier.desired))
+    metrics.registry.register(NoLocalEndpointsCollector(lambda: proxier.served))
     # The node's addresses before the sources start, so the first sync already has its NodePorts.
     node_addresses = NodeAddresses(node, settings.nodeport_addresses, proxier.set_node_inputs)
     proxier.node_addresses = node_addresses

@@ -51,10 +51,10 @@ class ProxySettings:
     hostname_override: str | None = None
     """--hostname-override: the name of the own Node; default: this host's name, lowercased."""
     nodeport_addresses: tuple[str, ...] = ()
-    """--nodeport-addresses: the node addresses NodePorts are served on: IPv4 CIDRs (a node address in one of
-    them), or "primary" (the node's primary IPv4 address: the Node object's, else the first address of the
-    default-route device). Empty, as upstream's iptables mode: every address of the node (loopback ones
-    aside)."""
+    """--nodeport-addresses: the node addresses NodePorts are served on: CIDRs of either family (a node address
+    in one of them; a family given none: all its addresses, as upstream), or "primary" (the node's primary
+    address of each family: the Node object's, else the first address of that family's default-route device).
+    Empty, as upstream's iptables mode: every address of the node (loopback and IPv6 link-local ones aside)."""
     healthz_bind_address: str = "0.0.0.0:10256"
     """--healthz-bind-address: /healthz and /livez (upstream's port)."""
     metrics_bind_address: str = "127.0.0.1:10249"

@@ -301,20 +301,9 @@ class _Reader:
             s.userspace.udp_idle_timeout = parse_duration(idle)
 
     def _cluster_cidr(self, s: ProxySettings, text: str) -> None:
-        """Upstream takes a dual-stack pair; pyproxy is IPv4-only, so it keeps the IPv4 one."""
-        v4: list[str] = []
-        v6: list[str] = []
-        for cidr in (c.strip() for c in text.split(",")):
-            try:
-                (v4 if ipaddress.ip_network(cidr, strict=False).version == 4 else v6).append(cidr)
-            except ValueError:
-                v4.append(cidr)  # ProxySettings.problems names it
-        if len(v4) > 1:
-            self.refuse("clusterCIDR", f"{text!r} holds {len(v4)} IPv4 CIDRs; at most one IPv4 and one IPv6")
-        elif v4:
-            s.masquerade.cluster_cidr = v4[0]
-        if v6:
-            self.warnings.append(f"{self.path}: clusterCIDR: {', '.join(v6)} ignored: pyproxy serves IPv4 only")
+        """Upstream's dual-stack pair (one CIDR per family), or one CIDR."""
+        for problem in s.masquerade.set_cluster_cidrs(text):
+            self.refuse("clusterCIDR", problem.removeprefix("--cluster-cidr "))
 
     def blocks(self, mode: str) -> tuple[str, str]:
         """The blocks `mode` reads its sync periods and its masquerade settings from (upstream's conversion)."""
@@ -430,7 +419,7 @@ def dump(s: ProxySettings) -> str:
         "kind": KIND,
         "bindAddress": "0.0.0.0",
         "clientConnection": {"kubeconfig": str(s.connection.kubeconfig or "")},
-        "clusterCIDR": s.masquerade.cluster_cidr or "",
+        "clusterCIDR": ",".join(c for c in (s.masquerade.cluster_cidr, s.masquerade.cluster_cidr6) if c),
         "conntrack": {"tcpEstablishedTimeout": format_duration(ct.tcp_established),
                       "tcpCloseWaitTimeout": format_duration(ct.tcp_closing),
                       "udpTimeout": format_duration(ct.udp_new),

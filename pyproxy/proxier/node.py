@@ -3,21 +3,23 @@ address, its zone; gathered here from the settings, the kernel and the Node obje
 it changes (a change recomputes every Service).
 
 - The name: --hostname-override, else the host name, lowercased (upstream's rule; `config.node_name`).
-- The node's addresses: every IPv4 address of pyproxy's network namespace, read from netlink and followed
-  (`netlink.AddressWatcher`), but loopback ones (upstream's iptables mode also serves NodePorts on 127.0.0.1
+- The node's addresses: every IPv4 and IPv6 address of pyproxy's network namespace, read from netlink and
+  followed (`netlink.AddressWatcher`), but loopback ones (upstream's iptables mode also serves NodePorts on 127.0.0.1
   under localhostNodePorts, which pyproxy does not) and those on IPVS mode's kube-ipvs0, which hold ClusterIPs
   (upstream's IPVS mode leaves them out too). --nodeport-addresses picks among them
   (`select_nodeport_addresses`).
-- The primary address: the Node object's (`Node.primary_ipv4`) when following the API server and it has one;
-  else the first IPv4 address of the device the default route leaves by, which is what the node's InternalIP
-  usually is.
+- The primary address of each family: the Node object's (`Node.primary_ip`) when following the API server and
+  it has one; else the first address of that family of the device that family's default route leaves by, which
+  is what the node's InternalIP usually is (IPv6: its first global one, link-local ones aside).
 - The zone: the Node object's `topology.kubernetes.io/zone` label (`Node.zone`), for topology-aware routing;
   none until a source delivers the Node.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -46,9 +48,10 @@ class NodeAddresses:
         setting: Sequence[str],
         on_change: Callable[[NodeInputs], None],
         *,
-        list_addresses: Callable[[], list[netlink.Address]] = netlink.list_ipv4_addresses,
-        default_device: Callable[[], str | None] = netlink.default_route_device,
-        watcher: Callable[[Callable[[], None]], Watcher] = netlink.AddressWatcher,
+        list_addresses: Callable[[], list[netlink.Address]] = netlink.list_addresses,
+        default_device: Callable[[int], str | None] = netlink.default_route_device,
+        watcher: Callable[[Callable[[], None]], Watcher] = lambda on_change: netlink.AddressWatcher(
+            on_change, (socket.AF_INET, socket.AF_INET6)),
     ) -> None:
         self._setting = tuple(setting)
         self._on_change = on_change
@@ -58,6 +61,7 @@ class NodeAddresses:
         self._watcher: Watcher | None = None
         self._lock = threading.Lock()
         self._node_primary: str | None = None
+        self._node_primary6: str | None = None
         self._zone: str | None = None
         self.inputs = NodeInputs(name=name)
         """What the model was last given."""
@@ -74,25 +78,34 @@ class NodeAddresses:
         if self._watcher is not None:
             self._watcher.stop()
 
-    def set_from_node(self, primary: str | None, zone: str | None) -> None:
-        """What the Node object says: its primary IPv4 address (None: it names none, the default route decides)
-        and its zone label (None: none)."""
+    def set_from_node(self, primary: str | None, zone: str | None, primary6: str | None = None) -> None:
+        """What the Node object says: its primary IPv4 and IPv6 addresses (None: it names none, the default route
+        of that family decides) and its zone label (None: none)."""
         with self._lock:
-            if (primary, zone) == (self._node_primary, self._zone):
+            if (primary, primary6, zone) == (self._node_primary, self._node_primary6, self._zone):
                 return
-            self._node_primary, self._zone = primary, zone
+            self._node_primary, self._node_primary6, self._zone = primary, primary6, zone
         self.refresh()
+
+    def _primary(self, given: str | None, family: int, addresses: list[netlink.Address]) -> str | None:
+        """The Node's primary address of `family` (socket.AF_*), else the first of that family on its default
+        route's device."""
+        if given is not None:
+            return given
+        device = self._default_device(family)
+        version = 6 if family == socket.AF_INET6 else 4
+        return next((a.ip for a in addresses if a.device == device
+                     and ipaddress.ip_address(a.ip).version == version
+                     and not ipaddress.ip_address(a.ip).is_link_local), None)
 
     def refresh(self) -> None:
         """Read the kernel again; hand the model new inputs if they changed."""
         with self._lock:
             addresses = [a for a in self._list() if not a.loopback and a.device != DUMMY_DEVICE]
-            primary = self._node_primary
-            if primary is None:
-                device = self._default_device()
-                primary = next((a.ip for a in addresses if a.device == device), None)
-            chosen = select_nodeport_addresses((a.ip for a in addresses), self._setting, primary)
-            inputs = NodeInputs(self.inputs.name, chosen, primary, self._zone)
+            primary = self._primary(self._node_primary, socket.AF_INET, addresses)
+            primary6 = self._primary(self._node_primary6, socket.AF_INET6, addresses)
+            chosen = select_nodeport_addresses((a.ip for a in addresses), self._setting, primary, primary6)
+            inputs = NodeInputs(self.inputs.name, chosen, primary, self._zone, primary6)
             if inputs == self.inputs:
                 return
             self.inputs = inputs
@@ -108,7 +121,7 @@ class NodeAddresses:
         if chosen:
             log.info("NodePorts use node addresses %s (%s)", ", ".join(chosen), setting)
         elif not addresses:
-            log.warning("NodePorts use no node address: the node has no IPv4 address (loopback aside)")
+            log.warning("NodePorts use no node address: the node has no address (loopback aside)")
         elif self._setting == (PRIMARY,) and primary is None:
             log.warning("NodePorts use no node address (%s): the node has no primary IPv4 address (no Node "
                         "address, no default route)", setting)

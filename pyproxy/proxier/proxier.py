@@ -23,7 +23,7 @@ from pyproxy.dataplane.base import Dataplane
 from pyproxy.model.desired import update_desired_state
 from pyproxy.model.node import NodeInputs
 from pyproxy.model.objects import EndpointSlice, Node, Service
-from pyproxy.model.state import DesiredState, health_check
+from pyproxy.model.state import BOTH_FAMILIES, IPV4_ONLY, DesiredState, FamilyFilter, health_check
 from pyproxy.model.tracker import ClusterState
 from pyproxy.proxier.healthcheck import ServiceHealthServers
 from pyproxy.proxier.metrics import ProxyMetrics
@@ -66,6 +66,11 @@ class Proxier:
         self.dataplane = dataplane
         self.cluster = ClusterState()
         self.desired = DesiredState()
+        self.served = self.desired
+        """What the dataplane was given: `desired` but the frontends of the IP families it cannot render (a
+        dataplane names those it can in `ip_families`; one that does not renders IPv4 only)."""
+        families = getattr(dataplane, "ip_families", IPV4_ONLY)
+        self._families = None if families >= BOTH_FAMILIES else FamilyFilter(families)
         self.metrics = metrics
         # Read when scraped rather than set at every change: listing 10,000 Services records 20,000 changes.
         metrics.service_changes_pending.set_function(self.cluster.services.pending)
@@ -128,7 +133,7 @@ class Proxier:
                  ",".join(f"{t}={a}" for t, a in node.addresses) or "-", " (being deleted)" if node.deleting else "")
         self.node = node
         if self.node_addresses is not None:
-            self.node_addresses.set_from_node(node.primary_ipv4, node.zone)
+            self.node_addresses.set_from_node(node.primary_ipv4, node.zone, node.primary_ipv6)
 
     def set_node_inputs(self, inputs: NodeInputs) -> None:
         """This node as the model sees it changed (its addresses, its primary address, its zone): every Service is
@@ -169,8 +174,10 @@ class Proxier:
         if not changed and not full and not self.dataplane.housekeeping_due():
             self._update_service_health(())  # ports that could not be bound are tried again
             return True
+        served = self.desired if self._families is None else self._families.update(self.desired,
+                                                                                    None if full else changed)
         try:
-            self.dataplane.apply(self.desired, None if full else changed)
+            self.dataplane.apply(served, None if full else changed)
         except Exception:
             self._retry = changed
             self._need_full = True
@@ -186,6 +193,9 @@ class Proxier:
                     servicesChanged=len(changed))
             raise
         self._retry = set()
+        self.served = served
+        if self._families is not None and (summary := self._families.summary(self.dataplane.mode)):
+            log.warning("%s", summary)
         self._report_unserved()
         self._update_service_health(changed)
         applied = time.time()
@@ -214,6 +224,6 @@ class Proxier:
     def _update_service_health(self, applied: set[str] | tuple[()]) -> None:
         """Tell the healthCheckNodePort servers what the Services just applied now have."""
         if self.service_health is not None:
-            services = self.desired.services
+            services = self.served.services
             self.service_health.update({key: health_check(services.get(key, ())) for key in applied},
-                                       self.desired.node.nodeport_addresses)
+                                       self.served.node.nodeport_addresses)

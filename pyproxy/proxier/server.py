@@ -4,6 +4,7 @@ from `.port`), so a caller that returns from `start()` knows the server is accep
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -85,6 +86,12 @@ Route = Callable[[str], tuple[int, dict[str, str], bytes]]
 """path -> (status, headers, body)."""
 
 
+class _ThreadingHTTPServer6(ThreadingHTTPServer):
+    """On an IPv6 address (a health-check node port on an IPv6 node address, --healthz-bind-address=[::]:…)."""
+
+    address_family = socket.AF_INET6
+
+
 class HttpServer:
     def __init__(self, host: str, port: int, routes: dict[str, Route], fallback: Route | None = None) -> None:
         def not_found(_path: str) -> tuple[int, dict[str, str], bytes]:
@@ -106,7 +113,7 @@ class HttpServer:
             def log_message(self, format: str, *args: object) -> None:  # noqa: A002
                 pass
 
-        self._httpd = ThreadingHTTPServer((host, port), Handler)
+        self._httpd = (_ThreadingHTTPServer6 if ":" in host else ThreadingHTTPServer)((host, port), Handler)
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
         # Polled 10 times a second, not socketserver's 2: stop() waits for the poll, and a sync that closes a

@@ -4,9 +4,10 @@ namespace lab. IPVS, which this kernel lacks, runs the same table inside the qem
 from __future__ import annotations
 
 import pytest
-from flowcases import MANIFESTS, NODE_NAME, mismatches
+from flowcases import IPV6_CASES, MANIFESTS, NODE_NAME, NOT_RENDERED_YET, mismatches
 
 from pyproxy.dataplane.bpf import bcc, loader
+from pyproxy.lab.netns import nonzero_checksum_errors
 
 pytestmark = pytest.mark.root
 
@@ -40,3 +41,21 @@ def test_every_mode_agrees_on_the_flow_table(make_env, monkeypatch: pytest.Monke
     env.start(mode=mode, args=[f"--hostname-override={NODE_NAME}", *args])
     wrong = mismatches(env.lab, mode)
     assert not wrong, f"{mode} {args}:\n" + "\n".join(wrong)
+
+
+IPV6_MODES = [param for param in MODES if param.values[0] not in NOT_RENDERED_YET]
+"""The modes that render IPv6 (flowcases.NOT_RENDERED_YET names the others, and why)."""
+
+
+@pytest.mark.parametrize("mode, args, environ", IPV6_MODES)
+def test_the_modes_that_render_ipv6_agree_on_the_ipv6_flow_table(make_env, mode: str, args: list[str],
+                                                                 environ: dict[str, str]) -> None:
+    # The same node, every link with an IPv6 /64 beside its IPv4 one: the client and the pods send from their
+    # IPv6 addresses, NodePorts are served on the node's.
+    env = make_env(3, distro=True, ipv6=True)
+    env.write("cluster.yaml", MANIFESTS)
+    env.start(mode=mode, args=[f"--hostname-override={NODE_NAME}", *args])
+    wrong = mismatches(env.lab, mode, IPV6_CASES)
+    assert not wrong, f"{mode} {args}:\n" + "\n".join(wrong)
+    # TCP's counters cover both families; UDP over IPv6 has its own (Udp6InCsumErrors, not read here).
+    assert not nonzero_checksum_errors(env.lab.checksum_errors())

@@ -19,9 +19,11 @@ ClusterIP and NodePort (clients outside the cluster: SNATed, cleared by port as 
 from __future__ import annotations
 
 import pytest
+from flowcases import NOT_RENDERED_YET
 from udpswitch import describe, measure
 
 from pyproxy.lab.manifests import Port, endpoint_slice, service
+from pyproxy.lab.netns import ipv6_of
 
 MODES = [
     pytest.param("bpf", [], id="bpf"),
@@ -57,3 +59,26 @@ def test_a_udp_client_on_a_fixed_port_follows_a_replaced_endpoint(make_env, mode
         metrics = env.metrics()
         assert metrics["kubeproxy_conntrack_reconciler_deleted_entries_total"] >= len(TARGETS), metrics
         assert metrics["kubeproxy_conntrack_reconciler_sync_duration_seconds_count"] >= 1
+
+
+B1_6, B2_6 = ipv6_of(B1), ipv6_of(B2)
+VIP6 = "fd00:10:96:31::1"
+DNS6 = Port("dns", 53, 5353, "UDP", node_port=30055)
+TARGETS6 = {"cluster-ip": (VIP6, 53, 40055), "node-port": (ipv6_of(NODE_IP), 30055, 40056)}
+
+
+@pytest.mark.root
+@pytest.mark.parametrize(("mode", "args"), [m for m in MODES if m.values[0] not in NOT_RENDERED_YET])
+def test_an_ipv6_udp_client_on_a_fixed_port_follows_a_replaced_endpoint(make_env, mode: str, args: list[str]) -> None:
+    """The same over IPv6: the stale entries go with `conntrack -f ipv6` (the one plan, model/conntrack.py)."""
+    env = make_env(backends=2, ipv6=True)
+    svc = service("dns6", VIP6, [DNS6], type="NodePort", cluster_ips=[VIP6])
+    env.write("dns.yaml", svc, endpoint_slice("dns6", {B1_6: True}, [DNS6]))
+    env.start(mode=mode, args=args)
+    timings = measure(env.lab, TARGETS6,
+                      lambda: env.write("dns.yaml", svc, endpoint_slice("dns6", {B2_6: True}, [DNS6])))
+    print(f"\n{mode} {' '.join(args)} IPv6: {describe(timings)}")
+    for target, (applied, switched) in timings.items():
+        assert switched - applied <= SWITCH_LIMIT, (
+            f"{target}: the fixed-port flow reached b2 {switched - applied:.2f}s after new flows did")
+    assert env.metrics()["kubeproxy_conntrack_reconciler_deleted_entries_total"] >= len(TARGETS6)

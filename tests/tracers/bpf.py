@@ -18,8 +18,10 @@ import ipaddress
 from collections.abc import Iterator, Sequence
 
 from pyproxy.dataplane.bpf import abi
+from pyproxy.dataplane.bpf.backend import BpfDataplane
 from pyproxy.dataplane.bpf.render import Applied, Plan, render
-from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict, untranslated
+from pyproxy.model.state import IPV4_ONLY
+from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict, as_served, untranslated
 
 CAPACITY = {abi.MAP_SERVICES: 65536, abi.MAP_SLOTS: 1 << 20, abi.MAP_BACKENDS: 65536, abi.MAP_STATS: 65536}
 _PROTO = {"tcp": "TCP", "udp": "UDP"}
@@ -31,9 +33,10 @@ Maps = dict[str, dict[tuple, tuple | None]]
 
 
 def plans(syncs: Sequence[Sync]) -> list[Plan]:
-    """The plans of `syncs` in turn, as the bpf backend's apply() renders them from what the last one left."""
+    """The plans of `syncs` in turn, as the bpf backend's apply() renders them from what the last one left (the
+    frontends of the families it renders: the proxier leaves out the others)."""
     applied, out = Applied(), []
-    for desired, changed in syncs:
+    for desired, changed in as_served(syncs, getattr(BpfDataplane, "ip_families", IPV4_ONLY)):
         keys = set(desired.services) | applied.by_service.keys() if changed is None else changed
         out.append(render(applied, {k: desired.services.get(k, ()) for k in keys}, CAPACITY))
         applied.commit(out[-1])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -24,9 +24,9 @@ from flowcases import ALT, B1, B2, B3, DNS, HTTP, NO_ANSWER, REFUSED, Outcome, a
 from pyproxy.dataplane.fake import FakeDataplane
 from pyproxy.k8s.manifest import ManifestSource
 from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
-from pyproxy.lab.netns import CLIENT_IP, NODE_CLIENT_IP, NODE_UPLINK_IP, backend_ip
+from pyproxy.lab.netns import CLIENT_IP, NODE_CLIENT_IP, NODE_UPLINK_IP, backend_ip, ipv6_of
 from pyproxy.model.node import NodeInputs
-from pyproxy.model.state import DesiredState
+from pyproxy.model.state import DesiredState, FamilyFilter
 from pyproxy.proxier.metrics import ProxyMetrics
 from pyproxy.proxier.proxier import Proxier
 from pyproxy.proxier.server import ProxyHealth
@@ -54,10 +54,15 @@ BEFORE = documents(
 BACKENDS = {backend_ip(i): f"b{i}" for i in (1, 2, 3)}
 """Lab addressing (pyproxy.lab): backend I is 10.201.I.2, named bI in the table."""
 SOURCES = {"client": CLIENT_IP, **{name: ip for ip, name in BACKENDS.items()}}
-NODE_ADDRESSES = (NODE_UPLINK_IP, NODE_CLIENT_IP, *(f"10.201.{i}.1" for i in (1, 2, 3)))
-"""The node's own addresses in the table's lab (a distro lab with three backends): NodePorts are served on all of
-them, as pyproxy serves them without --nodeport-addresses."""
-NODE = NodeInputs(name=flowcases.NODE_NAME, nodeport_addresses=tuple(sorted(NODE_ADDRESSES)), zone=flowcases.NODE_ZONE)
+SOURCES6 = {role: ipv6_of(ip) for role, ip in SOURCES.items()}
+"""Each role's IPv6 address (pyproxy.lab.netns.ipv6_of), the source of its IPv6 flows."""
+BACKENDS.update({ipv6_of(ip): name for ip, name in list(BACKENDS.items())})
+NODE_ADDRESSES4 = (NODE_UPLINK_IP, NODE_CLIENT_IP, *(f"10.201.{i}.1" for i in (1, 2, 3)))
+NODE_ADDRESSES = (*NODE_ADDRESSES4, *(ipv6_of(ip) for ip in NODE_ADDRESSES4))
+"""The node's own addresses in the table's lab (a distro lab with three backends), of both families: NodePorts are
+served on all of them, as pyproxy serves them without --nodeport-addresses."""
+NODE = NodeInputs(name=flowcases.NODE_NAME, nodeport_addresses=tuple(sorted(NODE_ADDRESSES4))
+                  + tuple(sorted(NODE_ADDRESSES[len(NODE_ADDRESSES4):])), zone=flowcases.NODE_ZONE)
 
 Memory = frozenset[tuple[str, ...]]
 """What flows leave behind for later ones, as hashable facts (each tracer says which)."""
@@ -123,6 +128,13 @@ def syncs(*manifests: str) -> list[Sync]:
     return [(desired, changed) for desired, changed in dp.applies]
 
 
+def as_served(syncs: Sequence[Sync], families: frozenset[int]) -> list[Sync]:
+    """What the proxier hands a dataplane that renders `families` (its backend's `ip_families`): each sync's
+    desired state without the other family's frontends (model.state.FamilyFilter)."""
+    only = FamilyFilter(families)
+    return [(only.update(desired, changed), changed) for desired, changed in syncs]
+
+
 def desired_state(manifests: str = flowcases.MANIFESTS) -> DesiredState:
     """The desired state pyproxy computes from `manifests`."""
     return syncs(manifests)[-1][0]
@@ -136,7 +148,7 @@ def _name(backend: str) -> str:
 
 
 def outcome(tracer: Tracer, case: flowcases.FlowCase) -> Outcome:
-    pkt = Packet(SOURCES[case.src], case.proto, case.dst, case.port)
+    pkt = Packet((SOURCES6 if case.family == 6 else SOURCES)[case.src], case.proto, case.dst, case.port)
     first = set(tracer.flows(pkt, frozenset()))
     kinds = {v.kind for v in first}
     if kinds == {"refused"}:
@@ -150,18 +162,18 @@ def outcome(tracer: Tracer, case: flowcases.FlowCase) -> Outcome:
     return sticky(*names) if stays and len(names) > 1 else answered_by(*names)
 
 
-def traced_cases() -> list[flowcases.FlowCase]:
+def traced_cases(cases: Sequence[flowcases.FlowCase] = flowcases.CASES) -> list[flowcases.FlowCase]:
     """The cases a tracer follows: traffic that enters the node (from the client or a pod). The node's own
     processes take other paths (nat OUTPUT, IPVS's local-out hook, bpf's socket hooks at connect()) that the
     tracers do not model; the privileged table (tests/e2e/test_flowcases.py) checks those cases."""
-    return [case for case in flowcases.CASES if case.src in SOURCES]
+    return [case for case in cases if case.src in SOURCES]
 
 
-def mismatches(tracer: Tracer, mode: str) -> list[str]:
-    """One line per case of the table whose traced outcome is not what `mode` must do (exactly: a trace sees
+def mismatches(tracer: Tracer, mode: str, cases: Sequence[flowcases.FlowCase] = flowcases.CASES) -> list[str]:
+    """One line per case of `cases` whose traced outcome is not what `mode` must do (exactly: a trace sees
     every branch, so a sticky Service must be sticky over all its ready endpoints)."""
     wrong = []
-    for case in traced_cases():
+    for case in traced_cases(cases):
         expected, seen = case.expected(mode), outcome(tracer, case)
         if seen != expected:
             wrong.append(f"{case.name} ({case.src} -> {case.proto} {case.dst}:{case.port}): "

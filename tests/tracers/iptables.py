@@ -9,7 +9,7 @@ that is not the node's, is forwarded, through filter FORWARD (KUBE-PROXY-FIREWAL
 KUBE-EXTERNAL-SERVICES: their REJECTs and DROPs); an untranslated flow to a node address goes through filter
 INPUT (the same chains' verdicts) to the node's own stack; an untranslated flow nothing stopped is the node's
 stack's or leaves the node (common.untranslated). `-m recent` affinity makes a second flow find the first one's
-endpoint.
+endpoint. IPv6 flows walk the ip6tables-restore inputs (render's family=6), IPv4 ones the iptables ones.
 Does not model: the node's own traffic (OUTPUT), POSTROUTING (masquerade changes who answers, not whether),
 conntrack beyond a first packet, the affinity timeout, real randomness, ICMP rate limits.
 """
@@ -24,15 +24,17 @@ from tracers.common import NODE_ADDRESSES, Memory, Packet, Sync, Unmodelled, Ver
 from tracers.netfilter import Flow, Tables
 
 
-def restore_texts(syncs: Sequence[Sync], masquerade: nf.MasqueradeSettings | None = None) -> list[str]:
-    """The iptables-restore inputs of `syncs` in turn, as the iptables backend's apply() renders them: the first
-    sync full, onto tables without our chains (so every jump is inserted), the later ones partial."""
+def restore_texts(syncs: Sequence[Sync], masquerade: nf.MasqueradeSettings | None = None, family: int = 4
+                  ) -> list[str]:
+    """The iptables-restore inputs (family 6: ip6tables-restore's) of `syncs` in turn, as the iptables backend's
+    apply() renders them: the first sync full, onto tables without our chains (so every jump is inserted), the
+    later ones partial."""
     applied: dict[str, AppliedService] = {}
     out = []
     for i, (desired, changed) in enumerate(syncs):
         if i and changed is None:
             raise Unmodelled("a later full sync (it needs iptables-save of the tables so far)")
-        plan = render(desired, changed, applied, masquerade or nf.MasqueradeSettings(), None if i else {})
+        plan = render(desired, changed, applied, masquerade or nf.MasqueradeSettings(), None if i else {}, family)
         applied = plan.applied
         out.append(plan.text)
     return out
@@ -56,19 +58,21 @@ def _through(tables: Tables, chain: str, flow: Flow, translated: bool) -> Iterat
 
 
 class IptablesTracer:
-    def __init__(self, texts: Sequence[str]) -> None:
-        # iptables-restore --noflush, one input after the other
+    def __init__(self, texts: Sequence[str], texts6: Sequence[str] = ()) -> None:
+        # iptables-restore --noflush, one input after the other; ip6tables-restore's beside them
         self.tables = Tables("".join(texts), local=NODE_ADDRESSES.__contains__)
+        self.tables6 = Tables("".join(texts6), local=NODE_ADDRESSES.__contains__)
 
     def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
-        for verdict, f in self.tables.walk("nat", "PREROUTING", Flow(pkt, memory=memory)):
+        tables = self.tables6 if ":" in pkt.dst else self.tables
+        for verdict, f in tables.walk("nat", "PREROUTING", Flow(pkt, memory=memory)):
             if verdict == "DROP":
                 raise Unmodelled(f"DROP in nat (iptables refuses it) for {pkt}")
             if verdict != "DNAT" and f.pkt.dst in NODE_ADDRESSES:
-                yield from _through(self.tables, "INPUT", f, False)  # to the node's own stack
+                yield from _through(tables, "INPUT", f, False)  # to the node's own stack
             else:
-                yield from forwarded(self.tables, f, verdict == "DNAT")
+                yield from forwarded(tables, f, verdict == "DNAT")
 
 
 def tracer(syncs: Sequence[Sync]) -> IptablesTracer:
-    return IptablesTracer(restore_texts(syncs))
+    return IptablesTracer(restore_texts(syncs), restore_texts(syncs, family=6))

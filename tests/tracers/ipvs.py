@@ -24,10 +24,10 @@ from collections.abc import Iterator, Sequence
 
 from pyproxy.dataplane import netfilter as nf
 from pyproxy.dataplane.ipvs import render as ipvs_render
-from pyproxy.dataplane.ipvs.backend import JUMPS, rule_edits
+from pyproxy.dataplane.ipvs.backend import JUMPS, IpvsDataplane, rule_edits
 from pyproxy.dataplane.ipvs.render import Op
 from pyproxy.model.state import Backend
-from tracers.common import NODE_ADDRESSES, Memory, Packet, Sync, Unmodelled, Verdict, untranslated
+from tracers.common import NODE_ADDRESSES, Memory, Packet, Sync, Unmodelled, Verdict, as_served, untranslated
 from tracers.iptables import forwarded
 from tracers.netfilter import Flow, Tables
 
@@ -68,9 +68,10 @@ class Kernel:
 
 
 def plans(syncs: Sequence[Sync]) -> list[tuple[Op, ...]]:
-    """The ops of `syncs` in turn, as the ipvs backend's apply() renders them from what the kernel holds."""
+    """The ops of `syncs` in turn, as the ipvs backend's apply() renders them from what the kernel holds (the
+    frontends of the families it renders: the proxier leaves out the others)."""
     kernel, memory, out = Kernel(), ipvs_render.Memory(), []
-    for desired, changed in syncs:
+    for desired, changed in as_served(syncs, IpvsDataplane.ip_families):
         full = changed is None
         keys = set(desired.services) | set(memory.owners.values()) if changed is None else changed
         plan = ipvs_render.render(kernel.observed(), memory, {k: desired.services.get(k, ()) for k in keys},

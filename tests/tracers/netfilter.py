@@ -236,8 +236,8 @@ class Tables:
         elif t == "MASQUERADE":
             yield "ACCEPT", flow
         elif t == "DNAT":
-            ip, port = args["--to-destination"].rsplit(":", 1)
-            yield "DNAT", replace(flow, pkt=replace(flow.pkt, dst=ip, port=int(port)))
+            ip, port = args["--to-destination"].rsplit(":", 1)  # an IPv6 address in brackets: [addr]:port
+            yield "DNAT", replace(flow, pkt=replace(flow.pkt, dst=ip.strip("[]"), port=int(port)))
         elif t == "MARK":
             if "--or-mark" in args:
                 yield "CONTINUE", replace(flow, mark=flow.mark | int(args["--or-mark"], 16))

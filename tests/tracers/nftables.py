@@ -16,6 +16,8 @@ walk. A flow neither DNATed nor dropped is the node's own stack's or routed away
 command or statement raises Unmodelled.
 Does not model: the kernel (nft's parser, set timeouts), conntrack beyond a first packet, real randomness, the
 output and postrouting hooks (the node's own traffic; masquerade changes who answers, not whether).
+Each family's table (`ip pyproxy`, `ip6 pyproxy`) is a Ruleset of its own; a flow walks its family's, whose rules
+must match addresses with that family's keyword (`ip saddr`, `ip6 saddr`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 from pyproxy.dataplane.netfilter import MasqueradeSettings
+from pyproxy.dataplane.nftables.backend import of_family
 from pyproxy.dataplane.nftables.render import render
 from pyproxy.dataplane.nftables.table import TableState
 from tracers.common import NODE_ADDRESSES, Memory, Packet, Sync, Unmodelled, Verdict, untranslated
@@ -44,15 +47,19 @@ Statement = Callable[[Flow], Step]
 def scripts(syncs: Sequence[Sync], masquerade: MasqueradeSettings | None = None) -> list[str]:
     """The `nft -f` scripts of `syncs` in turn, as the nftables backend's apply() renders them from the table
     the scripts before left (deletes deferred by one sync are due at the next, as a second later)."""
-    state, deferred, out = TableState(), frozenset[str](), []
+    states = {family: (TableState(), frozenset[str]()) for family in (4, 6)}
+    out = []
     for desired, changed in syncs:
         full = changed is None
         services = dict(desired.services) if changed is None else {k: desired.services.get(k, ()) for k in changed}
-        plan = render(state, services, masquerade or MasqueradeSettings(), full=full,
-                      pending=dict.fromkeys(deferred, True), lazy_deletes=not full,
-                      nodeport_ips=desired.node.nodeport_addresses)
-        state, deferred = plan.state, plan.deferred
-        out.append(plan.script)
+        script = ""
+        for family, (state, deferred) in states.items():
+            plan = render(state, of_family(services, family), masquerade or MasqueradeSettings(), full=full,
+                          pending=dict.fromkeys(deferred, True), lazy_deletes=not full, family=family,
+                          nodeport_ips=[ip for ip in desired.node.nodeport_addresses if (":" in ip) == (family == 6)])
+            states[family] = (plan.state, plan.deferred)
+            script += plan.script
+        out.append(script)
     return out
 
 
@@ -89,7 +96,9 @@ def _match(test: Callable[[Flow], bool]) -> Statement:
 
 
 class Ruleset:
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, family: str = "ip") -> None:
+        """The commands of `text` for table `family pyproxy` ("ip" or "ip6"); the other family's are skipped."""
+        self.family = family
         self.chains: dict[str, list[list[Statement]]] = {}
         self.texts: dict[str, list[str]] = {}
         """Each chain's rules as written, to find who uses a chain."""
@@ -104,11 +113,17 @@ class Ruleset:
         for line in text.splitlines():
             self._command(line)
 
+    @property
+    def _addr_type(self) -> str:
+        return "ipv6_addr" if self.family == "ip6" else "ipv4_addr"
+
     def _command(self, line: str) -> None:
         head, _, body = line.partition("{")
         words = head.split()
-        if words[0] not in ("add", "flush", "delete") or words[2:4] != ["ip", "pyproxy"]:
+        if words[0] not in ("add", "flush", "delete") or words[2:4] not in (["ip", "pyproxy"], ["ip6", "pyproxy"]):
             raise Unmodelled(f"nft command: {line}")
+        if words[2] != self.family:
+            return  # the other family's table
         kind, name = words[1], words[4] if len(words) > 4 else ""
         parts = split(body.rpartition("}")[0], ";")
         if kind == "table" and words[0] == "add":
@@ -148,7 +163,7 @@ class Ruleset:
                 elif part.startswith("elements = {"):
                     self.members.setdefault(name, set()).update(
                         split(part.removeprefix("elements = {").removesuffix("}"), ","))
-                elif not part.startswith(("type ipv4_addr", "timeout ", "comment ")):
+                elif not part.startswith((f"type {self._addr_type}", "timeout ", "comment ")):
                     raise Unmodelled(f"set part: {part}")
         elif (words[0], kind) == ("flush", "set"):
             if name not in self.sets:
@@ -180,7 +195,7 @@ class Ruleset:
 
     def _rule(self, text: str) -> list[Statement]:
         """One rule's statements, in order."""
-        tokens = shlex.split(text.replace("{ ip saddr }", "{ip-saddr}"))
+        tokens = shlex.split(text.replace(f"{{ {self.family} saddr }}", "{ip-saddr}"))
         out: list[Statement] = []
         while tokens:
             out.append(self._statement(tokens, text))
@@ -197,7 +212,9 @@ class Ruleset:
         if word == "ct" and t[:2] == ["state", "new"]:
             del t[:2]
             return _match(lambda f: True)  # every traced flow is new
-        if word == "ip" and t[:1] == ["daddr"] and t[1:7] == [".", "meta", "l4proto", ".", "th", "dport"]:
+        if word in ("ip", "ip6") and word != self.family:
+            raise Unmodelled(f"an {word} match in table {self.family} pyproxy: {rule}")
+        if word == self.family and t[:1] == ["daddr"] and t[1:7] == [".", "meta", "l4proto", ".", "th", "dport"]:
             del t[:7]
             if t.pop(0) != "vmap":
                 raise Unmodelled(f"a lookup that is no vmap: {rule}")
@@ -207,7 +224,7 @@ class Ruleset:
                 verdict = elements.get((f.pkt.dst, f.pkt.proto, f.pkt.port))
                 yield (verdict or "no"), f
             return lookup
-        if word == "ip" and t[:1] in (["saddr"], ["daddr"]):
+        if word == self.family and t[:1] in (["saddr"], ["daddr"]):
             field = t.pop(0)
             negate = t[0] == "!="
             if negate:
@@ -260,6 +277,7 @@ class Ruleset:
             return lambda f: iter([("next", replace(f, memory=f.memory | {("set", name, f.pkt.src)}))])
         if word == "dnat" and t[:1] == ["to"]:
             to_ip, to_port = t[1].rsplit(":", 1)
+            to_ip = to_ip.strip("[]")  # ip6: `dnat to [addr]:port`
             del t[:2]
             return lambda f: iter([("dnat", replace(f, pkt=replace(f.pkt, dst=to_ip, port=int(to_port))))])
         if word == "reject":
@@ -330,12 +348,14 @@ class Ruleset:
 
 class NftablesTracer:
     def __init__(self, scripts: Sequence[str]) -> None:
-        self.ruleset = Ruleset("".join(scripts))  # one `nft -f` after the other
+        text = "".join(scripts)  # one `nft -f` after the other
+        self.ruleset, self.ruleset6 = Ruleset(text), Ruleset(text, "ip6")
 
     def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
+        ruleset = self.ruleset6 if ":" in pkt.dst else self.ruleset
         ways = [("pass", Flow(pkt, memory=memory))]
         for hook in HOOKS:
-            ways = self.ruleset.hook(hook, ways)
+            ways = ruleset.hook(hook, ways)
         for verdict, f in ways:
             if verdict == "reject":
                 yield Verdict("refused")

@@ -19,18 +19,20 @@ from collections.abc import Iterator, Sequence
 
 from pyproxy.dataplane.userspace import render as us_render
 from pyproxy.dataplane.userspace import sockfilter
+from pyproxy.dataplane.userspace.backend import UserspaceDataplane
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Frontend
-from tracers.common import NODE_ADDRESSES, Memory, Packet, Sync, Verdict
+from tracers.common import NODE_ADDRESSES, Memory, Packet, Sync, Verdict, as_served
 
 ENTERING_IFINDEX = 2
 """A device index other than lo's: the table's traced flows come from the client's link or a pod's."""
 
 
 def plans(syncs: Sequence[Sync], cluster_cidr: str | None = None) -> list[us_render.Plan]:
-    """The plans of `syncs` in turn, each rendered from the state the one before left."""
+    """The plans of `syncs` in turn, each rendered from the state the one before left (the frontends of the
+    families the mode renders: the proxier leaves out the others)."""
     state, out = us_render.State(), []
-    for desired, changed in syncs:
+    for desired, changed in as_served(syncs, UserspaceDataplane.ip_families):
         keys = desired.services.keys() if changed is None else changed
         plan = us_render.render(state, {k: desired.services.get(k, ()) for k in keys}, full=changed is None,
                                 cluster_cidr=cluster_cidr)

@@ -91,26 +91,26 @@ def slice_doc() -> dict[str, Any]:
     }
 
 
-def test_a_service_converts_with_its_ipv4_addresses_ports_and_policies() -> None:
+def test_a_service_converts_with_its_addresses_of_both_families_ports_and_policies() -> None:
     assert service_from_dict(service_doc()) == Service(
         namespace="shop",
         name="web",
         type="LoadBalancer",
-        cluster_ips=("10.96.0.10",),
+        cluster_ips=("10.96.0.10", "fd00::10"),
         ports=(
             ServicePort("http", 80, Protocol.TCP, "web", 30080),
             ServicePort("dns", 53, Protocol.UDP, 5353),
         ),
         session_affinity="ClientIP",
         session_affinity_timeout=600,
-        external_ips=("192.0.2.10",),
+        external_ips=("192.0.2.10", "2001:db8::10"),
         # Not the hostname-only ingress, nor the one a proxying load balancer (ipMode Proxy) has.
-        load_balancer_ips=("203.0.113.10",),
+        load_balancer_ips=("203.0.113.10", "2001:db8::11"),
         external_traffic_policy=TrafficPolicy.LOCAL,
         internal_traffic_policy=TrafficPolicy.CLUSTER,
         health_check_node_port=31000,
-        # Trimmed, host bits cleared, IPv6 ones dropped.
-        load_balancer_source_ranges=("198.51.100.0/24", "203.0.0.0/16"),
+        # Trimmed, host bits cleared, of both families.
+        load_balancer_source_ranges=("198.51.100.0/24", "203.0.0.0/16", "2001:db8::/32"),
         traffic_distribution="PreferClose",
     )
 
@@ -314,6 +314,21 @@ def set_path(doc: dict[str, Any], path: Path | str, value: Any) -> dict[str, Any
             "spec.sessionAffinityConfig.clientIP.timeoutSeconds 0 is outside 1-86400",
         ),
         ("spec.externalIPs.1", "192.0.2", "spec.externalIPs[1] '192.0.2' is not an IP address"),
+        ("spec.externalIPs.1", "2001:db8::g", "spec.externalIPs[1] '2001:db8::g' is not an IP address"),
+        ("spec.clusterIPs.1", "fd00::10::1", "spec.clusterIPs[1] 'fd00::10::1' is not an IP address"),
+        ("spec.clusterIPs.1", "10.96.0.11", "spec.clusterIPs holds two IPv4 addresses; at most one IPv4 and one IPv6"),
+        ("spec.clusterIPs", ["10.96.0.10", "fd00::10", "fd00::11"], "spec.clusterIPs holds 3 addresses"),
+        ("spec.ipFamilies", ["IPv6", "IPv4"], "spec.clusterIPs[0] '10.96.0.10' is IPv4, but spec.ipFamilies is"),
+        ("spec.ipFamilies", ["IPv4"], "spec.clusterIPs[1] 'fd00::10' is IPv6, but spec.ipFamilies is ['IPv4']"),
+        ("spec.ipFamilies", ["IPv4", "IPv4"], "spec.ipFamilies[1] 'IPv4' is given twice"),
+        ("spec.ipFamilies", ["ipv6"], "spec.ipFamilies[0] 'ipv6' is not one of IPv4, IPv6"),
+        ("spec.ipFamilyPolicy", "DualStack", "spec.ipFamilyPolicy 'DualStack' is not one of SingleStack, "),
+        ("spec.ipFamilyPolicy", "SingleStack", "spec.clusterIPs holds two addresses, but spec.ipFamilyPolicy is Sing"),
+        ("spec.clusterIPs", ["fd00::10"], None),  # RequireDualStack (set below) with one family
+        ("status.loadBalancer.ingress.3.ip", "2001:db8:::11", "status.loadBalancer.ingress[3].ip '2001:db8:::11' is "
+                                                              "not an IP address"),
+        ("spec.loadBalancerSourceRanges.2", "2001:db8::/129", "spec.loadBalancerSourceRanges[2] '2001:db8::/129' is "
+                                                              "not a CIDR"),
         ("spec.externalIPs", "192.0.2.10", "spec.externalIPs must be a list"),
         # "Global" was the pre-1.7 beta annotation's value, never the field's: the API server refuses it too.
         ("spec.externalTrafficPolicy", "Global", "spec.externalTrafficPolicy 'Global' is not one of Cluster, Local"),
@@ -331,9 +346,13 @@ def set_path(doc: dict[str, Any], path: Path | str, value: Any) -> dict[str, Any
         ("metadata.annotations", {"pyproxy.io/scheduler": 3}, "metadata.annotations[pyproxy.io/scheduler] must be a"),
     ],
 )
-def test_an_invalid_service_is_rejected_with_a_clear_reason(path: str, value: Any, reason: str) -> None:
+def test_an_invalid_service_is_rejected_with_a_clear_reason(path: str, value: Any, reason: str | None) -> None:
+    doc = set_path(service_doc(), path, value)
+    if reason is None:
+        doc["spec"]["ipFamilyPolicy"] = "RequireDualStack"
+        reason = "spec.ipFamilyPolicy is RequireDualStack, but spec.clusterIPs holds only the IPv6 fd00::10"
     with pytest.raises(InvalidObject) as caught:
-        service_from_dict(set_path(service_doc(), path, value))
+        service_from_dict(doc)
     assert caught.value.kind == "Service"
     assert caught.value.reason.startswith(reason)
     if path != "metadata":
@@ -346,7 +365,7 @@ def test_an_invalid_service_is_rejected_with_a_clear_reason(path: str, value: An
     ("weights", "10.0.0.1:3", ": '10.0.0.1:3' is not address=weight with a weight of 0-100: every endpoint weighs 1"),
     ("weights", "10.0.0.1=101", ": '10.0.0.1=101' is not address=weight"),
     ("weights", "10.0.0.1=-1", ": '10.0.0.1=-1' is not address=weight"),
-    ("weights", "10.0.0.2=0, pod-a=1", ": 'pod-a' is not an IPv4 address: every endpoint weighs 1"),
+    ("weights", "10.0.0.2=0, pod-a=1", ": 'pod-a' is not an IP address: every endpoint weighs 1"),
     ("weights", "10.0.0.1=1, 10.0.0.1=2", ": 10.0.0.1 is given two weights"),
 ])
 def test_a_malformed_pyproxy_annotation_is_ignored_and_the_service_kept(name: str, value: str, reason: str) -> None:
@@ -367,6 +386,7 @@ def test_a_malformed_pyproxy_annotation_is_ignored_and_the_service_kept(name: st
         ("addressType", None, "addressType '' is not one of"),
         ("endpoints.0.addresses.0", "fd00::1", "endpoints[0].addresses[0] 'fd00::1' is not an IPv4 address"),
         ("endpoints.0.addresses.0", "10.0.0", "endpoints[0].addresses[0] '10.0.0' is not an IPv4 address"),
+        ("addressType", "IPv6", "endpoints[0].addresses[0] '10.0.0.1' is not an IPv6 address"),
         ("endpoints.0.addresses", [], "endpoints[0].addresses is empty"),
         ("endpoints.0.conditions", {"ready": "yes"}, "endpoints[0].conditions.ready must be true or false"),
         ("endpoints.0", ["10.0.0.1"], "endpoints[0] must be an object"),
@@ -385,6 +405,35 @@ def test_an_invalid_slice_is_rejected_with_a_clear_reason(path: str, value: Any,
         endpointslice_from_dict(set_path(slice_doc(), path, value))
     assert (caught.value.kind, caught.value.key) == ("EndpointSlice", "shop/web-abc")
     assert caught.value.reason.startswith(reason)
+
+
+def test_ipv6_slice_addresses_are_checked_and_kept_canonical() -> None:
+    doc = set_path(slice_doc(), "addressType", "IPv6")
+    doc["endpoints"] = [{"addresses": ["FD00:0:0::0001"]}, {"addresses": ["fd00::2"], "conditions": {"ready": False}}]
+    eps = endpointslice_from_dict(doc)
+    assert eps.address_type == "IPv6"
+    assert [e.addresses for e in eps.endpoints] == [("fd00::1",), ("fd00::2",)]
+    doc["endpoints"][1]["addresses"] = ["fd00::2", "fd00::zz"]
+    with pytest.raises(InvalidObject) as caught:
+        endpointslice_from_dict(doc)
+    assert caught.value.reason == "endpoints[1].addresses[1] 'fd00::zz' is not an IPv6 address"
+
+
+def test_dual_stack_fields_convert() -> None:
+    doc = service_doc()
+    doc["spec"] |= {"ipFamilies": ["IPv6", "IPv4"], "ipFamilyPolicy": "PreferDualStack",
+                    "clusterIPs": ["FD00::0010", "10.96.0.10"]}
+    svc = service_from_dict(doc)
+    assert (svc.cluster_ips, svc.ip_families, svc.ip_family_policy) == (
+        ("fd00::10", "10.96.0.10"), ("IPv6", "IPv4"), "PreferDualStack")
+    # PreferDualStack on a single-stack cluster: one family allocated; SingleStack IPv6.
+    doc["spec"] |= {"clusterIPs": ["fd00::10"], "clusterIP": "fd00::10"}
+    assert service_from_dict(doc).cluster_ips == ("fd00::10",)
+    doc["spec"] |= {"ipFamilies": ["IPv6"], "ipFamilyPolicy": "SingleStack"}
+    assert service_from_dict(doc).cluster_ips == ("fd00::10",)
+    # Weights name IPv6 endpoints too.
+    doc["metadata"]["annotations"] = {"pyproxy.io/weights": "fd00:0::1=0,10.0.0.1=2"}
+    assert service_from_dict(doc).weights == (("10.0.0.1", 2), ("fd00::1", 0))
 
 
 def test_ipv6_and_fqdn_slices_check_their_own_address_family() -> None:

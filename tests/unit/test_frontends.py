@@ -143,26 +143,28 @@ def test_a_frontend_a_service_claims_twice_keeps_the_first_kind() -> None:
 # --------------------------------------------------------------------------------------- node-port addresses
 
 
-ADDRESSES = ("192.168.1.5", "10.0.0.5", "fd00::5", "127.0.0.1", "10.0.0.5")
+ADDRESSES = ("192.168.1.5", "10.0.0.5", "fd00::5", "127.0.0.1", "10.0.0.5", "fe80::5", "2001:db8::5")
 
 
 @pytest.mark.parametrize(
-    ("setting", "primary", "expected"),
+    ("setting", "primary", "primary6", "expected"),
     [
-        ((), "10.0.0.5", ("10.0.0.5", "127.0.0.1", "192.168.1.5")),  # unset: all, as upstream's iptables mode
-        (("primary",), "10.0.0.5", ("10.0.0.5",)),
-        (("10.0.0.0/8",), None, ("10.0.0.5",)),
-        (("10.0.0.0/8", " 192.168.0.0/16"), None, ("10.0.0.5", "192.168.1.5")),
-        (("172.16.0.0/12",), None, ()),
+        # Unset: all, as upstream's iptables mode, IPv4 first (IPv6 link-local ones never).
+        ((), "10.0.0.5", None, ("10.0.0.5", "127.0.0.1", "192.168.1.5", "2001:db8::5", "fd00::5")),
+        (("primary",), "10.0.0.5", "fd00::5", ("10.0.0.5", "fd00::5")),
+        (("10.0.0.0/8",), None, None, ("10.0.0.5", "2001:db8::5", "fd00::5")),
+        (("10.0.0.0/8", " 192.168.0.0/16", "fd00::/8"), None, None, ("10.0.0.5", "192.168.1.5", "fd00::5")),
+        (("172.16.0.0/12", "fc00::/16"), None, None, ()),
         # As upstream: a family given no CIDR matches all its addresses.
-        (("fd00::/8",), None, ("10.0.0.5", "127.0.0.1", "192.168.1.5")),
-        (("primary",), None, ("10.0.0.5", "127.0.0.1", "192.168.1.5")),
+        (("fd00::/8",), None, None, ("10.0.0.5", "127.0.0.1", "192.168.1.5", "fd00::5")),
+        (("primary",), None, "fd00::5", ("10.0.0.5", "127.0.0.1", "192.168.1.5", "fd00::5")),
+        (("primary",), "10.0.0.5", None, ("10.0.0.5", "2001:db8::5", "fd00::5")),
     ],
 )
 def test_nodeport_addresses_select_the_node_addresses_node_ports_serve_on(
-    setting: tuple[str, ...], primary: str | None, expected: tuple[str, ...]
+    setting: tuple[str, ...], primary: str | None, primary6: str | None, expected: tuple[str, ...]
 ) -> None:
-    assert select_nodeport_addresses(ADDRESSES, setting, primary) == expected
+    assert select_nodeport_addresses(ADDRESSES, setting, primary, primary6) == expected
 
 
 @pytest.mark.parametrize("setting", [("10.0.0.5",), ("primary", "10.0.0.0/8"), ("eth0",)])

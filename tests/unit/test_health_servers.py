@@ -210,3 +210,17 @@ def test_with_nodeport_addresses_the_servers_listen_on_them_and_follow_them() ->
         assert hs.port("default/web") is None, "no node-port address: no server, as upstream"
     finally:
         hs.stop()
+
+
+def test_a_health_check_node_port_serves_on_an_ipv6_node_address_too() -> None:
+    """A dual-stack node's --nodeport-addresses hold IPv6 addresses too: its servers listen there as well (here
+    on the loopback's ::1)."""
+    health = ProxyHealth(sync_period=30)
+    health.updated()
+    hs = ServiceHealthServers(health, on_nodeport_addresses=True)
+    port = free_port()
+    try:
+        hs.update({"default/web": HealthCheck(port, 1)}, ("127.0.0.1", "::1"))
+        assert get(port, host="[::1]")[0] == get(port, host="127.0.0.1")[0] == 200
+    finally:
+        hs.stop()

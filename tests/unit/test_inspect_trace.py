@@ -138,6 +138,12 @@ def test_bad_addresses_are_refused(src: str, dst: str) -> None:
         trace(View("bpf", [web()]), src, dst)
 
 
+@pytest.mark.parametrize("src, dst", [("fd00:10:200::2", "10.96.0.10:80"), ("10.200.0.2", "[fd00:10:96::1]:80")])
+def test_ipv6_flows_are_refused_saying_they_are_not_inspected_yet(src: str, dst: str) -> None:
+    with pytest.raises(ValueError, match="IPv6 flows are not inspected yet"):
+        trace(View("bpf", [web()]), src, dst)
+
+
 def test_filters_keep_a_services_or_a_frontends_frontends_and_flows() -> None:
     other = web(ip="10.96.0.20", name="default/db:sql", service="default/db", port=5432)
     v = View("bpf", [web(), other], [flow(), flow(frontend="10.96.0.20", frontend_port=5432, service=other.name)])

@@ -600,3 +600,47 @@ def test_cleanup_removes_the_external_chains_and_their_jumps() -> None:
     # Every jump from a built-in chain the first sync inserted goes with them.
     jumps = [line for line in done if line.split(" rule in ")[-1].split(":")[0] in nf.BUILTIN_CHAINS]
     assert len(jumps) == len([line for line in plan.text.splitlines() if line.startswith("-I ")]), jumps
+
+
+# ------------------------------------------------------------------------------------------------- IPv6
+
+
+V6A, V6B = Backend("fd00:180::1", 80), Backend("fd00:180::2", 80)
+
+
+def test_a_dual_stack_service_renders_each_family_for_its_own_restore() -> None:
+    v4 = port("ns1/svc1", "172.30.0.41", 80, [A], name="p80")
+    v6 = port("ns1/svc1", "fd00:30::41", 80, [V6A, V6B], name="p80")
+    udp6 = port("ns1/svc1", "fd00:30::41", 53, [], name="dns", protocol=Protocol.UDP)
+    node = NodeInputs(nodeport_addresses=("10.0.0.5", "fd00:1::5"))
+    m = nf.MasqueradeSettings(cluster_cidr="10.244.0.0/16", cluster_cidr6="fd00:244::/56")
+    desired = state(v4, v6, udp6, node=node)
+    saved = {t: nf.SavedTable() for t in nf.TABLES}
+    four = render(desired, None, {}, m, saved).text
+    assert four == render(state(v4, node=NodeInputs(nodeport_addresses=("10.0.0.5",))), None, {}, m, saved).text
+    six = render(desired, None, {}, m, saved, family=6).text
+    assert "172.30.0.41" not in six and "10.0.0.5" not in six and "10.244.0.0/16" not in six
+    assert ('-A KUBE-SERVICES -m comment --comment "ns1/svc1:p80 cluster IP" -m tcp -p tcp -d fd00:30::41/128 '
+            '--dport 80 ! -s fd00:244::/56 -j KUBE-MARK-MASQ') in six
+    assert "-d fd00:1::5/128 -j KUBE-NODEPORTS" in six
+    # Upstream's endpoint string, "[addr]:port", names the chain and is DNAT's destination.
+    sep = sep_chain(v6, V6A)
+    assert sep == "KUBE-SEP-" + nf.chain_hash("ns1/svc1:p80tcp[fd00:180::1]:80")
+    assert f'-A {sep} -m comment --comment "ns1/svc1:p80" -s fd00:180::1/128 -j KUBE-MARK-MASQ' in six
+    assert (f'-A {sep} -m comment --comment "ns1/svc1:p80" -m tcp -p tcp -j DNAT --to-destination '
+            '[fd00:180::1]:80') in six
+    # No endpoints, UDP: ICMPv6 port unreachable (TCP: a reset, as for IPv4).
+    assert ('-m udp -p udp -d fd00:30::41/128 --dport 53 -j REJECT --reject-with icmp6-port-unreachable') in six
+    # IPv4 names are upstream's as before: "ip:port".
+    assert sep_chain(v4, A) == "KUBE-SEP-" + nf.chain_hash("ns1/svc1:p80tcp10.180.0.1:80")
+
+
+def test_the_ipv6_plan_clears_stale_ipv6_udp_flows() -> None:
+    e1, e2 = Backend("fd00:180::1", 53), Backend("fd00:180::2", 53)
+    before = port("kube-system/kube-dns", "fd00:96::10", 53, [e1, e2], name="dns", protocol=Protocol.UDP)
+    after = port("kube-system/kube-dns", "fd00:96::10", 53, [e2], name="dns", protocol=Protocol.UDP)
+    saved = {t: nf.SavedTable() for t in nf.TABLES}
+    first = render(state(before), None, {}, NO_MASQ, saved, family=6)
+    plan = render(state(after), {"kube-system/kube-dns"}, first.applied, NO_MASQ, family=6)
+    assert plan.stale_udp == (Stale("fd00:96::10", 53, e1),)
+    assert nf.conntrack_filter(plan.stale_udp[0])[:2] == ["-f", "ipv6"]

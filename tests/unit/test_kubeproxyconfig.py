@@ -96,6 +96,8 @@ def test_zero_values_are_the_defaults() -> None:
     ("mode: bpf\niptables: {syncPeriod: 40s}", "sync_period", 40.0),  # every mode but ipvs/nftables: iptables'
     ("clusterCIDR: 10.244.0.0/16", "masquerade.cluster_cidr", "10.244.0.0/16"),
     ("clusterCIDR: 10.244.0.0/16,fd00:10:244::/56", "masquerade.cluster_cidr", "10.244.0.0/16"),
+    ("clusterCIDR: 10.244.0.0/16, fd00:10:244::/56", "masquerade.cluster_cidr6", "fd00:10:244::/56"),
+    ("clusterCIDR: fd00:10:244::/56", "masquerade.cluster_cidr", None),
     ("iptables: {masqueradeAll: true}", "masquerade.masquerade_all", True),
     ("iptables: {masqueradeBit: 0}", "masquerade.masquerade_bit", 0),  # a pointer: 0 is bit 0, not the default
     ("mode: nftables\nnftables: {masqueradeBit: 9, masqueradeAll: true}", "masquerade.masquerade_bit", 9),
@@ -143,7 +145,6 @@ def test_the_masquerade_setting_is_shared_by_every_mode() -> None:
     ("conntrack: {maxPerCore: 32768, min: 131072}", "conntrack.maxPerCore (32768) has no effect"),
     ("configSyncPeriod: 15m0s", "configSyncPeriod ('15m0s') has no effect: pyproxy's watches never resync"),
     ("featureGates: {SomeGate: true}", "featureGates ({'SomeGate': True}) has no effect"),
-    ("clusterCIDR: 10.244.0.0/16,fd00::/56", "clusterCIDR: fd00::/56 ignored: pyproxy serves IPv4 only"),
     ("nftables: {masqueradeAll: true}", "nftables.masqueradeAll (True) is not used: mode auto reads "
                                          "iptables.masqueradeAll"),
     ("logging: {flushFrequency: 5s}", "logging.flushFrequency ('5s') has no effect: pyproxy writes each log line"),
@@ -184,7 +185,11 @@ def test_fields_without_effect_here_are_accepted_with_a_warning(body: str, warni
     ("mode: kernelspac", "kp.yaml: mode: must be one of auto, bpf, ipvs, nftables, iptables, userspace (or empty: "
                          "auto), not 'kernelspac'"),
     ("conntrack: {tcpEstablishedTimeout: -1s}", "kp.yaml: conntrack.tcpEstablishedTimeout: must be positive"),
-    ("clusterCIDR: 10.0.0.0/8,10.1.0.0/16", "kp.yaml: clusterCIDR: '10.0.0.0/8,10.1.0.0/16' holds 2 IPv4 CIDRs"),
+    ("clusterCIDR: 10.0.0.0/8,10.1.0.0/16", "kp.yaml: clusterCIDR: '10.0.0.0/8,10.1.0.0/16' holds 2 IPv4 and 0 "
+                                            "IPv6 CIDRs; at most one of each"),
+    ("clusterCIDR: fd00::/56,fd01::/56", "kp.yaml: clusterCIDR: 'fd00::/56,fd01::/56' holds 0 IPv4 and 2 IPv6"),
+    ("clusterCIDR: fd00::/129", "kp.yaml: clusterCIDR must be an IPv4 CIDR such as 10.244.0.0/16 and/or an IPv6 one, "
+                                 "comma-separated, not 'fd00::/129'"),
     ("bpf: {snatPortRange: many}", "kp.yaml: bpf.snatPortRange: must be FIRST-LAST"),
     ("bpf: {mapSizes: {pyproxy_ct_v2: 10}}", "kp.yaml: bpf.mapSizes: no map pyproxy_ct_v2: the maps are services,"),
     ("bpf: {mapSizes: {ct: 0}}", "kp.yaml: the capacity of map pyproxy_ct_v2 must be 1.."),
@@ -318,11 +323,12 @@ def test_upstreams_sync_flags_apply_in_their_modes(flags: list[str], mode: str, 
 
 
 def every_setting() -> ProxySettings:
-    s = ProxySettings(mode="nftables", hostname_override="node-7", nodeport_addresses=("10.0.0.0/8",),
+    s = ProxySettings(mode="nftables", hostname_override="node-7", nodeport_addresses=("10.0.0.0/8", "fd00::/8"),
                       healthz_bind_address="0.0.0.0:20256", metrics_bind_address="127.0.0.1:20249",
                       min_sync_period=0.25, sync_period=90.0)
     s.connection.kubeconfig = Path("/var/lib/kube-proxy/kubeconfig.conf")
     s.masquerade.cluster_cidr, s.masquerade.masquerade_all, s.masquerade.masquerade_bit = "10.244.0.0/16", True, 0
+    s.masquerade.cluster_cidr6 = "fd00:10:244::/56"  # the dual-stack pair, written back as one clusterCIDR
     s.ipvs.scheduler = "wlc"
     s.logging.verbosity, s.logging.format = 0, "json"
     b = s.bpf

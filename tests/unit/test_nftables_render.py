@@ -549,3 +549,60 @@ def test_udp_node_port_flows_of_endpoints_that_left_are_flushed_by_port() -> Non
     assert plan.stale_udp == (Stale("", 30053, e2),)
     assert nf.conntrack_filter(plan.stale_udp[0]) == ["-p", "udp", "--orig-port-dst", "30053",
                                                       "--dst-nat", "10.1.0.2", "--reply-port-src", "5353"]
+
+
+# ---------------------------------------------------------------------------------------------------- IPv6
+
+
+V6_B1, V6_B2 = Backend("fd00:244::1", 8080), Backend("fd00:244::1:2", 8080)
+
+
+def rules6(plan: Plan, chain: str) -> list[str]:
+    head = f"add chain ip6 pyproxy {chain} {{ "
+    return [r for c in plan.commands if c.startswith(head)
+            for r in c[len(head):-1].split("; ") if r and not r.startswith(("type ", "policy "))]
+
+
+def test_ipv6_frontends_render_upstreams_rules_in_the_ip6_table() -> None:
+    s = sp(ip="fd00::10", backends=(V6_B1, V6_B2), affinity=60)
+    masq = MasqueradeSettings(cluster_cidr="10.244.0.0/16", cluster_cidr6="fd00:244::/56")
+    plan = render(TableState(), {"default/web": (s,)}, masq, full=True, nodeport_ips=["fd00:1::5"], family=6)
+    assert all(c.split()[2:4] == ["ip6", "pyproxy"] or c.startswith("add table ip6 pyproxy") for c in plan.commands)
+    assert rules6(plan, "services") == ["ip6 daddr . meta l4proto . th dport vmap @service-ips",
+                                        "ip6 daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports"]
+    # Rejects: a TCP reset, else nft's default for ip6, ICMPv6 port unreachable.
+    assert rules6(plan, "reject-chain") == ["meta l4proto tcp reject with tcp reset", "reject"]
+    assert any("type ipv6_addr . inet_proto . inet_service : verdict" in c for c in plan.commands)
+    assert any("nodeport-ips { type ipv6_addr;" in c and "elements = { fd00:1::5 }" in c for c in plan.commands)
+    # Chain names write the address's colons as dots (nft names hold no colon), and read back.
+    e1 = endpoint_chain(s, V6_B1)
+    assert e1.endswith("-default/web/tcp/http__fd00.244..1/8080") and endpoint_of(e1) == V6_B1
+    assert endpoint_of(endpoint_chain(s, V6_B2)) == V6_B2
+    assert rules6(plan, e1) == ["ip6 saddr fd00:244::1 jump mark-for-masquerade",
+                                f"update @{affinity_set(s, V6_B1)} {{ ip6 saddr }}",
+                                "meta l4proto tcp dnat to [fd00:244::1]:8080"]
+    assert rules6(plan, service_chain(s))[0] == ("ip6 daddr fd00::10 tcp dport 80 ip6 saddr != fd00:244::/56 "
+                                                 "jump mark-for-masquerade")
+    assert f"add set ip6 pyproxy {affinity_set(s, V6_B1)} {{ type ipv6_addr; flags dynamic,timeout; timeout 60s; }}" \
+        in plan.commands
+
+
+def test_ipv6_source_ranges_and_local_short_circuit_use_the_ipv6_cluster_cidr() -> None:
+    lb = ServicePortState("default/web", "http", Frontend("2001:db8::11", 80, Protocol.TCP), (V6_B1, V6_B2),
+                          (V6_B1, V6_B2), kind=FrontendKind.LOAD_BALANCER, external_backends=(V6_B1,),
+                          source_ranges=("2001:db8:1::/48",))
+    masq = MasqueradeSettings(cluster_cidr="10.244.0.0/16", cluster_cidr6="fd00:244::/56")
+    plan = render(TableState(), {"default/web": (lb,)}, masq, full=True, family=6)
+    assert rules6(plan, firewall_chain(lb)) == ["ip6 saddr != { 2001:db8:1::/48 } drop"]
+    assert rules6(plan, external_chain(lb))[0] == f"ip6 saddr fd00:244::/56 goto {service_chain(lb)}"
+
+
+def test_ipv6_udp_flows_of_a_gone_endpoint_are_cleared_with_conntracks_ipv6_family() -> None:
+    e1, e2 = Backend("fd00:244::1", 5353), Backend("fd00:244::2", 5353)
+    udp = sp("default/dns", "fd00::53", 53, "UDP", (e1, e2), port_name="dns")
+    first = render(TableState(), {"default/dns": (udp,)}, MASQ, full=True, family=6)
+    gone = render(first.state, {"default/dns": (sp("default/dns", "fd00::53", 53, "UDP", (e2,), port_name="dns"),)},
+                  MASQ, full=False, family=6)
+    assert gone.stale_udp == (Stale("fd00::53", 53, e1),)
+    assert nf.conntrack_filter(gone.stale_udp[0])[:2] == ["-f", "ipv6"]
+    assert nf.conntrack_filter(Stale("10.96.0.53", 53, B1))[0] == "-p"

@@ -3,6 +3,7 @@ followed when they change (each change recomputes every Service), the primary ad
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 
 import pytest
@@ -21,11 +22,15 @@ from pyproxy.proxier.server import ProxyHealth
 class FakeKernel:
     """The node's addresses and default-route device, and the watcher's callback to say they changed."""
 
-    def __init__(self, *addresses: Address, default: str | None = "eth0") -> None:
+    def __init__(self, *addresses: Address, default: str | None = "eth0", default6: str | None = None) -> None:
         self.addresses = list(addresses)
         self.default = default
+        self.default6 = default6
         self.notify: Callable[[], None] | None = None
         self.started = self.stopped = False
+
+    def default_device(self, family: int) -> str | None:
+        return self.default if family == socket.AF_INET else self.default6
 
     def watcher(self, on_change: Callable[[], None]) -> FakeKernel:
         self.notify = on_change
@@ -53,7 +58,7 @@ def tracked(kernel: FakeKernel, setting: tuple[str, ...] = (), name: str = "node
             ) -> tuple[NodeAddresses, list[NodeInputs]]:
     seen: list[NodeInputs] = []
     tracker = NodeAddresses(name, setting, seen.append, list_addresses=lambda: list(kernel.addresses),
-                            default_device=lambda: kernel.default, watcher=kernel.watcher)
+                            default_device=kernel.default_device, watcher=kernel.watcher)
     tracker.start()
     return tracker, seen
 
@@ -85,8 +90,37 @@ def test_an_address_change_is_handed_over_once_and_logged(caplog: pytest.LogCapt
     assert [r.getMessage() for r in caplog.records] == [
         "NodePorts use node addresses 10.0.0.5 (--nodeport-addresses unset: every node address)",
         "NodePorts use node addresses 10.0.0.5, 192.168.1.5 (--nodeport-addresses unset: every node address)",
-        "NodePorts use no node address: the node has no IPv4 address (loopback aside)",
+        "NodePorts use no node address: the node has no address (loopback aside)",
     ]
+
+
+ETH0_V6 = Address("eth0", "2001:db8::5", False)
+ETH0_LINK = Address("eth0", "fe80::1", False)
+ETH1_V6 = Address("eth1", "fd00:1::5", False)
+LO_V6 = Address("lo", "::1", True)
+
+
+@pytest.mark.parametrize(("setting", "chosen", "primary6"), [
+    # Unset: every address of both families, IPv4 first, but loopback and link-local ones.
+    ((), ("10.0.0.5", "2001:db8::5", "fd00:1::5"), "2001:db8::5"),
+    # "primary": each family's primary address (IPv6: the first global one of its default route's device).
+    (("primary",), ("10.0.0.5", "2001:db8::5"), "2001:db8::5"),
+    # A family given no CIDR matches all its addresses, as upstream.
+    (("fd00::/8",), ("10.0.0.5", "fd00:1::5"), "2001:db8::5"),
+    (("10.0.0.0/8", "2001:db8::/32"), ("10.0.0.5", "2001:db8::5"), "2001:db8::5"),
+])
+def test_ipv6_node_addresses_serve_node_ports_per_family(setting: tuple[str, ...], chosen: tuple[str, ...],
+                                                        primary6: str) -> None:
+    kernel = FakeKernel(LO, LO_V6, ETH0, ETH0_LINK, ETH0_V6, ETH1_V6, default6="eth0")
+    _, seen = tracked(kernel, setting)
+    assert seen == [NodeInputs("node-a", chosen, "10.0.0.5", None, primary6)]
+
+
+def test_the_node_objects_primary_ipv6_address_wins_over_the_default_route() -> None:
+    kernel = FakeKernel(ETH0, ETH0_V6, ETH1_V6, default6="eth0")
+    tracker, seen = tracked(kernel, ("primary",))
+    tracker.set_from_node(None, None, "fd00:1::5")
+    assert seen[-1] == NodeInputs("node-a", ("10.0.0.5", "fd00:1::5"), "10.0.0.5", None, "fd00:1::5")
 
 
 def test_the_node_objects_primary_address_wins_over_the_default_route() -> None:
@@ -123,7 +157,7 @@ def test_the_node_addresses_reach_the_desired_state_and_a_change_resyncs_every_s
     p, dp = _proxier()
     kernel = FakeKernel(ETH0)
     tracker = NodeAddresses("node-a", ("10.0.0.0/8", "192.168.0.0/16"), p.set_node_inputs,
-                            list_addresses=lambda: list(kernel.addresses), default_device=lambda: kernel.default,
+                            list_addresses=lambda: list(kernel.addresses), default_device=kernel.default_device,
                             watcher=kernel.watcher)
     p.node_addresses = tracker
     tracker.start()

@@ -122,6 +122,18 @@ def test_flags_set_their_settings() -> None:
     assert settings("--sync-period=45").sync_period == 45.0
 
 
+def test_cluster_cidr_takes_one_cidr_per_family_as_upstream() -> None:
+    s = settings("--cluster-cidr=10.244.0.0/16,fd00:10:244::/56")
+    assert (s.masquerade.cluster_cidr, s.masquerade.cluster_cidr6) == ("10.244.0.0/16", "fd00:10:244::/56")
+    assert s.masquerade.cluster_cidr_of(6) == "fd00:10:244::/56"
+    s = settings("--cluster-cidr=fd00:10:244::/56")
+    assert (s.masquerade.cluster_cidr, s.masquerade.cluster_cidr6) == (None, "fd00:10:244::/56")
+    with pytest.raises(SettingError, match="--cluster-cidr '10.0.0.0/8,10.1.0.0/16' holds 2 IPv4 and 0 IPv6 CIDRs"):
+        settings("--cluster-cidr=10.0.0.0/8,10.1.0.0/16")
+    with pytest.raises(SettingError, match="--cluster-cidr must be an IPv4 CIDR .* not 'pods'"):
+        settings("--cluster-cidr=pods,fd00::/56")
+
+
 def test_endpoint_counters_are_a_flag_and_its_negation() -> None:
     assert settings("--bpf-endpoint-counters").bpf.endpoint_counters is True
     assert settings("--no-bpf-endpoint-counters").bpf.endpoint_counters is False

@@ -1,4 +1,8 @@
-"""The iptables dataplane backend: upstream kube-proxy's KUBE-* chains, one iptables-restore per sync.
+"""The iptables dataplane backend: upstream kube-proxy's KUBE-* chains, one iptables-restore per sync, and one
+ip6tables-restore for the IPv6 frontends (upstream's dual-stack kube-proxy runs one proxier per family: the same
+chains in both). The IPv4 restore goes first; should the IPv6 one fail, IPv4 has switched already, the sync
+fails, and the next one, full, repairs both (as for nat and filter below). A node whose ip6tables cannot be used
+(no binaries, no IPv6 in the kernel) serves IPv4 only, saying so at start.
 
 Each sync is one `iptables-restore --noflush` holding both tables (see render.py for what it writes), so the
 kernel switches from the previous rules to the new ones in one step per table, and keeps the previous ones
@@ -23,10 +27,11 @@ from collections.abc import Set
 from dataclasses import dataclass, field
 
 from pyproxy.dataplane import netfilter as nf
-from pyproxy.dataplane.base import DataplaneError
+from pyproxy.dataplane.base import DataplaneError, ModeUnavailable
 from pyproxy.dataplane.iptables.render import Applied, is_mode_chain, is_mode_rule, render
 from pyproxy.dataplane.netfilter import MasqueradeSettings
-from pyproxy.model.state import DesiredState
+from pyproxy.model.conntrack import Stale
+from pyproxy.model.state import BOTH_FAMILIES, IPV4_ONLY, DesiredState
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +49,15 @@ class IptablesDataplane:
     def __init__(self, settings: IptablesSettings) -> None:
         self.settings = settings
         self.tools: nf.Tools | None = None
+        self.tools6: nf.Tools | None = None
+        """ip6tables of the same flavour; None when it cannot be used here."""
+        self.ip_families = BOTH_FAMILIES
+        """The IP families it renders: both, unless start() finds ip6tables unusable (then the proxier leaves out
+        the IPv6 frontends)."""
         self.collector = nf.ConntrackMetrics()
         """The dataplane's own metrics (the conntrack reconciler's), for the proxier's registry."""
         self.applied: Applied = {}
+        self.applied6: Applied = {}
         self._reconciled = False
         """Whether `applied` is known to match the kernel (a full sync succeeded, no sync failed since)."""
 
@@ -55,9 +66,15 @@ class IptablesDataplane:
         if shutil.which("conntrack") is None:
             log.warning("conntrack not found: UDP flows to removed endpoints will not be cut off")
         self.tools = t
+        try:
+            self.tools6 = nf.tools(t.backend, 6)
+            nf.check_usable(self.tools6)
+        except ModeUnavailable as e:
+            self.tools6, self.ip_families = None, IPV4_ONLY
+            log.warning("iptables mode serves IPv4 only: %s", e)
         # Both backends' hooks run in the kernel: rules a run on the other backend left would keep translating
         # ClusterIPs to stale endpoints beside ours.
-        others = [o for o in nf.installed_backends() if o.backend != t.backend]
+        others = [o for o in nf.installed_backends((4, 6)) if o.backend != t.backend]
         for line in nf.cleanup(is_mode_chain, is_mode_rule, backends=others):
             log.info("removed what the iptables mode left on the other backend: %s", line)
         kept = [c for c in nf.save(t, ("nat",))["nat"].chains if is_mode_chain("nat", c)]
@@ -80,18 +97,28 @@ class IptablesDataplane:
     def apply(self, desired: DesiredState, changed: Set[str] | None) -> None:
         assert self.tools is not None, "start() first"
         full = changed is None or not self._reconciled
-        saved = nf.save(self.tools) if full else None
-        plan = render(desired, None if full else changed, self.applied, self.settings.masquerade, saved)
-        try:
-            nf.restore(self.tools, plan.text)
-        except DataplaneError as e:
-            self._reconciled = False
-            raise DataplaneError(f"iptables-{self.tools.backend}-restore failed, the previous rules stay: {e}") from e
-        self.applied = plan.applied
+        stale: list[Stale] = []
+        for tools, family in ((self.tools, 4), (self.tools6, 6)):
+            if tools is None:
+                continue
+            applied = self.applied if family == 4 else self.applied6
+            saved = nf.save(tools) if full else None
+            plan = render(desired, None if full else changed, applied, self.settings.masquerade, saved, family)
+            try:
+                nf.restore(tools, plan.text)
+            except DataplaneError as e:
+                self._reconciled = False
+                raise DataplaneError(f"{tools.command}-{tools.backend}-restore failed, the previous rules stay: "
+                                     f"{e}") from e
+            if family == 4:
+                self.applied = plan.applied
+            else:
+                self.applied6 = plan.applied
+            stale += plan.stale_udp
+            log.debug("%s IPv%d sync: %d chains written, %d removed, %d rules", "full" if full else "partial",
+                      family, plan.written, plan.removed, plan.rules)
         self._reconciled = True
-        log.debug("%s sync: %d chains written, %d removed, %d rules", "full" if full else "partial",
-                  plan.written, plan.removed, plan.rules)
-        nf.clear_stale_udp(plan.stale_udp, self.collector)
+        nf.clear_stale_udp(stale, self.collector)
 
 
 def cleanup(settings: IptablesSettings, shared: bool = True) -> list[str]:

@@ -40,6 +40,10 @@ flushed and deleted (`-X` at the end, after the rules that jumped to them are go
 duplicated).
 
 iptables-restore applies each table's part as one transaction, so a failed sync leaves the previous rules.
+
+IPv6 frontends get the same chains, written by `render(..., family=6)` for ip6tables-restore (as upstream's IPv6
+proxier): addresses as /128, `--to-destination [addr]:port`, `--reject-with icmp6-port-unreachable` for what is
+not TCP, --cluster-cidr's IPv6 CIDR, and endpoint chain names hashed from upstream's "[addr]:port".
 """
 
 from __future__ import annotations
@@ -146,9 +150,19 @@ def fw_chain(sp: ServicePortState) -> str:
     return FW_PREFIX + _port_hash(sp)
 
 
+def _host(ip: str) -> str:
+    """An address as a one-address network: /32, or /128 for IPv6."""
+    return f"{ip}/128" if ":" in ip else f"{ip}/32"
+
+
+def _endpoint(b: Backend) -> str:
+    """"ip:port", an IPv6 address in brackets (upstream's endpoint string, net.JoinHostPort; DNAT's form)."""
+    return f"[{b.ip}]:{b.port}" if ":" in b.ip else f"{b.ip}:{b.port}"
+
+
 def sep_chain(sp: ServicePortState, backend: Backend) -> str:
     """Upstream's servicePortEndpointChainName: hash of servicePortName + protocol + "ip:port"."""
-    return SEP_PREFIX + nf.chain_hash(port_name(sp) + _proto(sp.frontend) + str(backend))
+    return SEP_PREFIX + nf.chain_hash(port_name(sp) + _proto(sp.frontend) + _endpoint(backend))
 
 
 def probability(n: int) -> str:
@@ -176,7 +190,7 @@ def is_mode_rule(table: str, chain: str, body: str) -> bool:
 
 def _match(fe: Frontend) -> str:
     p = _proto(fe)
-    return f"-m {p} -p {p} -d {fe.ip}/32 --dport {fe.port}"
+    return f"-m {p} -p {p} -d {_host(fe.ip)} --dport {fe.port}"
 
 
 def _comment(text: str) -> str:
@@ -186,8 +200,11 @@ def _comment(text: str) -> str:
 def _reject_with(sp: ServicePortState) -> str:
     """Upstream rejects with ICMP port-unreachable, which the kernel rate-limits per client (a burst of 6, then
     one a second), so past a few connects clients time out instead of failing fast. A TCP reset is not
-    limited and fails a connect with the same ECONNREFUSED; UDP and SCTP keep the ICMP error."""
-    return " --reject-with tcp-reset" if sp.frontend.protocol is Protocol.TCP else ""
+    limited and fails a connect with the same ECONNREFUSED; UDP and SCTP keep the ICMP error (ICMPv6's for IPv6,
+    which is also ip6tables' default, written out as ip6tables-save shows it)."""
+    if sp.frontend.protocol is Protocol.TCP:
+        return " --reject-with tcp-reset"
+    return " --reject-with icmp6-port-unreachable" if sp.family == 6 else ""
 
 
 @dataclass
@@ -223,7 +240,7 @@ class SharedRules:
                 self.reject.append(f"{_comment(name + ' has no endpoints')} {match} -j REJECT{_reject_with(sp)}")
                 return
             cluster_ip = f"{_comment(name + ' cluster IP')} {match}"
-            masq = nf.mark_masq_rule(m, cluster_ip)
+            masq = nf.mark_masq_rule(m, cluster_ip, sp.family)
             if masq:
                 self.services.append(masq)
             self.services.append(f"{cluster_ip} -j {svl_chain(sp) if local else svc_chain(sp)}")
@@ -250,18 +267,22 @@ class SharedRules:
             self.services.append(f"{_comment(name + ' loadbalancer IP')} {match} -j {target}")
 
 
-def shared_rules(desired: DesiredState, m: nf.MasqueradeSettings) -> SharedRules:
+def _of_family(states: Iterable[ServicePortState], family: int) -> tuple[ServicePortState, ...]:
+    return tuple(st for st in states if st.frontend.family == family)
+
+
+def shared_rules(desired: DesiredState, m: nf.MasqueradeSettings, family: int = 4) -> SharedRules:
     out = SharedRules()
     for key in sorted(desired.services):
-        states = desired.services[key]
+        states = _of_family(desired.services[key], family)
         local = {(sp.port_name, sp.frontend.protocol) for group in by_port(states) if (sp := internal_local(group))}
         for sp in states:
             out.add(sp, m, (sp.port_name, sp.frontend.protocol) in local)
     # Last, as upstream: a node-port address's other ports (and a ClusterIP's) must not reach KUBE-NODEPORTS
     # before their own rules. Only the addresses the model chose (--nodeport-addresses, never loopback), rather
     # than upstream's `addrtype --dst-type LOCAL`, which would also take 127.0.0.1 (it needs route_localnet).
-    out.services += [f"{_comment(NODEPORTS_COMMENT)} -d {ip}/32 -j {NODEPORTS_CHAIN}"
-                     for ip in desired.node.nodeport_addresses]
+    out.services += [f"{_comment(NODEPORTS_COMMENT)} -d {_host(ip)} -j {NODEPORTS_CHAIN}"
+                     for ip in desired.node.nodeport_addresses if (6 if ":" in ip else 4) == family]
     return out
 
 
@@ -312,10 +333,10 @@ def _external_chains(sp: ServicePortState, m: nf.MasqueradeSettings, seps: Mappi
             f"-j {cluster}",
         ))]
     rules = []
-    if m.cluster_cidr:
+    if cidr := m.cluster_cidr_of(sp.family):
         # Upstream's "short circuit": pods reach every endpoint, keeping their address, as if they had gone out
         # to the load balancer and come back in.
-        rules.append(f"{_comment(f'pod traffic for {name} external destinations')} -s {m.cluster_cidr} -j {cluster}")
+        rules.append(f"{_comment(f'pod traffic for {name} external destinations')} -s {cidr} -j {cluster}")
     # The node's own traffic: every endpoint, masqueraded (its source is a node address, maybe the VIP itself).
     local = "-m addrtype --src-type LOCAL"
     rules += [f"{_comment(f'masquerade LOCAL traffic for {name} external destinations')} {local} "
@@ -349,8 +370,8 @@ def port_chains(states: Sequence[ServicePortState], m: nf.MasqueradeSettings) ->
         affinity = f" -m recent --name {sep} --set" if sp.session_affinity_seconds else ""
         chains.append(nf.Chain(sep, (
             # Hairpin: an endpoint reaching its own Service must see the reply come from the Service's address.
-            f"{comment} -s {b.ip}/32 -j {nf.MARK_MASQ_CHAIN}",
-            f"{comment}{affinity} -m {p} -p {p} -j DNAT --to-destination {b}",
+            f"{comment} -s {_host(b.ip)} -j {nf.MARK_MASQ_CHAIN}",
+            f"{comment}{affinity} -m {p} -p {p} -j DNAT --to-destination {_endpoint(b)}",
         )))
     internal = internal_local(states)
     if internal is not None and (external is None or external.masquerade):
@@ -388,9 +409,10 @@ class _Builder:
 
 
 def render(desired: DesiredState, changed: Set[str] | None, applied: Applied, m: nf.MasqueradeSettings,
-           saved: Mapping[str, nf.SavedTable] | None = None) -> Plan:
+           saved: Mapping[str, nf.SavedTable] | None = None, family: int = 4) -> Plan:
     """The restore input for the Services in `changed` (None: all of them, reconciled against `saved`, the
-    iptables-save output of nat and filter, which a full sync needs)."""
+    iptables-save output of nat and filter, which a full sync needs), for the frontends of `family`: 4 for
+    iptables-restore, 6 for ip6tables-restore (`applied` and `saved` are then that family's)."""
     if changed is None and saved is None:
         raise ValueError("a full sync needs the iptables-save output")
     out = _Builder()
@@ -399,7 +421,7 @@ def render(desired: DesiredState, changed: Set[str] | None, applied: Applied, m:
     old_ports: list[ServicePortState] = []
     new_ports: list[ServicePortState] = []
     for key in sorted(keys):
-        ports = tuple(desired.services.get(key, ()))
+        ports = _of_family(desired.services.get(key, ()), family)
         chains = [c for states in by_port(ports) for c in port_chains(states, m)]
         for chain in chains:
             out.write(out.nat, chain)
@@ -417,7 +439,7 @@ def render(desired: DesiredState, changed: Set[str] | None, applied: Applied, m:
         else:
             new_applied.pop(key, None)
 
-    rules = shared_rules(desired, m)
+    rules = shared_rules(desired, m, family)
     out.write(out.nat, nf.Chain(nf.SERVICES_CHAIN, tuple(rules.services)))
     out.write(out.nat, nf.Chain(NODEPORTS_CHAIN, tuple(rules.nodeports.values())))
     out.write(out.filter, nf.Chain(nf.SERVICES_CHAIN, tuple(rules.reject)))

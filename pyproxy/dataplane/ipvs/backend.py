@@ -93,7 +93,7 @@ from pyproxy.dataplane.ipvs.render import (
     vs_key,
 )
 from pyproxy.dataplane.netfilter import MasqueradeSettings
-from pyproxy.model.state import DesiredState
+from pyproxy.model.state import IPV4_ONLY, DesiredState
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +251,9 @@ def is_mode_rule(table: str, chain: str, body: str) -> bool:
 
 class IpvsDataplane:
     mode = "ipvs"
+    ip_families = IPV4_ONLY
+    """The IP families it renders (the proxier leaves out the others' frontends): IPv4 only,
+    IPv6 virtual servers are not built yet (issue 15)."""
 
     def __init__(self, settings: IpvsSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings

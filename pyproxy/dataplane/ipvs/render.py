@@ -66,6 +66,7 @@ from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 
 from pyproxy.model.conntrack import Stale, UdpFrontend, UdpKey, stale_udp, udp_frontends
+from pyproxy.model.objects import family_of
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 VSKey = tuple[str, int, str]
@@ -419,7 +420,7 @@ def _udp_before(observed: Observed, memory: Memory, scope: Set[VSKey]) -> dict[U
     for key in sorted(k for k in scope if k[2] == "UDP" and k in observed.virtuals):
         reals = observed.virtuals[key].reals
         node_port = key[0] not in observed.addresses and node_port_entry(key) in node_ports
-        ukey = ("" if node_port else key[0], key[1])
+        ukey = ("" if node_port else key[0], key[1], family_of(key[0]))
         mine = UdpFrontend(served=any(r.weight for r in reals.values()),
                            known=frozenset(reals) | memory.known.get(key, frozenset()),
                            addresses=frozenset({key[0]}))

@@ -1,7 +1,9 @@
 """From desired state to one `nft -f` transaction: pure, no kernel.
 
-The ruleset is upstream kube-proxy's nftables mode (1.29+), in a table of pyproxy's own (`ip pyproxy`, so it
-never collides with a kube-proxy on the same node):
+The ruleset is upstream kube-proxy's nftables mode (1.29+), in tables of pyproxy's own (`ip pyproxy` and, as
+upstream's `ip6 kube-proxy`, `ip6 pyproxy` for IPv6 frontends, so it never collides with a kube-proxy on the same
+node). Each family's table is rendered alike by `render(..., family=)` (`Dialect`: `ip6 saddr`, `ipv6_addr`,
+`dnat to [addr]:port`); a frontend goes to its own family's table, with its family's endpoints (the model's):
 
 - `nat-prerouting`/`nat-output` (priority dstnat) jump to `services`, which looks the packet's
   `daddr . l4proto . dport` up in the verdict map `service-ips` (ClusterIPs, external IPs, load-balancer IPs),
@@ -58,6 +60,7 @@ import base64
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from pyproxy.dataplane.netfilter import MasqueradeSettings
 from pyproxy.dataplane.nftables.table import (
@@ -65,7 +68,7 @@ from pyproxy.dataplane.nftables.table import (
     ENDPOINT_PREFIX,
     ENDPOINT_SEP,
     EXTERNAL_PREFIX,
-    FAMILY,
+    FAMILIES,
     FIREWALL_IPS,
     FIREWALL_PREFIX,
     LOCAL_PREFIX,
@@ -106,35 +109,73 @@ BASE_CHAINS: Mapping[str, Hook] = {
     "nat-output": Hook("nat", "output", -100),
     "nat-postrouting": Hook("nat", "postrouting", 100),
 }
-_MAP_TYPE = "ipv4_addr . inet_proto . inet_service : verdict"
+
+
+class Dialect(NamedTuple):
+    """What differs between the family's tables: the table's family, the address match (`ip saddr`, `ip6
+    saddr`), the address type of maps and sets, and how `dnat to` writes an address with a port."""
+
+    family: int
+    """4 or 6 (model.objects.IPV4, IPV6)."""
+    table: str
+    """The table's family: "ip" or "ip6"."""
+    addr: str
+    """The address match's protocol: "ip" or "ip6"."""
+    addr_type: str
+    """"ipv4_addr" or "ipv6_addr"."""
+
+    def to(self, b: Backend) -> str:
+        """`dnat to`'s argument: an IPv6 address in brackets before its port, as nft writes it."""
+        return f"[{b.ip}]:{b.port}" if self.family == 6 else f"{b.ip}:{b.port}"
+
+
+V4 = Dialect(4, FAMILIES[4], "ip", "ipv4_addr")
+V6 = Dialect(6, FAMILIES[6], "ip6", "ipv6_addr")
+DIALECTS = {4: V4, 6: V6}
+
 _NODEPORT_MAP_TYPE = "inet_proto . inet_service : verdict"
 MAPS: Mapping[str, tuple[str, str]] = {
-    SERVICE_IPS: (_MAP_TYPE, "ClusterIP, ExternalIP and LoadBalancer IP traffic"),
+    SERVICE_IPS: ("", "ClusterIP, ExternalIP and LoadBalancer IP traffic"),
     SERVICE_NODEPORTS: (_NODEPORT_MAP_TYPE, "NodePort traffic"),
-    NO_ENDPOINT_SERVICES: (_MAP_TYPE, "vmap to reject packets to services with no endpoints"),
+    NO_ENDPOINT_SERVICES: ("", "vmap to reject packets to services with no endpoints"),
     NO_ENDPOINT_NODEPORTS: (_NODEPORT_MAP_TYPE, "vmap to reject packets to service nodeports with no endpoints"),
-    FIREWALL_IPS: (_MAP_TYPE, "destinations that are subject to LoadBalancerSourceRanges"),
+    FIREWALL_IPS: ("", "destinations that are subject to LoadBalancerSourceRanges"),
 }
-"""Name -> (type, comment). Keys of the node-port maps are `proto . port`: ElemKeys with "" for the address."""
-_NODEPORT_IPS_SPEC = 'type ipv4_addr; comment "IPs that accept NodePort traffic";'
-_LOOKUP = "ip daddr . meta l4proto . th dport vmap @"
-_NODEPORT_LOOKUP = f"ip daddr @{NODEPORT_IPS} meta l4proto . th dport vmap @"
-# The kinds of frontend this mode renders: all of them.
+"""Name -> (type, comment); "": keyed by the family's address, protocol and port (`_map_type`). Keys of the
+node-port maps are `proto . port`: ElemKeys with "" for the address."""
 
 
-def fixed_chains(masq: MasqueradeSettings) -> dict[str, tuple[str, ...]]:
+def _map_type(name: str, d: Dialect) -> str:
+    return MAPS[name][0] or f"{d.addr_type} . inet_proto . inet_service : verdict"
+
+
+def _nodeport_ips_spec(d: Dialect) -> str:
+    return f'type {d.addr_type}; comment "IPs that accept NodePort traffic";'
+
+
+def _lookup(d: Dialect) -> str:
+    return f"{d.addr} daddr . meta l4proto . th dport vmap @"
+
+
+def _nodeport_lookup(d: Dialect) -> str:
+    return f"{d.addr} daddr @{NODEPORT_IPS} meta l4proto . th dport vmap @"
+
+
+def fixed_chains(masq: MasqueradeSettings, d: Dialect = V4) -> dict[str, tuple[str, ...]]:
     """The chains every sync keeps as they are, base chains first, with their rules."""
     mark = masquerade_mark(masq.masquerade_bit)
     checks = (f"ct state new jump {FIREWALL_CHECK_CHAIN}", f"ct state new jump {ENDPOINTS_CHECK_CHAIN}")
+    lookup, nodeport_lookup = _lookup(d), _nodeport_lookup(d)
     return {
         "filter-prerouting": checks,
         "filter-output": checks,
         "nat-prerouting": (f"jump {SERVICES_CHAIN}",),
         "nat-output": (f"jump {SERVICES_CHAIN}",),
         "nat-postrouting": (f"jump {MASQUERADING_CHAIN}",),
-        SERVICES_CHAIN: (_LOOKUP + SERVICE_IPS, _NODEPORT_LOOKUP + SERVICE_NODEPORTS),
-        ENDPOINTS_CHECK_CHAIN: (_LOOKUP + NO_ENDPOINT_SERVICES, _NODEPORT_LOOKUP + NO_ENDPOINT_NODEPORTS),
-        FIREWALL_CHECK_CHAIN: (_LOOKUP + FIREWALL_IPS,),
+        SERVICES_CHAIN: (lookup + SERVICE_IPS, nodeport_lookup + SERVICE_NODEPORTS),
+        ENDPOINTS_CHECK_CHAIN: (lookup + NO_ENDPOINT_SERVICES, nodeport_lookup + NO_ENDPOINT_NODEPORTS),
+        FIREWALL_CHECK_CHAIN: (lookup + FIREWALL_IPS,),
+        # `reject`: ICMP port unreachable in `ip`, ICMPv6 port unreachable in `ip6` (nft's default per family).
         REJECT_CHAIN: ("meta l4proto tcp reject with tcp reset", "reject"),
         MARK_MASQ_CHAIN: (f"mark set mark or {mark}",),
         MASQUERADING_CHAIN: (f"mark and {mark} == 0 return", f"mark set mark xor {mark}", "masquerade fully-random"),
@@ -165,12 +206,18 @@ def service_chain(sp: ServicePortState) -> str:
     return SERVICE_PREFIX + _hashed(_port_base(sp))
 
 
+def _endpoint_base(sp: ServicePortState, b: Backend) -> str:
+    # nft names cannot hold a colon: an IPv6 address is written with dots instead, as upstream's
+    # servicePortEndpointChainNameBase does (table.endpoint_of reads it back).
+    return f"{_port_base(sp)}{ENDPOINT_SEP}{b.ip.replace(':', '.')}/{b.port}"
+
+
 def endpoint_chain(sp: ServicePortState, b: Backend) -> str:
-    return ENDPOINT_PREFIX + _hashed(f"{_port_base(sp)}{ENDPOINT_SEP}{b.ip}/{b.port}")
+    return ENDPOINT_PREFIX + _hashed(_endpoint_base(sp, b))
 
 
 def affinity_set(sp: ServicePortState, b: Backend) -> str:
-    return AFFINITY_PREFIX + _hashed(f"{_port_base(sp)}{ENDPOINT_SEP}{b.ip}/{b.port}")
+    return AFFINITY_PREFIX + _hashed(_endpoint_base(sp, b))
 
 
 def external_chain(sp: ServicePortState) -> str:
@@ -235,53 +282,55 @@ class _Wanted:
         return {name for p in self.ports for name in p.sets}
 
 
-def _t(kind: str, name: str, rest: str = "") -> str:
-    return f"{kind} {FAMILY} {TABLE} {name}{' ' + rest if rest else ''}"
+def _t(kind: str, name: str, rest: str = "", d: Dialect = V4) -> str:
+    return f"{kind} {d.table} {TABLE} {name}{' ' + rest if rest else ''}"
 
 
 def _hook_spec(h: Hook) -> str:
     return f"{{ type {h.type} hook {h.hook} priority {h.priority}; policy accept; }}"
 
 
-def base_commands(state: TableState, masq: MasqueradeSettings) -> list[str]:
-    """The table, its base and helper chains and maps, all rewritten. Also the dry run of start()."""
-    cmds = [f'add table {FAMILY} {TABLE} {{ comment "rules for pyproxy"; }}']
+def base_commands(state: TableState, masq: MasqueradeSettings, d: Dialect = V4) -> list[str]:
+    """The table of `d`'s family, its base and helper chains and maps, all rewritten. Also the dry run of
+    start()."""
+    cmds = [f'add table {d.table} {TABLE} {{ comment "rules for pyproxy"; }}']
     for name, hook in BASE_CHAINS.items():
         if name in state.chains and state.chains[name] != hook:
-            cmds.append(_t("delete chain", name))  # a hook or priority cannot change in place
-        cmds.append(_t("add chain", name, _hook_spec(hook)))
-    chains = fixed_chains(masq)
-    cmds += [_t("add chain", name) for name in chains if name not in BASE_CHAINS]
-    cmds += [_t("add map", name, f"{{ {_map_spec(name)} }}") for name in MAPS]
-    cmds.append(_t("add set", NODEPORT_IPS, f"{{ {_NODEPORT_IPS_SPEC} }}"))
+            cmds.append(_t("delete chain", name, d=d))  # a hook or priority cannot change in place
+        cmds.append(_t("add chain", name, _hook_spec(hook), d))
+    chains = fixed_chains(masq, d)
+    cmds += [_t("add chain", name, d=d) for name in chains if name not in BASE_CHAINS]
+    cmds += [_t("add map", name, f"{{ {_map_spec(name, d)} }}", d) for name in MAPS]
+    cmds.append(_t("add set", NODEPORT_IPS, f"{{ {_nodeport_ips_spec(d)} }}", d))
     for name, rules in chains.items():
-        cmds.append(_t("flush chain", name))
-        cmds.append(_chain_with_rules(name, rules, BASE_CHAINS.get(name)))
+        cmds.append(_t("flush chain", name, d=d))
+        cmds.append(_chain_with_rules(name, rules, BASE_CHAINS.get(name), d))
     return cmds
 
 
-def _chain_with_rules(name: str, rules: Iterable[str], hook: Hook | None = None) -> str:
+def _chain_with_rules(name: str, rules: Iterable[str], hook: Hook | None = None, d: Dialect = V4) -> str:
     """`add chain NAME { rule; … }`: unlike `add rule`, nft needs no listing of the table's chains for it,
     which it would fetch from the kernel first, in seconds at 100,000 chains (the dump is quadratic)."""
     spec = f"type {hook.type} hook {hook.hook} priority {hook.priority}; policy accept; " if hook else ""
-    return _t("add chain", name, "{ " + spec + "".join(r + "; " for r in rules) + "}")
+    return _t("add chain", name, "{ " + spec + "".join(r + "; " for r in rules) + "}", d)
 
 
-def _map_spec(name: str) -> str:
-    kind, comment = MAPS[name]
-    return f'type {kind}; comment "{comment}";'
+def _map_spec(name: str, d: Dialect = V4) -> str:
+    return f'type {_map_type(name, d)}; comment "{MAPS[name][1]}";'
 
 
-def nodeport_ips_commands(ips: Iterable[str]) -> list[str]:
-    """`nodeport-ips` made to hold exactly `ips`."""
+def nodeport_ips_commands(ips: Iterable[str], d: Dialect = V4) -> list[str]:
+    """`nodeport-ips` made to hold exactly `ips` (of `d`'s family)."""
     ips = sorted(ips)
-    cmds = [_t("add set", NODEPORT_IPS, f"{{ {_NODEPORT_IPS_SPEC} }}"), _t("flush set", NODEPORT_IPS)]
+    spec = _nodeport_ips_spec(d)
+    cmds = [_t("add set", NODEPORT_IPS, f"{{ {spec} }}", d), _t("flush set", NODEPORT_IPS, d=d)]
     if ips:
-        cmds.append(_t("add set", NODEPORT_IPS, f"{{ {_NODEPORT_IPS_SPEC} elements = {{ {', '.join(ips)} }} }}"))
+        cmds.append(_t("add set", NODEPORT_IPS, f"{{ {spec} elements = {{ {', '.join(ips)} }} }}", d))
     return cmds
 
 
-def _port_objects(states: Sequence[ServicePortState], masq: MasqueradeSettings, wanted: _Wanted) -> _Port:
+def _port_objects(states: Sequence[ServicePortState], masq: MasqueradeSettings, wanted: _Wanted,
+                  d: Dialect = V4) -> _Port:
     """The chains and sets of the frontends of one service port (all its frontends share its endpoints and
     policy, but internalTrafficPolicy Local gives its ClusterIPs this node's only), and their map elements,
     added to `wanted`."""
@@ -313,48 +362,49 @@ def _port_objects(states: Sequence[ServicePortState], masq: MasqueradeSettings, 
             chain = external_chain(sp) if st.kind.external else internal_chain
             wanted.elements[SERVICE_NODEPORTS if node_port else SERVICE_IPS][key] = Elem(f"goto {chain}")
     if ranges:
-        port.chains[port_fw] = (f"ip saddr != {{ {', '.join(ranges)} }} drop",)
+        port.chains[port_fw] = (f"{d.addr} saddr != {{ {', '.join(ranges)} }} drop",)
     endpoints = {b for st in states for b in (*st.backends, *st.external_backends)}
     if not endpoints:
         return port
     affinity = sp.session_affinity_seconds
     for b in sorted(endpoints):
-        rules = [f"ip saddr {b.ip} jump {MARK_MASQ_CHAIN}"]  # hairpin: an endpoint reaching itself
+        rules = [f"{d.addr} saddr {b.ip} jump {MARK_MASQ_CHAIN}"]  # hairpin: an endpoint reaching itself
         if affinity:
             port.sets[affinity_set(sp, b)] = affinity
-            rules.append(f"update @{affinity_set(sp, b)} {{ ip saddr }}")
-        rules.append(f"meta l4proto {proto} dnat to {b.ip}:{b.port}")
+            rules.append(f"update @{affinity_set(sp, b)} {{ {d.addr} saddr }}")
+        rules.append(f"meta l4proto {proto} dnat to {d.to(b)}")
         port.chains[endpoint_chain(sp, b)] = tuple(rules)
     rules = []
+    cluster_cidr = masq.cluster_cidr_of(d.family)
     for st in states:
         if st.kind is not FrontendKind.CLUSTER_IP:
             continue
-        match = f"ip daddr {st.frontend.ip} {proto} dport {st.frontend.port}"
+        match = f"{d.addr} daddr {st.frontend.ip} {proto} dport {st.frontend.port}"
         if masq.masquerade_all:
             rules.append(f"{match} jump {MARK_MASQ_CHAIN}")
-        elif masq.cluster_cidr:
-            rules.append(f"{match} ip saddr != {masq.cluster_cidr} jump {MARK_MASQ_CHAIN}")
+        elif cluster_cidr:
+            rules.append(f"{match} {d.addr} saddr != {cluster_cidr} jump {MARK_MASQ_CHAIN}")
     if sp.backends:
-        port.chains[service_chain(sp)] = tuple(([] if local_internal else rules) + _choice(sp, sp.backends))
+        port.chains[service_chain(sp)] = tuple(([] if local_internal else rules) + _choice(sp, sp.backends, d))
     if external:
-        port.chains.update(_external_chains(external, masq))
+        port.chains.update(_external_chains(external, masq, d))
     if local_internal:
         # The ClusterIPs' masquerade rules go with them (they match only a ClusterIP destination, so external
         # traffic sharing the chain passes them), as upstream writes them into the internal traffic chain.
         assert internal is not None
-        port.chains[local_chain(sp)] = tuple(rules + _choice(sp, internal.backends))
+        port.chains[local_chain(sp)] = tuple(rules + _choice(sp, internal.backends, d))
     return port
 
 
-def _choice(sp: ServicePortState, backends: Sequence[Backend]) -> list[str]:
+def _choice(sp: ServicePortState, backends: Sequence[Backend], d: Dialect = V4) -> list[str]:
     """A policy chain's rules: affinity first, then a random endpoint among `backends`."""
     rules = []
     if sp.session_affinity_seconds:
-        rules += [f"ip saddr @{affinity_set(sp, b)} goto {endpoint_chain(sp, b)}" for b in backends]
+        rules += [f"{d.addr} saddr @{affinity_set(sp, b)} goto {endpoint_chain(sp, b)}" for b in backends]
     return rules + endpoint_choice([endpoint_chain(sp, b) for b in backends])
 
 
-def _external_chains(sp: ServicePortState, masq: MasqueradeSettings) -> dict[str, tuple[str, ...]]:
+def _external_chains(sp: ServicePortState, masq: MasqueradeSettings, d: Dialect = V4) -> dict[str, tuple[str, ...]]:
     """Upstream's `external-…` chain, where traffic to the port's NodePorts, external and load-balancer IPs goes,
     and for externalTrafficPolicy Local the `local-…` chain of this node's endpoints it leads to (the service
     chain itself when those are all the endpoints)."""
@@ -363,10 +413,10 @@ def _external_chains(sp: ServicePortState, masq: MasqueradeSettings) -> dict[str
         return {external_chain(sp): (f"jump {MARK_MASQ_CHAIN}", f"goto {cluster}")}
     chains: dict[str, tuple[str, ...]] = {}
     rules = []
-    if masq.cluster_cidr:
+    if cluster_cidr := masq.cluster_cidr_of(d.family):
         # Upstream's "short circuit": pods reach every endpoint, keeping their address, as if they had gone out
         # to the load balancer and come back in.
-        rules.append(f"ip saddr {masq.cluster_cidr} goto {cluster}")
+        rules.append(f"{d.addr} saddr {cluster_cidr} goto {cluster}")
     # The node's own traffic: every endpoint, masqueraded (its source is a node address, maybe the VIP itself).
     rules += [f"fib saddr type local jump {MARK_MASQ_CHAIN}", f"fib saddr type local goto {cluster}"]
     if not sp.external_backends:
@@ -374,7 +424,7 @@ def _external_chains(sp: ServicePortState, masq: MasqueradeSettings) -> dict[str
     elif tuple(sp.external_backends) == tuple(sp.backends):
         rules.append(f"goto {cluster}")
     else:
-        chains[local_chain(sp)] = tuple(_choice(sp, sp.external_backends))
+        chains[local_chain(sp)] = tuple(_choice(sp, sp.external_backends, d))
         rules.append(f"goto {local_chain(sp)}")
     chains[external_chain(sp)] = tuple(rules)
     return chains
@@ -391,28 +441,28 @@ def endpoint_choice(chains: Sequence[str]) -> list[str]:
     return [f"numgen random mod {n - i} 0 goto {c}" for i, c in enumerate(chains[:-1])] + [f"goto {chains[-1]}"]
 
 
-def _collect(services: Mapping[str, Iterable[ServicePortState]], masq: MasqueradeSettings) -> _Wanted:
+def _collect(services: Mapping[str, Iterable[ServicePortState]], masq: MasqueradeSettings, d: Dialect) -> _Wanted:
     wanted = _Wanted()
     by_port: dict[str, list[ServicePortState]] = {}
     for service in sorted(services):
         # Unique: the model decided which Service serves a frontend.
         for sp in services[service]:
             by_port.setdefault(service_chain(sp), []).append(sp)
-    wanted.ports = [_port_objects(states, masq, wanted) for states in by_port.values()]
+    wanted.ports = [_port_objects(states, masq, wanted, d) for states in by_port.values()]
     return wanted
 
 
-def _port_commands(port: _Port, state: TableState) -> list[str]:
+def _port_commands(port: _Port, state: TableState, d: Dialect) -> list[str]:
     """Sets, then chains, each created with its rules (flushed first if it exists)."""
-    cmds = [_t("flush chain", name) for name in port.chains if name in state.chains]
+    cmds = [_t("flush chain", name, d=d) for name in port.chains if name in state.chains]
     for name, timeout in port.sets.items():
         if name in state.sets and state.sets[name] == timeout:
             continue
         if name in state.sets:
             # A set's timeout cannot change in place on every kernel; its users were flushed just above.
-            cmds.append(_t("delete set", name))
-        cmds.append(_t("add set", name, f"{{ type ipv4_addr; flags dynamic,timeout; timeout {timeout}s; }}"))
-    cmds += [_chain_with_rules(name, rules) for name, rules in port.chains.items()]
+            cmds.append(_t("delete set", name, d=d))
+        cmds.append(_t("add set", name, f"{{ type {d.addr_type}; flags dynamic,timeout; timeout {timeout}s; }}", d))
+    cmds += [_chain_with_rules(name, rules, d=d) for name, rules in port.chains.items()]
     return cmds
 
 
@@ -425,35 +475,35 @@ def _elem_text(key: ElemKey, e: Elem) -> str:
     return f"{_key_text(key)}{comment} : {e.verdict}"
 
 
-def _element_commands(old: Mapping[str, Mapping[ElemKey, Elem]], new: Mapping[str, Mapping[ElemKey, Elem]]
-                      ) -> list[str]:
+def _element_commands(old: Mapping[str, Mapping[ElemKey, Elem]], new: Mapping[str, Mapping[ElemKey, Elem]],
+                      d: Dialect) -> list[str]:
     """Deletes of elements gone or changed, then adds of new or changed ones (nft cannot replace a value)."""
     deletes, adds = [], []
     for m in MAPS:
         gone = [k for k, e in old[m].items() if new[m].get(k) != e]
         added = [(k, e) for k, e in new[m].items() if old[m].get(k) != e]
         if gone:
-            deletes.append(_t("delete element", m, "{ " + ", ".join(_key_text(k) for k in gone) + " }"))
+            deletes.append(_t("delete element", m, "{ " + ", ".join(_key_text(k) for k in gone) + " }", d))
         if added:
             # Inside the map's declaration rather than `add element`, for which nft would fetch the chains.
             elements = ", ".join(_elem_text(k, e) for k, e in added)
-            adds.append(_t("add map", m, f"{{ {_map_spec(m)} elements = {{ {elements} }} }}"))
+            adds.append(_t("add map", m, f"{{ {_map_spec(m, d)} elements = {{ {elements} }} }}", d))
     return deletes + adds
 
 
-def _old_udp(old_served: Mapping[ElemKey, Elem], old_known: Mapping[ElemKey, frozenset[Backend]]
+def _old_udp(old_served: Mapping[ElemKey, Elem], old_known: Mapping[ElemKey, frozenset[Backend]], family: int
              ) -> dict[UdpKey, UdpFrontend]:
-    """The UDP frontends as the table held them (read back after a restart too: the table records each
-    frontend's known endpoints, so endpoints that left while pyproxy was down are cleared as well).
+    """The UDP frontends as the table of `family` held them (read back after a restart too: the table records
+    each frontend's known endpoints, so endpoints that left while pyproxy was down are cleared as well).
     `old_served`: the elements of `service-ips` and `service-nodeports` in scope (their keys never collide)."""
-    return {(vip, port): UdpFrontend(served=(vip, proto, port) in old_served,
-                                     known=old_known.get((vip, proto, port), frozenset()))
+    return {(vip, port, family): UdpFrontend(served=(vip, proto, port) in old_served,
+                                             known=old_known.get((vip, proto, port), frozenset()))
             for vip, proto, port in set(old_known) | set(old_served) if proto == "udp"}
 
 
 def render(state: TableState, services: Mapping[str, Iterable[ServicePortState]], masq: MasqueradeSettings, *,
            full: bool, pending: Mapping[str, bool] | None = None, defer_deletes: bool = False,
-           lazy_deletes: bool = False, nodeport_ips: Iterable[str] = ()) -> Plan:
+           lazy_deletes: bool = False, nodeport_ips: Iterable[str] = (), family: int = 4) -> Plan:
     """Plan one transaction. `full`: `services` is every Service, and whatever else the table holds goes.
     Otherwise `services` holds the changed Services only (an empty iterable: the Service is gone), and only
     their objects are touched. `pending`: chains an earlier plan deferred -> whether they may go now.
@@ -461,24 +511,26 @@ def render(state: TableState, services: Mapping[str, Iterable[ServicePortState]]
     something else anyway: any delete makes nft list every chain of the table first, which costs seconds at
     100,000 chains, so a sync that only adds and flushes stays small. `nodeport_ips`: the node addresses
     NodePorts are served on (`NodeInputs.nodeport_addresses`), the contents of `nodeport-ips`, written when a
-    full sync runs or they changed."""
+    full sync runs or they changed. `family`: the table rendered (4: `ip pyproxy`, 6: `ip6 pyproxy`); `state`,
+    `services` and `nodeport_ips` are that family's (the caller splits the desired state by family)."""
+    d = DIALECTS[family]
     pending = pending or {}
     nodeport_set = frozenset(nodeport_ips)
     services = {k: tuple(v) for k, v in services.items()}
-    wanted = _collect(services, masq)
+    wanted = _collect(services, masq, d)
 
     def in_scope(o: str | None) -> bool:
         return full or o in services
 
-    fixed = fixed_chains(masq)
-    cmds = base_commands(state, masq) if full else []
+    fixed = fixed_chains(masq, d)
+    cmds = base_commands(state, masq, d) if full else []
     if full or nodeport_set != state.nodeport_ips:
-        cmds += nodeport_ips_commands(nodeport_set)
+        cmds += nodeport_ips_commands(nodeport_set, d)
     for port in wanted.ports:
-        cmds += _port_commands(port, state)
+        cmds += _port_commands(port, state, d)
 
     old_elems = {m: {k: e for k, e in state.elems(m).items() if in_scope(elem_owner(m, e))} for m in MAPS}
-    cmds += _element_commands(old_elems, wanted.elements)
+    cmds += _element_commands(old_elems, wanted.elements, d)
 
     wanted_chains = wanted.chains() | set(fixed)
     stale_chains = sorted(c for c in state.chains if c not in wanted_chains and (in_scope(owner(c)) or c in pending))
@@ -487,9 +539,9 @@ def render(state: TableState, services: Mapping[str, Iterable[ServicePortState]]
     other_deletes = any(c.startswith("delete ") for c in cmds) or stale_sets or stale_maps
     deleted = [c for c in stale_chains if (not defer_deletes or pending.get(c, False))
                and (not lazy_deletes or other_deletes)]
-    cmds += [_t("flush chain", c) for c in stale_chains if c not in pending]
-    cmds += [_t("delete set", s) for s in stale_sets] + [_t("delete map", m) for m in stale_maps]
-    cmds += [_t("delete chain", c) for c in deleted]
+    cmds += [_t("flush chain", c, d=d) for c in stale_chains if c not in pending]
+    cmds += [_t("delete set", s, d=d) for s in stale_sets] + [_t("delete map", m, d=d) for m in stale_maps]
+    cmds += [_t("delete chain", c, d=d) for c in deleted]
 
     scope_keys = {k for m in (SERVICE_IPS, NO_ENDPOINT_SERVICES, SERVICE_NODEPORTS, NO_ENDPOINT_NODEPORTS)
                   for k in old_elems[m]}
@@ -498,7 +550,8 @@ def render(state: TableState, services: Mapping[str, Iterable[ServicePortState]]
                     nodeport_ips=nodeport_set)
     old_served = {**old_elems[SERVICE_IPS], **old_elems[SERVICE_NODEPORTS]}
     new_udp = udp_frontends(st for states in services.values() for st in states)
-    return Plan(commands=tuple(cmds), state=after, stale_udp=tuple(stale_udp(_old_udp(old_served, old_known), new_udp)),
+    return Plan(commands=tuple(cmds), state=after,
+                stale_udp=tuple(stale_udp(_old_udp(old_served, old_known, family), new_udp)),
                 deferred=frozenset(stale_chains) - frozenset(deleted))
 
 

@@ -24,6 +24,9 @@ from typing import Any
 from pyproxy.model.state import Backend
 
 FAMILY = "ip"
+FAMILIES = {4: FAMILY, 6: "ip6"}
+"""IP family (model.objects.IPV4, IPV6) -> the nftables family of its table (upstream: `ip kube-proxy`,
+`ip6 kube-proxy`)."""
 TABLE = "pyproxy"
 SERVICE_IPS = "service-ips"
 SERVICE_NODEPORTS = "service-nodeports"
@@ -123,15 +126,18 @@ def endpoint_of(chain: str) -> Backend | None:
     if not chain.startswith(ENDPOINT_PREFIX) or ENDPOINT_SEP not in chain:
         return None
     ip, _, port = chain.rsplit(ENDPOINT_SEP, 1)[1].partition("/")
+    parts = ip.split(".")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts):  # IPv6, its colons written as dots (render.py)
+        ip = ip.replace(".", ":")
     return Backend(ip, int(port)) if port.isdigit() else None
 
 
 # ------------------------------------------------------------------------------------------ reading a listing
 
 
-def parse_listing(doc: Mapping[str, Any]) -> TableState:
-    """The state of the table from `nft -j list table ip pyproxy`'s output (parsed JSON), or from listings of
-    a whole family's chains, sets and maps, of which only our table's count."""
+def parse_listing(doc: Mapping[str, Any], family: str = FAMILY) -> TableState:
+    """The state of the table of `family` ("ip", "ip6") from `nft -j list table ip pyproxy`'s output (parsed
+    JSON), or from listings of a whole family's chains, sets and maps, of which only our table's count."""
     chains: dict[str, Hook | None] = {}
     sets: dict[str, int | None] = {}
     maps: set[str] = set()
@@ -140,7 +146,7 @@ def parse_listing(doc: Mapping[str, Any]) -> TableState:
     nodeport_ips = None
     for item in doc.get("nftables", []):
         obj = next(iter(item.values()), None)
-        if not isinstance(obj, dict) or obj.get("table", TABLE) != TABLE or obj.get("family", FAMILY) != FAMILY:
+        if not isinstance(obj, dict) or obj.get("table", TABLE) != TABLE or obj.get("family", family) != family:
             continue
         if "table" in item:
             if obj.get("name", TABLE) != TABLE:

@@ -29,7 +29,7 @@ from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import DataplaneError, MasqueradeSettings, ModeUnavailable
 from pyproxy.dataplane.userspace.proxy import CONNECT_TIMEOUTS, Proxy
 from pyproxy.dataplane.userspace.render import DEVICE, ROUTE_PROTO, Plan, State, render
-from pyproxy.model.state import DesiredState
+from pyproxy.model.state import IPV4_ONLY, DesiredState
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,9 @@ def _raise_open_files() -> None:
 
 class UserspaceDataplane:
     mode = "userspace"
+    ip_families = IPV4_ONLY
+    """The IP families it renders (the proxier leaves out the others' frontends): IPv4 only,
+    its IPv6 listeners are not built yet (issue 15)."""
 
     def __init__(self, settings: UserspaceSettings) -> None:
         self.settings = settings
