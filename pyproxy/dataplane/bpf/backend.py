@@ -25,7 +25,7 @@ from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import DataplaneError, MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, attach, bcc, cgroup, clock, loader, maglev, snat
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
-from pyproxy.dataplane.bpf.gc import CtGarbageCollector, CtGcMetrics, CtGcSettings
+from pyproxy.dataplane.bpf.gc import IPV6, CtGarbageCollector, CtGcMetrics, CtGcSettings
 from pyproxy.dataplane.bpf.maps import BpfMap, PerCpuArray, PerCpuHash, create_inner_array, fd_of_map_id
 from pyproxy.dataplane.bpf.render import (
     Applied,
@@ -305,10 +305,26 @@ class Maps:
         self.stats: PerCpuArray = PerCpuArray(fds[abi.MAP_STATS], abi.MAP_STATS, abi.SvcStats)
         self.counters: PerCpuArray = PerCpuArray(fds[abi.MAP_COUNTERS], abi.MAP_COUNTERS, ctypes.c_uint64)
         self.epstats: PerCpuHash = PerCpuHash(fds[abi.MAP_EPSTATS], abi.MAP_EPSTATS, abi.Backend, abi.SvcStats)
+        # IPv6 (abi.h): the twins of the maps above that hold an address, and the program arrays of the IPv6
+        # programs (filled by the loader, read here only by cleanup and the ABI test).
+        self.services6: BpfMap = BpfMap(fds[abi.MAP_SERVICES6], abi.MAP_SERVICES6, abi.Svc6Key, abi.SvcValue)
+        self.slots6: BpfMap = BpfMap(fds[abi.MAP_SLOTS6], abi.MAP_SLOTS6, abi.SlotKey, abi.Slot6)
+        self.backends6: BpfMap = BpfMap(fds[abi.MAP_BACKENDS6], abi.MAP_BACKENDS6, abi.Backend6, abi.BackendInfo)
+        self.ct6: BpfMap = BpfMap(fds[abi.MAP_CT6], abi.MAP_CT6, abi.Ct6Key, abi.Ct6Value)
+        self.frags6: BpfMap = BpfMap(fds[abi.MAP_FRAGS6], abi.MAP_FRAGS6, abi.Frag6Key, abi.FragValue)
+        self.srcranges6: BpfMap = BpfMap(fds[abi.MAP_SRCRANGES6], abi.MAP_SRCRANGES6, abi.SrcRange6Key,
+                                         ctypes.c_uint32)
+        self.tables6: BpfMap = BpfMap(fds[abi.MAP_TABLES6], abi.MAP_TABLES6, ctypes.c_uint32, ctypes.c_uint32)
+        self.socks6: BpfMap = BpfMap(fds[abi.MAP_SOCKS6], abi.MAP_SOCKS6, abi.Sock6Key, abi.Backend6)
+        self.devaddrs6: BpfMap = BpfMap(fds[abi.MAP_DEVADDRS6], abi.MAP_DEVADDRS6, ctypes.c_uint32, abi.In6)
+        self.jump6: BpfMap = BpfMap(fds[abi.MAP_JUMP6], abi.MAP_JUMP6, ctypes.c_uint32, ctypes.c_uint32)
+        self.xjump6: BpfMap = BpfMap(fds[abi.MAP_XJUMP6], abi.MAP_XJUMP6, ctypes.c_uint32, ctypes.c_uint32)
         self.by_name: dict[str, BpfMap] = {
             m.name: m
             for m in (self.services, self.slots, self.tables.outer, self.backends, self.ct, self.names, self.epoch,
-                      self.frags, self.socks, self.ports, self.srcranges, self.cursors, self.devaddrs)
+                      self.frags, self.socks, self.ports, self.srcranges, self.cursors, self.devaddrs,
+                      self.services6, self.slots6, self.backends6, self.ct6, self.frags6, self.srcranges6,
+                      self.tables6, self.socks6, self.devaddrs6, self.jump6, self.xjump6)
         }
 
     def _svc_values(self, values: Sequence[tuple]) -> bytes:
@@ -599,6 +615,7 @@ class BpfDataplane:
         self._watcher: netlink.LinkWatcher | None = None
         self._devaddrs: snat.DeviceAddresses | None = None
         self._gc: CtGarbageCollector | None = None
+        self._gc6: CtGarbageCollector | None = None
         self.collector = BpfCollector(self)
         """The dataplane's own metrics, for the proxier's registry (a prometheus Collector)."""
         self.unserved: dict[str, str] = {}
@@ -666,6 +683,16 @@ class BpfDataplane:
             backends=BpfMap(os.dup(self._obj.maps[abi.MAP_BACKENDS]), abi.MAP_BACKENDS, abi.Backend, abi.BackendInfo),
         )
         self._gc.start()
+        # IPv6 flows by the same rules; its metrics are its own, not exported (the IPv4 collector's are).
+        self._gc6 = CtGarbageCollector(
+            BpfMap(os.dup(self._obj.maps[abi.MAP_CT6]), abi.MAP_CT6, abi.Ct6Key, abi.Ct6Value),
+            BpfMap(os.dup(self._obj.maps[abi.MAP_SERVICES6]), abi.MAP_SERVICES6, abi.Svc6Key, abi.SvcValue),
+            capacity=self._capacity[abi.MAP_CT6], timeouts=timeouts, hz=clock.kernel_hz(), settings=s.ct_gc,
+            backends=BpfMap(os.dup(self._obj.maps[abi.MAP_BACKENDS6]), abi.MAP_BACKENDS6, abi.Backend6,
+                            abi.BackendInfo),
+            layout=IPV6,
+        )
+        self._gc6.start()
 
     def _attach_socket_hooks(self) -> None:
         """Make the socket hooks what the settings say (cgroup.py): on the chosen cgroup, or nowhere."""
@@ -687,6 +714,8 @@ class BpfDataplane:
     def stop(self) -> None:
         if self._gc:
             self._gc.stop()
+        if self._gc6:
+            self._gc6.stop()
         if self._watcher:
             self._watcher.stop()
         if self._devaddrs:

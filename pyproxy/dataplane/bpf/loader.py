@@ -292,6 +292,17 @@ def constants(ct_timeouts: abi.CtTimeoutTicks | None, snat_ports: tuple[int, int
                       endpoint_counters=int(endpoint_counters), kernel=kernel_flags)
 
 
+def fill_jumps(loaded: LoadedObject) -> None:
+    """Put this load's IPv6 programs in the program arrays the IPv4 entry points tail-call (abi.JUMPS6): until then
+    IPv6 packets pass untouched. Pinned arrays held the previous load's programs: each entry is replaced."""
+    lib = libbpf.lib()
+    for name, jumps in abi.JUMPS6.items():
+        for index, prog in jumps.items():
+            key, value = ffi.new("uint32_t *", index), ffi.new("uint32_t *", loaded.progs[prog])
+            libbpf.check(lib.bpf_map_update_elem(loaded.maps[name], key, value, libbpf.BPF_ANY),
+                         f"put {prog} in {name}")
+
+
 def capacities(max_entries: dict[str, int] | None) -> dict[str, int] | None:
     """The capacities asked for, with the per-endpoint counters map at the backends map's size unless it is given
     one: it holds an entry per backend."""
@@ -379,6 +390,7 @@ def load(
             if p == ffi.NULL:
                 break
             loaded.progs[ffi.string(lib.bpf_program__name(p)).decode()] = lib.bpf_program__fd(p)
+        fill_jumps(loaded)
         return loaded
     except BaseException:
         loaded.close()
