@@ -297,4 +297,30 @@ int pyproxy_getpeer4(struct bpf_sock_addr *ctx)
 	return pyproxy_sock_reverse(ctx);
 }
 
+SEC("cgroup/connect6")
+int pyproxy_connect6(struct bpf_sock_addr *ctx)
+{
+	if (ctx->protocol != IPPROTO_TCP && ctx->protocol != IPPROTO_UDP)
+		return PYPROXY_SOCK_OK;
+	return pyproxy_sock6_forward(ctx, ctx->protocol);
+}
+
+SEC("cgroup/sendmsg6")
+int pyproxy_sendmsg6(struct bpf_sock_addr *ctx)
+{
+	return pyproxy_sock6_forward(ctx, IPPROTO_UDP);
+}
+
+SEC("cgroup/recvmsg6")
+int pyproxy_recvmsg6(struct bpf_sock_addr *ctx)
+{
+	return pyproxy_sock6_reverse(ctx);
+}
+
+SEC("cgroup/getpeername6")
+int pyproxy_getpeer6(struct bpf_sock_addr *ctx)
+{
+	return pyproxy_sock6_reverse(ctx);
+}
+
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

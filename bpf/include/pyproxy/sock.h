@@ -16,11 +16,24 @@
 #include <linux/errno.h>
 #include <bpf/bpf_helpers.h>
 #include "pyproxy/lb.h"
+#include "pyproxy/lb6.h"
 
 /* What a hook returns: 1 lets the call go on (possibly to a rewritten address), 0 fails it with the error set
  * by bpf_set_retval(). */
 #define PYPROXY_SOCK_OK     1
 #define PYPROXY_SOCK_REFUSE 0
+
+/* A frontend without endpoints, both families: the call fails. */
+static __always_inline int pyproxy_sock_refuse(const struct pyproxy_svc_value *svc)
+{
+	pyproxy_count(PYPROXY_CNT_SOCK_REFUSED);
+	/* F_DROP (internalTrafficPolicy Local, no endpoint on this node while the cluster has some): the packet path
+	 * drops, so the node's own connect fails as a dropped SYN ends, with ETIMEDOUT, though at once: there is no
+	 * packet here to drop, and one let through untranslated would leave by the default route with the ClusterIP as
+	 * its destination. Else refused, as REJECT answers. */
+	bpf_set_retval(svc->flags & PYPROXY_SVC_F_DROP ? -ETIMEDOUT : -ECONNREFUSED);
+	return PYPROXY_SOCK_REFUSE;
+}
 
 /* A node socket's connect() or sendmsg() to ctx's address: points it at a backend when that address is a
  * frontend. */
@@ -41,15 +54,8 @@ static __always_inline int pyproxy_sock_forward(struct bpf_sock_addr *ctx, __u8 
 		if (node)   /* else mid-update: this node's endpoints serve */
 			svc = node;
 	}
-	if (svc->backend_count == 0) {
-		pyproxy_count(PYPROXY_CNT_SOCK_REFUSED);
-		/* F_DROP (internalTrafficPolicy Local, no endpoint on this node while the cluster has some): the
-		 * packet path drops, so the node's own connect fails as a dropped SYN ends, with ETIMEDOUT, though at
-		 * once: there is no packet here to drop, and one let through untranslated would leave by the default
-		 * route with the ClusterIP as its destination. Else refused, as REJECT answers. */
-		bpf_set_retval(svc->flags & PYPROXY_SVC_F_DROP ? -ETIMEDOUT : -ECONNREFUSED);
-		return PYPROXY_SOCK_REFUSE;
-	}
+	if (svc->backend_count == 0)
+		return pyproxy_sock_refuse(svc);
 	now = pyproxy_now();
 	k.cookie = bpf_get_socket_cookie(ctx);
 	/* A socket has no source port yet at connect(): Maglev hashes the socket instead, so the node's sockets
@@ -88,6 +94,83 @@ static __always_inline int pyproxy_sock_reverse(struct bpf_sock_addr *ctx)
 		ctx->user_ip4 = fe->addr;
 		ctx->user_port = fe->port;
 	}
+	return PYPROXY_SOCK_OK;
+}
+
+/* The IPv6 twins (cgroup/connect6, sendmsg6, recvmsg6, getpeername6): the same decisions on the IPv6 maps
+ * (lb6.h). An IPv4-mapped address (::ffff:a.b.c.d, a dual-stack socket reaching an IPv4 frontend) is no IPv6
+ * frontend and is left alone: not balanced, as before these hooks existed (README). */
+static __always_inline void pyproxy_sock6_addr(const struct bpf_sock_addr *ctx, struct pyproxy_in6 *a)
+{
+	a->w[0] = ctx->user_ip6[0];
+	a->w[1] = ctx->user_ip6[1];
+	a->w[2] = ctx->user_ip6[2];
+	a->w[3] = ctx->user_ip6[3];
+}
+
+static __always_inline void pyproxy_sock6_set(struct bpf_sock_addr *ctx, const struct pyproxy_in6 *a, __be16 port)
+{
+	ctx->user_ip6[0] = a->w[0];
+	ctx->user_ip6[1] = a->w[1];
+	ctx->user_ip6[2] = a->w[2];
+	ctx->user_ip6[3] = a->w[3];
+	ctx->user_port = port;
+}
+
+static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8 proto)
+{
+	struct pyproxy_pkt6 p = { .dport = (__be16)ctx->user_port, .proto = proto };
+	struct pyproxy_svc_value *svc;
+	struct pyproxy_backend6 be, fe;
+	struct pyproxy_sock6_key k = {};
+	__u64 now;
+
+	pyproxy_sock6_addr(ctx, &p.daddr);
+	svc = pyproxy_lb6_frontend_of(&p);
+	if (!svc)
+		return PYPROXY_SOCK_OK;
+	if (svc->flags & PYPROXY_SVC_F_NODE_VIEW) {
+		struct pyproxy_svc_value *node = pyproxy_lb6_frontend_in(&p.daddr, p.dport, proto, PYPROXY_SVC_SCOPE_NODE);
+
+		if (node)
+			svc = node;
+	}
+	if (svc->backend_count == 0)
+		return pyproxy_sock_refuse(svc);
+	now = pyproxy_now();
+	k.cookie = bpf_get_socket_cookie(ctx);
+	if (svc->sched == PYPROXY_SCHED_MAGLEV)
+		p.sport = (__be16)k.cookie;
+	if (!((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_lb6_affinity_lookup(&p, svc, now, &be))) {
+		if (!pyproxy_lb6_pick_backend(&p, svc, &be)) {
+			pyproxy_count(PYPROXY_CNT_SLOT_MISS);
+			bpf_set_retval(-ECONNREFUSED);
+			return PYPROXY_SOCK_REFUSE;
+		}
+	}
+	if (svc->flags & PYPROXY_SVC_F_AFFINITY)
+		pyproxy_lb6_affinity_record(&p, &be, svc->svc_id, now);
+	k.addr = be.addr;
+	k.port = be.port;
+	fe.addr = p.daddr;
+	fe.port = p.dport;
+	fe.pad = 0;
+	bpf_map_update_elem(&PYPROXY_MAP_SOCKS6, &k, &fe, BPF_ANY);
+	pyproxy_sock6_set(ctx, &be.addr, be.port);
+	pyproxy_count(PYPROXY_CNT_SOCK_LB);
+	pyproxy_count_svc(svc->svc_id, 0);
+	return PYPROXY_SOCK_OK;
+}
+
+static __always_inline int pyproxy_sock6_reverse(struct bpf_sock_addr *ctx)
+{
+	struct pyproxy_sock6_key k = { .cookie = bpf_get_socket_cookie(ctx), .port = (__be16)ctx->user_port };
+	struct pyproxy_backend6 *fe;
+
+	pyproxy_sock6_addr(ctx, &k.addr);
+	fe = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKS6, &k);
+	if (fe)
+		pyproxy_sock6_set(ctx, &fe->addr, fe->port);
 	return PYPROXY_SOCK_OK;
 }
 
