@@ -21,6 +21,7 @@
 #include <bpf/bpf_helpers.h>
 
 #include "pyproxy/frag.h"
+#include "pyproxy/icmp6.h"
 #include "pyproxy/lb.h"
 #include "pyproxy/lb6.h"
 #include "pyproxy/nat.h"
@@ -197,6 +198,25 @@ static __always_inline int pyproxy_tc_parse6(struct __sk_buff *skb, struct pypro
 	return r;
 }
 
+/* An ICMPv6 error about a translated flow gets the quote its receiver knows (icmp6.h; `dir` as pyproxy_tc_icmp's). */
+static __always_inline int pyproxy_tc_icmp6(struct __sk_buff *skb, const struct pyproxy_pkt6 *p, __u8 dir)
+{
+	struct pyproxy_icmp6_err e;
+	struct pyproxy_backend6 to;
+	__u32 want = skb->len < PYPROXY_ICMP6_PULL ? skb->len : PYPROXY_ICMP6_PULL;
+
+	if (bpf_skb_pull_data(skb, want))
+		return TC_ACT_OK;
+	if (!pyproxy_icmp6_parse((void *)(long)skb->data, (void *)(long)skb->data_end, p, &e))
+		return TC_ACT_OK;
+	if (pyproxy_lb6_icmp(&e.saddr, &e.daddr, e.sport, e.dport, e.proto, dir, &to) != PYPROXY_DNAT)
+		return TC_ACT_OK;
+	if (pyproxy_icmp6_nat((void *)(long)skb->data, (void *)(long)skb->data_end, &e,
+			      dir == PYPROXY_CT_REVERSE ? PYPROXY_NAT_DST : PYPROXY_NAT_SRC, &to))
+		return TC_ACT_SHOT;
+	return TC_ACT_OK;
+}
+
 SEC("tc")
 int pyproxy_tc_ingress6(struct __sk_buff *skb)
 {
@@ -205,9 +225,14 @@ int pyproxy_tc_ingress6(struct __sk_buff *skb)
 
 	if (pyproxy_tc_xdp_translated(skb))
 		return TC_ACT_OK;
-	/* ICMPv6 errors about translated flows are not translated yet (README): they pass. */
-	if (pyproxy_tc_parse6(skb, &p) != PYPROXY_PARSE_OK)
+	switch (pyproxy_tc_parse6(skb, &p)) {
+	case PYPROXY_PARSE_OK:
+		break;
+	case PYPROXY_PARSE_ICMP:
+		return pyproxy_tc_icmp6(skb, &p, PYPROXY_CT_FORWARD);
+	default:
 		return TC_ACT_OK;
+	}
 	switch (pyproxy_lb6_forward(skb, skb->ingress_ifindex, &p, skb->len, &be)) {
 	case PYPROXY_DNAT:
 		pyproxy_frag6_record(&p);
@@ -229,8 +254,14 @@ int pyproxy_tc_egress6(struct __sk_buff *skb)
 	struct pyproxy_pkt6 p;
 	struct pyproxy_backend6 fe;
 
-	if (pyproxy_tc_parse6(skb, &p) != PYPROXY_PARSE_OK)
+	switch (pyproxy_tc_parse6(skb, &p)) {
+	case PYPROXY_PARSE_OK:
+		break;
+	case PYPROXY_PARSE_ICMP:
+		return pyproxy_tc_icmp6(skb, &p, PYPROXY_CT_REVERSE);
+	default:
 		return TC_ACT_OK;
+	}
 	if (pyproxy_lb6_reverse(&p, &fe) != PYPROXY_DNAT)
 		return TC_ACT_OK;
 	pyproxy_frag6_record(&p);

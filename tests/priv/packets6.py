@@ -133,3 +133,20 @@ def reassembled(frames: list[bytes]) -> Decoded6:
     s, d = str(ipaddress.IPv6Address(src)), str(ipaddress.IPv6Address(dst))
     proto = ip[0][IPV6_HLEN]
     return Decoded6(s, d, proto, seg, ones_sum(pseudo6(s, d, proto, len(seg)) + seg) == 0xFFFF)
+
+
+ICMP6_PKT_TOOBIG = 2
+
+
+def packet6(flow: Flow, payload: bytes = b"", tcp_flags: int = TCP_SYN) -> bytes:
+    """The IPv6 packet of `flow` (no link header): what an ICMPv6 error quotes."""
+    return ipv6(flow.src, flow.dst, flow.proto, segment6(flow, payload, tcp_flags))
+
+
+def icmp6_error(src: str, dst: str, icmp_type: int, code: int, quoted: bytes, rest: int = 0) -> bytes:
+    """An Ethernet frame with an ICMPv6 error from `src` to `dst` quoting `quoted`, its checksum from scratch over
+    the pseudo header (RFC 4443 sec. 2.3)."""
+    head = struct.pack("!BBHI", icmp_type, code, 0, rest)
+    csum = ~ones_sum(pseudo6(src, dst, ICMPV6, len(head) + len(quoted)) + head + quoted) & 0xFFFF
+    body = head[:2] + struct.pack("!H", csum) + head[4:] + quoted
+    return ethernet(ETH_P_IPV6, ipv6(src, dst, ICMPV6, body))

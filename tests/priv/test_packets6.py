@@ -22,6 +22,7 @@ from packets6 import (
     DSTOPTS,
     HOPOPTS,
     ICMP6_DEST_UNREACH,
+    ICMP6_PKT_TOOBIG,
     ICMP6_PORT_UNREACH,
     ICMPV6,
     IPV6_HLEN,
@@ -30,7 +31,9 @@ from packets6 import (
     ext,
     fragments6,
     frame6,
+    icmp6_error,
     ipv6,
+    packet6,
     pseudo6,
     reassembled,
 )
@@ -329,3 +332,52 @@ def test_nodeport_snat_and_the_reply_finds_its_way_back(dp6: Dataplane, node6: t
     assert dp6.counter("revsnat") == 1
     # The client's next packet takes the same way.
     assert decode6(through(TC_INGRESS, frame6(client, tcp_flags=TCP_ACK))).flow == out.flow
+
+
+# -- ICMPv6 errors about translated flows -----------------------------------------------------------------------
+
+ROUTER6 = "fd00:2::fe"
+
+
+@pytest.mark.parametrize("proto", BOTH)
+def test_packet_too_big_from_a_router_reaches_the_client_about_its_own_packet(dp: Dataplane, proto: int) -> None:
+    """Path-MTU discovery through a ClusterIP: the router saw client -> backend; the client must see its own
+    client -> frontend in the quote, every checksum recomputed (the quoted TCP/UDP one too)."""
+    frontend6(dp, proto)
+    flow = Flow(CLIENT6, VIP6, 44000, PORT, proto)
+    ip, port = dnat6(dp, TC_INGRESS, flow, b"big" * 8)
+    seen = packet6(flow.to(ip, port), b"big" * 8)
+    verdict, out = run(dp, TC_EGRESS, icmp6_error(ROUTER6, CLIENT6, ICMP6_PKT_TOOBIG, 0, seen, rest=1280))
+    assert verdict == TC_ACT_OK
+    assert out == icmp6_error(ROUTER6, CLIENT6, ICMP6_PKT_TOOBIG, 0, packet6(flow, b"big" * 8), rest=1280)
+    assert dp.counter("icmp_nat") == 1
+
+
+def test_port_unreachable_from_the_backend_itself_comes_from_the_frontend(dp: Dataplane) -> None:
+    frontend6(dp, UDP)
+    flow = Flow(CLIENT6, VIP6, 44100, PORT, UDP)
+    ip, port = dnat6(dp, TC_INGRESS, flow, b"q")
+    quoted = packet6(flow.to(ip, port), b"q")
+    verdict, out = run(dp, TC_EGRESS, icmp6_error(ip, CLIENT6, ICMP6_DEST_UNREACH, ICMP6_PORT_UNREACH, quoted))
+    assert out == icmp6_error(VIP6, CLIENT6, ICMP6_DEST_UNREACH, ICMP6_PORT_UNREACH, packet6(flow, b"q"))
+
+
+def test_an_error_about_a_reply_reaches_the_backend_about_its_own_packet(dp: Dataplane) -> None:
+    """The client's stack answers the frontend's reply with an error: it enters toward the frontend and must reach
+    the backend quoting backend -> client."""
+    frontend6(dp, UDP)
+    flow = Flow(CLIENT6, VIP6, 44200, PORT, UDP)
+    ip, port = dnat6(dp, TC_INGRESS, flow, b"q")
+    back = Flow(ip, CLIENT6, port, 44200, UDP)
+    verdict, out = run(dp, TC_INGRESS, icmp6_error(CLIENT6, VIP6, ICMP6_DEST_UNREACH, ICMP6_PORT_UNREACH,
+                                                   packet6(flow.reply(), b"a")))
+    assert verdict == TC_ACT_OK
+    assert out == icmp6_error(CLIENT6, ip, ICMP6_DEST_UNREACH, ICMP6_PORT_UNREACH, packet6(back, b"a"))
+
+
+@pytest.mark.parametrize("prog", [pytest.param(TC_INGRESS, id="tc"), pytest.param(TC_EGRESS, id="tc-egress")])
+def test_icmpv6_errors_about_other_flows_pass_untouched(dp: Dataplane, prog: Prog) -> None:
+    frontend6(dp, TCP)
+    other = packet6(Flow(CLIENT6, "fd00:1::9", 44300, 443, TCP))
+    unchanged(dp, prog, icmp6_error(ROUTER6, CLIENT6, ICMP6_PKT_TOOBIG, 0, other, rest=1280))
+    assert dp.counter("icmp_nat") == 0

@@ -318,6 +318,26 @@ static __always_inline int pyproxy_lb6_reverse(const struct pyproxy_pkt6 *p, str
 	return PYPROXY_DNAT;
 }
 
+/* An ICMPv6 error about a translated flow: the entry of the flow the quote belongs to gives the address and port
+ * the quote must carry (pyproxy_lb_icmp's twin; `dir` as there). */
+static __always_inline int pyproxy_lb6_icmp(const struct pyproxy_in6 *qsaddr, const struct pyproxy_in6 *qdaddr,
+					    __be16 qsport, __be16 qdport, __u8 proto, __u8 dir,
+					    struct pyproxy_backend6 *to)
+{
+	struct pyproxy_ct6_key k;
+	struct pyproxy_ct6_value *ct;
+
+	pyproxy_ct6_key_set(&k, qdaddr, qsaddr, qdport, qsport, proto, dir);
+	ct = bpf_map_lookup_elem(&PYPROXY_MAP_CT6, &k);
+	if (!ct || !pyproxy_ct6_live(&k, ct, pyproxy_now()))
+		return PYPROXY_PASS;
+	to->addr = ct->nat_addr;
+	to->port = ct->nat_port;
+	to->pad = 0;
+	pyproxy_count(PYPROXY_CNT_ICMP_NAT);
+	return PYPROXY_DNAT;
+}
+
 /* IPv6 fragments of translated flows (frag.h's twin): the first fragment's ports, recorded under the datagram's
  * addresses and identification, for the later fragments. */
 static __always_inline void pyproxy_frag6_key_of(const struct pyproxy_pkt6 *p, struct pyproxy_frag6_key *k)

@@ -9,12 +9,11 @@
 #ifndef PYPROXY_REJECT6_H
 #define PYPROXY_REJECT6_H
 
+#include "pyproxy/icmp6.h"
 #include "pyproxy/parse6.h"
 #include "pyproxy/reject.h"
 
 #define PYPROXY_IPV6_PLAIN (sizeof(struct ethhdr) + sizeof(struct ipv6hdr))
-#define PYPROXY_ICMP6_DEST_UNREACH 1
-#define PYPROXY_ICMP6_PORT_UNREACH 4
 
 static __always_inline int pyproxy_swap_link_and_net6(struct __sk_buff *skb, const struct pyproxy_pkt6 *p)
 {
