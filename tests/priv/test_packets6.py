@@ -16,7 +16,22 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import Load
-from harness import CAPACITY, ROOT, TC_EGRESS, TC_INGRESS, XDP, XDP_TRANSLATED_MARK, Dataplane, Prog
+from harness import (
+    CAPACITY,
+    CLIENT,
+    PROTOS,
+    ROOT,
+    SERVICE,
+    TC_EGRESS,
+    TC_INGRESS,
+    VIP,
+    XDP,
+    XDP_TRANSLATED_MARK,
+    Dataplane,
+    Prog,
+    dnat,
+    port_state,
+)
 from packets import ETH_HLEN, TCP, TCP_ACK, TCP_SYN, UDP, Flow, ones_sum
 from packets6 import (
     DSTOPTS,
@@ -40,6 +55,7 @@ from packets6 import (
 
 from pyproxy.dataplane.bpf import abi, kernel
 from pyproxy.lab.netns import NetnsThread, scratch_node
+from pyproxy.model.state import Backend, Frontend, ServicePortState
 
 pytestmark = ROOT
 
@@ -381,3 +397,37 @@ def test_icmpv6_errors_about_other_flows_pass_untouched(dp: Dataplane, prog: Pro
     other = packet6(Flow(CLIENT6, "fd00:1::9", 44300, 443, TCP))
     unchanged(dp, prog, icmp6_error(ROUTER6, CLIENT6, ICMP6_PKT_TOOBIG, 0, other, rest=1280))
     assert dp.counter("icmp_nat") == 0
+
+
+# -- programmed by render(), as the control plane will ------------------------------------------------------------
+
+
+def _state6(proto: int = TCP, backends: tuple[tuple[str, int], ...] = BACKENDS6, scheduler: str = "",
+            vip: str = VIP6) -> ServicePortState:
+    bes = tuple(sorted(Backend(ip, p) for ip, p in backends))
+    # wrr has a table only when the weights differ.
+    weights = ((bes[0].ip, 3), (bes[1].ip, 1)) if scheduler == "wrr" else ()
+    return ServicePortState(service=SERVICE, port_name=f"v6-{proto}", frontend=Frontend(vip, PORT, PROTOS[proto]),
+                            backends=bes, known_backends=bes, scheduler=scheduler, weights=weights)
+
+
+@pytest.mark.parametrize("scheduler", ["", "wrr", "maglev"])
+def test_render_programs_ipv6_frontends_beside_ipv4_ones(dp: Dataplane, scheduler: str) -> None:
+    """A dual-stack Service's two frontends: render writes each to its family's maps (the tables too, for wrr and
+    Maglev), the programs serve both, a restart reads both back, and the Service's removal takes both out."""
+    plan = dp.apply(port_state(TCP), _state6(TCP, scheduler=scheduler))
+    assert {b.map for b in plan.batches} >= {abi.MAP_SERVICES, abi.MAP_SERVICES6, abi.MAP_SLOTS6, abi.MAP_BACKENDS6}
+    if scheduler:
+        assert abi.MAP_TABLES6 in {b.map for b in plan.batches}
+        assert len(dp.maps.tables6.arrays) == 1
+    dnat6(dp, TC_INGRESS, Flow(CLIENT6, VIP6, 45000, PORT, TCP))
+    dnat(dp, TC_INGRESS, Flow(CLIENT, VIP, 45000, PORT, TCP))
+    # What a restart reads back (IPv4's read-back is test_maps.py's).
+    read = dp.maps.read_applied()
+    key6 = (VIP6, PORT, "TCP", abi.SVC_SCOPE_PACKETS)
+    assert read.frontends[key6] == dp.applied.frontends[key6]
+    assert {b for b in read.backend_refs if ":" in b.ip} == {Backend(ip, p) for ip, p in BACKENDS6}
+    dp.apply(service=SERVICE)
+    assert len(dp.maps.services6) == len(dp.maps.slots6) == len(dp.maps.backends6) == 0
+    assert len(dp.maps.services) == 0 and len(dp.maps.tables6.outer) == 0
+    unchanged(dp, TC_INGRESS, frame6(Flow(CLIENT6, VIP6, 45001, PORT, TCP)))
