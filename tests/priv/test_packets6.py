@@ -10,6 +10,7 @@ in."""
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 import subprocess
 from collections.abc import Iterator
@@ -53,7 +54,7 @@ from packets6 import (
     reassembled,
 )
 
-from pyproxy.dataplane.bpf import abi, kernel
+from pyproxy.dataplane.bpf import abi, attach, kernel, loader
 from pyproxy.lab.netns import NetnsThread, scratch_node
 from pyproxy.model.state import Backend, Frontend, ServicePortState
 
@@ -431,3 +432,17 @@ def test_render_programs_ipv6_frontends_beside_ipv4_ones(dp: Dataplane, schedule
     assert len(dp.maps.services6) == len(dp.maps.slots6) == len(dp.maps.backends6) == 0
     assert len(dp.maps.services) == 0 and len(dp.maps.tables6.outer) == 0
     unchanged(dp, TC_INGRESS, frame6(Flow(CLIENT6, VIP6, 45001, PORT, TCP)))
+
+
+def test_a_restart_without_pins_finds_the_ipv6_maps_through_the_program_arrays(dp: Dataplane) -> None:
+    """What a restart adopts when no pin is reachable (attach.maps_in_use): the attached IPv4 programs' maps, and
+    through their program arrays the IPv6 programs' (which the IPv4 programs do not hold)."""
+    found = {name: os.dup(fd) for name, fd in dp.obj.maps.items() if name in abi.JUMPS6}
+    try:
+        for pid in attach.jumped_to(found):
+            attach._add_maps_of(pid, found)
+        assert {abi.MAP_CT6, abi.MAP_SERVICES6, abi.MAP_SLOTS6, abi.MAP_BACKENDS6, abi.MAP_FRAGS6} <= found.keys()
+        assert loader.map_info(found[abi.MAP_CT6]).id == loader.map_info(dp.obj.maps[abi.MAP_CT6]).id
+    finally:
+        for fd in found.values():
+            os.close(fd)
