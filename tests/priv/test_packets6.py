@@ -207,7 +207,7 @@ def _truncated() -> list[object]:
 @pytest.mark.parametrize("data", _truncated())
 def test_malformed_and_truncated_packets_pass_untouched(dp: Dataplane, prog: Prog, data: bytes) -> None:
     if prog is not XDP and len(data) < ETH_HLEN + IPV6_HLEN:
-        pytest.skip("BPF_PROG_TEST_RUN refuses an skb shorter than its IPv6 header (EINVAL): XDP's run shows it")
+        pytest.skip("BPF_PROG_TEST_RUN for skbs needs a complete IPv6 header (EINVAL): XDP's run shows the case")
     frontend6(dp, TCP)
     unchanged(dp, prog, data)
     assert dp.counter("new_flow") == 0
