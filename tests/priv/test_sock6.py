@@ -12,6 +12,7 @@ from harness import ROOT, Dataplane
 from test_sock import World, world  # noqa: F401 (the fixture)
 
 from pyproxy.dataplane.bpf import abi, cgroup
+from pyproxy.model.objects import Protocol
 
 pytestmark = ROOT
 
@@ -59,3 +60,29 @@ def test_a_node_process_reaches_ipv6_frontends_through_the_socket_hooks(world: W
     assert got["empty"] == "ConnectionRefusedError", "a frontend without endpoints refuses at connect()"
     assert dp.counter("sock_lb") == 2 and dp.counter("sock_refused") == 1
     assert len(dp.maps.socks6) == 2 and ctypes.sizeof(abi.Sock6Key) == 32
+
+
+MAPPED_CLIENT = textwrap.dedent("""
+    import json, socket
+    out = {}
+    s = socket.socket(socket.AF_INET6); s.settimeout(2); s.connect(("::ffff:10.96.77.1", 80))
+    out["tcp_reply"] = s.recv(100).decode(); out["tcp_peer"] = list(s.getpeername()[:2]); s.close()
+    u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); u.settimeout(2)
+    u.sendto(b"q", ("::ffff:10.96.77.1", 53))
+    data, src = u.recvfrom(100); out["udp_reply"] = data.decode(); out["udp_source"] = list(src[:2])
+    print(json.dumps(out))
+""")
+
+
+def test_an_ipv6_socket_reaches_an_ipv4_frontend_by_its_mapped_address(world: World) -> None:  # noqa: F811
+    """A dual-stack socket (AF_INET6) connecting to ::ffff:<ClusterIP>: the IPv4 frontends decide, and the socket
+    sees the frontend's mapped address as its peer and as its datagrams' source."""
+    dp = world.dp
+    dp.apply(test_sock._state(test_sock.VIP, 80, Protocol.TCP, (test_sock.TCP_BACKEND,)),
+             test_sock._state(test_sock.VIP, 53, Protocol.UDP, (test_sock.UDP_BACKEND,)), service="default/web")
+    cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
+    got = test_sock.serve_and_ask(world, test_sock.SERVER, MAPPED_CLIENT)
+    mapped = f"::ffff:{test_sock.VIP}"
+    assert got["tcp_reply"] == "tcp-backend" and got["tcp_peer"] == [mapped, 80]
+    assert got["udp_reply"] == "udp:q" and got["udp_source"] == [mapped, 53]
+    assert dp.counter("sock_lb") == 2
