@@ -714,7 +714,9 @@ class BpfDataplane:
         if not self._obj.kernel_flags & abi.KERNEL_FIB_SRC:
             # Before any device is attached: SNAT finds its source address from the first packet on.
             self._devaddrs = snat.DeviceAddresses(
-                BpfMap(os.dup(self._obj.maps[abi.MAP_DEVADDRS]), abi.MAP_DEVADDRS, ctypes.c_uint32, ctypes.c_uint32))
+                BpfMap(os.dup(self._obj.maps[abi.MAP_DEVADDRS]), abi.MAP_DEVADDRS, ctypes.c_uint32, ctypes.c_uint32),
+                devaddrs6=BpfMap(os.dup(self._obj.maps[abi.MAP_DEVADDRS6]), abi.MAP_DEVADDRS6, ctypes.c_uint32,
+                                 abi.In6))
             self._devaddrs.start()
         # Subscribe before listing so a device created in between is not missed.
         self._watcher = netlink.LinkWatcher(self._on_link)
