@@ -446,3 +446,25 @@ def test_a_restart_without_pins_finds_the_ipv6_maps_through_the_program_arrays(d
     finally:
         for fd in found.values():
             os.close(fd)
+
+
+def test_clients_outside_the_cluster_cidrs_ipv6_half_are_masqueraded(load: Load, node6: tuple[NetnsThread, int]
+                                                                      ) -> None:
+    """--cluster-cidr with an IPv6 prefix (dual stack: "v4,v6"): a ClusterIP flagged F_MASQ_OUTSIDE SNATs IPv6
+    clients outside that prefix, and leaves those inside their own address."""
+    thread, ifindex = node6
+    d = Dataplane(load(None, max_entries=CAPACITY, cluster_cidr="10.244.0.0/16,fd00:c::/48"))
+    try:
+        frontend6(d, TCP, flags=abi.SVC_F_MASQ_OUTSIDE)
+
+        def leaving(client: str, sport: int) -> str:
+            verdict, out = thread.call(d.run, TC_INGRESS, frame6(Flow(client, VIP6, sport, PORT, TCP)), ifindex)
+            verdict, out = d.run(TC_EGRESS, out)
+            assert decode6(out).csum_ok
+            return decode6(out).src
+
+        assert leaving(CLIENT6, 46000) == CLIENT6  # fd00:c::10, inside fd00:c::/48
+        assert leaving("fd00:99::10", 46001) == NODE_SIDE6
+        assert d.counter("snat") == 1
+    finally:
+        d.close()

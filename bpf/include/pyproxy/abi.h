@@ -245,6 +245,11 @@ struct pyproxy_snat_ports {
 	__u32 pad;     /* zero */
 };
 
+/* An IPv6 address: four words, each in network byte order (the sixteen bytes as they sit in the packet). */
+struct pyproxy_in6 {
+	__be32 w[4];   /* network byte order */
+};
+
 /* An IPv4 prefix: the cluster CIDR (--cluster-cidr). mask 0: none given. */
 struct pyproxy_cidr {
 	__be32 addr;   /* network byte order; the network address */
@@ -260,6 +265,12 @@ struct pyproxy_cidr {
 
 /* The programs' constants: the .rodata variable the loader sets before load (the verifier then folds each read
  * into the code). */
+/* An IPv6 prefix: the cluster CIDR's IPv6 half (dual stack). mask 0: none given. */
+struct pyproxy_cidr6 {
+	struct pyproxy_in6 addr;   /* the network address */
+	struct pyproxy_in6 mask;
+};
+
 struct pyproxy_config {
 	struct pyproxy_ct_timeouts ct;
 	struct pyproxy_snat_ports snat;
@@ -269,6 +280,7 @@ struct pyproxy_config {
 	__u32 endpoint_counters;
 	__u32 kernel;  /* PYPROXY_KERNEL_* */
 	__u32 pad;     /* zero */
+	struct pyproxy_cidr6 cluster6;   /* appended: .rodata is each load's own, no map keeps the old layout */
 };
 
 /* Value of PYPROXY_MAP_CURSORS: a frontend's round-robin position (rr, wrr). */
@@ -318,13 +330,9 @@ struct pyproxy_svc_stats {
 	__u64 bytes;    /* host order */
 };
 
-/* IPv6: the twins of the structs above that hold an address (Cilium's lb4_/lb6_ pairs). An address is four
- * words, each in network byte order: the sixteen bytes as they sit in the packet. Service ids, slot keys, backend
- * info, CT states and flags, fragment ports and statistics are the IPv4 structs'. */
-struct pyproxy_in6 {
-	__be32 w[4];   /* network byte order */
-};
-
+/* IPv6: the twins of the structs above that hold an address (Cilium's lb4_/lb6_ pairs), each address a struct
+ * pyproxy_in6. Service ids, slot keys, backend info, CT states and flags, fragment ports and statistics are the
+ * IPv4 structs'. */
 /* Key of PYPROXY_MAP_SERVICES6 (value: struct pyproxy_svc_value). */
 struct pyproxy_svc6_key {
 	struct pyproxy_in6 vip;

@@ -201,13 +201,26 @@ static __always_inline int pyproxy_lb6_ct_follow(struct pyproxy_ct6_value *ct, c
 	return 1;
 }
 
-/* Whether a new IPv6 flow must be SNATed: the frontend says so, or the backend is the client itself (hairpin).
- * PYPROXY_SVC_F_MASQ_OUTSIDE is not applied: the programs know only the IPv4 cluster CIDR (README). */
+/* Whether the IPv6 client `a` is outside the cluster CIDR's IPv6 half (pyproxy_config.cluster6; none given: no). */
+static __always_inline int pyproxy_lb6_outside_cluster(const struct pyproxy_in6 *a)
+{
+	__u32 differ = 0;
+
+	/* Read field by field: the constants are folded by the verifier (libbpf's .rodata) or the compiler (BCC). */
+#pragma unroll
+	for (int i = 0; i < 4; i++)
+		differ |= (a->w[i] & pyproxy_config.cluster6.mask.w[i]) ^ pyproxy_config.cluster6.addr.w[i];
+	return differ != 0;
+}
+
+/* Whether a new IPv6 flow must be SNATed, by pyproxy_lb_must_masquerade's rules. */
 static __always_inline int pyproxy_lb6_must_masquerade(const struct pyproxy_pkt6 *p,
 						       const struct pyproxy_svc_value *svc,
 						       const struct pyproxy_backend6 *be)
 {
-	return (svc->flags & PYPROXY_SVC_F_MASQ) || pyproxy_in6_eq(&be->addr, &p->saddr);
+	if ((svc->flags & PYPROXY_SVC_F_MASQ) || pyproxy_in6_eq(&be->addr, &p->saddr))
+		return 1;
+	return (svc->flags & PYPROXY_SVC_F_MASQ_OUTSIDE) && pyproxy_lb6_outside_cluster(&p->saddr);
 }
 
 static __always_inline int pyproxy_lb6_masquerade(void *ctx, __u32 ifindex, const struct pyproxy_pkt6 *p,

@@ -345,6 +345,7 @@ const volatile struct pyproxy_config pyproxy_config = {
 	},
 	.snat = { .min = 61000, .max = 65535 },
 	.cluster = { .addr = 0, .mask = 0 },
+	.cluster6 = {},
 	.endpoint_counters = 0,
 	.kernel = PYPROXY_KERNEL_FIB_SRC,
 };

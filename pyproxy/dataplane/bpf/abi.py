@@ -319,6 +319,26 @@ class Cidr(ctypes.Structure):
         return cls(be32(str(net.network_address)), be32(str(net.netmask)))
 
 
+class In6(ctypes.Structure):
+    """struct pyproxy_in6: an IPv6 address, four words in network order (`in6` builds one)"""
+
+    _fields_ = [("w", ctypes.c_uint32 * 4)]
+
+
+class Cidr6(ctypes.Structure):
+    """struct pyproxy_cidr6"""
+
+    _fields_ = [("addr", In6), ("mask", In6)]
+
+    @classmethod
+    def of(cls, cidr: str | None) -> Cidr6:
+        """The IPv6 prefix `cidr` ("fd00:10:244::/56"); None: none (mask 0)."""
+        if cidr is None:
+            return cls()
+        net = ipaddress.IPv6Network(cidr, strict=False)
+        return cls(in6(str(net.network_address)), in6(str(net.netmask)))
+
+
 class Config(ctypes.Structure):
     """struct pyproxy_config (the .rodata variable CONFIG_VAR)"""
 
@@ -329,6 +349,7 @@ class Config(ctypes.Structure):
         ("endpoint_counters", ctypes.c_uint32),  # 1: count per backend in MAP_EPSTATS
         ("kernel", ctypes.c_uint32),  # KERNEL_*: what the running kernel offers (kernel.py)
         ("pad", ctypes.c_uint32),
+        ("cluster6", Cidr6),  # the cluster CIDR's IPv6 half
     ]
 
 
@@ -382,12 +403,6 @@ class SvcStats(ctypes.Structure):
         ("packets", ctypes.c_uint64),  # host order
         ("bytes", ctypes.c_uint64),  # host order
     ]
-
-
-class In6(ctypes.Structure):
-    """struct pyproxy_in6: an IPv6 address, four words in network order (`in6` builds one)"""
-
-    _fields_ = [("w", ctypes.c_uint32 * 4)]
 
 
 class Svc6Key(ctypes.Structure):
@@ -512,6 +527,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "pyproxy_svc_stats": SvcStats,
     "pyproxy_svc_name": SvcName,
     "pyproxy_in6": In6,
+    "pyproxy_cidr6": Cidr6,
     "pyproxy_svc6_key": Svc6Key,
     "pyproxy_backend6": Backend6,
     "pyproxy_slot6": Slot6,

@@ -202,7 +202,12 @@ def _config_initializer(value: ctypes.Structure) -> str:
     parts = []
     for name, *_ in value._fields_:
         v = getattr(value, name)
-        parts.append(f".{name}={_config_initializer(v) if isinstance(v, ctypes.Structure) else int(v)}")
+        if isinstance(v, ctypes.Structure):
+            parts.append(f".{name}={_config_initializer(v)}")
+        elif isinstance(v, ctypes.Array):
+            parts.append(f".{name}={{{','.join(str(int(x)) for x in v)}}}")
+        else:
+            parts.append(f".{name}={int(v)}")
     return "{" + ",".join(parts) + "}"
 
 

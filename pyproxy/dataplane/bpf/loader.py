@@ -288,8 +288,12 @@ def constants(ct_timeouts: abi.CtTimeoutTicks | None, snat_ports: tuple[int, int
         from pyproxy.dataplane.bpf import clock, conntrack  # clock imports this module
 
         ct_timeouts = conntrack.CtTimeouts().ticks(clock.kernel_hz())
-    return abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(cluster_cidr),
-                      endpoint_counters=int(endpoint_counters), kernel=kernel_flags)
+    # Dual stack: "10.244.0.0/16,fd00:10:244::/56", each family's prefix for its own flows.
+    cidrs = [c.strip() for c in (cluster_cidr or "").split(",") if c.strip()]
+    v4 = next((c for c in cidrs if ":" not in c), None)
+    v6 = next((c for c in cidrs if ":" in c), None)
+    return abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(v4),
+                      endpoint_counters=int(endpoint_counters), kernel=kernel_flags, cluster6=abi.Cidr6.of(v6))
 
 
 def fill_jumps(loaded: LoadedObject) -> None:
