@@ -155,8 +155,9 @@ def test_python_reads_each_map_with_its_c_key_and_value_types(btf: Btf) -> None:
     for arr in (maps.stats, maps.counters):
         assert isinstance(arr, PerCpuArray)
         readers[arr.name] = (ctypes.c_uint32, arr.value_type, BPF_MAP_TYPE_PERCPU_ARRAY)
-    assert isinstance(maps.epstats, PerCpuHash)
-    readers[maps.epstats.name] = (maps.epstats.key_type, maps.epstats.value_type, BPF_MAP_TYPE_PERCPU_HASH)
+    for per_cpu_hash in (maps.epstats, maps.epstats6):
+        assert isinstance(per_cpu_hash, PerCpuHash)
+        readers[per_cpu_hash.name] = (per_cpu_hash.key_type, per_cpu_hash.value_type, BPF_MAP_TYPE_PERCPU_HASH)
     assert sorted(readers) == sorted(abi.ALL_MAPS)
 
     defs = btf.map_defs()

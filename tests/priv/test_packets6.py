@@ -468,3 +468,21 @@ def test_clients_outside_the_cluster_cidrs_ipv6_half_are_masqueraded(load: Load,
         assert d.counter("snat") == 1
     finally:
         d.close()
+
+
+def test_ipv6_backends_have_per_endpoint_counters(load: Load) -> None:
+    """--bpf-endpoint-counters: render keeps an entry per IPv6 backend in PYPROXY_MAP_EPSTATS6, and the programs
+    count the packets and bytes each one got, new flow and established alike."""
+    d = Dataplane(load(None, max_entries=CAPACITY, endpoint_counters=True), endpoint_counters=True)
+    try:
+        d.apply(_state6(TCP, backends=BACKENDS6[:1]))
+        assert set(d.maps.endpoint_stats()) == {Backend(*BACKENDS6[0])}
+        flow = Flow(CLIENT6, VIP6, 47000, PORT, TCP)
+        data = frame6(flow)
+        dnat6(d, TC_INGRESS, flow)
+        dnat6(d, TC_INGRESS, flow, tcp_flags=TCP_ACK)
+        assert d.maps.endpoint_stats()[Backend(*BACKENDS6[0])] == (2, 2 * len(data))
+        d.apply(service=SERVICE)
+        assert d.maps.endpoint_stats() == {}
+    finally:
+        d.close()

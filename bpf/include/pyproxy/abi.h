@@ -46,6 +46,7 @@
 #define PYPROXY_MAP_TABLES6    pyproxy_tbl6_v1
 #define PYPROXY_MAP_SOCKS6     pyproxy_sock6_v1
 #define PYPROXY_MAP_DEVADDRS6  pyproxy_dev6_v1
+#define PYPROXY_MAP_EPSTATS6   pyproxy_epstat6_v1
 #define PYPROXY_MAP_JUMP6      pyproxy_jmp6_v1  /* TC programs: where the IPv4 programs send IPv6 packets */
 #define PYPROXY_MAP_XJUMP6     pyproxy_xjmp6_v1 /* the same for XDP (a program array serves one program type) */
 

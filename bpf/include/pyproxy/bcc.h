@@ -95,6 +95,9 @@
 #ifndef PYPROXY_BCC_MAX_srcranges6
 #define PYPROXY_BCC_MAX_srcranges6 PYPROXY_MAX_SRCRANGES
 #endif
+#ifndef PYPROXY_BCC_MAX_epstats6
+#define PYPROXY_BCC_MAX_epstats6 PYPROXY_MAX_EPSTATS
+#endif
 #ifndef PYPROXY_BCC_MAX_tables6
 #define PYPROXY_BCC_MAX_tables6 PYPROXY_MAX_SERVICES
 #endif
@@ -145,6 +148,8 @@ PYPROXY_BCC_TABLE("lpm_trie", struct pyproxy_srcrange6_key, __u32, PYPROXY_MAP_S
 BPF_F_TABLE("array", __u32, struct pyproxy_backend6, pyproxy_table6, 1, BPF_F_INNER_MAP);
 PYPROXY_BCC_TABLE("hash_of_maps$pyproxy_table6", __u32, int, PYPROXY_MAP_TABLES6, PYPROXY_BCC_MAX_tables6, 0);
 PYPROXY_BCC_TABLE("hash", __u32, struct pyproxy_in6, PYPROXY_MAP_DEVADDRS6, PYPROXY_MAX_DEVADDRS, BPF_F_NO_PREALLOC);
+PYPROXY_BCC_TABLE("percpu_hash", struct pyproxy_backend6, struct pyproxy_svc_stats, PYPROXY_MAP_EPSTATS6,
+		  PYPROXY_BCC_MAX_epstats6, BPF_F_NO_PREALLOC);
 PYPROXY_BCC_TABLE("prog", __u32, __u32, PYPROXY_MAP_JUMP6, PYPROXY_JUMP6_TC_MAX, 0);
 PYPROXY_BCC_TABLE("prog", __u32, __u32, PYPROXY_MAP_XJUMP6, PYPROXY_JUMP6_XDP_MAX, 0);
 

@@ -243,8 +243,7 @@ static __always_inline int pyproxy_lb6_masquerade(void *ctx, __u32 ifindex, cons
 	return PYPROXY_CT_F_MASQ;
 }
 
-/* The forward decision for an IPv6 packet entering the node (pyproxy_lb_forward's twin). Per-endpoint counters
- * (--bpf-endpoint-counters) count IPv4 backends only. */
+/* The forward decision for an IPv6 packet entering the node (pyproxy_lb_forward's twin). */
 static __always_inline int pyproxy_lb6_forward(void *ctx, __u32 ifindex, const struct pyproxy_pkt6 *p,
 					       __u64 pkt_len, struct pyproxy_backend6 *be)
 {
@@ -277,6 +276,7 @@ static __always_inline int pyproxy_lb6_forward(void *ctx, __u32 ifindex, const s
 			pyproxy_ct6_seen(&k, ct, p->tcp_flags, now);
 			pyproxy_count(PYPROXY_CNT_ESTABLISHED);
 			pyproxy_count_svc(svc->svc_id, pkt_len);
+			pyproxy_count_endpoint6(be, pkt_len);
 			return PYPROXY_DNAT;
 		} else {
 			pyproxy_count(PYPROXY_CNT_REBALANCED);
@@ -319,6 +319,7 @@ static __always_inline int pyproxy_lb6_forward(void *ctx, __u32 ifindex, const s
 		pyproxy_lb6_active_add(be, 1);
 	pyproxy_count(PYPROXY_CNT_NEW_FLOW);
 	pyproxy_count_svc(svc->svc_id, pkt_len);
+	pyproxy_count_endpoint6(be, pkt_len);
 	return PYPROXY_DNAT;
 }
 

@@ -298,6 +298,16 @@ struct {
 	__array(values, struct pyproxy_table6_inner);
 } PYPROXY_MAP_TABLES6 SEC(".maps");
 
+/* Per-endpoint counters of IPv6 backends (as PYPROXY_MAP_EPSTATS; --bpf-endpoint-counters). */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, PYPROXY_MAX_EPSTATS);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct pyproxy_backend6);
+	__type(value, struct pyproxy_svc_stats);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_EPSTATS6 SEC(".maps");
+
 /* Node device (ifindex) -> the IPv6 address SNAT gives a flow leaving by it, where bpf_fib_lookup cannot name it
  * (as PYPROXY_MAP_DEVADDRS). */
 struct {

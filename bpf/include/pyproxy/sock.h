@@ -213,6 +213,7 @@ static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8
 	pyproxy_sock6_set(ctx, &be.addr, be.port);
 	pyproxy_count(PYPROXY_CNT_SOCK_LB);
 	pyproxy_count_svc(svc->svc_id, 0);
+	pyproxy_count_endpoint6(&be, 0);
 	return PYPROXY_SOCK_OK;
 }
 

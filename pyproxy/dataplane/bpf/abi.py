@@ -40,6 +40,7 @@ MAP_SRCRANGES6 = "pyproxy_range6_v1"
 MAP_TABLES6 = "pyproxy_tbl6_v1"
 MAP_SOCKS6 = "pyproxy_sock6_v1"
 MAP_DEVADDRS6 = "pyproxy_dev6_v1"
+MAP_EPSTATS6 = "pyproxy_epstat6_v1"
 MAP_JUMP6 = "pyproxy_jmp6_v1"
 """TC program array: JUMP6_TC_INGRESS, JUMP6_TC_EGRESS -> the IPv6 programs the IPv4 ones tail-call (loader fills)."""
 MAP_XJUMP6 = "pyproxy_xjmp6_v1"
@@ -52,7 +53,7 @@ MAP_PREFIX = "pyproxy_"
 ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES, MAP_EPOCH,
             MAP_FRAGS, MAP_PORTS, MAP_SOCKS, MAP_SRCRANGES, MAP_CURSORS, MAP_TABLES, MAP_EPSTATS, MAP_DEVADDRS,
             MAP_SERVICES6, MAP_SLOTS6, MAP_BACKENDS6, MAP_CT6, MAP_FRAGS6, MAP_SRCRANGES6, MAP_TABLES6, MAP_SOCKS6,
-            MAP_DEVADDRS6, MAP_JUMP6, MAP_XJUMP6)
+            MAP_DEVADDRS6, MAP_EPSTATS6, MAP_JUMP6, MAP_XJUMP6)
 TABLE6_NAME = "pyproxy_table6"
 """The name of each IPv6 frontend's table (PYPROXY_MAP_TABLES6' inner arrays)."""
 RESIZABLE = {
@@ -61,6 +62,7 @@ RESIZABLE = {
     "tables": MAP_TABLES, "epstats": MAP_EPSTATS,
     "services6": MAP_SERVICES6, "slots6": MAP_SLOTS6, "backends6": MAP_BACKENDS6, "ct6": MAP_CT6,
     "frags6": MAP_FRAGS6, "socks6": MAP_SOCKS6, "srcranges6": MAP_SRCRANGES6, "tables6": MAP_TABLES6,
+    "epstats6": MAP_EPSTATS6,
 }
 """The maps whose capacity a setting may change (--bpf-map-sizes), by the short name a setting uses. Service ids
 index stats, cursors and tables too: they hold as many as services (the largest id must fit). epstats holds one

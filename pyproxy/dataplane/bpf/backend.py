@@ -338,6 +338,7 @@ class Maps:
         self.stats: PerCpuArray = PerCpuArray(fds[abi.MAP_STATS], abi.MAP_STATS, abi.SvcStats)
         self.counters: PerCpuArray = PerCpuArray(fds[abi.MAP_COUNTERS], abi.MAP_COUNTERS, ctypes.c_uint64)
         self.epstats: PerCpuHash = PerCpuHash(fds[abi.MAP_EPSTATS], abi.MAP_EPSTATS, abi.Backend, abi.SvcStats)
+        self.epstats6: PerCpuHash = PerCpuHash(fds[abi.MAP_EPSTATS6], abi.MAP_EPSTATS6, abi.Backend6, abi.SvcStats)
         # IPv6 (abi.h): the twins of the maps above that hold an address, and the program arrays of the IPv6
         # programs (filled by the loader, read here only by cleanup and the ABI test).
         self.services6: BpfMap = BpfMap(fds[abi.MAP_SERVICES6], abi.MAP_SERVICES6, abi.Svc6Key, abi.SvcValue)
@@ -373,6 +374,7 @@ class Maps:
         self.stats.close()
         self.counters.close()
         self.epstats.close()
+        self.epstats6.close()
 
     def run(self, op: Op) -> None:
         """One op, one bpf(2) call: for callers that program a few entries (a big plan: run_batches)."""
@@ -382,8 +384,8 @@ class Maps:
         if op.map in (abi.MAP_TABLES, abi.MAP_TABLES6):
             self._run_tables(op.map, op.verb, [op.key], [op.value] if op.value is not None else None)
             return
-        if op.map == abi.MAP_EPSTATS:
-            self._run_epstats(op.verb, [op.key])
+        if op.map in (abi.MAP_EPSTATS, abi.MAP_EPSTATS6):
+            self._run_epstats(op.map, op.verb, [op.key])
             return
         m = self.by_name[op.map]
         key = KEY_CODECS[op.map]((op.key,))
@@ -403,8 +405,8 @@ class Maps:
             if name in (abi.MAP_TABLES, abi.MAP_TABLES6):
                 self._run_tables(name, verb, keys, values)
                 continue
-            if name == abi.MAP_EPSTATS:
-                self._run_epstats(verb, keys)
+            if name in (abi.MAP_EPSTATS, abi.MAP_EPSTATS6):
+                self._run_epstats(name, verb, keys)
                 continue
             m = self.by_name[name]
             packed = KEY_CODECS[name](keys)
@@ -414,40 +416,41 @@ class Maps:
             else:
                 m.delete_batch(packed, len(keys))
 
-    def _run_epstats(self, verb: str, keys: Sequence[tuple]) -> None:
+    def _run_epstats(self, name: str, verb: str, keys: Sequence[tuple]) -> None:
         """A backend's counters: "put" writes them zeroed (render's only value), "del" removes them."""
+        m, fam = (self.epstats6, _V6) if name == abi.MAP_EPSTATS6 else (self.epstats, _V4)
         if verb == "put":
-            self.epstats.put_zeros(_endpoints(keys), len(keys))
+            m.put_zeros(_endpoints(keys, fam), len(keys))
         else:
-            self.epstats.delete_batch(_endpoints(keys), len(keys))
+            m.delete_batch(_endpoints(keys, fam), len(keys))
 
     def endpoint_stats(self) -> dict[Backend, tuple[int, int]]:
         """Every backend's counted packets and bytes, summed over CPUs. Unpacked with struct, the whole map at once:
         a scrape reads it, and it holds an entry per endpoint."""
-        keys, values = self.epstats.items_raw()
-        ncpus = self.epstats.ncpus
-        counts = _STATS.iter_unpack(values)  # each key's CPUs one after the other (the stride is the struct's size)
         out = {}
-        for addr, port in _BACKEND.iter_unpack(keys):
-            packets = octets = 0
-            for n, size in itertools.islice(counts, ncpus):
-                packets += n
-                octets += size
-            out[Backend(socket.inet_ntoa(addr), port)] = (packets, octets)
+        for m, fam in ((self.epstats, _V4), (self.epstats6, _V6)):
+            keys, values = m.items_raw()
+            counts = _STATS.iter_unpack(values)  # each key's CPUs one after the other (the stride: the struct's size)
+            for addr, port in fam.backend.iter_unpack(keys):
+                packets = octets = 0
+                for n, size in itertools.islice(counts, m.ncpus):
+                    packets += n
+                    octets += size
+                out[Backend(fam.ntoa(addr), port)] = (packets, octets)
         return out
 
     def sync_endpoint_stats(self, applied: Applied, on: bool) -> None:
         """Make the per-endpoint counters map hold what plans keep it at (render: an entry per backend of
         `applied` when `on`, else none), for when it may not: a new map, counters turned on or off since the last
         run, a plan that stopped halfway. Entries of backends that stay keep their counts."""
-        held = set(self.epstats.keys_raw())
-        # IPv6 backends have no per-endpoint counters (README, "IPv6 in bpf mode").
-        wanted = {_endpoints([b]) for b in applied.backend_refs if not is_ipv6(b.ip)} if on else set()
-        missing, stale = sorted(wanted - held), sorted(held - wanted)
-        if missing:
-            self.epstats.put_zeros(b"".join(missing), len(missing))
-        if stale:
-            self.epstats.delete_batch(b"".join(stale), len(stale))
+        for m, fam, six in ((self.epstats, _V4, False), (self.epstats6, _V6, True)):
+            held = set(m.keys_raw())
+            wanted = {_endpoints([b], fam) for b in applied.backend_refs if is_ipv6(b.ip) == six} if on else set()
+            missing, stale = sorted(wanted - held), sorted(held - wanted)
+            if missing:
+                m.put_zeros(b"".join(missing), len(missing))
+            if stale:
+                m.delete_batch(b"".join(stale), len(stale))
 
     def _run_tables(self, name: str, verb: str, keys: Sequence[tuple], values: Sequence[tuple] | None) -> None:
         tables = self.tables6 if name == abi.MAP_TABLES6 else self.tables

@@ -310,8 +310,9 @@ def fill_jumps(loaded: LoadedObject) -> None:
 def capacities(max_entries: dict[str, int] | None) -> dict[str, int] | None:
     """The capacities asked for, with the per-endpoint counters map at the backends map's size unless it is given
     one: it holds an entry per backend."""
-    if max_entries and abi.MAP_BACKENDS in max_entries and abi.MAP_EPSTATS not in max_entries:
-        return {**max_entries, abi.MAP_EPSTATS: max_entries[abi.MAP_BACKENDS]}
+    for backends, epstats in ((abi.MAP_BACKENDS, abi.MAP_EPSTATS), (abi.MAP_BACKENDS6, abi.MAP_EPSTATS6)):
+        if max_entries and backends in max_entries and epstats not in max_entries:
+            max_entries = {**max_entries, epstats: max_entries[backends]}
     return max_entries
 
 

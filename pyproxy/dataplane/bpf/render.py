@@ -544,9 +544,9 @@ def is_ipv6(ip: str) -> bool:
 
 # The maps whose entries hold an address, by their IPv6 twins (abi.h); how a batch's entry tells its family: by the
 # address in its key (services, backends, per-endpoint counters), or by its frontend's service id (slots, tables,
-# source ranges). IPv6 backends have no per-endpoint counters (README, "IPv6 in bpf mode"): None drops them.
+# source ranges).
 _TWINS: dict[str, str | None] = {
-    abi.MAP_SERVICES: abi.MAP_SERVICES6, abi.MAP_BACKENDS: abi.MAP_BACKENDS6, abi.MAP_EPSTATS: None,
+    abi.MAP_SERVICES: abi.MAP_SERVICES6, abi.MAP_BACKENDS: abi.MAP_BACKENDS6, abi.MAP_EPSTATS: abi.MAP_EPSTATS6,
     abi.MAP_SLOTS: abi.MAP_SLOTS6, abi.MAP_TABLES: abi.MAP_TABLES6, abi.MAP_SRCRANGES: abi.MAP_SRCRANGES6,
 }
 _BY_ADDRESS = frozenset({abi.MAP_SERVICES, abi.MAP_BACKENDS, abi.MAP_EPSTATS})
