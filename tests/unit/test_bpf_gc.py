@@ -219,3 +219,14 @@ def test_the_metrics_show_in_the_registry_that_registers_them() -> None:
     assert registry.get_sample_value("pyproxy_bpf_ct_gc_deleted_total") == 5
     assert registry.get_sample_value("pyproxy_bpf_ct_gc_duration_seconds_count") == 1
     assert b"pyproxy_bpf_ct_gc_duration_seconds_bucket" in generate_latest(registry)
+
+
+def test_the_ipv6_collectors_metrics_sit_beside_the_ipv4_ones() -> None:
+    registry = CollectorRegistry()
+    v4, v6 = CtGcMetrics(), CtGcMetrics("ct6", "IPv6 ")
+    registry.register(v4)
+    registry.register(v6)
+    v4.entries.set(3)
+    v6.entries.set(7)
+    assert registry.get_sample_value("pyproxy_bpf_ct_entries") == 3
+    assert registry.get_sample_value("pyproxy_bpf_ct6_entries") == 7

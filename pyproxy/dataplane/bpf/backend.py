@@ -553,10 +553,12 @@ class BpfCollector(Collector):
 
     def __init__(self, dataplane: BpfDataplane) -> None:
         self.gc = CtGcMetrics()
+        self.gc6 = CtGcMetrics("ct6", "IPv6 ")
         self._dataplane = dataplane
 
     def collect(self) -> Iterator[Metric]:
         yield from self.gc.collect()
+        yield from self.gc6.collect()
         entries = GaugeMetricFamily("pyproxy_bpf_map_entries", "Entries of a BPF map as pyproxy last programmed it",
                                     labels=["map"])
         capacity = GaugeMetricFamily("pyproxy_bpf_map_capacity", "Entries a BPF map holds at most (max_entries)",
@@ -736,7 +738,7 @@ class BpfDataplane:
             backends=BpfMap(os.dup(self._obj.maps[abi.MAP_BACKENDS]), abi.MAP_BACKENDS, abi.Backend, abi.BackendInfo),
         )
         self._gc.start()
-        # IPv6 flows by the same rules; its metrics are its own, not exported (the IPv4 collector's are).
+        # IPv6 flows by the same rules, in metrics of their own (pyproxy_bpf_ct6_*).
         self._gc6 = CtGarbageCollector(
             BpfMap(os.dup(self._obj.maps[abi.MAP_CT6]), abi.MAP_CT6, abi.Ct6Key, abi.Ct6Value),
             BpfMap(os.dup(self._obj.maps[abi.MAP_SERVICES6]), abi.MAP_SERVICES6, abi.Svc6Key, abi.SvcValue),
@@ -744,6 +746,7 @@ class BpfDataplane:
             backends=BpfMap(os.dup(self._obj.maps[abi.MAP_BACKENDS6]), abi.MAP_BACKENDS6, abi.Backend6,
                             abi.BackendInfo),
             layout=IPV6,
+            metrics=self.collector.gc6,
         )
         self._gc6.start()
 

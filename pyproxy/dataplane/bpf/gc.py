@@ -248,13 +248,15 @@ def recount(backends: BpfMap, counts: Mapping[bytes, int], layout: CtLayout = IP
 class CtGcMetrics(Collector):
     """The collector's metrics; a prometheus Collector the proxier registers next to its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, map_name: str = "ct", what: str = "") -> None:
+        """`map_name`: "ct" (PYPROXY_MAP_CT), or "ct6" for the IPv6 map's collector (`what`: "IPv6 ")."""
         # Not registered anywhere: `collect` hands them to whichever registry registers this collector.
-        self.entries = Gauge("pyproxy_bpf_ct_entries", "Connection-tracking entries read by the last GC pass",
-                             registry=None)
-        self.deleted = Counter("pyproxy_bpf_ct_gc_deleted", "Connection-tracking entries deleted by GC",
+        self.entries = Gauge(f"pyproxy_bpf_{map_name}_entries",
+                             f"{what}Connection-tracking entries read by the last GC pass", registry=None)
+        self.deleted = Counter(f"pyproxy_bpf_{map_name}_gc_deleted", f"{what}Connection-tracking entries deleted by GC",
                                registry=None)
-        self.duration = Histogram("pyproxy_bpf_ct_gc_duration_seconds", "Duration of a connection-tracking GC pass",
+        self.duration = Histogram(f"pyproxy_bpf_{map_name}_gc_duration_seconds",
+                                  f"Duration of a{'n' if what else ''} {what}connection-tracking GC pass",
                                   buckets=tuple(0.001 * 2**i for i in range(15)), registry=None)
 
     def collect(self) -> Iterator[Metric]:
