@@ -54,7 +54,7 @@ from packets6 import (
     reassembled,
 )
 
-from pyproxy.dataplane.bpf import abi, attach, kernel, loader
+from pyproxy.dataplane.bpf import abi, attach, inspect, kernel, loader
 from pyproxy.lab.netns import NetnsThread, scratch_node
 from pyproxy.model.state import Backend, Frontend, ServicePortState
 
@@ -486,3 +486,15 @@ def test_ipv6_backends_have_per_endpoint_counters(load: Load) -> None:
         assert d.maps.endpoint_stats() == {}
     finally:
         d.close()
+
+
+def test_inspect_shows_ipv6_frontends_and_flows(dp: Dataplane) -> None:
+    dp.apply(_state6(TCP, scheduler="lc"))
+    ip, port = dnat6(dp, TC_INGRESS, Flow(CLIENT6, VIP6, 48000, PORT, TCP))
+    view = inspect.view(dp.maps)
+    fe = next(f for f in view.frontends if f.ip == VIP6)
+    assert {(e.ip, e.port) for e in fe.endpoints} == set(BACKENDS6)
+    assert sum(e.active or 0 for e in fe.endpoints) == 1
+    assert [f.backend for f in view.flows] == [f"{ip}:{port}"]
+    text = inspect.report(dp.maps)
+    assert VIP6 in text and f"{ip}:{port}" in text and CLIENT6 in text, text
