@@ -288,15 +288,31 @@ def constants(ct_timeouts: abi.CtTimeoutTicks | None, snat_ports: tuple[int, int
         from pyproxy.dataplane.bpf import clock, conntrack  # clock imports this module
 
         ct_timeouts = conntrack.CtTimeouts().ticks(clock.kernel_hz())
-    return abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(cluster_cidr),
-                      endpoint_counters=int(endpoint_counters), kernel=kernel_flags)
+    # Dual stack: "10.244.0.0/16,fd00:10:244::/56", each family's prefix for its own flows.
+    cidrs = [c.strip() for c in (cluster_cidr or "").split(",") if c.strip()]
+    v4 = next((c for c in cidrs if ":" not in c), None)
+    v6 = next((c for c in cidrs if ":" in c), None)
+    return abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(v4),
+                      endpoint_counters=int(endpoint_counters), kernel=kernel_flags, cluster6=abi.Cidr6.of(v6))
+
+
+def fill_jumps(loaded: LoadedObject) -> None:
+    """Put this load's IPv6 programs in the program arrays the IPv4 entry points tail-call (abi.JUMPS6): until then
+    IPv6 packets pass untouched. Pinned arrays held the previous load's programs: each entry is replaced."""
+    lib = libbpf.lib()
+    for name, jumps in abi.JUMPS6.items():
+        for index, prog in jumps.items():
+            key, value = ffi.new("uint32_t *", index), ffi.new("uint32_t *", loaded.progs[prog])
+            libbpf.check(lib.bpf_map_update_elem(loaded.maps[name], key, value, libbpf.BPF_ANY),
+                         f"put {prog} in {name}")
 
 
 def capacities(max_entries: dict[str, int] | None) -> dict[str, int] | None:
     """The capacities asked for, with the per-endpoint counters map at the backends map's size unless it is given
     one: it holds an entry per backend."""
-    if max_entries and abi.MAP_BACKENDS in max_entries and abi.MAP_EPSTATS not in max_entries:
-        return {**max_entries, abi.MAP_EPSTATS: max_entries[abi.MAP_BACKENDS]}
+    for backends, epstats in ((abi.MAP_BACKENDS, abi.MAP_EPSTATS), (abi.MAP_BACKENDS6, abi.MAP_EPSTATS6)):
+        if max_entries and backends in max_entries and epstats not in max_entries:
+            max_entries = {**max_entries, epstats: max_entries[backends]}
     return max_entries
 
 
@@ -379,6 +395,7 @@ def load(
             if p == ffi.NULL:
                 break
             loaded.progs[ffi.string(lib.bpf_program__name(p)).decode()] = lib.bpf_program__fd(p)
+        fill_jumps(loaded)
         return loaded
     except BaseException:
         loaded.close()

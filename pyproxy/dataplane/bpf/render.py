@@ -35,8 +35,9 @@ carries its change to them instead of a new copy.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -521,8 +522,10 @@ def render(
         port_clears,
         epoch_batch(epoch) if released else Batch("put", abi.MAP_EPOCH, ()),
     )
+    v6_ids = frozenset(fe.svc_id for key, fe in itertools.chain(current.items(), upserts.items())
+                       if is_ipv6(key[0]))
     return Plan(
-        batches=tuple(b for b in batches if b.keys),
+        batches=tuple(b for b in by_family(batches, v6_ids) if b.keys),
         upserts=upserts,
         removed=tuple(removed),
         refs=refs,
@@ -532,6 +535,50 @@ def render(
         epoch=epoch,
         skipped=tuple(skipped),
     )
+
+
+def is_ipv6(ip: str) -> bool:
+    """Whether a frontend's or backend's address is an IPv6 one (the model gives addresses as strings)."""
+    return ":" in ip
+
+
+# The maps whose entries hold an address, by their IPv6 twins (abi.h); how a batch's entry tells its family: by the
+# address in its key (services, backends, per-endpoint counters), or by its frontend's service id (slots, tables,
+# source ranges).
+_TWINS: dict[str, str | None] = {
+    abi.MAP_SERVICES: abi.MAP_SERVICES6, abi.MAP_BACKENDS: abi.MAP_BACKENDS6, abi.MAP_EPSTATS: abi.MAP_EPSTATS6,
+    abi.MAP_SLOTS: abi.MAP_SLOTS6, abi.MAP_TABLES: abi.MAP_TABLES6, abi.MAP_SRCRANGES: abi.MAP_SRCRANGES6,
+}
+_BY_ADDRESS = frozenset({abi.MAP_SERVICES, abi.MAP_BACKENDS, abi.MAP_EPSTATS})
+
+
+def by_family(batches: Iterable[Batch], v6_ids: Set[int]) -> Iterator[Batch]:
+    """The plan's batches with each IPv6 entry moved to the IPv6 twin of its map, in a batch right after its IPv4
+    one: the order of the rules above holds within each family, and an IPv4-only plan is what it was. `v6_ids`: the
+    service ids of IPv6 frontends (applied or planned). Each frontend's backends are of its own family (the
+    model's dual-stack Services have a frontend per family)."""
+    for b in batches:
+        twin = _TWINS.get(b.map, "")
+        if twin == "" or b.verb == "reset":
+            yield b
+            continue
+        by_address = b.map in _BY_ADDRESS
+        six = [is_ipv6(k[0]) if by_address else k[0] in v6_ids for k in b.keys]
+        if b.map == abi.MAP_SRCRANGES:
+            # A Service's source ranges may mix families; each frontend keeps those of its own.
+            keep = [is_ipv6(k[1]) == v6 for k, v6 in zip(b.keys, six, strict=True)]
+            b = Batch(b.verb, b.map, [k for k, ok in zip(b.keys, keep, strict=True) if ok],
+                      None if b.values is None else [v for v, ok in zip(b.values, keep, strict=True) if ok])
+            six = [v6 for v6, ok in zip(six, keep, strict=True) if ok]
+        if not any(six):
+            yield b
+            continue
+        values = b.values
+        yield Batch(b.verb, b.map, [k for k, v6 in zip(b.keys, six, strict=True) if not v6],
+                    None if values is None else [v for v, v6 in zip(values, six, strict=True) if not v6])
+        if twin is not None:
+            yield Batch(b.verb, twin, [k for k, v6 in zip(b.keys, six, strict=True) if v6],
+                        None if values is None else [v for v, v6 in zip(values, six, strict=True) if v6])
 
 
 def _slots(fe: AppliedFrontend) -> list[tuple[str, int, int]]:
