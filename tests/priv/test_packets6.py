@@ -450,10 +450,10 @@ def test_a_restart_without_pins_finds_the_ipv6_maps_through_the_program_arrays(d
 
 def test_clients_outside_the_cluster_cidrs_ipv6_half_are_masqueraded(load: Load, node6: tuple[NetnsThread, int]
                                                                       ) -> None:
-    """--cluster-cidr with an IPv6 prefix (dual stack: "v4,v6"): a ClusterIP flagged F_MASQ_OUTSIDE SNATs IPv6
-    clients outside that prefix, and leaves those inside their own address."""
+    """--cluster-cidr with an IPv6 prefix (dual stack: "v4,v6", MasqueradeSettings.cluster_cidr6): a ClusterIP
+    flagged F_MASQ_OUTSIDE SNATs IPv6 clients outside that prefix, and leaves those inside their own address."""
     thread, ifindex = node6
-    d = Dataplane(load(None, max_entries=CAPACITY, cluster_cidr="10.244.0.0/16,fd00:c::/48"))
+    d = Dataplane(load(None, max_entries=CAPACITY, cluster_cidr="10.244.0.0/16", cluster_cidr6="fd00:c::/48"))
     try:
         frontend6(d, TCP, flags=abi.SVC_F_MASQ_OUTSIDE)
 

@@ -3,6 +3,9 @@ to its family's map, in a batch right after its IPv4 one; an IPv4-only plan is w
 
 from __future__ import annotations
 
+import pytest
+
+from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.render import Applied, render
 from pyproxy.model.objects import Protocol
@@ -62,3 +65,18 @@ def test_removal_deletes_from_the_ipv6_maps() -> None:
     assert [k[0] for k in got[f"del {abi.MAP_SERVICES6}"]] == ["fd00:96::a"]
     assert len(got[f"del {abi.MAP_SLOTS6}"]) == 2 and len(got[f"del {abi.MAP_BACKENDS6}"]) == 2
     assert f"del {abi.MAP_SLOTS}" not in got
+
+
+@pytest.mark.parametrize(("masq", "outside4", "outside6"), [
+    (MasqueradeSettings(cluster_cidr="10.244.0.0/16"), True, False),
+    (MasqueradeSettings(cluster_cidr6="fd00:10:244::/56"), False, True),
+    (MasqueradeSettings(cluster_cidr="10.244.0.0/16", cluster_cidr6="fd00:10:244::/56"), True, True),
+], ids=["ipv4-cidr", "ipv6-cidr", "pair"])
+def test_each_familys_clusterip_masquerades_by_its_own_cluster_cidr(masq: MasqueradeSettings, outside4: bool,
+                                                                    outside6: bool) -> None:
+    """--cluster-cidr's IPv4 CIDR flags IPv4 ClusterIPs F_MASQ_OUTSIDE, its IPv6 one IPv6 ClusterIPs: a family
+    without a CIDR of its own keeps its clients' addresses (the programs hold no prefix to compare with)."""
+    plan = render(Applied(), {"default/web": [V4, V6]}, CAPACITY, masq)
+    flags = {key[0]: fe.flags for key, fe in plan.upserts.items()}
+    assert bool(flags["10.96.0.10"] & abi.SVC_F_MASQ_OUTSIDE) == outside4
+    assert bool(flags["fd00:96::a"] & abi.SVC_F_MASQ_OUTSIDE) == outside6

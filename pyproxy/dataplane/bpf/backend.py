@@ -37,11 +37,11 @@ from pyproxy.dataplane.bpf.render import (
     Plan,
     Scheduling,
     epoch_batch,
-    is_ipv6,
     next_epoch,
     ports_batch,
     render,
 )
+from pyproxy.model import objects
 from pyproxy.model.state import Backend, DesiredState, ServicePortState
 
 log = logging.getLogger(__name__)
@@ -443,9 +443,9 @@ class Maps:
         """Make the per-endpoint counters map hold what plans keep it at (render: an entry per backend of
         `applied` when `on`, else none), for when it may not: a new map, counters turned on or off since the last
         run, a plan that stopped halfway. Entries of backends that stay keep their counts."""
-        for m, fam, six in ((self.epstats, _V4, False), (self.epstats6, _V6, True)):
+        for m, fam, family in ((self.epstats, _V4, objects.IPV4), (self.epstats6, _V6, objects.IPV6)):
             held = set(m.keys_raw())
-            wanted = {_endpoints([b], fam) for b in applied.backend_refs if is_ipv6(b.ip) == six} if on else set()
+            wanted = {_endpoints([b], fam) for b in applied.backend_refs if b.family == family} if on else set()
             missing, stale = sorted(wanted - held), sorted(held - wanted)
             if missing:
                 m.put_zeros(b"".join(missing), len(missing))
@@ -699,10 +699,12 @@ class BpfDataplane:
         try:
             if s.loader == "bcc":
                 self._obj = bcc.load(s.pin_path, s.max_entries, adopt, timeouts, s.snat_ports,
-                                     s.masquerade.cluster_cidr, s.endpoint_counters)
+                                     s.masquerade.cluster_cidr, s.endpoint_counters,
+                                     cluster_cidr6=s.masquerade.cluster_cidr6)
             else:
                 self._obj = loader.load(s.object_path, s.pin_path, s.max_entries, adopt, timeouts, s.snat_ports,
-                                        s.masquerade.cluster_cidr, s.endpoint_counters)
+                                        s.masquerade.cluster_cidr, s.endpoint_counters,
+                                        cluster_cidr6=s.masquerade.cluster_cidr6)
             log.info("BPF programs loaded by %s", s.loader)
         finally:
             for fd in adopt.values():

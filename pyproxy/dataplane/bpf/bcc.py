@@ -281,6 +281,7 @@ def load(
     cluster_cidr: str | None = None,
     endpoint_counters: bool = False,
     kernel_flags: int | None = None,
+    cluster_cidr6: str | None = None,
 ) -> loader.LoadedObject:
     """What loader.load does, with BCC compiling bpf/ here. Maps come from their pins under `pin_dir`, from
     `adopt` (pinned there first), or new (and pinned); pin_dir None: new, unpinned maps."""
@@ -288,7 +289,7 @@ def load(
     if problem:
         raise BccUnavailable(problem)
     config = loader.constants(ct_timeouts, snat_ports, cluster_cidr, endpoint_counters,
-                              loader.kernel_features(kernel_flags))
+                              loader.kernel_features(kernel_flags), cluster_cidr6)
     max_entries = loader.capacities(max_entries)
     obj = BccObject()
     loaded = loader.LoadedObject(obj, release=BccObject.close, kernel_flags=config.kernel)

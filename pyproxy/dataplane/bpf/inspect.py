@@ -20,8 +20,9 @@ from pathlib import Path
 from pyproxy.dataplane.bpf import abi, attach, clock, libbpf, loader
 from pyproxy.dataplane.bpf.backend import DEFAULT_OBJECT, Maps
 from pyproxy.dataplane.bpf.maps import BpfMap
-from pyproxy.dataplane.bpf.render import AppliedFrontend, is_ipv6
+from pyproxy.dataplane.bpf.render import AppliedFrontend
 from pyproxy.model import inspection
+from pyproxy.model.objects import IPV6
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ def _endpoints(maps: Maps, fe: AppliedFrontend) -> tuple[inspection.Endpoint, ..
     for i, b in enumerate(fe.backends):
         active = None
         if counting:
-            info = (maps.backends6.get(abi.Backend6(abi.in6(b.ip), abi.be16(b.port))) if is_ipv6(b.ip)
+            info = (maps.backends6.get(abi.Backend6(abi.in6(b.ip), abi.be16(b.port))) if b.family == IPV6
                     else maps.backends.get(abi.Backend(abi.be32(b.ip), abi.be16(b.port))))
             active = max(0, info.active) if info is not None else 0
         out.append(inspection.Endpoint(b.ip, b.port, fe.weights[i] if fe.weights else 1, active))

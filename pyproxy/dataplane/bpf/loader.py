@@ -281,19 +281,17 @@ def kernel_features(kernel_flags: int | None = None) -> int:
 
 
 def constants(ct_timeouts: abi.CtTimeoutTicks | None, snat_ports: tuple[int, int], cluster_cidr: str | None,
-              endpoint_counters: bool = False, kernel_flags: int = 0) -> abi.Config:
+              endpoint_counters: bool = False, kernel_flags: int = 0, cluster_cidr6: str | None = None) -> abi.Config:
     """The programs' constants (struct pyproxy_config) from the settings and `kernel_flags` (kernel_features());
-    timeouts default to conntrack.CtTimeouts() at this kernel's HZ."""
+    timeouts default to conntrack.CtTimeouts() at this kernel's HZ. `cluster_cidr` and `cluster_cidr6` are
+    --cluster-cidr's IPv4 and IPv6 CIDRs (MasqueradeSettings), each for its own family's flows."""
     if ct_timeouts is None:
         from pyproxy.dataplane.bpf import clock, conntrack  # clock imports this module
 
         ct_timeouts = conntrack.CtTimeouts().ticks(clock.kernel_hz())
-    # Dual stack: "10.244.0.0/16,fd00:10:244::/56", each family's prefix for its own flows.
-    cidrs = [c.strip() for c in (cluster_cidr or "").split(",") if c.strip()]
-    v4 = next((c for c in cidrs if ":" not in c), None)
-    v6 = next((c for c in cidrs if ":" in c), None)
-    return abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(v4),
-                      endpoint_counters=int(endpoint_counters), kernel=kernel_flags, cluster6=abi.Cidr6.of(v6))
+    return abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(cluster_cidr),
+                      endpoint_counters=int(endpoint_counters), kernel=kernel_flags,
+                      cluster6=abi.Cidr6.of(cluster_cidr6))
 
 
 def fill_jumps(loaded: LoadedObject) -> None:
@@ -326,16 +324,18 @@ def load(
     cluster_cidr: str | None = None,
     endpoint_counters: bool = False,
     kernel_flags: int | None = None,
+    cluster_cidr6: str | None = None,
 ) -> LoadedObject:
     """Open and load the object. Maps come, in this order of preference, from their pin under `pin_dir`,
     from `adopt` (name -> fd of a previous run's map), or new (and then pinned). A pinned or adopted map of
     another shape (e.g. a changed capacity) is not reused: a warning says so and a new one replaces it.
     `ct_timeouts` (default: conntrack.CtTimeouts() at this kernel's HZ), `snat_ports` (the first and last
-    source port SNAT gives out), `cluster_cidr` (--cluster-cidr) and `endpoint_counters` (--bpf-endpoint-counters)
-    become the programs' constants, and so does what this kernel offers (kernel.py; `kernel_flags`, abi.KERNEL_*,
-    overrides the probe: tests run the older kernels' ways here). A kernel without what the programs need fails
-    here, naming what it lacks."""
-    config = constants(ct_timeouts, snat_ports, cluster_cidr, endpoint_counters, kernel_features(kernel_flags))
+    source port SNAT gives out), `cluster_cidr` and `cluster_cidr6` (--cluster-cidr's IPv4 and IPv6 CIDRs) and
+    `endpoint_counters` (--bpf-endpoint-counters) become the programs' constants, and so does what this kernel
+    offers (kernel.py; `kernel_flags`, abi.KERNEL_*, overrides the probe: tests run the older kernels' ways here).
+    A kernel without what the programs need fails here, naming what it lacks."""
+    config = constants(ct_timeouts, snat_ports, cluster_cidr, endpoint_counters, kernel_features(kernel_flags),
+                       cluster_cidr6)
     max_entries = capacities(max_entries)
     lib = libbpf.lib()
     if not obj_path.exists():

@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, maglev
+from pyproxy.model.objects import IPV6, family_of
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 FrontendKey = tuple[str, int, str, int]
@@ -421,7 +422,7 @@ def render(
             flags |= abi.SVC_F_DROP
         if st.masquerade or (masq.masquerade_all and not st.kind.external):
             flags |= abi.SVC_F_MASQ
-        elif masq.cluster_cidr and not st.kind.external:
+        elif masq.cluster_cidr_of(st.family) and not st.kind.external:
             flags |= abi.SVC_F_MASQ_OUTSIDE
         if _has_node_view(st):
             flags |= abi.SVC_F_NODE_VIEW
@@ -523,7 +524,7 @@ def render(
         epoch_batch(epoch) if released else Batch("put", abi.MAP_EPOCH, ()),
     )
     v6_ids = frozenset(fe.svc_id for key, fe in itertools.chain(current.items(), upserts.items())
-                       if is_ipv6(key[0]))
+                       if family_of(key[0]) == IPV6)
     return Plan(
         batches=tuple(b for b in by_family(batches, v6_ids) if b.keys),
         upserts=upserts,
@@ -535,11 +536,6 @@ def render(
         epoch=epoch,
         skipped=tuple(skipped),
     )
-
-
-def is_ipv6(ip: str) -> bool:
-    """Whether a frontend's or backend's address is an IPv6 one (the model gives addresses as strings)."""
-    return ":" in ip
 
 
 # The maps whose entries hold an address, by their IPv6 twins (abi.h); how a batch's entry tells its family: by the
@@ -563,10 +559,10 @@ def by_family(batches: Iterable[Batch], v6_ids: Set[int]) -> Iterator[Batch]:
             yield b
             continue
         by_address = b.map in _BY_ADDRESS
-        six = [is_ipv6(k[0]) if by_address else k[0] in v6_ids for k in b.keys]
+        six = [family_of(k[0]) == IPV6 if by_address else k[0] in v6_ids for k in b.keys]
         if b.map == abi.MAP_SRCRANGES:
             # A Service's source ranges may mix families; each frontend keeps those of its own.
-            keep = [is_ipv6(k[1]) == v6 for k, v6 in zip(b.keys, six, strict=True)]
+            keep = [(family_of(k[1]) == IPV6) == v6 for k, v6 in zip(b.keys, six, strict=True)]
             b = Batch(b.verb, b.map, [k for k, ok in zip(b.keys, keep, strict=True) if ok],
                       None if b.values is None else [v for v, ok in zip(b.values, keep, strict=True) if ok])
             six = [v6 for v6, ok in zip(six, keep, strict=True) if ok]

@@ -107,7 +107,8 @@ class DeviceAddresses:
 
     def start(self) -> None:
         """Subscribe, write what is there, then follow."""
-        self._watcher = (netlink.AddressWatcher if self._map6 is None else _BothFamiliesWatcher)(self.refresh)
+        families = (socket.AF_INET,) if self._map6 is None else (socket.AF_INET, socket.AF_INET6)
+        self._watcher = netlink.AddressWatcher(self.refresh, families)
         self.refresh()
         self._watcher.start()
 
@@ -139,11 +140,3 @@ class DeviceAddresses:
                 log.info("SNAT source addresses by device (this kernel has no BPF_FIB_LOOKUP_SRC): %s",
                          ", ".join(shown) or "none")
 
-
-class _BothFamiliesWatcher(netlink.AddressWatcher):
-    """netlink.AddressWatcher, news of IPv6 addresses too (the IPv6 devices map follows them)."""
-
-    def _news(self, m: dict) -> bool:
-        if m.get("family") == socket.AF_INET6 and m.get("event") in ("RTM_NEWADDR", "RTM_DELADDR"):
-            return True
-        return super()._news(m)
