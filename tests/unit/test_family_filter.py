@@ -124,5 +124,5 @@ def test_each_mode_says_which_families_it_renders() -> None:
     families["nftables"] = NftablesDataplane(NftablesSettings()).ip_families
     families["iptables"] = IptablesDataplane(IptablesSettings()).ip_families
     assert set(families) == set(AUTO_ORDER)
-    assert families == {"bpf": IPV4_ONLY, "ipvs": IPV4_ONLY, "nftables": BOTH_FAMILIES, "iptables": BOTH_FAMILIES,
+    assert families == {"bpf": BOTH_FAMILIES, "ipvs": IPV4_ONLY, "nftables": BOTH_FAMILIES, "iptables": BOTH_FAMILIES,
                         "userspace": IPV4_ONLY}

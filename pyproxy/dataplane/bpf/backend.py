@@ -42,7 +42,7 @@ from pyproxy.dataplane.bpf.render import (
     render,
 )
 from pyproxy.model import objects
-from pyproxy.model.state import Backend, DesiredState, ServicePortState
+from pyproxy.model.state import BOTH_FAMILIES, Backend, DesiredState, ServicePortState
 
 log = logging.getLogger(__name__)
 
@@ -658,6 +658,9 @@ def endpoint_owners(frontends: Iterable[AppliedFrontend]) -> dict[Backend, tuple
 
 class BpfDataplane:
     mode = "bpf"
+    ip_families = BOTH_FAMILIES
+    """The IP families it renders: both, IPv6 frontends to the IPv6 maps (render.by_family). A class attribute: the
+    bpf tracer (tests/tracers/bpf.py) reads it without building a backend."""
 
     def __init__(self, settings: BpfSettings) -> None:
         self.settings = settings
