@@ -11,16 +11,32 @@
  *    backend's address against the interface it really came in on.
  *  - SNAT (snat.h) the same way round: the source is written on TC egress (a packet entering with a node
  *    address as its source would be a martian), a reply to an SNAT port gets its client back on ingress.
+ *
+ * IPv6 has programs of its own, the `6` twins below, which the IPv4 entry points tail-call when the frame is IPv6
+ * (PYPROXY_MAP_JUMP6, PYPROXY_MAP_XJUMP6): the dispatch sits where the IPv4 parser has already said "not IPv4",
+ * so IPv4 packets run the very code they ran before, and each family's program is verified on its own.
  */
 #include <linux/bpf.h>
 #include <linux/pkt_cls.h>
 #include <bpf/bpf_helpers.h>
 
 #include "pyproxy/frag.h"
+#include "pyproxy/icmp6.h"
 #include "pyproxy/lb.h"
+#include "pyproxy/lb6.h"
 #include "pyproxy/nat.h"
+#include "pyproxy/nat6.h"
 #include "pyproxy/reject.h"
+#include "pyproxy/reject6.h"
 #include "pyproxy/sock.h"
+
+/* Whether a frame the IPv4 parser skipped is IPv6 (its link header is there: the parser read it). */
+static __always_inline int pyproxy_is_ipv6(void *data, void *data_end)
+{
+	struct ethhdr *eth = data;
+
+	return (void *)(eth + 1) <= data_end && eth->h_proto == bpf_htons(ETH_P_IPV6);
+}
 
 /* Parses an skb, pulling headers into the linear area once if they straddle it. */
 static __always_inline int pyproxy_tc_parse(struct __sk_buff *skb, struct pyproxy_pkt *p)
@@ -74,6 +90,8 @@ int pyproxy_tc_ingress(struct __sk_buff *skb)
 	case PYPROXY_PARSE_ICMP:
 		return pyproxy_tc_icmp(skb, &p, PYPROXY_CT_FORWARD);
 	default:
+		if (pyproxy_is_ipv6((void *)(long)skb->data, (void *)(long)skb->data_end))
+			bpf_tail_call(skb, &PYPROXY_MAP_JUMP6, PYPROXY_JUMP6_TC_INGRESS);
 		return TC_ACT_OK;
 	}
 	switch (pyproxy_lb_forward(skb, skb->ingress_ifindex, &p, skb->len, &be)) {
@@ -103,6 +121,8 @@ int pyproxy_tc_egress(struct __sk_buff *skb)
 	case PYPROXY_PARSE_ICMP:
 		return pyproxy_tc_icmp(skb, &p, PYPROXY_CT_REVERSE);
 	default:
+		if (pyproxy_is_ipv6((void *)(long)skb->data, (void *)(long)skb->data_end))
+			bpf_tail_call(skb, &PYPROXY_MAP_JUMP6, PYPROXY_JUMP6_TC_EGRESS);
 		return TC_ACT_OK;
 	}
 	if (pyproxy_lb_reverse(&p, &fe) != PYPROXY_DNAT)
@@ -122,7 +142,17 @@ int pyproxy_xdp_ingress(struct xdp_md *ctx)
 	struct pyproxy_backend be;
 
 	/* Fragments and ICMP errors go on to TC, which handles them whole. */
-	if (pyproxy_parse((void *)(long)ctx->data, (void *)(long)ctx->data_end, &p) != PYPROXY_PARSE_OK || p.frag)
+	switch (pyproxy_parse((void *)(long)ctx->data, (void *)(long)ctx->data_end, &p)) {
+	case PYPROXY_PARSE_OK:
+		break;
+	case PYPROXY_PARSE_SKIP:
+		if (pyproxy_is_ipv6((void *)(long)ctx->data, (void *)(long)ctx->data_end))
+			bpf_tail_call(ctx, &PYPROXY_MAP_XJUMP6, PYPROXY_JUMP6_XDP);
+		return XDP_PASS;
+	default:
+		return XDP_PASS;
+	}
+	if (p.frag)
 		return XDP_PASS;
 	/* Decided before the load balancer runs: TC ingress then makes the whole decision for this packet. */
 	if (pyproxy_xdp_csum_ambiguous(ctx, &p))
@@ -141,6 +171,129 @@ int pyproxy_xdp_ingress(struct xdp_md *ctx)
 		return XDP_PASS;
 	case PYPROXY_REJECT:
 		return XDP_PASS;   /* TC ingress makes the answer */
+	case PYPROXY_DROP:
+		return XDP_DROP;
+	default:
+		return XDP_PASS;
+	}
+}
+
+/* The IPv6 twins, reached by tail call from the entry points above (or attached on their own: they check the
+ * frame themselves). */
+
+/* parse6 for an skb: pulls once, and gives a later fragment its ports from its first fragment's record. */
+static __always_inline int pyproxy_tc_parse6(struct __sk_buff *skb, struct pyproxy_pkt6 *p)
+{
+	int r = pyproxy_parse6((void *)(long)skb->data, (void *)(long)skb->data_end, p);
+
+	if (r == PYPROXY_PARSE_SHORT && skb->len > skb->data_end - skb->data) {
+		__u32 want = skb->len < 256 ? skb->len : 256;
+
+		if (bpf_skb_pull_data(skb, want))
+			return PYPROXY_PARSE_SKIP;
+		r = pyproxy_parse6((void *)(long)skb->data, (void *)(long)skb->data_end, p);
+	}
+	if (r == PYPROXY_PARSE_FRAG)
+		r = pyproxy_frag6_ports(p) ? PYPROXY_PARSE_OK : PYPROXY_PARSE_SKIP;
+	return r;
+}
+
+/* An ICMPv6 error about a translated flow gets the quote its receiver knows (icmp6.h; `dir` as pyproxy_tc_icmp's). */
+static __always_inline int pyproxy_tc_icmp6(struct __sk_buff *skb, const struct pyproxy_pkt6 *p, __u8 dir)
+{
+	struct pyproxy_icmp6_err e;
+	struct pyproxy_backend6 to;
+	__u32 want = skb->len < PYPROXY_ICMP6_PULL ? skb->len : PYPROXY_ICMP6_PULL;
+
+	if (bpf_skb_pull_data(skb, want))
+		return TC_ACT_OK;
+	if (!pyproxy_icmp6_parse((void *)(long)skb->data, (void *)(long)skb->data_end, p, &e))
+		return TC_ACT_OK;
+	if (pyproxy_lb6_icmp(&e.saddr, &e.daddr, e.sport, e.dport, e.proto, dir, &to) != PYPROXY_DNAT)
+		return TC_ACT_OK;
+	if (pyproxy_icmp6_nat((void *)(long)skb->data, (void *)(long)skb->data_end, &e,
+			      dir == PYPROXY_CT_REVERSE ? PYPROXY_NAT_DST : PYPROXY_NAT_SRC, &to))
+		return TC_ACT_SHOT;
+	return TC_ACT_OK;
+}
+
+SEC("tc")
+int pyproxy_tc_ingress6(struct __sk_buff *skb)
+{
+	struct pyproxy_pkt6 p;
+	struct pyproxy_backend6 be;
+
+	if (pyproxy_tc_xdp_translated(skb))
+		return TC_ACT_OK;
+	switch (pyproxy_tc_parse6(skb, &p)) {
+	case PYPROXY_PARSE_OK:
+		break;
+	case PYPROXY_PARSE_ICMP:
+		return pyproxy_tc_icmp6(skb, &p, PYPROXY_CT_FORWARD);
+	default:
+		return TC_ACT_OK;
+	}
+	switch (pyproxy_lb6_forward(skb, skb->ingress_ifindex, &p, skb->len, &be)) {
+	case PYPROXY_DNAT:
+		pyproxy_frag6_record(&p);
+		if (pyproxy_tc_nat6(skb, &p, PYPROXY_NAT_DST, &be.addr, be.port))
+			return TC_ACT_SHOT;
+		return TC_ACT_OK;
+	case PYPROXY_REJECT:
+		return pyproxy_tc_reject6(skb, &p);
+	case PYPROXY_DROP:
+		return TC_ACT_SHOT;
+	default:
+		return TC_ACT_OK;
+	}
+}
+
+SEC("tc")
+int pyproxy_tc_egress6(struct __sk_buff *skb)
+{
+	struct pyproxy_pkt6 p;
+	struct pyproxy_backend6 fe;
+
+	switch (pyproxy_tc_parse6(skb, &p)) {
+	case PYPROXY_PARSE_OK:
+		break;
+	case PYPROXY_PARSE_ICMP:
+		return pyproxy_tc_icmp6(skb, &p, PYPROXY_CT_REVERSE);
+	default:
+		return TC_ACT_OK;
+	}
+	if (pyproxy_lb6_reverse(&p, &fe) != PYPROXY_DNAT)
+		return TC_ACT_OK;
+	pyproxy_frag6_record(&p);
+	if (pyproxy_tc_nat6(skb, &p, PYPROXY_NAT_SRC, &fe.addr, fe.port))
+		return TC_ACT_SHOT;
+	return TC_ACT_OK;
+}
+
+SEC("xdp")
+int pyproxy_xdp_ingress6(struct xdp_md *ctx)
+{
+	struct pyproxy_pkt6 p;
+	struct pyproxy_backend6 be;
+
+	/* Extension headers and fragments go on to TC, which handles them whole: XDP takes the plain packets, which
+	 * is also what keeps its verification small (each way through the extension headers would be another). */
+	if (pyproxy_parse6((void *)(long)ctx->data, (void *)(long)ctx->data_end, &p) != PYPROXY_PARSE_OK ||
+	    p.l4_off != PYPROXY_IPV6_PLAIN)
+		return XDP_PASS;
+	if (pyproxy_xdp_csum_ambiguous6(ctx, &p))
+		return XDP_PASS;
+	switch (pyproxy_lb6_forward(ctx, ctx->ingress_ifindex, &p, ctx->data_end - ctx->data, &be)) {
+	case PYPROXY_DNAT:
+		if ((p.proto == IPPROTO_UDP || pyproxy_is_syn6(&p)) && pyproxy_xdp_reserve_mark(ctx))
+			return XDP_PASS;
+		if (pyproxy_xdp_nat6(ctx, &p, PYPROXY_NAT_DST, &be.addr, be.port))
+			return XDP_DROP;
+		if (p.proto == IPPROTO_UDP || pyproxy_is_syn6(&p))
+			pyproxy_xdp_mark(ctx);
+		return XDP_PASS;
+	case PYPROXY_REJECT:
+		return XDP_PASS;
 	case PYPROXY_DROP:
 		return XDP_DROP;
 	default:
@@ -173,6 +326,32 @@ SEC("cgroup/getpeername4")
 int pyproxy_getpeer4(struct bpf_sock_addr *ctx)
 {
 	return pyproxy_sock_reverse(ctx);
+}
+
+SEC("cgroup/connect6")
+int pyproxy_connect6(struct bpf_sock_addr *ctx)
+{
+	if (ctx->protocol != IPPROTO_TCP && ctx->protocol != IPPROTO_UDP)
+		return PYPROXY_SOCK_OK;
+	return pyproxy_sock6_forward(ctx, ctx->protocol);
+}
+
+SEC("cgroup/sendmsg6")
+int pyproxy_sendmsg6(struct bpf_sock_addr *ctx)
+{
+	return pyproxy_sock6_forward(ctx, IPPROTO_UDP);
+}
+
+SEC("cgroup/recvmsg6")
+int pyproxy_recvmsg6(struct bpf_sock_addr *ctx)
+{
+	return pyproxy_sock6_reverse(ctx);
+}
+
+SEC("cgroup/getpeername6")
+int pyproxy_getpeer6(struct bpf_sock_addr *ctx)
+{
+	return pyproxy_sock6_reverse(ctx);
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

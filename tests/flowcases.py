@@ -408,7 +408,6 @@ IPV6_CASES = (
 )
 
 NOT_RENDERED_YET = {
-    "bpf": "bpf mode renders IPv4 only until its IPv6 datapath (TC, XDP, socket hooks) lands (issue 15)",
     "ipvs": "ipvs mode renders IPv4 only: IPv6 virtual servers are not built yet (issue 15)",
     "userspace": "the userspace mode renders IPv4 only: its IPv6 listeners are not built yet (issue 15)",
 }

@@ -76,8 +76,8 @@ class ModeUnavailable(RuntimeError):
 class Dataplane(Protocol):
     """A backend may also say which IP families it renders, `ip_families` (model.state.IPV4_ONLY or
     BOTH_FAMILIES): the proxier gives it the desired state without the other family's frontends
-    (model.state.FamilyFilter), with one log line per sync that left some out. Without the attribute (bpf mode's
-    backend, until its IPv6 datapath lands) it renders IPv4 only."""
+    (model.state.FamilyFilter), with one log line per sync that left some out. Without the attribute it renders
+    IPv4 only."""
 
     mode: str
     """The --proxy-mode this backend implements ("bpf", "nftables"…)."""

@@ -220,6 +220,26 @@ def primary_ipv4_by_device() -> dict[int, str]:
     return out
 
 
+IFA_F_DADFAILED, IFA_F_DEPRECATED, IFA_F_TENTATIVE = 0x08, 0x20, 0x40
+
+
+def primary_ipv6_by_device() -> dict[int, str]:
+    """Device index -> its first global IPv6 address that is usable as a source (not tentative, deprecated or
+    failed duplicate detection), in the kernel's order: what SNAT of IPv6 flows gives a packet leaving by the device
+    where the kernel's route lookup cannot name the source (the BPF dataplane's devices map)."""
+    out: dict[int, str] = {}
+    with IPRoute() as ipr:
+        for a in ipr.get_addr(family=socket.AF_INET6):
+            unusable = IFA_F_TENTATIVE | IFA_F_DEPRECATED | IFA_F_DADFAILED
+            flags = a.get_attr("IFA_FLAGS") or a["flags"]
+            if a["scope"] != RT_SCOPE_UNIVERSE or flags & unusable or a["index"] in out:
+                continue
+            ip = a.get_attr("IFA_ADDRESS") or a.get_attr("IFA_LOCAL")
+            if ip:
+                out[a["index"]] = ip
+    return out
+
+
 def default_route_device(family: int = socket.AF_INET) -> str | None:
     """The device of this namespace's default route of `family` (socket.AF_INET or AF_INET6; the first one, by
     metric), None without one."""

@@ -150,7 +150,7 @@ class Trace:
 
 def _no_ipv6(text: str) -> None:
     if text.startswith("[") or text.count(":") > 1:
-        raise ValueError(f"{text!r}: IPv6 flows are not inspected yet; inspect reads the IPv4 frontends only")
+        raise ValueError(f"{text!r}: `inspect trace` follows IPv4 flows only: IPv6 flows are not traced yet")
 
 
 def parse_source(text: str) -> tuple[str, int | None]:

@@ -22,7 +22,7 @@ from scenarios import (
     write_core_manifests,
 )
 
-from pyproxy.dataplane.bpf import bcc
+from pyproxy.dataplane.bpf import abi, bcc
 from pyproxy.lab import describe
 from pyproxy.lab.manifests import Port, service
 
@@ -125,7 +125,7 @@ def test_sigterm_keeps_the_dataplane_and_cleanup_removes_it(make_env, record_pro
     attached = env.attached_programs()
     prog_ids = {i for ids in attached.values() for i in ids}
     assert prog_ids, f"no BPF program attached to any node device: {attached}"
-    assert len(env.cgroup_programs()) == 4, "the socket hooks: connect4, sendmsg4, recvmsg4, getpeername4"
+    assert len(env.cgroup_programs()) == len(abi.SOCK_HOOKS), "the socket hooks, IPv4 and IPv6"
     # `pyproxy inspect` shows the service, its backends and that it counted the traffic.
     inspect = proxy.inspect()
     web_line = next((line for line in inspect.splitlines() if "default/web" in line), "")

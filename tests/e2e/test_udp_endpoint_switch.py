@@ -70,7 +70,8 @@ TARGETS6 = {"cluster-ip": (VIP6, 53, 40055), "node-port": (ipv6_of(NODE_IP), 300
 @pytest.mark.root
 @pytest.mark.parametrize(("mode", "args"), [m for m in MODES if m.values[0] not in NOT_RENDERED_YET])
 def test_an_ipv6_udp_client_on_a_fixed_port_follows_a_replaced_endpoint(make_env, mode: str, args: list[str]) -> None:
-    """The same over IPv6: the stale entries go with `conntrack -f ipv6` (the one plan, model/conntrack.py)."""
+    """The same over IPv6: the stale entries go with `conntrack -f ipv6` (the one plan, model/conntrack.py); bpf mode
+    re-balances the flow as for IPv4."""
     env = make_env(backends=2, ipv6=True)
     svc = service("dns6", VIP6, [DNS6], type="NodePort", cluster_ips=[VIP6])
     env.write("dns.yaml", svc, endpoint_slice("dns6", {B1_6: True}, [DNS6]))
@@ -81,4 +82,5 @@ def test_an_ipv6_udp_client_on_a_fixed_port_follows_a_replaced_endpoint(make_env
     for target, (applied, switched) in timings.items():
         assert switched - applied <= SWITCH_LIMIT, (
             f"{target}: the fixed-port flow reached b2 {switched - applied:.2f}s after new flows did")
-    assert env.metrics()["kubeproxy_conntrack_reconciler_deleted_entries_total"] >= len(TARGETS6)
+    if mode != "bpf":  # bpf mode deletes nothing: the flow is re-balanced at its next packet (above)
+        assert env.metrics()["kubeproxy_conntrack_reconciler_deleted_entries_total"] >= len(TARGETS6)

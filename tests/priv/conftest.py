@@ -55,6 +55,7 @@ class Load(Protocol):
 
 
 _ARRAYS = (2, 6)  # BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_PERCPU_ARRAY
+_PROG_ARRAY = 3  # BPF_MAP_TYPE_PROG_ARRAY
 
 
 def clear_maps(obj: loader.LoadedObject) -> None:
@@ -62,6 +63,8 @@ def clear_maps(obj: loader.LoadedObject) -> None:
     lib = libbpf.lib()
     for name, fd in obj.maps.items():
         info = loader.map_info(fd)
+        if info.type == _PROG_ARRAY:
+            continue  # the load's own IPv6 programs (loader.fill_jumps), not state
         if info.type in _ARRAYS:
             size = (info.value_size + 7) // 8 * 8 * lib.libbpf_num_possible_cpus() if info.type == 6 \
                 else info.value_size

@@ -21,7 +21,7 @@ from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.maps import PerCpuArray, PerCpuHash
 
-BPF_MAP_TYPE_PERCPU_HASH, BPF_MAP_TYPE_PERCPU_ARRAY = 5, 6  # uapi/linux/bpf.h enum bpf_map_type
+BPF_MAP_TYPE_PROG_ARRAY, BPF_MAP_TYPE_PERCPU_HASH, BPF_MAP_TYPE_PERCPU_ARRAY = 3, 5, 6  # uapi enum bpf_map_type
 _QUALIFIERS = ("TYPEDEF", "CONST", "VOLATILE", "RESTRICT", "TYPE_TAG")
 
 
@@ -155,8 +155,9 @@ def test_python_reads_each_map_with_its_c_key_and_value_types(btf: Btf) -> None:
     for arr in (maps.stats, maps.counters):
         assert isinstance(arr, PerCpuArray)
         readers[arr.name] = (ctypes.c_uint32, arr.value_type, BPF_MAP_TYPE_PERCPU_ARRAY)
-    assert isinstance(maps.epstats, PerCpuHash)
-    readers[maps.epstats.name] = (maps.epstats.key_type, maps.epstats.value_type, BPF_MAP_TYPE_PERCPU_HASH)
+    for per_cpu_hash in (maps.epstats, maps.epstats6):
+        assert isinstance(per_cpu_hash, PerCpuHash)
+        readers[per_cpu_hash.name] = (per_cpu_hash.key_type, per_cpu_hash.value_type, BPF_MAP_TYPE_PERCPU_HASH)
     assert sorted(readers) == sorted(abi.ALL_MAPS)
 
     defs = btf.map_defs()
@@ -169,13 +170,20 @@ def test_python_reads_each_map_with_its_c_key_and_value_types(btf: Btf) -> None:
         else:
             assert kind == per_cpu, f"{name}: map type {kind}, read as {per_cpu}"
         fields = [("key", key_type), ("value", value_type)]
-        if name == abi.MAP_TABLES:
+        if name in abi.JUMPS6:
+            # A program array: u32 index -> program fd, declared by size (the kernel takes no BTF types for it).
+            assert kind == BPF_MAP_TYPE_PROG_ARRAY, f"{name} is a program array"
+            for field, cls in (("key_size", key_type), ("value_size", value_type)):
+                assert cls is ctypes.c_uint32 and btf.map_uint(d, field) == 4, f"{name} {field}"
+            continue
+        if name in (abi.MAP_TABLES, abi.MAP_TABLES6):
             # A map of maps: user space writes inner maps' fds and reads their ids (u32 both); each inner map
-            # (a frontend's table) is read and written as u32 -> struct pyproxy_backend, which the template gives
-            # by size only (maps.h says why).
+            # (a frontend's table) is read and written as u32 -> struct pyproxy_backend (IPv6: pyproxy_backend6),
+            # which the template gives by size only (maps.h says why).
             assert value_type is ctypes.c_uint32
             inner = btf.inner_map(d)
-            for field, cls in (("key_size", ctypes.c_uint32), ("value_size", abi.Backend)):
+            entry = abi.Backend if name == abi.MAP_TABLES else abi.Backend6
+            for field, cls in (("key_size", ctypes.c_uint32), ("value_size", entry)):
                 assert btf.map_uint(inner, field) == ctypes.sizeof(cls), f"{name}'s tables' {field}"
             fields = fields[:1]
         for field, cls in fields:
@@ -215,4 +223,5 @@ def test_the_endpoint_counters_map_follows_the_backends_map(btf: Btf) -> None:
 def test_programs_python_attaches_exist(btf: Btf) -> None:
     funcs = {t["name"] for t in btf.types.values() if t["kind"] == "FUNC" and t.get("linkage") == "global"}
     assert {abi.PROG_TC_INGRESS, abi.PROG_TC_EGRESS, abi.PROG_XDP} <= funcs
+    assert {prog for jumps in abi.JUMPS6.values() for prog in jumps.values()} <= funcs
     assert all(f.startswith(abi.PROG_PREFIX) for f in funcs), "cleanup recognises programs by this prefix"

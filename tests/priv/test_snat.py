@@ -330,3 +330,29 @@ def test_the_devices_map_follows_the_nodes_addresses(bpf_object: Path) -> None:
         finally:
             follower.stop()
             dp.close()
+
+
+def test_the_ipv6_devices_map_follows_the_nodes_ipv6_addresses(bpf_object: Path) -> None:
+    """The same for IPv6 SNAT (abi.MAP_DEVADDRS6): each device's first usable global IPv6 address, followed."""
+    with scratch_node("pyp-snat", [("out0", "10.0.2.254/24")]) as (thread, ifindex):
+        subprocess.run(["ip", "-n", thread.netns, "addr", "add", "fd00:2::fe/64", "dev", "out0", "nodad"], check=True)
+        dp = Dataplane(loader.load(bpf_object, None, max_entries=CAPACITY, kernel_flags=0))
+        follower = thread.call(lambda: snat.DeviceAddresses(
+            BpfMap(os.dup(dp.obj.maps[abi.MAP_DEVADDRS]), abi.MAP_DEVADDRS, ctypes.c_uint32, ctypes.c_uint32),
+            devaddrs6=BpfMap(os.dup(dp.obj.maps[abi.MAP_DEVADDRS6]), abi.MAP_DEVADDRS6, ctypes.c_uint32, abi.In6)))
+        try:
+            thread.call(follower.start)
+
+            def devices6() -> dict[int, str]:
+                return {int(k.value): abi.ip6_of(v) for k, v in dp.maps.devaddrs6.items()}
+
+            assert devices6() == {ifindex["out0"]: "fd00:2::fe"}
+            for args in (["add", "fd00:3::1/64", "nodad"], ["del", "fd00:2::fe/64"]):
+                subprocess.run(["ip", "-n", thread.netns, "addr", *args, "dev", "out0"], check=True)
+            deadline = time.monotonic() + 10
+            while devices6() != {ifindex["out0"]: "fd00:3::1"} and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert devices6() == {ifindex["out0"]: "fd00:3::1"}
+        finally:
+            follower.stop()
+            dp.close()

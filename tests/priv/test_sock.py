@@ -119,6 +119,20 @@ def world(load: Load) -> Iterator[World]:
                 time.sleep(0.05)
 
 
+def serve_and_ask(world: World, server_code: str, client_code: str) -> dict[str, object]:
+    """Start the server, run the client in the test's namespace and cgroup, and return what the client printed."""
+    server = world.run_in(server_code)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        client = world.run_in(client_code)
+        out, err = client.communicate(timeout=20)
+        assert client.returncode == 0, err
+    finally:
+        server.kill()
+        server.wait()
+    return dict(json.loads(out))
+
+
 def test_a_node_process_reaches_frontends_through_the_socket_hooks(world: World) -> None:
     dp = world.dp
     dp.apply(_state(VIP, 80, Protocol.TCP, (TCP_BACKEND,)), _state(VIP, 53, Protocol.UDP, (UDP_BACKEND,)),
@@ -126,16 +140,7 @@ def test_a_node_process_reaches_frontends_through_the_socket_hooks(world: World)
     cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
     assert sorted(p.name for p in (world.pins / cgroup.LINK_DIR).iterdir()) == sorted(
         f"cgroup_{prog}" for prog in abi.SOCK_HOOKS)
-    server = world.run_in(SERVER)
-    try:
-        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-        client = world.run_in(CLIENT)
-        out, err = client.communicate(timeout=20)
-        assert client.returncode == 0, err
-    finally:
-        server.kill()
-        server.wait()
-    got = json.loads(out)
+    got = serve_and_ask(world, SERVER, CLIENT)
     assert got["tcp_reply"] == "tcp-backend" and got["tcp_peer"] == [VIP, 80], "connect() and getpeername()"
     assert got["udp_reply"] == "udp:q" and got["udp_source"] == [VIP, 53], "sendto() and recvfrom()'s source"
     assert got["connected_udp_reply"] == "udp:c" and got["connected_udp_peer"] == [VIP, 53]

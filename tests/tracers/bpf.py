@@ -7,7 +7,8 @@ a frontend with source ranges drops a source none of its MAP_SRCRANGES entries h
 with the SVC_F_DROP flag (externalTrafficPolicy Local, no endpoint here) and refused without it (TC answers a reset
 or a port unreachable, reject.h), else every slot 0..backend_count-1 is a possible pick (a missing slot drops);
 with the affinity flag, a second flow from the client reuses the backend the first one recorded while that backend
-is in the backends map.
+is in the backends map. An IPv6 packet reads the IPv6 twins of these maps (render.by_family), as the TC and XDP
+programs' IPv6 halves do.
 Does not model: the kernel (map sizes, byte layouts: tests/priv does), connection tracking of established flows, the
 affinity timeout, real randomness, XDP versus TC, socket load balancing of the node's own processes.
 """
@@ -20,7 +21,6 @@ from collections.abc import Iterator, Sequence
 from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.backend import BpfDataplane
 from pyproxy.dataplane.bpf.render import Applied, Plan, render
-from pyproxy.model.state import IPV4_ONLY
 from tracers.common import Memory, Packet, Sync, Unmodelled, Verdict, as_served, untranslated
 
 CAPACITY = {abi.MAP_SERVICES: 65536, abi.MAP_SLOTS: 1 << 20, abi.MAP_BACKENDS: 65536, abi.MAP_STATS: 65536}
@@ -30,13 +30,17 @@ _PROTO = {"tcp": "TCP", "udp": "UDP"}
 KNOWN_FLAGS = abi.SVC_F_AFFINITY | abi.SVC_F_DROP | abi.SVC_F_RANGES | abi.SVC_F_MASQ | abi.SVC_F_NODE_VIEW
 
 Maps = dict[str, dict[tuple, tuple | None]]
+_MAPS = (abi.MAP_SERVICES, abi.MAP_SRCRANGES, abi.MAP_SLOTS, abi.MAP_BACKENDS)
+_MAPS6 = (abi.MAP_SERVICES6, abi.MAP_SRCRANGES6, abi.MAP_SLOTS6, abi.MAP_BACKENDS6)
+"""The maps a new flow's decision reads, IPv4's and their IPv6 twins (render.by_family): an IPv6 packet is looked
+up in the IPv6 ones."""
 
 
 def plans(syncs: Sequence[Sync]) -> list[Plan]:
     """The plans of `syncs` in turn, as the bpf backend's apply() renders them from what the last one left (the
     frontends of the families it renders: the proxier leaves out the others)."""
     applied, out = Applied(), []
-    for desired, changed in as_served(syncs, getattr(BpfDataplane, "ip_families", IPV4_ONLY)):
+    for desired, changed in as_served(syncs, BpfDataplane.ip_families):
         keys = set(desired.services) | applied.by_service.keys() if changed is None else changed
         out.append(render(applied, {k: desired.services.get(k, ()) for k in keys}, CAPACITY))
         applied.commit(out[-1])
@@ -65,7 +69,9 @@ class BpfTracer:
         self.maps = apply(plans)
 
     def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
-        svc = self.maps.get(abi.MAP_SERVICES, {}).get((pkt.dst, pkt.port, _PROTO[pkt.proto], abi.SVC_SCOPE_PACKETS))
+        names = _MAPS6 if ":" in pkt.dst else _MAPS
+        services, ranges, slots, backends = (self.maps.get(name, {}) for name in names)
+        svc = services.get((pkt.dst, pkt.port, _PROTO[pkt.proto], abi.SVC_SCOPE_PACKETS))
         if svc is None:
             yield untranslated(pkt)
             return
@@ -73,8 +79,8 @@ class BpfTracer:
         if flags & ~KNOWN_FLAGS:
             raise Unmodelled(f"services map flags {flags:#x}")
         if flags & abi.SVC_F_RANGES and not any(
-            ipaddress.IPv4Address(pkt.src) in ipaddress.IPv4Network(cidr)
-            for sid, cidr in self.maps.get(abi.MAP_SRCRANGES, {}) if sid == svc_id
+            ipaddress.ip_address(pkt.src) in ipaddress.ip_network(cidr)
+            for sid, cidr in ranges if sid == svc_id
         ):
             yield Verdict("no-answer")  # PYPROXY_CNT_SOURCE_DENIED
             return
@@ -85,13 +91,13 @@ class BpfTracer:
         key = ("affinity", pkt.src, pkt.dst, str(pkt.port), pkt.proto)
         if affinity:
             recorded = [fact[-2:] for fact in memory if fact[:-2] == key]
-            alive = [(ip, port) for ip, port in recorded if (ip, int(port)) in self.maps.get(abi.MAP_BACKENDS, {})]
+            alive = [(ip, port) for ip, port in recorded if (ip, int(port)) in backends]
             if alive:
                 ip, port = alive[0]
                 yield Verdict("dnat", f"{ip}:{port}", memory)
                 return
         for slot in range(count):
-            backend = self.maps.get(abi.MAP_SLOTS, {}).get((svc_id, slot))
+            backend = slots.get((svc_id, slot))
             if backend is None:
                 yield Verdict("no-answer")  # PYPROXY_DROP: a slot miss
                 continue

@@ -180,6 +180,34 @@ def test_the_packed_layouts_are_the_abi_structs() -> None:
     assert gc._BACKEND_INFO.pack(0, -2) == bytes(abi.BackendInfo(0, -2))
 
 
+def test_the_ipv6_layout_is_the_ipv6_abi_structs() -> None:
+    client, vip, backend = "fd00::10", "fd00:96::a", "fd00:1::1"
+    a6 = lambda ip: bytes(abi.in6(ip))  # noqa: E731
+    v6 = gc.IPV6
+    key = abi.Ct6Key(abi.in6(client), abi.in6(vip), abi.be16(40000), abi.be16(80), TCP, abi.CT_REVERSE)
+    assert v6.ct_key.pack(a6(client), a6(vip), port(40000), port(80), TCP, abi.CT_REVERSE) == bytes(key)
+    value = bytes(abi.Ct6Value(abi.in6(backend), abi.be16(8080), abi.CT_ST_CLOSING, abi.CT_F_FIN_FWD, 7, 3, 0,
+                               2**40 + 5))
+    assert v6.ct_age.unpack(value) == (a6(backend) + port(8080), abi.CT_ST_CLOSING, 2**40 + 5)
+    assert v6.ct_open.unpack(value) == (a6(backend) + port(8080), abi.CT_ST_CLOSING, abi.CT_F_FIN_FWD)
+    assert v6.backend_key.unpack(bytes(abi.Backend6(abi.in6(backend), abi.be16(8080)))) == (a6(backend) + port(8080),)
+    assert v6.svc_key.pack(a6(vip), port(80), TCP) == bytes(abi.Svc6Key(abi.in6(vip), abi.be16(80), TCP))
+
+
+def test_ipv6_entries_expire_by_the_same_rules() -> None:
+    timeouts = abi.CtTimeoutTicks(tcp_new=10, tcp_established=100, tcp_closing=10, tcp_closed=5, udp_new=10,
+                                  udp_established=20, shortest=5)
+    a6 = lambda ip: bytes(abi.in6(ip))  # noqa: E731
+    keys, values = [], []
+    for i, last_seen in enumerate((1000, 100)):  # one fresh, one long idle: established TCP, 100 ticks
+        keys.append(gc.IPV6.ct_key.pack(a6("fd00::10"), a6("fd00:96::a"), port(40000 + i), port(80), TCP,
+                                        abi.CT_FORWARD))
+        values.append(bytes(abi.Ct6Value(abi.in6("fd00:1::1"), abi.be16(8080), abi.CT_ST_ESTABLISHED, 0, 1, 0, 0,
+                                         last_seen)))
+    garbage = gc.find_garbage(b"".join(keys), b"".join(values), {}, timeouts, now=1050, margin=0, layout=gc.IPV6)
+    assert list(garbage) == [1]
+
+
 def test_the_metrics_show_in_the_registry_that_registers_them() -> None:
     metrics = CtGcMetrics()
     registry = CollectorRegistry()
@@ -191,3 +219,14 @@ def test_the_metrics_show_in_the_registry_that_registers_them() -> None:
     assert registry.get_sample_value("pyproxy_bpf_ct_gc_deleted_total") == 5
     assert registry.get_sample_value("pyproxy_bpf_ct_gc_duration_seconds_count") == 1
     assert b"pyproxy_bpf_ct_gc_duration_seconds_bucket" in generate_latest(registry)
+
+
+def test_the_ipv6_collectors_metrics_sit_beside_the_ipv4_ones() -> None:
+    registry = CollectorRegistry()
+    v4, v6 = CtGcMetrics(), CtGcMetrics("ct6", "IPv6 ")
+    registry.register(v4)
+    registry.register(v6)
+    v4.entries.set(3)
+    v6.entries.set(7)
+    assert registry.get_sample_value("pyproxy_bpf_ct_entries") == 3
+    assert registry.get_sample_value("pyproxy_bpf_ct6_entries") == 7

@@ -1,4 +1,4 @@
-"""A mode that cannot render IPv6 yet (bpf until its IPv6 datapath lands, ipvs, userspace) keeps serving IPv4
+"""A mode that cannot render IPv6 yet (ipvs, userspace) keeps serving IPv4
 exactly as before a dual-stack Service arrived: the proxier hands it the desired state without the IPv6
 frontends (model.state.FamilyFilter), says so in one log line per sync that left some out, and its render()
 of that state is the IPv4-only Service's."""
@@ -39,7 +39,7 @@ def slices_for(key: str) -> tuple[EndpointSlice, ...]:
 
 
 class Ipv4Only(FakeDataplane):
-    mode = "bpf"
+    mode = "ipvs"
     ip_families = IPV4_ONLY
 
 
@@ -67,7 +67,7 @@ def test_an_ipv4_only_mode_gets_the_ipv4_frontends_and_node_addresses_and_one_lo
     assert dp.state.node.nodeport_addresses == ("10.0.0.5",)
     assert all(b.ip == "10.244.1.5" for st in dp.state.services["default/web"] for b in st.backends)
     assert [r.getMessage() for r in caplog.records] == [
-        "bpf mode renders IPv4 only (yet): the other family's frontends of default/v6, default/web are not served "
+        "ipvs mode renders IPv4 only (yet): the other family's frontends of default/v6, default/web are not served "
         "(3 frontends of 2 Services in all)"]
     # The model keeps both families (the health servers and `pyproxy inspect` are told what was served).
     assert len(p.desired.services["default/web"]) == 4 and p.served is dp.state
@@ -99,7 +99,7 @@ def test_an_ipv4_only_state_passes_through_unchanged() -> None:
     desired = compute_desired_state({"default/web": V4_ONLY}, slices_for, NodeInputs("node-a", ("10.0.0.5",)))
     f = FamilyFilter(IPV4_ONLY)
     assert f.update(desired, None) is desired
-    assert f.summary("bpf") is None
+    assert f.summary("ipvs") is None
 
 
 def test_the_ipv4_modes_render_a_dual_stack_service_as_its_ipv4_half() -> None:
@@ -124,5 +124,5 @@ def test_each_mode_says_which_families_it_renders() -> None:
     families["nftables"] = NftablesDataplane(NftablesSettings()).ip_families
     families["iptables"] = IptablesDataplane(IptablesSettings()).ip_families
     assert set(families) == set(AUTO_ORDER)
-    assert families == {"bpf": IPV4_ONLY, "ipvs": IPV4_ONLY, "nftables": BOTH_FAMILIES, "iptables": BOTH_FAMILIES,
+    assert families == {"bpf": BOTH_FAMILIES, "ipvs": IPV4_ONLY, "nftables": BOTH_FAMILIES, "iptables": BOTH_FAMILIES,
                         "userspace": IPV4_ONLY}

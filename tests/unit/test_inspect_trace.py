@@ -140,7 +140,7 @@ def test_bad_addresses_are_refused(src: str, dst: str) -> None:
 
 @pytest.mark.parametrize("src, dst", [("fd00:10:200::2", "10.96.0.10:80"), ("10.200.0.2", "[fd00:10:96::1]:80")])
 def test_ipv6_flows_are_refused_saying_they_are_not_inspected_yet(src: str, dst: str) -> None:
-    with pytest.raises(ValueError, match="IPv6 flows are not inspected yet"):
+    with pytest.raises(ValueError, match="IPv6 flows are not traced yet"):
         trace(View("bpf", [web()]), src, dst)
 
 

@@ -34,6 +34,21 @@
                                                 * template without BTF (maps.h), which 6.1 needs */
 #define PYPROXY_MAP_EPSTATS   pyproxy_epstat_v1
 #define PYPROXY_MAP_DEVADDRS  pyproxy_dev_v1
+/* IPv6 (README, "IPv6 in bpf mode"): the twins of the maps above whose keys or values hold an address. Frontends of
+ * both families share one service id space, so the maps indexed by service id (stats, names, cursors), the epoch,
+ * the endpoint ports and the counters serve both. */
+#define PYPROXY_MAP_SERVICES6  pyproxy_svc6_v1
+#define PYPROXY_MAP_SLOTS6     pyproxy_slot6_v1
+#define PYPROXY_MAP_BACKENDS6  pyproxy_be6_v1
+#define PYPROXY_MAP_CT6        pyproxy_ct6_v1
+#define PYPROXY_MAP_FRAGS6     pyproxy_frag6_v1
+#define PYPROXY_MAP_SRCRANGES6 pyproxy_range6_v1
+#define PYPROXY_MAP_TABLES6    pyproxy_tbl6_v1
+#define PYPROXY_MAP_SOCKS6     pyproxy_sock6_v1
+#define PYPROXY_MAP_DEVADDRS6  pyproxy_dev6_v1
+#define PYPROXY_MAP_EPSTATS6   pyproxy_epstat6_v1
+#define PYPROXY_MAP_JUMP6      pyproxy_jmp6_v1  /* TC programs: where the IPv4 programs send IPv6 packets */
+#define PYPROXY_MAP_XJUMP6     pyproxy_xjmp6_v1 /* the same for XDP (a program array serves one program type) */
 
 /* Default capacities; the loader may resize before load (bpf_map__set_max_entries). */
 #define PYPROXY_MAX_SERVICES  131072   /* frontends: ClusterIP x port x protocol */
@@ -46,6 +61,13 @@
 #define PYPROXY_MAX_SRCRANGES 16384    /* loadBalancerSourceRanges entries over all frontends */
 #define PYPROXY_MAX_EPSTATS   PYPROXY_MAX_BACKENDS   /* one per backend; the loader keeps it the backends map's size */
 #define PYPROXY_MAX_DEVADDRS  4096     /* node devices holding an IPv4 address (PYPROXY_MAP_DEVADDRS) */
+
+/* Entries of PYPROXY_MAP_JUMP6 and PYPROXY_MAP_XJUMP6: the IPv6 programs, which the loader puts there after load. */
+#define PYPROXY_JUMP6_TC_INGRESS 0
+#define PYPROXY_JUMP6_TC_EGRESS  1
+#define PYPROXY_JUMP6_XDP        0
+#define PYPROXY_JUMP6_TC_MAX     2
+#define PYPROXY_JUMP6_XDP_MAX    1
 
 /* struct pyproxy_svc_value.flags */
 #define PYPROXY_SVC_F_AFFINITY  0x1    /* ClientIP session affinity: a client keeps its backend */
@@ -224,6 +246,11 @@ struct pyproxy_snat_ports {
 	__u32 pad;     /* zero */
 };
 
+/* An IPv6 address: four words, each in network byte order (the sixteen bytes as they sit in the packet). */
+struct pyproxy_in6 {
+	__be32 w[4];   /* network byte order */
+};
+
 /* An IPv4 prefix: the cluster CIDR (--cluster-cidr). mask 0: none given. */
 struct pyproxy_cidr {
 	__be32 addr;   /* network byte order; the network address */
@@ -239,6 +266,12 @@ struct pyproxy_cidr {
 
 /* The programs' constants: the .rodata variable the loader sets before load (the verifier then folds each read
  * into the code). */
+/* An IPv6 prefix: the cluster CIDR's IPv6 half (dual stack). mask 0: none given. */
+struct pyproxy_cidr6 {
+	struct pyproxy_in6 addr;   /* the network address */
+	struct pyproxy_in6 mask;
+};
+
 struct pyproxy_config {
 	struct pyproxy_ct_timeouts ct;
 	struct pyproxy_snat_ports snat;
@@ -248,6 +281,7 @@ struct pyproxy_config {
 	__u32 endpoint_counters;
 	__u32 kernel;  /* PYPROXY_KERNEL_* */
 	__u32 pad;     /* zero */
+	struct pyproxy_cidr6 cluster6;   /* appended: .rodata is each load's own, no map keeps the old layout */
 };
 
 /* Value of PYPROXY_MAP_CURSORS: a frontend's round-robin position (rr, wrr). */
@@ -295,6 +329,80 @@ struct pyproxy_srcrange_key {
 struct pyproxy_svc_stats {
 	__u64 packets;  /* host order */
 	__u64 bytes;    /* host order */
+};
+
+/* IPv6: the twins of the structs above that hold an address (Cilium's lb4_/lb6_ pairs), each address a struct
+ * pyproxy_in6. Service ids, slot keys, backend info, CT states and flags, fragment ports and statistics are the
+ * IPv4 structs'. */
+/* Key of PYPROXY_MAP_SERVICES6 (value: struct pyproxy_svc_value). */
+struct pyproxy_svc6_key {
+	struct pyproxy_in6 vip;
+	__be16 port;   /* network byte order */
+	__u8 proto;    /* IPPROTO_TCP or IPPROTO_UDP */
+	__u8 scope;    /* PYPROXY_SVC_SCOPE_* */
+};
+
+/* An IPv6 backend: key of PYPROXY_MAP_BACKENDS6 (value: struct pyproxy_backend_info), value of a
+ * PYPROXY_MAP_TABLES6 table and of PYPROXY_MAP_SOCKS6 (there: the frontend the socket asked for). */
+struct pyproxy_backend6 {
+	struct pyproxy_in6 addr;
+	__be16 port;   /* network byte order */
+	__u16 pad;     /* zero */
+};
+
+/* Value of PYPROXY_MAP_SLOTS6 (key: struct pyproxy_slot_key). */
+struct pyproxy_slot6 {
+	struct pyproxy_in6 addr;
+	__be16 port;   /* network byte order */
+	__u16 weight;  /* host order; 1-100 (sed, nq); 0 = 1 */
+};
+
+/* Key of PYPROXY_MAP_CT6: a flow as seen on the wire in one direction (PYPROXY_CT_* dir, as IPv4's). */
+struct pyproxy_ct6_key {
+	struct pyproxy_in6 saddr;
+	struct pyproxy_in6 daddr;
+	__be16 sport;  /* network byte order */
+	__be16 dport;  /* network byte order */
+	__u8 proto;    /* IPPROTO_* */
+	__u8 dir;      /* PYPROXY_CT_* */
+	__u16 pad;     /* zero */
+};
+
+/* Value of PYPROXY_MAP_CT6: struct pyproxy_ct_value's fields, with an IPv6 address. */
+struct pyproxy_ct6_value {
+	struct pyproxy_in6 nat_addr;   /* FORWARD: backend, REVERSE: frontend VIP (SNAT pair: abi.h above) */
+	__be16 nat_port;   /* network order */
+	__u8 state;        /* PYPROXY_CT_ST_* */
+	__u8 flags;        /* PYPROXY_CT_F_* */
+	__u32 svc_id;      /* host order */
+	__u32 epoch;       /* host order; FORWARD: the backends epoch the backend was last confirmed at */
+	__u32 pad;         /* zero */
+	__u64 last_seen;   /* host order; jiffies */
+};
+
+/* Key of PYPROXY_MAP_FRAGS6: one IPv6 datagram in fragments (value: struct pyproxy_frag_value). */
+struct pyproxy_frag6_key {
+	struct pyproxy_in6 saddr;
+	struct pyproxy_in6 daddr;
+	__be32 id;     /* network byte order; the fragment header's identification (32 bits in IPv6) */
+	__u8 proto;    /* IPPROTO_*: the upper-layer header after the fragment header */
+	__u8 pad[3];   /* zero */
+};
+
+/* Key of PYPROXY_MAP_SOCKS6: a node socket the IPv6 socket hooks pointed at a backend, and that backend. */
+struct pyproxy_sock6_key {
+	__u64 cookie;  /* host order */
+	struct pyproxy_in6 addr;
+	__be16 port;   /* network byte order */
+	__u16 pad;     /* zero */
+	__u32 pad2;    /* zero */
+};
+
+/* Key of PYPROXY_MAP_SRCRANGES6 (an LPM trie): 32 + the range's prefix length, the frontend's id, the range. */
+struct pyproxy_srcrange6_key {
+	__u32 prefixlen;  /* host order */
+	__be32 svc_id;    /* network byte order */
+	struct pyproxy_in6 addr;
 };
 
 #define PYPROXY_NAME_LEN 128

@@ -74,6 +74,34 @@
 #define PYPROXY_BCC_MAX_epstats PYPROXY_MAX_EPSTATS
 #endif
 
+#ifndef PYPROXY_BCC_MAX_services6
+#define PYPROXY_BCC_MAX_services6 PYPROXY_MAX_SERVICES
+#endif
+#ifndef PYPROXY_BCC_MAX_slots6
+#define PYPROXY_BCC_MAX_slots6 PYPROXY_MAX_SLOTS
+#endif
+#ifndef PYPROXY_BCC_MAX_backends6
+#define PYPROXY_BCC_MAX_backends6 PYPROXY_MAX_BACKENDS
+#endif
+#ifndef PYPROXY_BCC_MAX_ct6
+#define PYPROXY_BCC_MAX_ct6 PYPROXY_MAX_FLOWS
+#endif
+#ifndef PYPROXY_BCC_MAX_frags6
+#define PYPROXY_BCC_MAX_frags6 PYPROXY_MAX_FRAGS
+#endif
+#ifndef PYPROXY_BCC_MAX_socks6
+#define PYPROXY_BCC_MAX_socks6 PYPROXY_MAX_SOCKS
+#endif
+#ifndef PYPROXY_BCC_MAX_srcranges6
+#define PYPROXY_BCC_MAX_srcranges6 PYPROXY_MAX_SRCRANGES
+#endif
+#ifndef PYPROXY_BCC_MAX_epstats6
+#define PYPROXY_BCC_MAX_epstats6 PYPROXY_MAX_EPSTATS
+#endif
+#ifndef PYPROXY_BCC_MAX_tables6
+#define PYPROXY_BCC_MAX_tables6 PYPROXY_MAX_SERVICES
+#endif
+
 /* What each map is for: maps.h. */
 PYPROXY_BCC_TABLE("hash", struct pyproxy_svc_key, struct pyproxy_svc_value, PYPROXY_MAP_SERVICES,
 		  PYPROXY_BCC_MAX_services, 0);
@@ -102,6 +130,29 @@ PYPROXY_BCC_TABLE("percpu_hash", struct pyproxy_backend, struct pyproxy_svc_stat
 		  PYPROXY_BCC_MAX_epstats, BPF_F_NO_PREALLOC);
 PYPROXY_BCC_TABLE("hash", __u32, __be32, PYPROXY_MAP_DEVADDRS, PYPROXY_MAX_DEVADDRS, BPF_F_NO_PREALLOC);
 
+/* IPv6 (maps.h). */
+PYPROXY_BCC_TABLE("hash", struct pyproxy_svc6_key, struct pyproxy_svc_value, PYPROXY_MAP_SERVICES6,
+		  PYPROXY_BCC_MAX_services6, 0);
+PYPROXY_BCC_TABLE("hash", struct pyproxy_slot_key, struct pyproxy_slot6, PYPROXY_MAP_SLOTS6, PYPROXY_BCC_MAX_slots6,
+		  BPF_F_NO_PREALLOC);
+PYPROXY_BCC_TABLE("hash", struct pyproxy_backend6, struct pyproxy_backend_info, PYPROXY_MAP_BACKENDS6,
+		  PYPROXY_BCC_MAX_backends6, BPF_F_NO_PREALLOC);
+PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_ct6_key, struct pyproxy_ct6_value, PYPROXY_MAP_CT6, PYPROXY_BCC_MAX_ct6,
+		  0);
+PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_frag6_key, struct pyproxy_frag_value, PYPROXY_MAP_FRAGS6,
+		  PYPROXY_BCC_MAX_frags6, 0);
+PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_sock6_key, struct pyproxy_backend6, PYPROXY_MAP_SOCKS6,
+		  PYPROXY_BCC_MAX_socks6, 0);
+PYPROXY_BCC_TABLE("lpm_trie", struct pyproxy_srcrange6_key, __u32, PYPROXY_MAP_SRCRANGES6,
+		  PYPROXY_BCC_MAX_srcranges6, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("array", __u32, struct pyproxy_backend6, pyproxy_table6, 1, BPF_F_INNER_MAP);
+PYPROXY_BCC_TABLE("hash_of_maps$pyproxy_table6", __u32, int, PYPROXY_MAP_TABLES6, PYPROXY_BCC_MAX_tables6, 0);
+PYPROXY_BCC_TABLE("hash", __u32, struct pyproxy_in6, PYPROXY_MAP_DEVADDRS6, PYPROXY_MAX_DEVADDRS, BPF_F_NO_PREALLOC);
+PYPROXY_BCC_TABLE("percpu_hash", struct pyproxy_backend6, struct pyproxy_svc_stats, PYPROXY_MAP_EPSTATS6,
+		  PYPROXY_BCC_MAX_epstats6, BPF_F_NO_PREALLOC);
+PYPROXY_BCC_TABLE("prog", __u32, __u32, PYPROXY_MAP_JUMP6, PYPROXY_JUMP6_TC_MAX, 0);
+PYPROXY_BCC_TABLE("prog", __u32, __u32, PYPROXY_MAP_XJUMP6, PYPROXY_JUMP6_XDP_MAX, 0);
+
 #else /* the programs */
 
 /* Newer than the kernel headers BCC compiles against (Debian's 6.1: make install-bcc), values of uapi/linux/bpf.h;
@@ -118,6 +169,11 @@ struct pyproxy_bcc_map {
 	int unused;
 };
 #define PYPROXY_BCC_MAP(fd) (*(struct pyproxy_bcc_map *)(long)bpf_pseudo_fd(1, fd))
+
+/* bpf_tail_call: BCC declares the helper only as bpf_tail_call_(map fd, ctx, index), the map's first, for its
+ * rewriter's `table.call(ctx, index)`; a map here is already its reference (PYPROXY_BCC_MAP), which the helper takes
+ * as it is. */
+#define bpf_tail_call(ctx, map, index) bpf_tail_call_((u64)(long)(map), (ctx), (index))
 
 /* The programs' constants (maps.h's .rodata pyproxy_config): a compound literal of -DPYPROXY_BCC_CONFIG={...},
  * which the loader writes from the same settings. Every read is a constant folded by the compiler, as the verifier

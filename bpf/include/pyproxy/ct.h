@@ -86,12 +86,18 @@ static __always_inline __u32 pyproxy_ct_timeout(__u8 proto, __u8 state)
 	return state == PYPROXY_CT_ST_NEW ? pyproxy_config.ct.udp_new : pyproxy_config.ct.udp_established;
 }
 
-static __always_inline int pyproxy_ct_expired(const struct pyproxy_ct_value *v, __u8 proto, __u64 now)
+/* Whether an entry last seen at `last_seen` in `state` is past its idle timeout (both families' entries). */
+static __always_inline int pyproxy_ct_idle_expired(__u64 last_seen, __u8 state, __u8 proto, __u64 now)
 {
-	__u64 idle = now - v->last_seen;
+	__u64 idle = now - last_seen;
 
 	/* Idle for less than the shortest timeout: live in any state, without working out which. */
-	return idle > pyproxy_config.ct.shortest && idle > pyproxy_ct_timeout(proto, v->state);
+	return idle > pyproxy_config.ct.shortest && idle > pyproxy_ct_timeout(proto, state);
+}
+
+static __always_inline int pyproxy_ct_expired(const struct pyproxy_ct_value *v, __u8 proto, __u64 now)
+{
+	return pyproxy_ct_idle_expired(v->last_seen, v->state, proto, now);
 }
 
 /* The key of the other direction's entry of the flow that `v`, found under `k`, belongs to:
@@ -193,21 +199,33 @@ static __always_inline void pyproxy_ct_uncount(const struct pyproxy_ct_key *k, c
 /* A packet of a live flow passed in the direction of entry `v` (under key `k`): refresh its clock and move
  * the flow's state. A state change is written to the peer entry too (one more lookup, a few times per
  * connection), so both directions expire alike. */
+/* The address-independent half of a packet seen on an entry (both families): refreshes `*last_seen` and works out
+ * the flow's next state and flags from the entry's (`dir`: the packet's direction as the client sees it). Returns
+ * whether they change. */
+static __always_inline int pyproxy_ct_advance(__u64 *last_seen, __u8 cur_state, __u8 cur_flags, __u8 dir,
+					      __u8 tcp_flags, __u64 now, __u8 *state, __u8 *flags)
+{
+	/* Written once per tick, not per packet: a flow's packets on several CPUs then share the cache line. */
+	if (*last_seen != now)
+		*last_seen = now;
+	/* The common packet changes nothing: no FIN or RST, and no first reply. */
+	if (!(tcp_flags & (PYPROXY_TCP_FIN | PYPROXY_TCP_RST)) &&
+	    (dir == PYPROXY_CT_FORWARD || cur_state != PYPROXY_CT_ST_NEW))
+		return 0;
+	*state = cur_state;
+	*flags = cur_flags;
+	pyproxy_ct_next(dir, tcp_flags, state, flags);
+	return *state != cur_state || *flags != cur_flags;
+}
+
 static __always_inline void pyproxy_ct_seen(const struct pyproxy_ct_key *k, struct pyproxy_ct_value *v,
 					    __u8 tcp_flags, __u64 now)
 {
-	__u8 state = v->state, flags = v->flags, dir = pyproxy_ct_orig_dir(k, v);
+	__u8 state, flags;
 	struct pyproxy_ct_value *peer;
 
-	/* Written once per tick, not per packet: a flow's packets on several CPUs then share the cache line. */
-	if (v->last_seen != now)
-		v->last_seen = now;
-	/* The common packet changes nothing: no FIN or RST, and no first reply. */
-	if (!(tcp_flags & (PYPROXY_TCP_FIN | PYPROXY_TCP_RST)) &&
-	    (dir == PYPROXY_CT_FORWARD || v->state != PYPROXY_CT_ST_NEW))
-		return;
-	pyproxy_ct_next(dir, tcp_flags, &state, &flags);
-	if (state == v->state && flags == v->flags)
+	if (!pyproxy_ct_advance(&v->last_seen, v->state, v->flags, pyproxy_ct_orig_dir(k, v), tcp_flags, now, &state,
+				&flags))
 		return;
 	if (state == PYPROXY_CT_ST_CLOSED)
 		pyproxy_ct_uncount(k, v);

@@ -210,6 +210,136 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_DEVADDRS SEC(".maps");
 
+/* IPv6 (pyproxy/lb6.h): the twins of the maps above, one for each that holds an address, each for the same purpose
+ * as its twin. Same capacities; the loader resizes them with their twins' settings (abi.py RESIZABLE). */
+
+/* Frontends: (IPv6 ClusterIP, port, protocol, scope) -> the service (ids shared with IPv4's). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, PYPROXY_MAX_SERVICES);
+	__type(key, struct pyproxy_svc6_key);
+	__type(value, struct pyproxy_svc_value);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_SERVICES6 SEC(".maps");
+
+/* Backend slots of IPv6 frontends: (service id, n) -> backend and weight. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, PYPROXY_MAX_SLOTS);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct pyproxy_slot_key);
+	__type(value, struct pyproxy_slot6);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_SLOTS6 SEC(".maps");
+
+/* Every IPv6 endpoint of every slice, ready or not, with its open flows (lc, sed, nq). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, PYPROXY_MAX_BACKENDS);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct pyproxy_backend6);
+	__type(value, struct pyproxy_backend_info);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_BACKENDS6 SEC(".maps");
+
+/* Connection tracking of IPv6 flows: FORWARD, REVERSE, AFFINITY entries and SNAT pairs, as PYPROXY_MAP_CT. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, PYPROXY_MAX_FLOWS);
+	__type(key, struct pyproxy_ct6_key);
+	__type(value, struct pyproxy_ct6_value);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_CT6 SEC(".maps");
+
+/* IPv6 datagrams in fragments whose first fragment was translated: their ports, for the later fragments. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, PYPROXY_MAX_FRAGS);
+	__type(key, struct pyproxy_frag6_key);
+	__type(value, struct pyproxy_frag_value);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_FRAGS6 SEC(".maps");
+
+/* Node sockets the IPv6 socket hooks pointed at a backend -> the frontend they asked for. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, PYPROXY_MAX_SOCKS);
+	__type(key, struct pyproxy_sock6_key);
+	__type(value, struct pyproxy_backend6);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_SOCKS6 SEC(".maps");
+
+/* loadBalancerSourceRanges of IPv6 frontends. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, PYPROXY_MAX_SRCRANGES);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct pyproxy_srcrange6_key);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_SRCRANGES6 SEC(".maps");
+
+/* The template of PYPROXY_MAP_TABLES6' inner arrays: n -> struct pyproxy_backend6, by size (see
+ * struct pyproxy_table_inner). */
+struct pyproxy_table6_inner {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__uint(map_flags, BPF_F_INNER_MAP);
+	__uint(key_size, sizeof(__u32));
+	__uint(value_size, sizeof(struct pyproxy_backend6));
+};
+
+/* The wrr and Maglev tables of IPv6 frontends: service id -> its table. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH_OF_MAPS);
+	__uint(max_entries, PYPROXY_MAX_SERVICES);
+	__type(key, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+	__array(values, struct pyproxy_table6_inner);
+} PYPROXY_MAP_TABLES6 SEC(".maps");
+
+/* Per-endpoint counters of IPv6 backends (as PYPROXY_MAP_EPSTATS; --bpf-endpoint-counters). */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, PYPROXY_MAX_EPSTATS);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct pyproxy_backend6);
+	__type(value, struct pyproxy_svc_stats);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_EPSTATS6 SEC(".maps");
+
+/* Node device (ifindex) -> the IPv6 address SNAT gives a flow leaving by it, where bpf_fib_lookup cannot name it
+ * (as PYPROXY_MAP_DEVADDRS). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, PYPROXY_MAX_DEVADDRS);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32);
+	__type(value, struct pyproxy_in6);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_DEVADDRS6 SEC(".maps");
+
+/* The IPv6 programs, by PYPROXY_JUMP6_*: an IPv4 entry point that finds an IPv6 packet tail-calls its IPv6 twin
+ * here, so IPv4 packets pay nothing for IPv6 and each family's program is verified on its own (the BCC build's XDP
+ * program is at 690,000 of the verifier's million instructions alone). The loader fills them after each load;
+ * pinned, so the programs left attached across a restart keep their IPv6 twins (an unpinned program array is
+ * emptied when its last file descriptor closes). An empty entry: the tail call falls through, the packet passes. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
+	__uint(max_entries, PYPROXY_JUMP6_TC_MAX);
+	__uint(key_size, sizeof(__u32));
+	__uint(value_size, sizeof(__u32));
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_JUMP6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
+	__uint(max_entries, PYPROXY_JUMP6_XDP_MAX);
+	__uint(key_size, sizeof(__u32));
+	__uint(value_size, sizeof(__u32));
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_XJUMP6 SEC(".maps");
+
 /* The programs' constants (abi.h): connection-tracking timeouts, SNAT ports, the cluster CIDR, whether endpoints
  * are counted, what the kernel offers. The loader always sets them from the settings, the kernel's HZ and its
  * features; these defaults (at HZ=250) only serve a load that does not. */
@@ -225,6 +355,7 @@ const volatile struct pyproxy_config pyproxy_config = {
 	},
 	.snat = { .min = 61000, .max = 65535 },
 	.cluster = { .addr = 0, .mask = 0 },
+	.cluster6 = {},
 	.endpoint_counters = 0,
 	.kernel = PYPROXY_KERNEL_FIB_SRC,
 };

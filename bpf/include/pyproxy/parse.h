@@ -55,6 +55,34 @@ static __always_inline int pyproxy_is_syn(const struct pyproxy_pkt *p)
 	return (p->tcp_flags & (PYPROXY_TCP_SYN | PYPROXY_TCP_ACK)) == PYPROXY_TCP_SYN;
 }
 
+/* The TCP or UDP header at `off` (`l4_len` bytes with its payload), both families: its ports, flags and checksum
+ * offset. */
+static __always_inline int pyproxy_parse_l4(void *data, void *data_end, __u32 off, __u32 l4_len, __u8 proto,
+					    __be16 *sport, __be16 *dport, __u8 *tcp_flags, __u32 *csum_off)
+{
+	if (proto == IPPROTO_TCP) {
+		struct tcphdr *th = data + off;
+
+		if ((void *)(th + 1) > data_end)
+			return PYPROXY_PARSE_SHORT;
+		if (l4_len < sizeof(*th))
+			return PYPROXY_PARSE_SKIP;
+		*sport = th->source;
+		*dport = th->dest;
+		*tcp_flags = ((__u8 *)th)[13];
+		*csum_off = off + __builtin_offsetof(struct tcphdr, check);
+	} else {
+		struct udphdr *uh = data + off;
+
+		if ((void *)(uh + 1) > data_end)
+			return PYPROXY_PARSE_SHORT;
+		*sport = uh->source;
+		*dport = uh->dest;
+		*csum_off = off + __builtin_offsetof(struct udphdr, check);
+	}
+	return PYPROXY_PARSE_OK;
+}
+
 /* Fills *p for an IPv4 TCP or UDP packet. Malformed headers are SKIP so the caller passes the packet
  * untouched; fragments and ICMP get their own results, for TC (XDP leaves them to TC). */
 static __always_inline int pyproxy_parse(void *data, void *data_end, struct pyproxy_pkt *p)
@@ -99,27 +127,8 @@ static __always_inline int pyproxy_parse(void *data, void *data_end, struct pypr
 	if (p->l4_len < sizeof(struct udphdr))
 		return PYPROXY_PARSE_SKIP;
 
-	if (p->proto == IPPROTO_TCP) {
-		struct tcphdr *th = data + p->l4_off;
-
-		if ((void *)(th + 1) > data_end)
-			return PYPROXY_PARSE_SHORT;
-		if (p->l4_len < sizeof(*th))
-			return PYPROXY_PARSE_SKIP;
-		p->sport = th->source;
-		p->dport = th->dest;
-		p->tcp_flags = ((__u8 *)th)[13];
-		p->csum_off = p->l4_off + __builtin_offsetof(struct tcphdr, check);
-	} else {
-		struct udphdr *uh = data + p->l4_off;
-
-		if ((void *)(uh + 1) > data_end)
-			return PYPROXY_PARSE_SHORT;
-		p->sport = uh->source;
-		p->dport = uh->dest;
-		p->csum_off = p->l4_off + __builtin_offsetof(struct udphdr, check);
-	}
-	return PYPROXY_PARSE_OK;
+	return pyproxy_parse_l4(data, data_end, p->l4_off, p->l4_len, p->proto, &p->sport, &p->dport, &p->tcp_flags,
+				&p->csum_off);
 }
 
 #endif

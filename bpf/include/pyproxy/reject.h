@@ -24,7 +24,8 @@
 
 #define PYPROXY_IPV4_PLAIN (sizeof(struct ethhdr) + sizeof(struct iphdr))   /* the L4 offset without options */
 
-static __always_inline int pyproxy_swap_link_and_net(struct __sk_buff *skb, const struct pyproxy_pkt *p)
+/* Swaps the link addresses: the answer goes back to the sender's. */
+static __always_inline int pyproxy_swap_link(struct __sk_buff *skb)
 {
 	struct ethhdr eth;
 	__u8 tmp[ETH_ALEN];
@@ -34,7 +35,12 @@ static __always_inline int pyproxy_swap_link_and_net(struct __sk_buff *skb, cons
 	__builtin_memcpy(tmp, eth.h_dest, ETH_ALEN);
 	__builtin_memcpy(eth.h_dest, eth.h_source, ETH_ALEN);
 	__builtin_memcpy(eth.h_source, tmp, ETH_ALEN);
-	if (bpf_skb_store_bytes(skb, 0, &eth, sizeof(eth), 0))
+	return bpf_skb_store_bytes(skb, 0, &eth, sizeof(eth), 0) ? -1 : 0;
+}
+
+static __always_inline int pyproxy_swap_link_and_net(struct __sk_buff *skb, const struct pyproxy_pkt *p)
+{
+	if (pyproxy_swap_link(skb))
 		return -1;
 	/* Swapping the addresses changes no checksum: the IPv4 and pseudo-header sums stay the same. */
 	if (bpf_skb_store_bytes(skb, p->l3_off + __builtin_offsetof(struct iphdr, saddr), &p->daddr, 4, 0) ||
@@ -43,30 +49,33 @@ static __always_inline int pyproxy_swap_link_and_net(struct __sk_buff *skb, cons
 	return 0;
 }
 
-/* Replaces a 4-byte (`size` 4) or 2-byte field of the TCP header at `off`, checksum included. */
-static __always_inline int pyproxy_tcp_set(struct __sk_buff *skb, const struct pyproxy_pkt *p, __u32 off, __u32 old,
+/* Replaces a 4-byte (`size` 4) or 2-byte field of the TCP header at `l4_off` + `off`, checksum included. */
+static __always_inline int pyproxy_tcp_set(struct __sk_buff *skb, __u32 l4_off, __u32 csum_off, __u32 off, __u32 old,
 					   __u32 new, __u32 size)
 {
 	if (old == new)
 		return 0;
-	if (bpf_l4_csum_replace(skb, p->csum_off, old, new, size))
+	if (bpf_l4_csum_replace(skb, csum_off, old, new, size))
 		return -1;
-	return bpf_skb_store_bytes(skb, p->l4_off + off, &new, size, 0);
+	return bpf_skb_store_bytes(skb, l4_off + off, &new, size, 0);
 }
 
-static __always_inline int pyproxy_reject_tcp(struct __sk_buff *skb, const struct pyproxy_pkt *p)
+/* The address-independent half of a reset, shared by both families: the segment at `l4_off` (`l4_len` bytes with
+ * its payload) turned around in place. Non-zero: no reset (the segment is one already, or a helper failed). */
+static __always_inline int pyproxy_tcp_reset(struct __sk_buff *skb, __u32 l4_off, __u32 csum_off, __u32 l4_len,
+					     __be16 sport, __be16 dport)
 {
 	struct tcphdr th;
 	__u32 seq, ack, len;
 	__u16 old_word, new_word, zero = 0;
 	__u8 flags;
 
-	if (bpf_skb_load_bytes(skb, p->l4_off, &th, sizeof(th)))
-		return TC_ACT_SHOT;
+	if (bpf_skb_load_bytes(skb, l4_off, &th, sizeof(th)))
+		return -1;
 	flags = ((__u8 *)&th)[13];
 	if (flags & PYPROXY_TCP_RST)
-		return TC_ACT_SHOT;
-	len = p->l4_len - th.doff * 4 + !!(flags & PYPROXY_TCP_SYN) + !!(flags & PYPROXY_TCP_FIN);
+		return -1;
+	len = l4_len - th.doff * 4 + !!(flags & PYPROXY_TCP_SYN) + !!(flags & PYPROXY_TCP_FIN);
 	if (flags & PYPROXY_TCP_ACK) {
 		seq = th.ack_seq;
 		ack = 0;
@@ -81,12 +90,19 @@ static __always_inline int pyproxy_reject_tcp(struct __sk_buff *skb, const struc
 	((__u8 *)&new_word)[0] &= 0xf0;   /* keep the data offset, clear the reserved bits */
 	((__u8 *)&new_word)[1] = flags;
 	/* Swapping the ports changes no checksum either. */
-	if (bpf_skb_store_bytes(skb, p->l4_off + __builtin_offsetof(struct tcphdr, source), &p->dport, 2, 0) ||
-	    bpf_skb_store_bytes(skb, p->l4_off + __builtin_offsetof(struct tcphdr, dest), &p->sport, 2, 0) ||
-	    pyproxy_tcp_set(skb, p, __builtin_offsetof(struct tcphdr, seq), th.seq, seq, 4) ||
-	    pyproxy_tcp_set(skb, p, __builtin_offsetof(struct tcphdr, ack_seq), th.ack_seq, ack, 4) ||
-	    pyproxy_tcp_set(skb, p, 12, old_word, new_word, 2) ||
-	    pyproxy_tcp_set(skb, p, __builtin_offsetof(struct tcphdr, window), th.window, zero, 2) ||
+	if (bpf_skb_store_bytes(skb, l4_off + __builtin_offsetof(struct tcphdr, source), &dport, 2, 0) ||
+	    bpf_skb_store_bytes(skb, l4_off + __builtin_offsetof(struct tcphdr, dest), &sport, 2, 0) ||
+	    pyproxy_tcp_set(skb, l4_off, csum_off, __builtin_offsetof(struct tcphdr, seq), th.seq, seq, 4) ||
+	    pyproxy_tcp_set(skb, l4_off, csum_off, __builtin_offsetof(struct tcphdr, ack_seq), th.ack_seq, ack, 4) ||
+	    pyproxy_tcp_set(skb, l4_off, csum_off, 12, old_word, new_word, 2) ||
+	    pyproxy_tcp_set(skb, l4_off, csum_off, __builtin_offsetof(struct tcphdr, window), th.window, zero, 2))
+		return -1;
+	return 0;
+}
+
+static __always_inline int pyproxy_reject_tcp(struct __sk_buff *skb, const struct pyproxy_pkt *p)
+{
+	if (pyproxy_tcp_reset(skb, p->l4_off, p->csum_off, p->l4_len, p->sport, p->dport) ||
 	    pyproxy_swap_link_and_net(skb, p))
 		return TC_ACT_SHOT;
 	return bpf_redirect(skb->ifindex, 0);

@@ -120,14 +120,47 @@ static __always_inline void pyproxy_active_add(const struct pyproxy_backend *be,
 static volatile __u64 pyproxy_no_load = ~0ULL;
 #endif
 
-/* A least-loaded choice in progress, as bpf_loop hands it to each step. Loads compare as fractions num/den:
- * lc's active flows, sed's and nq's (active + 1) / weight. */
+/* A least-loaded comparison in progress, whatever the family: the best load so far, as a fraction num/den (lc's active
+ * flows, sed's and nq's (active + 1) / weight). */
+struct pyproxy_load {
+	__u64 num, den;                /* num = pyproxy_no_load: none yet */
+	__u32 sched;                   /* PYPROXY_SCHED_LC, _SED or _NQ */
+	__u32 pad;
+};
+
+/* The address-independent half of an lc, sed or nq step: whether a backend with `active` open flows and `weight` is
+ * the new best (1), the new best and the end of the scan (2: nq's idle backend), or not (0). */
+static __always_inline int pyproxy_load_better(struct pyproxy_load *l, __u32 active, __u32 weight)
+{
+	__u64 num, den;
+
+	if (l->sched == PYPROXY_SCHED_LC) {
+		num = active;
+		den = 1;
+	} else {
+		if (l->sched == PYPROXY_SCHED_NQ && active == 0) {
+			/* Never queue: an idle backend is taken at once, whatever its weight. */
+			l->num = 0;
+			return 2;
+		}
+		num = active + 1;
+		den = weight;
+	}
+	if (l->num == pyproxy_no_load || num * l->den < l->num * den) {
+		l->num = num;
+		l->den = den;
+		return 1;
+	}
+	return 0;
+}
+
+/* A least-loaded choice in progress, as bpf_loop hands it to each step. */
 struct pyproxy_least {
 	__u32 svc_id;
 	__u32 start;                   /* the first slot compared: a random one, so ties spread */
 	__u32 count;                   /* the frontend's slots */
-	__u32 sched;                   /* PYPROXY_SCHED_LC, _SED or _NQ */
-	__u64 num, den;                /* the best load so far (num = pyproxy_no_load: none yet) */
+	__u32 pad;
+	struct pyproxy_load load;
 	struct pyproxy_backend best;
 };
 
@@ -135,46 +168,73 @@ static long pyproxy_least_step(__u32 i, void *data)
 {
 	struct pyproxy_least *l = data;
 	struct pyproxy_backend be;
-	__u32 weight, active;
-	__u64 num, den;
+	__u32 weight;
+	int better;
 
 	if (!l->count || !pyproxy_slot_get(l->svc_id, (l->start + i) % l->count, &be, &weight))
 		return 0;
-	active = pyproxy_active(&be);
-	if (l->sched == PYPROXY_SCHED_LC) {
-		num = active;
-		den = 1;
-	} else {
-		if (l->sched == PYPROXY_SCHED_NQ && active == 0) {
-			/* Never queue: an idle backend is taken at once, whatever its weight. */
-			l->best = be;
-			l->num = 0;
-			return 1;
-		}
-		num = active + 1;
-		den = weight;
-	}
-	if (l->num == pyproxy_no_load || num * l->den < l->num * den) {
+	better = pyproxy_load_better(&l->load, pyproxy_active(&be), weight);
+	if (better)
 		l->best = be;
-		l->num = num;
-		l->den = den;
-	}
-	return 0;
+	return better == 2;
 }
 
 static __always_inline int pyproxy_pick_least(const struct pyproxy_svc_value *svc, struct pyproxy_backend *be)
 {
 	struct pyproxy_least l = {
 		.svc_id = svc->svc_id, .start = bpf_get_prandom_u32() % svc->backend_count,
-		.count = svc->backend_count, .sched = svc->sched, .num = pyproxy_no_load, .den = 1,
+		.count = svc->backend_count, .load = { .sched = svc->sched, .num = pyproxy_no_load, .den = 1 },
 	};
 	__u32 n = svc->backend_count < PYPROXY_LEAST_SCAN ? svc->backend_count : PYPROXY_LEAST_SCAN;
 
 	bpf_loop(n, pyproxy_least_step, &l, 0);
-	if (l.num == pyproxy_no_load)
+	if (l.load.num == pyproxy_no_load)
 		return 0;
 	*be = l.best;
 	return 1;
+}
+
+/* What a frontend's scheduler makes of a new flow, whatever the family (struct pyproxy_svc_value.sched). */
+enum pyproxy_pick {
+	PYPROXY_PICK_SLOT = 0,   /* slot *i of the frontend */
+	PYPROXY_PICK_TABLE,      /* entry *i of its table (wrr, maglev); a missing one: a random slot */
+	PYPROXY_PICK_LEAST,      /* the least loaded of its slots (lc, sed, nq): a scan of the family's own */
+};
+
+/* The address-independent half of every scheduler, shared by both families: `src` and `dst` are the client's and
+ * the frontend's address (an IPv6 one folded to 32 bits), `flow` the flow's hash (read by Maglev only). */
+static __always_inline int pyproxy_sched_pick(const struct pyproxy_svc_value *svc, __u32 src, __u32 dst, __u32 flow,
+					      __u32 *i)
+{
+	__u32 n = svc->backend_count;
+
+	switch (svc->sched) {
+	case PYPROXY_SCHED_RR:
+		*i = pyproxy_next_turn(svc->svc_id) % n;
+		return PYPROXY_PICK_SLOT;
+	case PYPROXY_SCHED_WRR:
+		if (!svc->table_size)
+			break;
+		*i = pyproxy_next_turn(svc->svc_id) % svc->table_size;
+		return PYPROXY_PICK_TABLE;
+	case PYPROXY_SCHED_MAGLEV:
+		if (!svc->table_size)
+			break;
+		*i = flow % svc->table_size;
+		return PYPROXY_PICK_TABLE;
+	case PYPROXY_SCHED_LC:
+	case PYPROXY_SCHED_SED:
+	case PYPROXY_SCHED_NQ:
+		return PYPROXY_PICK_LEAST;
+	case PYPROXY_SCHED_SH:
+		*i = pyproxy_mix32(src) % n;
+		return PYPROXY_PICK_SLOT;
+	case PYPROXY_SCHED_DH:
+		*i = pyproxy_mix32(dst) % n;
+		return PYPROXY_PICK_SLOT;
+	}
+	*i = bpf_get_prandom_u32() % n;
+	return PYPROXY_PICK_SLOT;
 }
 
 /* The backend for a new flow `p` of frontend `svc` (backend_count > 0), by the frontend's scheduler. 0: a slot
@@ -183,36 +243,18 @@ static __always_inline int pyproxy_pick_least(const struct pyproxy_svc_value *sv
 static __always_inline int pyproxy_pick_backend(const struct pyproxy_pkt *p, const struct pyproxy_svc_value *svc,
 						struct pyproxy_backend *be)
 {
-	__u32 n = svc->backend_count, slot;
+	__u32 i;
 
-	switch (svc->sched) {
-	case PYPROXY_SCHED_RR:
-		slot = pyproxy_next_turn(svc->svc_id) % n;
-		break;
-	case PYPROXY_SCHED_WRR:
-		if (svc->table_size &&
-		    pyproxy_table_get(svc->svc_id, pyproxy_next_turn(svc->svc_id) % svc->table_size, be))
-			return 1;
-		goto random;
-	case PYPROXY_SCHED_MAGLEV:
-		if (svc->table_size && pyproxy_table_get(svc->svc_id, pyproxy_flow_hash(p) % svc->table_size, be))
-			return 1;
-		goto random;
-	case PYPROXY_SCHED_LC:
-	case PYPROXY_SCHED_SED:
-	case PYPROXY_SCHED_NQ:
+	switch (pyproxy_sched_pick(svc, p->saddr, p->daddr,
+				   svc->sched == PYPROXY_SCHED_MAGLEV ? pyproxy_flow_hash(p) : 0, &i)) {
+	case PYPROXY_PICK_LEAST:
 		return pyproxy_pick_least(svc, be);
-	case PYPROXY_SCHED_SH:
-		slot = pyproxy_mix32(p->saddr) % n;
-		break;
-	case PYPROXY_SCHED_DH:
-		slot = pyproxy_mix32(p->daddr) % n;
-		break;
-	default:
-	random:
-		slot = bpf_get_prandom_u32() % n;
+	case PYPROXY_PICK_TABLE:
+		if (pyproxy_table_get(svc->svc_id, i, be))
+			return 1;
+		i = bpf_get_prandom_u32() % svc->backend_count;
 	}
-	return pyproxy_slot_get(svc->svc_id, slot, be, 0);
+	return pyproxy_slot_get(svc->svc_id, i, be, 0);
 }
 
 /* Whether a frontend's flows are counted in their backends' active flows (PYPROXY_CT_F_COUNTED). */

@@ -16,24 +16,43 @@
 #include <linux/errno.h>
 #include <bpf/bpf_helpers.h>
 #include "pyproxy/lb.h"
+#include "pyproxy/lb6.h"
 
 /* What a hook returns: 1 lets the call go on (possibly to a rewritten address), 0 fails it with the error set
  * by bpf_set_retval(). */
 #define PYPROXY_SOCK_OK     1
 #define PYPROXY_SOCK_REFUSE 0
 
-/* A node socket's connect() or sendmsg() to ctx's address: points it at a backend when that address is a
- * frontend. */
-static __always_inline int pyproxy_sock_forward(struct bpf_sock_addr *ctx, __u8 proto)
+/* A frontend without endpoints, both families: the call fails. */
+static __always_inline int pyproxy_sock_refuse(const struct pyproxy_svc_value *svc)
 {
-	struct pyproxy_pkt p = { .daddr = ctx->user_ip4, .dport = (__be16)ctx->user_port, .proto = proto };
+	pyproxy_count(PYPROXY_CNT_SOCK_REFUSED);
+	/* F_DROP (internalTrafficPolicy Local, no endpoint on this node while the cluster has some): the packet path
+	 * drops, so the node's own connect fails as a dropped SYN ends, with ETIMEDOUT, though at once: there is no
+	 * packet here to drop, and one let through untranslated would leave by the default route with the ClusterIP as
+	 * its destination. Else refused, as REJECT answers. */
+	bpf_set_retval(svc->flags & PYPROXY_SVC_F_DROP ? -ETIMEDOUT : -ECONNREFUSED);
+	return PYPROXY_SOCK_REFUSE;
+}
+
+/* What pyproxy_sock_choose made of a connect() or send. */
+enum pyproxy_sock_choice {
+	PYPROXY_SOCK_NOT_OURS = 0,   /* not a frontend: the call goes on untouched */
+	PYPROXY_SOCK_CHOSEN,         /* *be is the backend */
+	PYPROXY_SOCK_REFUSED,        /* the call fails (bpf_set_retval said how) */
+};
+
+/* The backend for a node socket's connect() or send to the IPv4 frontend daddr:dport (its IPv4 hook's, or an IPv6
+ * socket's IPv4-mapped destination); *cookie gets the socket's cookie when it is one. */
+static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32 daddr, __be16 dport, __u8 proto,
+					       __u64 *cookie, struct pyproxy_backend *be)
+{
+	struct pyproxy_pkt p = { .daddr = daddr, .dport = dport, .proto = proto };
 	struct pyproxy_svc_value *svc = pyproxy_frontend_of(&p);
-	struct pyproxy_backend be, fe = { .addr = p.daddr, .port = p.dport };
-	struct pyproxy_sock_key k = {};
 	__u64 now;
 
 	if (!svc)
-		return PYPROXY_SOCK_OK;
+		return PYPROXY_SOCK_NOT_OURS;
 	/* externalTrafficPolicy Local: the node's processes reach every endpoint, not only this node's. */
 	if (svc->flags & PYPROXY_SVC_F_NODE_VIEW) {
 		struct pyproxy_svc_value *node = pyproxy_frontend_in(&p, PYPROXY_SVC_SCOPE_NODE);
@@ -42,37 +61,48 @@ static __always_inline int pyproxy_sock_forward(struct bpf_sock_addr *ctx, __u8 
 			svc = node;
 	}
 	if (svc->backend_count == 0) {
-		pyproxy_count(PYPROXY_CNT_SOCK_REFUSED);
-		/* F_DROP (internalTrafficPolicy Local, no endpoint on this node while the cluster has some): the
-		 * packet path drops, so the node's own connect fails as a dropped SYN ends, with ETIMEDOUT, though at
-		 * once: there is no packet here to drop, and one let through untranslated would leave by the default
-		 * route with the ClusterIP as its destination. Else refused, as REJECT answers. */
-		bpf_set_retval(svc->flags & PYPROXY_SVC_F_DROP ? -ETIMEDOUT : -ECONNREFUSED);
-		return PYPROXY_SOCK_REFUSE;
+		pyproxy_sock_refuse(svc);
+		return PYPROXY_SOCK_REFUSED;
 	}
 	now = pyproxy_now();
-	k.cookie = bpf_get_socket_cookie(ctx);
+	*cookie = bpf_get_socket_cookie(ctx);
 	/* A socket has no source port yet at connect(): Maglev hashes the socket instead, so the node's sockets
 	 * spread over the backends (sh and dh see the node as one client, as affinity does). */
 	if (svc->sched == PYPROXY_SCHED_MAGLEV)
-		p.sport = (__be16)k.cookie;
-	if (!((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_affinity_lookup(&p, svc, now, &be))) {
-		if (!pyproxy_pick_backend(&p, svc, &be)) {
+		p.sport = (__be16)*cookie;
+	if (!((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_affinity_lookup(&p, svc, now, be))) {
+		if (!pyproxy_pick_backend(&p, svc, be)) {
 			pyproxy_count(PYPROXY_CNT_SLOT_MISS);
 			bpf_set_retval(-ECONNREFUSED);
-			return PYPROXY_SOCK_REFUSE;
+			return PYPROXY_SOCK_REFUSED;
 		}
 	}
 	if (svc->flags & PYPROXY_SVC_F_AFFINITY)
-		pyproxy_affinity_record(&p, &be, svc->svc_id, now);
+		pyproxy_affinity_record(&p, be, svc->svc_id, now);
+	pyproxy_count(PYPROXY_CNT_SOCK_LB);
+	pyproxy_count_svc(svc->svc_id, 0);
+	pyproxy_count_endpoint(be, 0);
+	return PYPROXY_SOCK_CHOSEN;
+}
+
+/* A node socket's connect() or sendmsg() to ctx's address: points it at a backend when that address is a
+ * frontend. */
+static __always_inline int pyproxy_sock_forward(struct bpf_sock_addr *ctx, __u8 proto)
+{
+	struct pyproxy_backend be, fe = { .addr = ctx->user_ip4, .port = (__be16)ctx->user_port };
+	struct pyproxy_sock_key k = {};
+
+	switch (pyproxy_sock_choose(ctx, fe.addr, fe.port, proto, &k.cookie, &be)) {
+	case PYPROXY_SOCK_NOT_OURS:
+		return PYPROXY_SOCK_OK;
+	case PYPROXY_SOCK_REFUSED:
+		return PYPROXY_SOCK_REFUSE;
+	}
 	k.addr = be.addr;
 	k.port = be.port;
 	bpf_map_update_elem(&PYPROXY_MAP_SOCKS, &k, &fe, BPF_ANY);
 	ctx->user_ip4 = be.addr;
 	ctx->user_port = be.port;
-	pyproxy_count(PYPROXY_CNT_SOCK_LB);
-	pyproxy_count_svc(svc->svc_id, 0);
-	pyproxy_count_endpoint(&be, 0);
 	return PYPROXY_SOCK_OK;
 }
 
@@ -87,6 +117,125 @@ static __always_inline int pyproxy_sock_reverse(struct bpf_sock_addr *ctx)
 	if (fe) {
 		ctx->user_ip4 = fe->addr;
 		ctx->user_port = fe->port;
+	}
+	return PYPROXY_SOCK_OK;
+}
+
+/* The IPv6 twins (cgroup/connect6, sendmsg6, recvmsg6, getpeername6): the same decisions on the IPv6 maps
+ * (lb6.h). An IPv4-mapped destination (::ffff:a.b.c.d: an IPv6 socket reaching an IPv4 address) goes through the
+ * IPv4 frontends, and gets its backend IPv4-mapped too. */
+static __always_inline void pyproxy_sock6_addr(const struct bpf_sock_addr *ctx, struct pyproxy_in6 *a)
+{
+	a->w[0] = ctx->user_ip6[0];
+	a->w[1] = ctx->user_ip6[1];
+	a->w[2] = ctx->user_ip6[2];
+	a->w[3] = ctx->user_ip6[3];
+}
+
+static __always_inline void pyproxy_sock6_set(struct bpf_sock_addr *ctx, const struct pyproxy_in6 *a, __be16 port)
+{
+	ctx->user_ip6[0] = a->w[0];
+	ctx->user_ip6[1] = a->w[1];
+	ctx->user_ip6[2] = a->w[2];
+	ctx->user_ip6[3] = a->w[3];
+	ctx->user_port = port;
+}
+
+/* ::ffff:a.b.c.d */
+static __always_inline int pyproxy_in6_v4mapped(const struct pyproxy_in6 *a)
+{
+	return a->w[0] == 0 && a->w[1] == 0 && a->w[2] == bpf_htonl(0xffff);
+}
+
+/* An IPv6 socket's connect() or send to an IPv4-mapped address: the IPv4 frontends decide; the socket is pointed at
+ * the IPv4-mapped backend, and PYPROXY_MAP_SOCKS6 remembers the IPv4-mapped frontend for its peer name. */
+static __always_inline int pyproxy_sock6_forward_mapped(struct bpf_sock_addr *ctx, const struct pyproxy_in6 *daddr,
+							__be16 dport, __u8 proto)
+{
+	struct pyproxy_backend be;
+	struct pyproxy_backend6 fe = { .addr = *daddr, .port = dport };
+	struct pyproxy_sock6_key k = { .addr = *daddr };
+
+	switch (pyproxy_sock_choose(ctx, daddr->w[3], dport, proto, &k.cookie, &be)) {
+	case PYPROXY_SOCK_NOT_OURS:
+		return PYPROXY_SOCK_OK;
+	case PYPROXY_SOCK_REFUSED:
+		return PYPROXY_SOCK_REFUSE;
+	}
+	k.addr.w[3] = be.addr;
+	k.port = be.port;
+	bpf_map_update_elem(&PYPROXY_MAP_SOCKS6, &k, &fe, BPF_ANY);
+	pyproxy_sock6_set(ctx, &k.addr, be.port);
+	return PYPROXY_SOCK_OK;
+}
+
+static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8 proto)
+{
+	struct pyproxy_pkt6 p = { .dport = (__be16)ctx->user_port, .proto = proto };
+	struct pyproxy_svc_value *svc;
+	struct pyproxy_backend6 be, fe;
+	struct pyproxy_sock6_key k = {};
+	__u64 now;
+
+	pyproxy_sock6_addr(ctx, &p.daddr);
+	if (pyproxy_in6_v4mapped(&p.daddr))
+		return pyproxy_sock6_forward_mapped(ctx, &p.daddr, p.dport, proto);
+	svc = pyproxy_lb6_frontend_of(&p);
+	if (!svc)
+		return PYPROXY_SOCK_OK;
+	if (svc->flags & PYPROXY_SVC_F_NODE_VIEW) {
+		struct pyproxy_svc_value *node = pyproxy_lb6_frontend_in(&p.daddr, p.dport, proto, PYPROXY_SVC_SCOPE_NODE);
+
+		if (node)
+			svc = node;
+	}
+	if (svc->backend_count == 0)
+		return pyproxy_sock_refuse(svc);
+	now = pyproxy_now();
+	k.cookie = bpf_get_socket_cookie(ctx);
+	if (svc->sched == PYPROXY_SCHED_MAGLEV)
+		p.sport = (__be16)k.cookie;
+	if (!((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_lb6_affinity_lookup(&p, svc, now, &be))) {
+		if (!pyproxy_lb6_pick_backend(&p, svc, &be)) {
+			pyproxy_count(PYPROXY_CNT_SLOT_MISS);
+			bpf_set_retval(-ECONNREFUSED);
+			return PYPROXY_SOCK_REFUSE;
+		}
+	}
+	if (svc->flags & PYPROXY_SVC_F_AFFINITY)
+		pyproxy_lb6_affinity_record(&p, &be, svc->svc_id, now);
+	k.addr = be.addr;
+	k.port = be.port;
+	fe.addr = p.daddr;
+	fe.port = p.dport;
+	fe.pad = 0;
+	bpf_map_update_elem(&PYPROXY_MAP_SOCKS6, &k, &fe, BPF_ANY);
+	pyproxy_sock6_set(ctx, &be.addr, be.port);
+	pyproxy_count(PYPROXY_CNT_SOCK_LB);
+	pyproxy_count_svc(svc->svc_id, 0);
+	pyproxy_count_endpoint6(&be, 0);
+	return PYPROXY_SOCK_OK;
+}
+
+static __always_inline int pyproxy_sock6_reverse(struct bpf_sock_addr *ctx)
+{
+	struct pyproxy_sock6_key k = { .cookie = bpf_get_socket_cookie(ctx), .port = (__be16)ctx->user_port };
+	struct pyproxy_backend6 *fe;
+
+	pyproxy_sock6_addr(ctx, &k.addr);
+	fe = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKS6, &k);
+	if (fe) {
+		pyproxy_sock6_set(ctx, &fe->addr, fe->port);
+	} else if (pyproxy_in6_v4mapped(&k.addr)) {
+		/* An unconnected IPv6 socket's datagram to an IPv4-mapped address is sent by the IPv4 path, whose sendmsg4
+		 * hook recorded it in PYPROXY_MAP_SOCKS: the answer's source is looked up there. */
+		struct pyproxy_sock_key k4 = { .cookie = k.cookie, .addr = k.addr.w[3], .port = k.port };
+		struct pyproxy_backend *fe4 = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKS, &k4);
+
+		if (fe4) {
+			k.addr.w[3] = fe4->addr;
+			pyproxy_sock6_set(ctx, &k.addr, fe4->port);
+		}
 	}
 	return PYPROXY_SOCK_OK;
 }

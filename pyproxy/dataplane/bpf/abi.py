@@ -30,16 +30,39 @@ MAP_TABLES = "pyproxy_tbl_v3"
 MAP_EPSTATS = "pyproxy_epstat_v1"
 MAP_DEVADDRS = "pyproxy_dev_v1"
 """Node device (ifindex) -> its primary IPv4 address, for SNAT on kernels without BPF_FIB_LOOKUP_SRC (snat.py)."""
+# IPv6: the twins of the maps holding an address (abi.h; README, "IPv6 in bpf mode").
+MAP_SERVICES6 = "pyproxy_svc6_v1"
+MAP_SLOTS6 = "pyproxy_slot6_v1"
+MAP_BACKENDS6 = "pyproxy_be6_v1"
+MAP_CT6 = "pyproxy_ct6_v1"
+MAP_FRAGS6 = "pyproxy_frag6_v1"
+MAP_SRCRANGES6 = "pyproxy_range6_v1"
+MAP_TABLES6 = "pyproxy_tbl6_v1"
+MAP_SOCKS6 = "pyproxy_sock6_v1"
+MAP_DEVADDRS6 = "pyproxy_dev6_v1"
+MAP_EPSTATS6 = "pyproxy_epstat6_v1"
+MAP_JUMP6 = "pyproxy_jmp6_v1"
+"""TC program array: JUMP6_TC_INGRESS, JUMP6_TC_EGRESS -> the IPv6 programs the IPv4 ones tail-call (loader fills)."""
+MAP_XJUMP6 = "pyproxy_xjmp6_v1"
+"""XDP program array: JUMP6_XDP -> the IPv6 XDP program."""
+JUMP6_TC_INGRESS, JUMP6_TC_EGRESS, JUMP6_XDP = 0, 1, 0  # PYPROXY_JUMP6_*
 TABLE_NAME = "pyproxy_table"
 """The name of each frontend's table (PYPROXY_MAP_TABLES' inner arrays)."""
 MAP_PREFIX = "pyproxy_"
 """Every map name (and so every pin) starts with it: how cleanup and a newer layout find ours."""
 ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES, MAP_EPOCH,
-            MAP_FRAGS, MAP_PORTS, MAP_SOCKS, MAP_SRCRANGES, MAP_CURSORS, MAP_TABLES, MAP_EPSTATS, MAP_DEVADDRS)
+            MAP_FRAGS, MAP_PORTS, MAP_SOCKS, MAP_SRCRANGES, MAP_CURSORS, MAP_TABLES, MAP_EPSTATS, MAP_DEVADDRS,
+            MAP_SERVICES6, MAP_SLOTS6, MAP_BACKENDS6, MAP_CT6, MAP_FRAGS6, MAP_SRCRANGES6, MAP_TABLES6, MAP_SOCKS6,
+            MAP_DEVADDRS6, MAP_EPSTATS6, MAP_JUMP6, MAP_XJUMP6)
+TABLE6_NAME = "pyproxy_table6"
+"""The name of each IPv6 frontend's table (PYPROXY_MAP_TABLES6' inner arrays)."""
 RESIZABLE = {
     "services": MAP_SERVICES, "slots": MAP_SLOTS, "backends": MAP_BACKENDS, "ct": MAP_CT, "stats": MAP_STATS,
     "names": MAP_NAMES, "frags": MAP_FRAGS, "socks": MAP_SOCKS, "srcranges": MAP_SRCRANGES, "cursors": MAP_CURSORS,
     "tables": MAP_TABLES, "epstats": MAP_EPSTATS,
+    "services6": MAP_SERVICES6, "slots6": MAP_SLOTS6, "backends6": MAP_BACKENDS6, "ct6": MAP_CT6,
+    "frags6": MAP_FRAGS6, "socks6": MAP_SOCKS6, "srcranges6": MAP_SRCRANGES6, "tables6": MAP_TABLES6,
+    "epstats6": MAP_EPSTATS6,
 }
 """The maps whose capacity a setting may change (--bpf-map-sizes), by the short name a setting uses. Service ids
 index stats, cursors and tables too: they hold as many as services (the largest id must fit). epstats holds one
@@ -59,12 +82,24 @@ DEFAULT_SNAT_PORTS = (61000, 65535)
 PROG_TC_INGRESS = "pyproxy_tc_ingress"
 PROG_TC_EGRESS = "pyproxy_tc_egress"
 PROG_XDP = "pyproxy_xdp_ingress"
+# Their IPv6 twins, which the loader puts in MAP_JUMP6 / MAP_XJUMP6 (never attached themselves).
+PROG_TC_INGRESS6 = "pyproxy_tc_ingress6"
+PROG_TC_EGRESS6 = "pyproxy_tc_egress6"
+PROG_XDP6 = "pyproxy_xdp_ingress6"
+JUMPS6 = {MAP_JUMP6: {JUMP6_TC_INGRESS: PROG_TC_INGRESS6, JUMP6_TC_EGRESS: PROG_TC_EGRESS6},
+          MAP_XJUMP6: {JUMP6_XDP: PROG_XDP6}}
+"""Program array -> index -> the IPv6 program the loader puts there after each load."""
 # The socket hooks (cgroup programs) by the attach type each goes to (uapi enum bpf_attach_type).
 PROG_CONNECT4 = "pyproxy_connect4"
 PROG_SENDMSG4 = "pyproxy_sendmsg4"
 PROG_RECVMSG4 = "pyproxy_recvmsg4"
 PROG_GETPEERNAME4 = "pyproxy_getpeer4"
-SOCK_HOOKS = {PROG_CONNECT4: 10, PROG_SENDMSG4: 14, PROG_RECVMSG4: 19, PROG_GETPEERNAME4: 29}
+PROG_CONNECT6 = "pyproxy_connect6"
+PROG_SENDMSG6 = "pyproxy_sendmsg6"
+PROG_RECVMSG6 = "pyproxy_recvmsg6"
+PROG_GETPEERNAME6 = "pyproxy_getpeer6"
+SOCK_HOOKS = {PROG_CONNECT4: 10, PROG_SENDMSG4: 14, PROG_RECVMSG4: 19, PROG_GETPEERNAME4: 29,
+              PROG_CONNECT6: 11, PROG_SENDMSG6: 15, PROG_RECVMSG6: 20, PROG_GETPEERNAME6: 30}
 PROG_PREFIX = "pyproxy_"
 
 SVC_F_AFFINITY = 0x1  # PYPROXY_SVC_F_AFFINITY
@@ -135,6 +170,15 @@ def be32(ip: str) -> int:
 def be16(port: int) -> int:
     """A port as the u16 whose memory bytes are in network order."""
     return int(struct.unpack("=H", struct.pack("!H", port))[0])
+
+
+def in6(ip: str) -> In6:
+    """An IPv6 address as struct pyproxy_in6 (its sixteen bytes in network order)."""
+    return In6.from_buffer_copy(ipaddress.IPv6Address(ip).packed)
+
+
+def ip6_of(a: In6) -> str:
+    return str(ipaddress.IPv6Address(bytes(a)))
 
 
 def ip_of(v: int) -> str:
@@ -277,6 +321,26 @@ class Cidr(ctypes.Structure):
         return cls(be32(str(net.network_address)), be32(str(net.netmask)))
 
 
+class In6(ctypes.Structure):
+    """struct pyproxy_in6: an IPv6 address, four words in network order (`in6` builds one)"""
+
+    _fields_ = [("w", ctypes.c_uint32 * 4)]
+
+
+class Cidr6(ctypes.Structure):
+    """struct pyproxy_cidr6"""
+
+    _fields_ = [("addr", In6), ("mask", In6)]
+
+    @classmethod
+    def of(cls, cidr: str | None) -> Cidr6:
+        """The IPv6 prefix `cidr` ("fd00:10:244::/56"); None: none (mask 0)."""
+        if cidr is None:
+            return cls()
+        net = ipaddress.IPv6Network(cidr, strict=False)
+        return cls(in6(str(net.network_address)), in6(str(net.netmask)))
+
+
 class Config(ctypes.Structure):
     """struct pyproxy_config (the .rodata variable CONFIG_VAR)"""
 
@@ -287,6 +351,7 @@ class Config(ctypes.Structure):
         ("endpoint_counters", ctypes.c_uint32),  # 1: count per backend in MAP_EPSTATS
         ("kernel", ctypes.c_uint32),  # KERNEL_*: what the running kernel offers (kernel.py)
         ("pad", ctypes.c_uint32),
+        ("cluster6", Cidr6),  # the cluster CIDR's IPv6 half
     ]
 
 
@@ -342,6 +407,100 @@ class SvcStats(ctypes.Structure):
     ]
 
 
+class Svc6Key(ctypes.Structure):
+    """struct pyproxy_svc6_key"""
+
+    _fields_ = [
+        ("vip", In6),
+        ("port", ctypes.c_uint16),  # network order
+        ("proto", ctypes.c_uint8),
+        ("scope", ctypes.c_uint8),  # SVC_SCOPE_*
+    ]
+
+
+class Backend6(ctypes.Structure):
+    """struct pyproxy_backend6"""
+
+    _fields_ = [
+        ("addr", In6),
+        ("port", ctypes.c_uint16),  # network order
+        ("pad", ctypes.c_uint16),
+    ]
+
+
+class Slot6(ctypes.Structure):
+    """struct pyproxy_slot6"""
+
+    _fields_ = [
+        ("addr", In6),
+        ("port", ctypes.c_uint16),  # network order
+        ("weight", ctypes.c_uint16),  # host order; 0 reads as 1
+    ]
+
+
+class Ct6Key(ctypes.Structure):
+    """struct pyproxy_ct6_key"""
+
+    _fields_ = [
+        ("saddr", In6),
+        ("daddr", In6),
+        ("sport", ctypes.c_uint16),  # network order
+        ("dport", ctypes.c_uint16),  # network order
+        ("proto", ctypes.c_uint8),
+        ("dir", ctypes.c_uint8),
+        ("pad", ctypes.c_uint16),
+    ]
+
+
+class Ct6Value(ctypes.Structure):
+    """struct pyproxy_ct6_value"""
+
+    _fields_ = [
+        ("nat_addr", In6),
+        ("nat_port", ctypes.c_uint16),  # network order
+        ("state", ctypes.c_uint8),  # CT_ST_*
+        ("flags", ctypes.c_uint8),  # CT_F_*
+        ("svc_id", ctypes.c_uint32),  # host order
+        ("epoch", ctypes.c_uint32),  # host order
+        ("pad", ctypes.c_uint32),
+        ("last_seen", ctypes.c_uint64),  # host order; jiffies
+    ]
+
+
+class Frag6Key(ctypes.Structure):
+    """struct pyproxy_frag6_key"""
+
+    _fields_ = [
+        ("saddr", In6),
+        ("daddr", In6),
+        ("id", ctypes.c_uint32),  # network order
+        ("proto", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8 * 3),
+    ]
+
+
+class Sock6Key(ctypes.Structure):
+    """struct pyproxy_sock6_key"""
+
+    _fields_ = [
+        ("cookie", ctypes.c_uint64),  # host order
+        ("addr", In6),
+        ("port", ctypes.c_uint16),  # network order
+        ("pad", ctypes.c_uint16),
+        ("pad2", ctypes.c_uint32),
+    ]
+
+
+class SrcRange6Key(ctypes.Structure):
+    """struct pyproxy_srcrange6_key"""
+
+    _fields_ = [
+        ("prefixlen", ctypes.c_uint32),  # host order; 32 + the range's prefix length
+        ("svc_id", ctypes.c_uint32),  # network order
+        ("addr", In6),
+    ]
+
+
 class SvcName(ctypes.Structure):
     """struct pyproxy_svc_name"""
 
@@ -369,4 +528,14 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "pyproxy_srcrange_key": SrcRangeKey,
     "pyproxy_svc_stats": SvcStats,
     "pyproxy_svc_name": SvcName,
+    "pyproxy_in6": In6,
+    "pyproxy_cidr6": Cidr6,
+    "pyproxy_svc6_key": Svc6Key,
+    "pyproxy_backend6": Backend6,
+    "pyproxy_slot6": Slot6,
+    "pyproxy_ct6_key": Ct6Key,
+    "pyproxy_ct6_value": Ct6Value,
+    "pyproxy_frag6_key": Frag6Key,
+    "pyproxy_sock6_key": Sock6Key,
+    "pyproxy_srcrange6_key": SrcRange6Key,
 }

@@ -145,10 +145,31 @@ def maps_in_use() -> dict[str, int]:
     not among them."""
     found: dict[str, int] = {}
     for pid in sorted({pid for link in netlink.list_links() for pid in ours(link.index).values()}):
-        for kernel_name, fd in loader.maps_of_program(pid).items():
-            name = abi_map_name(kernel_name)
-            if name is None or name in found:
-                os.close(fd)
-            else:
-                found[name] = fd
+        _add_maps_of(pid, found)
+    # The IPv6 maps are held by the IPv6 programs, which only the program arrays of the attached ones name.
+    for pid in jumped_to(found):
+        _add_maps_of(pid, found)
     return found
+
+
+def _add_maps_of(pid: int, found: dict[str, int]) -> None:
+    for kernel_name, fd in loader.maps_of_program(pid).items():
+        name = abi_map_name(kernel_name)
+        if name is None or name in found:
+            os.close(fd)
+        else:
+            found[name] = fd
+
+
+def jumped_to(maps: dict[str, int]) -> list[int]:
+    """The ids of the programs in the IPv6 program arrays among `maps` (abi name -> fd): a program array read from
+    user space gives its programs' ids."""
+    lib, ids = libbpf.lib(), []
+    for name, jumps in abi.JUMPS6.items():
+        if name not in maps:
+            continue
+        for index in jumps:
+            key, value = ffi.new("uint32_t *", index), ffi.new("uint32_t *")
+            if lib.bpf_map_lookup_elem(maps[name], key, value) == 0 and value[0]:
+                ids.append(int(value[0]))
+    return ids

@@ -25,7 +25,7 @@ from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import DataplaneError, MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, attach, bcc, cgroup, clock, loader, maglev, snat
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
-from pyproxy.dataplane.bpf.gc import CtGarbageCollector, CtGcMetrics, CtGcSettings
+from pyproxy.dataplane.bpf.gc import IPV6, CtGarbageCollector, CtGcMetrics, CtGcSettings
 from pyproxy.dataplane.bpf.maps import BpfMap, PerCpuArray, PerCpuHash, create_inner_array, fd_of_map_id
 from pyproxy.dataplane.bpf.render import (
     Applied,
@@ -41,7 +41,8 @@ from pyproxy.dataplane.bpf.render import (
     ports_batch,
     render,
 )
-from pyproxy.model.state import Backend, DesiredState, ServicePortState
+from pyproxy.model import objects
+from pyproxy.model.state import BOTH_FAMILIES, Backend, DesiredState, ServicePortState
 
 log = logging.getLogger(__name__)
 
@@ -153,35 +154,57 @@ assert array.array(_U32).itemsize == 4 and array.array(_U64).itemsize == 8
 _ip, _port, _proto, _scope = (operator.itemgetter(i) for i in range(4))
 
 
-def _endpoints(items: Sequence[tuple]) -> bytes:
-    """(ip, port) pairs as pyproxy_backend structs."""
-    return b"".join(map(_BACKEND.pack, map(socket.inet_aton, map(_ip, items)), map(_port, items)))
+@dataclass(frozen=True)
+class _Family:
+    """One address family's structs of the maps that hold an address (abi.h: IPv4's and their IPv6 twins)."""
+
+    aton: Callable[[str], bytes]
+    ntoa: Callable[[bytes], str]
+    svc_key: struct.Struct  # pyproxy_svc_key / pyproxy_svc6_key: vip, port, proto, scope
+    backend: struct.Struct  # pyproxy_backend / pyproxy_backend6: addr, port
+    slot: struct.Struct  # pyproxy_slot / pyproxy_slot6: addr, port (network order bytes), weight
+    srcrange_key: struct.Struct  # pyproxy_srcrange_key / _srcrange6_key: prefixlen, svc_id (network order), addr
+    network: Callable[[str], ipaddress.IPv4Network | ipaddress.IPv6Network]
+    entry: type[ctypes.Structure]  # a table's entry (abi.Backend / abi.Backend6)
+    table_name: str
 
 
-def _slot_values(items: Sequence[tuple]) -> bytes:
-    """(ip, port, weight) triples as pyproxy_slot structs."""
+_V4 = _Family(socket.inet_aton, socket.inet_ntoa, _SVC_KEY, _BACKEND, _SLOT, _SRCRANGE_KEY, ipaddress.IPv4Network,
+              abi.Backend, abi.TABLE_NAME)
+_V6 = _Family(lambda ip: socket.inet_pton(socket.AF_INET6, ip), lambda b: socket.inet_ntop(socket.AF_INET6, b),
+              struct.Struct("!16sHBB"), struct.Struct("!16sHxx"), struct.Struct("=16s2sH"), struct.Struct("=I4s16s"),
+              ipaddress.IPv6Network, abi.Backend6, abi.TABLE6_NAME)
+
+
+def _endpoints(items: Sequence[tuple], fam: _Family = _V4) -> bytes:
+    """(ip, port) pairs as pyproxy_backend (pyproxy_backend6) structs."""
+    return b"".join(map(fam.backend.pack, map(fam.aton, map(_ip, items)), map(_port, items)))
+
+
+def _slot_values(items: Sequence[tuple], fam: _Family = _V4) -> bytes:
+    """(ip, port, weight) triples as pyproxy_slot (pyproxy_slot6) structs."""
     ports = (p.to_bytes(2, "big") for p in map(_port, items))
-    return b"".join(map(_SLOT.pack, map(socket.inet_aton, map(_ip, items)), ports, map(_proto, items)))
+    return b"".join(map(fam.slot.pack, map(fam.aton, map(_ip, items)), ports, map(_proto, items)))
 
 
-def _svc_keys(keys: Sequence[tuple]) -> bytes:
+def _svc_keys(keys: Sequence[tuple], fam: _Family = _V4) -> bytes:
     protos = map(abi.IPPROTO.__getitem__, map(_proto, keys))
-    return b"".join(map(_SVC_KEY.pack, map(socket.inet_aton, map(_ip, keys)), map(_port, keys), protos,
+    return b"".join(map(fam.svc_key.pack, map(fam.aton, map(_ip, keys)), map(_port, keys), protos,
                         map(_scope, keys)))
 
 
-def _srcrange_keys(keys: Sequence[tuple]) -> bytes:
+def _srcrange_keys(keys: Sequence[tuple], fam: _Family = _V4) -> bytes:
     """(svc_id, "a.b.c.d/n") -> pyproxy_srcrange_key: the frontend's id, then the range, as one LPM prefix."""
     out = []
     for svc_id, cidr in keys:
-        net = ipaddress.IPv4Network(cidr)
-        out.append(_SRCRANGE_KEY.pack(32 + net.prefixlen, svc_id.to_bytes(4, "big"), net.network_address.packed))
+        net = fam.network(cidr)
+        out.append(fam.srcrange_key.pack(32 + net.prefixlen, svc_id.to_bytes(4, "big"), net.network_address.packed))
     return b"".join(out)
 
 
-def _cidr_order(cidr: str) -> tuple[int, int]:
-    net = ipaddress.IPv4Network(cidr)
-    return int(net.network_address), net.prefixlen
+def _cidr_order(cidr: str) -> tuple[int, int, int]:
+    net = ipaddress.ip_network(cidr)
+    return net.version, int(net.network_address), net.prefixlen
 
 
 def _u32s(items: Iterable[int]) -> bytes:
@@ -202,6 +225,10 @@ KEY_CODECS: dict[str, Codec] = {
     abi.MAP_EPOCH: lambda keys: _u32s(map(_ip, keys)),  # (0,)
     abi.MAP_PORTS: lambda keys: _u32s(map(_ip, keys)),  # (word,)
     abi.MAP_SRCRANGES: _srcrange_keys,
+    abi.MAP_SERVICES6: lambda keys: _svc_keys(keys, _V6),
+    abi.MAP_SLOTS6: lambda keys: _u32s(itertools.chain.from_iterable(keys)),  # (svc_id, slot)
+    abi.MAP_BACKENDS6: lambda keys: _endpoints(keys, _V6),
+    abi.MAP_SRCRANGES6: lambda keys: _srcrange_keys(keys, _V6),
 }
 VALUE_CODECS: dict[str, Codec] = {
     abi.MAP_SERVICES: lambda values: b"".join(itertools.starmap(_SVC_VALUE.pack, values)),
@@ -211,6 +238,9 @@ VALUE_CODECS: dict[str, Codec] = {
     abi.MAP_EPOCH: lambda values: _u32s(map(_ip, values)),  # (epoch,)
     abi.MAP_PORTS: lambda values: array.array(_U64, map(_ip, values)).tobytes(),  # (bits,)
     abi.MAP_SRCRANGES: lambda values: _u32s(map(_ip, values)),  # (0,): the value is unused
+    abi.MAP_SLOTS6: lambda values: _slot_values(values, _V6),
+    abi.MAP_BACKENDS6: lambda values: b"".join(map(_BACKEND_INFO.pack, map(_ip, values))),  # (flags,)
+    abi.MAP_SRCRANGES6: lambda values: _u32s(map(_ip, values)),
 }
 
 
@@ -220,8 +250,10 @@ class Tables:
     and then a new array takes its frontend's place in the outer map; "del" takes a frontend's table out. The
     arrays' fds are kept, so a delta costs no lookup of the outer map."""
 
-    def __init__(self, fd: int) -> None:
-        self.outer: BpfMap = BpfMap(fd, abi.MAP_TABLES, ctypes.c_uint32, ctypes.c_uint32)
+    def __init__(self, fd: int, name: str = abi.MAP_TABLES, fam: _Family = _V4) -> None:
+        self.fam = fam
+        """The family of its frontends (MAP_TABLES6: IPv6, its entries struct pyproxy_backend6)."""
+        self.outer: BpfMap = BpfMap(fd, name, ctypes.c_uint32, ctypes.c_uint32)
         self.arrays: dict[int, BpfMap] = {}
         """Service id -> its table in the outer map."""
         self._pending: dict[int, BpfMap] = {}
@@ -229,8 +261,8 @@ class Tables:
 
     def new(self, keys: Iterable[tuple], values: Iterable[tuple]) -> None:
         for (svc_id,), (size,) in zip(keys, values, strict=True):
-            fd = create_inner_array(abi.TABLE_NAME, ctypes.sizeof(abi.Backend), size)
-            self._pending[svc_id] = BpfMap(fd, abi.TABLE_NAME, ctypes.c_uint32, abi.Backend)
+            fd = create_inner_array(self.fam.table_name, ctypes.sizeof(self.fam.entry), size)
+            self._pending[svc_id] = BpfMap(fd, self.fam.table_name, ctypes.c_uint32, self.fam.entry)
 
     def put(self, keys: Sequence[tuple], values: Sequence[tuple]) -> None:
         by_table: dict[int, tuple[list[int], list[tuple]]] = {}
@@ -241,8 +273,8 @@ class Tables:
         for svc_id, (indexes, backends) in by_table.items():
             table = self._pending.get(svc_id) or self.arrays.get(svc_id)
             if table is None:
-                raise OSError(errno.ENOENT, f"BPF map {abi.MAP_TABLES}: no table for service id {svc_id}")
-            table.update_batch(_u32s(indexes), _endpoints(backends), len(indexes))
+                raise OSError(errno.ENOENT, f"BPF map {self.outer.name}: no table for service id {svc_id}")
+            table.update_batch(_u32s(indexes), _endpoints(backends, self.fam), len(indexes))
         for svc_id, table in self._pending.items():
             self.outer.put_raw(_U32_KEY.pack(svc_id), _U32_KEY.pack(table.fd))
             old = self.arrays.pop(svc_id, None)
@@ -263,15 +295,15 @@ class Tables:
         keys, values = self.outer.items_raw()
         out = {}
         for (svc_id,), (map_id,) in zip(_U32_KEY.iter_unpack(keys), _U32_KEY.iter_unpack(values), strict=True):
-            table = BpfMap(fd_of_map_id(map_id, f"the table of service id {svc_id}"), abi.TABLE_NAME,
-                           ctypes.c_uint32, abi.Backend)
+            table = BpfMap(fd_of_map_id(map_id, f"the table of service id {svc_id}"), self.fam.table_name,
+                           ctypes.c_uint32, self.fam.entry)
             old = self.arrays.pop(svc_id, None)
             if old is not None:
                 old.close()
             self.arrays[svc_id] = table
             indexes, backends = table.items_raw()
-            entries = sorted(zip(_U32_KEY.iter_unpack(indexes), _BACKEND.iter_unpack(backends), strict=True))
-            out[svc_id] = tuple(Backend(socket.inet_ntoa(addr), port) for _, (addr, port) in entries)
+            entries = sorted(zip(_U32_KEY.iter_unpack(indexes), self.fam.backend.iter_unpack(backends), strict=True))
+            out[svc_id] = tuple(Backend(self.fam.ntoa(addr), port) for _, (addr, port) in entries)
         return out
 
     def close(self) -> None:
@@ -288,7 +320,8 @@ class Maps:
 
     def __init__(self, fds: dict[str, int]) -> None:
         self.hz = clock.kernel_hz()
-        self._values: dict[str, Codec] = {**VALUE_CODECS, abi.MAP_SERVICES: self._svc_values}
+        self._values: dict[str, Codec] = {**VALUE_CODECS, abi.MAP_SERVICES: self._svc_values,
+                                          abi.MAP_SERVICES6: self._svc_values}
         self.services: BpfMap = BpfMap(fds[abi.MAP_SERVICES], abi.MAP_SERVICES, abi.SvcKey, abi.SvcValue)
         self.slots: BpfMap = BpfMap(fds[abi.MAP_SLOTS], abi.MAP_SLOTS, abi.SlotKey, abi.Slot)
         self.tables = Tables(fds[abi.MAP_TABLES])
@@ -305,10 +338,27 @@ class Maps:
         self.stats: PerCpuArray = PerCpuArray(fds[abi.MAP_STATS], abi.MAP_STATS, abi.SvcStats)
         self.counters: PerCpuArray = PerCpuArray(fds[abi.MAP_COUNTERS], abi.MAP_COUNTERS, ctypes.c_uint64)
         self.epstats: PerCpuHash = PerCpuHash(fds[abi.MAP_EPSTATS], abi.MAP_EPSTATS, abi.Backend, abi.SvcStats)
+        self.epstats6: PerCpuHash = PerCpuHash(fds[abi.MAP_EPSTATS6], abi.MAP_EPSTATS6, abi.Backend6, abi.SvcStats)
+        # IPv6 (abi.h): the twins of the maps above that hold an address, and the program arrays of the IPv6
+        # programs (filled by the loader, read here only by cleanup and the ABI test).
+        self.services6: BpfMap = BpfMap(fds[abi.MAP_SERVICES6], abi.MAP_SERVICES6, abi.Svc6Key, abi.SvcValue)
+        self.slots6: BpfMap = BpfMap(fds[abi.MAP_SLOTS6], abi.MAP_SLOTS6, abi.SlotKey, abi.Slot6)
+        self.backends6: BpfMap = BpfMap(fds[abi.MAP_BACKENDS6], abi.MAP_BACKENDS6, abi.Backend6, abi.BackendInfo)
+        self.ct6: BpfMap = BpfMap(fds[abi.MAP_CT6], abi.MAP_CT6, abi.Ct6Key, abi.Ct6Value)
+        self.frags6: BpfMap = BpfMap(fds[abi.MAP_FRAGS6], abi.MAP_FRAGS6, abi.Frag6Key, abi.FragValue)
+        self.srcranges6: BpfMap = BpfMap(fds[abi.MAP_SRCRANGES6], abi.MAP_SRCRANGES6, abi.SrcRange6Key,
+                                         ctypes.c_uint32)
+        self.tables6 = Tables(fds[abi.MAP_TABLES6], abi.MAP_TABLES6, _V6)
+        self.socks6: BpfMap = BpfMap(fds[abi.MAP_SOCKS6], abi.MAP_SOCKS6, abi.Sock6Key, abi.Backend6)
+        self.devaddrs6: BpfMap = BpfMap(fds[abi.MAP_DEVADDRS6], abi.MAP_DEVADDRS6, ctypes.c_uint32, abi.In6)
+        self.jump6: BpfMap = BpfMap(fds[abi.MAP_JUMP6], abi.MAP_JUMP6, ctypes.c_uint32, ctypes.c_uint32)
+        self.xjump6: BpfMap = BpfMap(fds[abi.MAP_XJUMP6], abi.MAP_XJUMP6, ctypes.c_uint32, ctypes.c_uint32)
         self.by_name: dict[str, BpfMap] = {
             m.name: m
             for m in (self.services, self.slots, self.tables.outer, self.backends, self.ct, self.names, self.epoch,
-                      self.frags, self.socks, self.ports, self.srcranges, self.cursors, self.devaddrs)
+                      self.frags, self.socks, self.ports, self.srcranges, self.cursors, self.devaddrs,
+                      self.services6, self.slots6, self.backends6, self.ct6, self.frags6, self.srcranges6,
+                      self.tables6.outer, self.socks6, self.devaddrs6, self.jump6, self.xjump6)
         }
 
     def _svc_values(self, values: Sequence[tuple]) -> bytes:
@@ -318,22 +368,24 @@ class Maps:
 
     def close(self) -> None:
         self.tables.close()
+        self.tables6.close()
         for m in self.by_name.values():
             m.close()
         self.stats.close()
         self.counters.close()
         self.epstats.close()
+        self.epstats6.close()
 
     def run(self, op: Op) -> None:
         """One op, one bpf(2) call: for callers that program a few entries (a big plan: run_batches)."""
         if op.verb == "reset":
             self.stats.reset(op.key[0])
             return
-        if op.map == abi.MAP_TABLES:
-            self._run_tables(op.verb, [op.key], [op.value] if op.value is not None else None)
+        if op.map in (abi.MAP_TABLES, abi.MAP_TABLES6):
+            self._run_tables(op.map, op.verb, [op.key], [op.value] if op.value is not None else None)
             return
-        if op.map == abi.MAP_EPSTATS:
-            self._run_epstats(op.verb, [op.key])
+        if op.map in (abi.MAP_EPSTATS, abi.MAP_EPSTATS6):
+            self._run_epstats(op.map, op.verb, [op.key])
             return
         m = self.by_name[op.map]
         key = KEY_CODECS[op.map]((op.key,))
@@ -350,11 +402,11 @@ class Maps:
             if verb == "reset":
                 self.stats.reset(*(key[0] for key in keys))
                 continue
-            if name == abi.MAP_TABLES:
-                self._run_tables(verb, keys, values)
+            if name in (abi.MAP_TABLES, abi.MAP_TABLES6):
+                self._run_tables(name, verb, keys, values)
                 continue
-            if name == abi.MAP_EPSTATS:
-                self._run_epstats(verb, keys)
+            if name in (abi.MAP_EPSTATS, abi.MAP_EPSTATS6):
+                self._run_epstats(name, verb, keys)
                 continue
             m = self.by_name[name]
             packed = KEY_CODECS[name](keys)
@@ -364,49 +416,52 @@ class Maps:
             else:
                 m.delete_batch(packed, len(keys))
 
-    def _run_epstats(self, verb: str, keys: Sequence[tuple]) -> None:
+    def _run_epstats(self, name: str, verb: str, keys: Sequence[tuple]) -> None:
         """A backend's counters: "put" writes them zeroed (render's only value), "del" removes them."""
+        m, fam = (self.epstats6, _V6) if name == abi.MAP_EPSTATS6 else (self.epstats, _V4)
         if verb == "put":
-            self.epstats.put_zeros(_endpoints(keys), len(keys))
+            m.put_zeros(_endpoints(keys, fam), len(keys))
         else:
-            self.epstats.delete_batch(_endpoints(keys), len(keys))
+            m.delete_batch(_endpoints(keys, fam), len(keys))
 
     def endpoint_stats(self) -> dict[Backend, tuple[int, int]]:
         """Every backend's counted packets and bytes, summed over CPUs. Unpacked with struct, the whole map at once:
         a scrape reads it, and it holds an entry per endpoint."""
-        keys, values = self.epstats.items_raw()
-        ncpus = self.epstats.ncpus
-        counts = _STATS.iter_unpack(values)  # each key's CPUs one after the other (the stride is the struct's size)
         out = {}
-        for addr, port in _BACKEND.iter_unpack(keys):
-            packets = octets = 0
-            for n, size in itertools.islice(counts, ncpus):
-                packets += n
-                octets += size
-            out[Backend(socket.inet_ntoa(addr), port)] = (packets, octets)
+        for m, fam in ((self.epstats, _V4), (self.epstats6, _V6)):
+            keys, values = m.items_raw()
+            counts = _STATS.iter_unpack(values)  # each key's CPUs one after the other (the stride: the struct's size)
+            for addr, port in fam.backend.iter_unpack(keys):
+                packets = octets = 0
+                for n, size in itertools.islice(counts, m.ncpus):
+                    packets += n
+                    octets += size
+                out[Backend(fam.ntoa(addr), port)] = (packets, octets)
         return out
 
     def sync_endpoint_stats(self, applied: Applied, on: bool) -> None:
         """Make the per-endpoint counters map hold what plans keep it at (render: an entry per backend of
         `applied` when `on`, else none), for when it may not: a new map, counters turned on or off since the last
         run, a plan that stopped halfway. Entries of backends that stay keep their counts."""
-        held = set(self.epstats.keys_raw())
-        wanted = {_endpoints([b]) for b in applied.backend_refs} if on else set()
-        missing, stale = sorted(wanted - held), sorted(held - wanted)
-        if missing:
-            self.epstats.put_zeros(b"".join(missing), len(missing))
-        if stale:
-            self.epstats.delete_batch(b"".join(stale), len(stale))
+        for m, fam, family in ((self.epstats, _V4, objects.IPV4), (self.epstats6, _V6, objects.IPV6)):
+            held = set(m.keys_raw())
+            wanted = {_endpoints([b], fam) for b in applied.backend_refs if b.family == family} if on else set()
+            missing, stale = sorted(wanted - held), sorted(held - wanted)
+            if missing:
+                m.put_zeros(b"".join(missing), len(missing))
+            if stale:
+                m.delete_batch(b"".join(stale), len(stale))
 
-    def _run_tables(self, verb: str, keys: Sequence[tuple], values: Sequence[tuple] | None) -> None:
+    def _run_tables(self, name: str, verb: str, keys: Sequence[tuple], values: Sequence[tuple] | None) -> None:
+        tables = self.tables6 if name == abi.MAP_TABLES6 else self.tables
         if verb == "new":
             assert values is not None
-            self.tables.new(keys, values)
+            tables.new(keys, values)
         elif verb == "put":
             assert values is not None
-            self.tables.put(keys, values)
+            tables.put(keys, values)
         else:
-            self.tables.delete(keys)
+            tables.delete(keys)
 
     def read_applied(self) -> Applied:
         """Rebuild what is applied from the maps (after a restart, or after a failed apply)."""
@@ -417,28 +472,49 @@ class Maps:
             svc_id: name.split(b"\0", 1)[0]
             for (svc_id,), (name,) in zip(_U32_KEY.iter_unpack(keys), _NAME.iter_unpack(values), strict=True)
         }
-        keys, values = self.slots.items_raw()
-        slots = dict(zip(_SLOT_KEY.iter_unpack(keys), _SLOT.iter_unpack(values), strict=True))
-        tables = self.tables.read()
-        ranges: dict[int, list[str]] = {}
-        keys, _ = self.srcranges.items_raw()
-        for prefixlen, svc_id, addr in _SRCRANGE_KEY.iter_unpack(keys):
-            ranges.setdefault(int.from_bytes(svc_id, "big"), []).append(f"{socket.inet_ntoa(addr)}/{prefixlen - 32}")
         frontends: dict[FrontendKey, AppliedFrontend] = {}
-        keys, values = self.services.items_raw()
+        for fam, services, slots_map, tables_map, srcranges in (
+            (_V4, self.services, self.slots, self.tables, self.srcranges),
+            (_V6, self.services6, self.slots6, self.tables6, self.srcranges6),
+        ):
+            frontends.update(self._read_frontends(fam, names, services, slots_map, tables_map, srcranges))
+        refs: dict[Backend, int] = {}
+        for f in frontends.values():
+            for b in f.known:
+                refs[b] = refs.get(b, 0) + 1
+        # Backends no frontend references (e.g. not-ready ones) stay known with no references: the
+        # first full sync either re-references them or removes them.
+        for fam, backends in ((_V4, self.backends), (_V6, self.backends6)):
+            for addr, port in fam.backend.iter_unpack(backends.items_raw()[0]):
+                refs.setdefault(Backend(fam.ntoa(addr), port), 0)
+        epoch = self.epoch.get(ctypes.c_uint32(0))
+        return Applied(frontends=frontends, backend_refs=refs, epoch=int(epoch.value) if epoch is not None else 0)
+
+    def _read_frontends(self, fam: _Family, names: Mapping[int, bytes], services: BpfMap, slots_map: BpfMap,
+                        tables_map: Tables, srcranges: BpfMap) -> dict[FrontendKey, AppliedFrontend]:
+        """One family's frontends as the maps hold them (read_applied)."""
+        keys, values = slots_map.items_raw()
+        slots = dict(zip(_SLOT_KEY.iter_unpack(keys), fam.slot.iter_unpack(values), strict=True))
+        tables = tables_map.read()
+        ranges: dict[int, list[str]] = {}
+        keys, _ = srcranges.items_raw()
+        for prefixlen, svc_id, addr in fam.srcrange_key.iter_unpack(keys):
+            ranges.setdefault(int.from_bytes(svc_id, "big"), []).append(f"{fam.ntoa(addr)}/{prefixlen - 32}")
+        frontends: dict[FrontendKey, AppliedFrontend] = {}
+        keys, values = services.items_raw()
         for (vip, port, proto, scope), (svc_id, count, flags, ticks, sched, table_size) in zip(
-            _SVC_KEY.iter_unpack(keys), _SVC_VALUE.iter_unpack(values), strict=True
+            fam.svc_key.iter_unpack(keys), _SVC_VALUE.iter_unpack(values), strict=True
         ):
             raw_name = names.get(svc_id)
             # The names map is not held by the programs, so a restart under `ip netns exec` may not find it;
             # a placeholder owner is then renamed in place by the first full sync.
             name = raw_name.decode(errors="replace") if raw_name is not None else f"?/svc-{svc_id}"
             held = [slot for slot in (slots.get((svc_id, i)) for i in range(count)) if slot is not None]
-            backends = tuple(Backend(socket.inet_ntoa(addr), int.from_bytes(port, "big")) for addr, port, _ in held)
+            backends = tuple(Backend(fam.ntoa(addr), int.from_bytes(port, "big")) for addr, port, _ in held)
             # Weight 0 is an entry written before weights: 1.
             weights = tuple(w or 1 for _, _, w in held)
             table = tables.get(svc_id, ())
-            frontends[(socket.inet_ntoa(vip), port, abi.PROTO_NAME.get(proto, str(proto)), scope)] = AppliedFrontend(
+            frontends[(fam.ntoa(vip), port, abi.PROTO_NAME.get(proto, str(proto)), scope)] = AppliedFrontend(
                 svc_id=svc_id,
                 name=name,
                 service=name.split(":", 1)[0],
@@ -453,16 +529,7 @@ class Maps:
                 # writes it whole.
                 table=table if len(table) == table_size else (),
             )
-        refs: dict[Backend, int] = {}
-        for f in frontends.values():
-            for b in f.known:
-                refs[b] = refs.get(b, 0) + 1
-        # Backends no frontend references (e.g. not-ready ones) stay known with no references: the
-        # first full sync either re-references them or removes them.
-        for addr, port in _BACKEND.iter_unpack(self.backends.items_raw()[0]):
-            refs.setdefault(Backend(socket.inet_ntoa(addr), port), 0)
-        epoch = self.epoch.get(ctypes.c_uint32(0))
-        return Applied(frontends=frontends, backend_refs=refs, epoch=int(epoch.value) if epoch is not None else 0)
+        return frontends
 
     def bump_epoch(self, applied: Applied) -> None:
         """A new backends epoch, for when the maps may have lost backends without one (a previous run or a
@@ -486,10 +553,12 @@ class BpfCollector(Collector):
 
     def __init__(self, dataplane: BpfDataplane) -> None:
         self.gc = CtGcMetrics()
+        self.gc6 = CtGcMetrics("ct6", "IPv6 ")
         self._dataplane = dataplane
 
     def collect(self) -> Iterator[Metric]:
         yield from self.gc.collect()
+        yield from self.gc6.collect()
         entries = GaugeMetricFamily("pyproxy_bpf_map_entries", "Entries of a BPF map as pyproxy last programmed it",
                                     labels=["map"])
         capacity = GaugeMetricFamily("pyproxy_bpf_map_capacity", "Entries a BPF map holds at most (max_entries)",
@@ -589,6 +658,9 @@ def endpoint_owners(frontends: Iterable[AppliedFrontend]) -> dict[Backend, tuple
 
 class BpfDataplane:
     mode = "bpf"
+    ip_families = BOTH_FAMILIES
+    """The IP families it renders: both, IPv6 frontends to the IPv6 maps (render.by_family). A class attribute: the
+    bpf tracer (tests/tracers/bpf.py) reads it without building a backend."""
 
     def __init__(self, settings: BpfSettings) -> None:
         self.settings = settings
@@ -599,6 +671,7 @@ class BpfDataplane:
         self._watcher: netlink.LinkWatcher | None = None
         self._devaddrs: snat.DeviceAddresses | None = None
         self._gc: CtGarbageCollector | None = None
+        self._gc6: CtGarbageCollector | None = None
         self.collector = BpfCollector(self)
         """The dataplane's own metrics, for the proxier's registry (a prometheus Collector)."""
         self.unserved: dict[str, str] = {}
@@ -629,10 +702,12 @@ class BpfDataplane:
         try:
             if s.loader == "bcc":
                 self._obj = bcc.load(s.pin_path, s.max_entries, adopt, timeouts, s.snat_ports,
-                                     s.masquerade.cluster_cidr, s.endpoint_counters)
+                                     s.masquerade.cluster_cidr, s.endpoint_counters,
+                                     cluster_cidr6=s.masquerade.cluster_cidr6)
             else:
                 self._obj = loader.load(s.object_path, s.pin_path, s.max_entries, adopt, timeouts, s.snat_ports,
-                                        s.masquerade.cluster_cidr, s.endpoint_counters)
+                                        s.masquerade.cluster_cidr, s.endpoint_counters,
+                                        cluster_cidr6=s.masquerade.cluster_cidr6)
             log.info("BPF programs loaded by %s", s.loader)
         finally:
             for fd in adopt.values():
@@ -649,7 +724,9 @@ class BpfDataplane:
         if not self._obj.kernel_flags & abi.KERNEL_FIB_SRC:
             # Before any device is attached: SNAT finds its source address from the first packet on.
             self._devaddrs = snat.DeviceAddresses(
-                BpfMap(os.dup(self._obj.maps[abi.MAP_DEVADDRS]), abi.MAP_DEVADDRS, ctypes.c_uint32, ctypes.c_uint32))
+                BpfMap(os.dup(self._obj.maps[abi.MAP_DEVADDRS]), abi.MAP_DEVADDRS, ctypes.c_uint32, ctypes.c_uint32),
+                devaddrs6=BpfMap(os.dup(self._obj.maps[abi.MAP_DEVADDRS6]), abi.MAP_DEVADDRS6, ctypes.c_uint32,
+                                 abi.In6))
             self._devaddrs.start()
         # Subscribe before listing so a device created in between is not missed.
         self._watcher = netlink.LinkWatcher(self._on_link)
@@ -666,6 +743,17 @@ class BpfDataplane:
             backends=BpfMap(os.dup(self._obj.maps[abi.MAP_BACKENDS]), abi.MAP_BACKENDS, abi.Backend, abi.BackendInfo),
         )
         self._gc.start()
+        # IPv6 flows by the same rules, in metrics of their own (pyproxy_bpf_ct6_*).
+        self._gc6 = CtGarbageCollector(
+            BpfMap(os.dup(self._obj.maps[abi.MAP_CT6]), abi.MAP_CT6, abi.Ct6Key, abi.Ct6Value),
+            BpfMap(os.dup(self._obj.maps[abi.MAP_SERVICES6]), abi.MAP_SERVICES6, abi.Svc6Key, abi.SvcValue),
+            capacity=self._capacity[abi.MAP_CT6], timeouts=timeouts, hz=clock.kernel_hz(), settings=s.ct_gc,
+            backends=BpfMap(os.dup(self._obj.maps[abi.MAP_BACKENDS6]), abi.MAP_BACKENDS6, abi.Backend6,
+                            abi.BackendInfo),
+            layout=IPV6,
+            metrics=self.collector.gc6,
+        )
+        self._gc6.start()
 
     def _attach_socket_hooks(self) -> None:
         """Make the socket hooks what the settings say (cgroup.py): on the chosen cgroup, or nowhere."""
@@ -687,6 +775,8 @@ class BpfDataplane:
     def stop(self) -> None:
         if self._gc:
             self._gc.stop()
+        if self._gc6:
+            self._gc6.stop()
         if self._watcher:
             self._watcher.stop()
         if self._devaddrs:

@@ -39,10 +39,16 @@ LIBBCC = "libbcc.so.0"
 
 # uapi enum bpf_prog_type
 _SCHED_CLS, _XDP, _CGROUP_SOCK_ADDR = 3, 6, 18
+_BPF_XDP = 37  # uapi enum bpf_attach_type: what libbpf gives SEC("xdp") programs
 PROGRAMS = {
     abi.PROG_TC_INGRESS: (_SCHED_CLS, 0),
     abi.PROG_TC_EGRESS: (_SCHED_CLS, 0),
-    abi.PROG_XDP: (_XDP, 0),
+    # BPF_XDP as libbpf's: a program array (MAP_XJUMP6) takes only programs of its owner's expected attach type
+    # (6.18), and a pinned one outlives a switch of loader.
+    abi.PROG_XDP: (_XDP, _BPF_XDP),
+    abi.PROG_TC_INGRESS6: (_SCHED_CLS, 0),
+    abi.PROG_TC_EGRESS6: (_SCHED_CLS, 0),
+    abi.PROG_XDP6: (_XDP, _BPF_XDP),
     **{name: (_CGROUP_SOCK_ADDR, attach_type) for name, attach_type in abi.SOCK_HOOKS.items()},
 }
 """Program name -> (program type, expected attach type): what libbpf takes from each SEC() name."""
@@ -196,7 +202,12 @@ def _config_initializer(value: ctypes.Structure) -> str:
     parts = []
     for name, *_ in value._fields_:
         v = getattr(value, name)
-        parts.append(f".{name}={_config_initializer(v) if isinstance(v, ctypes.Structure) else int(v)}")
+        if isinstance(v, ctypes.Structure):
+            parts.append(f".{name}={_config_initializer(v)}")
+        elif isinstance(v, ctypes.Array):
+            parts.append(f".{name}={{{','.join(str(int(x)) for x in v)}}}")
+        else:
+            parts.append(f".{name}={int(v)}")
     return "{" + ",".join(parts) + "}"
 
 
@@ -270,6 +281,7 @@ def load(
     cluster_cidr: str | None = None,
     endpoint_counters: bool = False,
     kernel_flags: int | None = None,
+    cluster_cidr6: str | None = None,
 ) -> loader.LoadedObject:
     """What loader.load does, with BCC compiling bpf/ here. Maps come from their pins under `pin_dir`, from
     `adopt` (pinned there first), or new (and pinned); pin_dir None: new, unpinned maps."""
@@ -277,7 +289,7 @@ def load(
     if problem:
         raise BccUnavailable(problem)
     config = loader.constants(ct_timeouts, snat_ports, cluster_cidr, endpoint_counters,
-                              loader.kernel_features(kernel_flags))
+                              loader.kernel_features(kernel_flags), cluster_cidr6)
     max_entries = loader.capacities(max_entries)
     obj = BccObject()
     loaded = loader.LoadedObject(obj, release=BccObject.close, kernel_flags=config.kernel)
@@ -285,7 +297,7 @@ def load(
         maps = _maps(pin_dir, max_entries, adopt)
         obj.modules.append(maps)
         tables = maps.tables()
-        loaded.maps = {name: fd for name, (fd, _) in tables.items() if name != abi.TABLE_NAME}
+        loaded.maps = {name: fd for name, (fd, _) in tables.items() if name not in (abi.TABLE_NAME, abi.TABLE6_NAME)}
         if pin_dir is not None:
             loader.unpin_other_layouts(pin_dir, set(loaded.maps))
         flags = [*_cflags(), f"-DPYPROXY_BCC_CONFIG={_config_initializer(config)}"]
@@ -296,6 +308,7 @@ def load(
             fd = progs.load(name, prog_type, attach_type)
             obj.prog_fds.append(fd)
             loaded.progs[name] = fd
+        loader.fill_jumps(loaded)
         return loaded
     except BaseException:
         loaded.close()

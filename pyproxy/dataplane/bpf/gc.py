@@ -1,4 +1,5 @@
-"""Garbage collection of the connection-tracking map (PYPROXY_MAP_CT), in a thread of the BPF dataplane.
+"""Garbage collection of the connection-tracking maps (PYPROXY_MAP_CT, and PYPROXY_MAP_CT6 by the same rules with
+the IPv6 layout, `IPV6`), each in a thread of the BPF dataplane.
 
 The programs treat an expired entry as absent (bpf/include/pyproxy/ct.h) but leave it in the map: it goes when a
 new flow overwrites it, when the LRU evicts it, or here. A pass reads the whole map with batched lookups, picks
@@ -75,6 +76,28 @@ Frontend = tuple[bytes, bytes, int]
 
 
 @dataclass(frozen=True)
+class CtLayout:
+    """How one family's CT, services and backends maps pack what a pass reads: the same fields at other widths."""
+
+    ct_key: struct.Struct
+    ct_age: struct.Struct
+    ct_open: struct.Struct
+    backend_key: struct.Struct
+    svc_key: struct.Struct
+
+
+IPV4 = CtLayout(CT_KEY, _CT_AGE, _CT_OPEN, _BACKEND_KEY, SVC_KEY)
+IPV6 = CtLayout(
+    struct.Struct("=16s16s2s2sBBxx"),  # pyproxy_ct6_key: saddr, daddr, sport, dport, proto, dir
+    struct.Struct("=18sB13xQ"),  # pyproxy_ct6_value: nat (addr and port), state, last_seen
+    struct.Struct("=18sBB20x"),  # pyproxy_ct6_value: nat, state, flags
+    struct.Struct("=18s2x"),  # pyproxy_backend6: addr and port
+    struct.Struct("=16s2sBx"),  # pyproxy_svc6_key: vip, port, proto
+)
+"""PYPROXY_MAP_CT6 and its services and backends maps (abi.h's IPv6 twins; tests/unit/test_bpf_gc.py checks them)."""
+
+
+@dataclass(frozen=True)
 class CtGcSettings:
     """When the connection-tracking map is garbage-collected (the rule is in pyproxy/dataplane/bpf/gc.py)."""
 
@@ -107,12 +130,13 @@ def next_interval(interval: float, settings: CtGcSettings, *, capacity: int, see
     return min(max(interval, settings.min_interval), settings.max_interval)
 
 
-def frontends_with_affinity(keys: bytes, values: bytes) -> dict[Frontend, int]:
+def frontends_with_affinity(keys: bytes, values: bytes, layout: CtLayout = IPV4) -> dict[Frontend, int]:
     """The services map (packed, as `BpfMap.items_raw` reads it) -> the affinity timeout, in ticks, of each
     frontend with ClientIP affinity."""
     return {
         key: ticks
-        for key, (_, _, flags, ticks) in zip(SVC_KEY.iter_unpack(keys), SVC_VALUE.iter_unpack(values), strict=True)
+        for key, (_, _, flags, ticks) in zip(layout.svc_key.iter_unpack(keys), SVC_VALUE.iter_unpack(values),
+                                             strict=True)
         if flags & abi.SVC_F_AFFINITY
     }
 
@@ -133,6 +157,7 @@ def find_garbage(
     timeouts: abi.CtTimeoutTicks,
     now: int,
     margin: int,
+    layout: CtLayout = IPV4,
 ) -> array.array:
     """The indexes of the CT entries (packed, as `BpfMap.items_raw` reads them) to delete at tick `now`.
 
@@ -156,7 +181,7 @@ def find_garbage(
     garbage = array.array("I")
     expired = array.array("I")
     expired_flows: set[bytes] = set()
-    entries = zip(CT_KEY.iter_unpack(keys), _CT_AGE.iter_unpack(values), strict=True)
+    entries = zip(layout.ct_key.iter_unpack(keys), layout.ct_age.iter_unpack(values), strict=True)
     for i, ((saddr, daddr, sport, dport, proto, direction), (nat, state, last_seen)) in enumerate(entries):
         if direction == abi.CT_FORWARD or direction == abi.CT_REVERSE:
             if last_seen < (tcp if proto == socket.IPPROTO_TCP else other)[state]:
@@ -171,7 +196,7 @@ def find_garbage(
         return garbage
     # Flows with an expired entry whose other entry is live: a one-way stream refreshes one direction only.
     kept: set[bytes] = set()
-    entries = zip(CT_KEY.iter_unpack(keys), _CT_AGE.iter_unpack(values), strict=True)
+    entries = zip(layout.ct_key.iter_unpack(keys), layout.ct_age.iter_unpack(values), strict=True)
     for (saddr, daddr, sport, dport, proto, direction), (nat, state, last_seen) in entries:
         if (direction == abi.CT_FORWARD or direction == abi.CT_REVERSE) and (
             last_seen >= (tcp if proto == socket.IPPROTO_TCP else other)[state]
@@ -183,19 +208,19 @@ def find_garbage(
         garbage.extend(expired)
         return garbage
     for i in expired:
-        saddr, daddr, sport, dport, proto, direction = CT_KEY.unpack_from(keys, i * CT_KEY.size)
-        nat = _CT_AGE.unpack_from(values, i * _CT_AGE.size)[0]
+        saddr, daddr, sport, dport, proto, direction = layout.ct_key.unpack_from(keys, i * layout.ct_key.size)
+        nat = layout.ct_age.unpack_from(values, i * layout.ct_age.size)[0]
         if _flow_id(saddr, daddr, sport, dport, protos[proto], direction, nat) not in kept:
             garbage.append(i)
     return garbage
 
 
-def count_open(keys: bytes, values: bytes, deleted: Iterable[int]) -> dict[bytes, int]:
+def count_open(keys: bytes, values: bytes, deleted: Iterable[int], layout: CtLayout = IPV4) -> dict[bytes, int]:
     """The open counted flows per backend (its address and port, as 6 bytes) in the CT entries read (packed, as
     `BpfMap.items_raw` reads them), but the entries at the indexes `deleted`."""
     gone = set(deleted)
     counts: dict[bytes, int] = {}
-    entries = zip(CT_KEY.iter_unpack(keys), _CT_OPEN.iter_unpack(values), strict=True)
+    entries = zip(layout.ct_key.iter_unpack(keys), layout.ct_open.iter_unpack(values), strict=True)
     for i, ((_, _, _, _, _, direction), (nat, state, flags)) in enumerate(entries):
         if (direction == abi.CT_FORWARD and flags & (abi.CT_F_COUNTED | abi.CT_F_SNAT) == abi.CT_F_COUNTED
                 and state != abi.CT_ST_CLOSED and i not in gone):
@@ -203,13 +228,13 @@ def count_open(keys: bytes, values: bytes, deleted: Iterable[int]) -> dict[bytes
     return counts
 
 
-def recount(backends: BpfMap, counts: Mapping[bytes, int]) -> int:
+def recount(backends: BpfMap, counts: Mapping[bytes, int], layout: CtLayout = IPV4) -> int:
     """Writes each backend's open-flow count where the map's differs; returns how many were written."""
     keys, values = backends.items_raw()
     fix_keys, fix_values = [], []
-    for (nat,), key, (flags, active) in zip(_BACKEND_KEY.iter_unpack(keys),
-                                            (keys[i : i + _BACKEND_KEY.size] for i in range(0, len(keys),
-                                                                                           _BACKEND_KEY.size)),
+    size = layout.backend_key.size
+    for (nat,), key, (flags, active) in zip(layout.backend_key.iter_unpack(keys),
+                                            (keys[i : i + size] for i in range(0, len(keys), size)),
                                             _BACKEND_INFO.iter_unpack(values), strict=True):
         n = counts.get(nat, 0)
         if n != active:
@@ -223,13 +248,15 @@ def recount(backends: BpfMap, counts: Mapping[bytes, int]) -> int:
 class CtGcMetrics(Collector):
     """The collector's metrics; a prometheus Collector the proxier registers next to its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, map_name: str = "ct", what: str = "") -> None:
+        """`map_name`: "ct" (PYPROXY_MAP_CT), or "ct6" for the IPv6 map's collector (`what`: "IPv6 ")."""
         # Not registered anywhere: `collect` hands them to whichever registry registers this collector.
-        self.entries = Gauge("pyproxy_bpf_ct_entries", "Connection-tracking entries read by the last GC pass",
-                             registry=None)
-        self.deleted = Counter("pyproxy_bpf_ct_gc_deleted", "Connection-tracking entries deleted by GC",
+        self.entries = Gauge(f"pyproxy_bpf_{map_name}_entries",
+                             f"{what}Connection-tracking entries read by the last GC pass", registry=None)
+        self.deleted = Counter(f"pyproxy_bpf_{map_name}_gc_deleted", f"{what}Connection-tracking entries deleted by GC",
                                registry=None)
-        self.duration = Histogram("pyproxy_bpf_ct_gc_duration_seconds", "Duration of a connection-tracking GC pass",
+        self.duration = Histogram(f"pyproxy_bpf_{map_name}_gc_duration_seconds",
+                                  f"Duration of a{'n' if what else ''} {what}connection-tracking GC pass",
                                   buckets=tuple(0.001 * 2**i for i in range(15)), registry=None)
 
     def collect(self) -> Iterator[Metric]:
@@ -265,8 +292,11 @@ class CtGarbageCollector:
         settings: CtGcSettings | None = None,
         metrics: CtGcMetrics | None = None,
         backends: BpfMap | None = None,
+        layout: CtLayout = IPV4,
     ) -> None:
         self.ct = ct
+        self.layout = layout
+        """The family of the maps given (IPV4, IPV6)."""
         self.services = services
         self.backends = backends
         """The backends map, whose open-flow counts a pass recounts (None: no recount)."""
@@ -285,9 +315,11 @@ class CtGarbageCollector:
         start = time.monotonic()
         now = clock.ticks_now()  # before the read: an entry refreshed during it looks younger, never older
         keys, values = self.ct.items_raw()
-        affinity = frontends_with_affinity(*self.services.items_raw())  # after the CT read: see find_garbage
-        garbage = find_garbage(keys, values, affinity, self.timeouts, now, int(MARGIN_SECONDS * self.hz))
-        size, deleted = CT_KEY.size, 0
+        # After the CT read: see find_garbage.
+        affinity = frontends_with_affinity(*self.services.items_raw(), layout=self.layout)
+        garbage = find_garbage(keys, values, affinity, self.timeouts, now, int(MARGIN_SECONDS * self.hz),
+                               layout=self.layout)
+        size, deleted = self.layout.ct_key.size, 0
         for first in range(0, len(garbage), DELETE_CHUNK):
             if self._stop.is_set():
                 break
@@ -295,7 +327,7 @@ class CtGarbageCollector:
             self.ct.delete_batch(b"".join([keys[i * size : (i + 1) * size] for i in chunk]), len(chunk))
             deleted += len(chunk)
         if self.backends is not None and not self._stop.is_set():
-            recount(self.backends, count_open(keys, values, garbage[:deleted]))
+            recount(self.backends, count_open(keys, values, garbage[:deleted], self.layout), self.layout)
         done = GcPass(seen=len(keys) // size, deleted=deleted, seconds=time.monotonic() - start)
         self.metrics.entries.set(done.seen)
         self.metrics.deleted.inc(done.deleted)

@@ -19,8 +19,10 @@ from pathlib import Path
 
 from pyproxy.dataplane.bpf import abi, attach, clock, libbpf, loader
 from pyproxy.dataplane.bpf.backend import DEFAULT_OBJECT, Maps
+from pyproxy.dataplane.bpf.maps import BpfMap
 from pyproxy.dataplane.bpf.render import AppliedFrontend
 from pyproxy.model import inspection
+from pyproxy.model.objects import IPV6
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +105,19 @@ def _with_stand_ins(fds: dict[str, int], object_path: Path) -> Maps:
         obj.close()
 
 
-def _snat_source(maps: Maps, k: abi.CtKey, v: abi.CtValue) -> str:
+def _ip(a: int | abi.In6) -> str:
+    """An address as a CT entry holds it: IPv4's network-order u32, or IPv6's struct pyproxy_in6."""
+    return abi.ip6_of(a) if isinstance(a, abi.In6) else abi.ip_of(a)
+
+
+def _snat_source(ct: BpfMap, k: abi.CtKey | abi.Ct6Key, v: abi.CtValue | abi.Ct6Value) -> str:
     """The node address and port an SNATed flow leaves from: its SNAT pair's REVERSE entry (ct.h's
-    pyproxy_ct_snat_key)."""
-    snat = maps.ct.get(abi.CtKey(saddr=k.saddr, daddr=v.nat_addr, sport=k.sport, dport=v.nat_port, proto=k.proto,
-                                 dir=abi.CT_REVERSE))
+    pyproxy_ct_snat_key), in the CT map `ct` of its family."""
+    snat = ct.get(type(k)(saddr=k.saddr, daddr=v.nat_addr, sport=k.sport, dport=v.nat_port, proto=k.proto,
+                          dir=abi.CT_REVERSE))
     if snat is None or not snat.flags & abi.CT_F_SNAT:
         return "?"
-    return f"{abi.ip_of(snat.nat_addr)}:{abi.port_of(snat.nat_port)}"
+    return f"{_ip(snat.nat_addr)}:{abi.port_of(snat.nat_port)}"
 
 
 def _endpoints(maps: Maps, fe: AppliedFrontend) -> tuple[inspection.Endpoint, ...]:
@@ -121,7 +128,8 @@ def _endpoints(maps: Maps, fe: AppliedFrontend) -> tuple[inspection.Endpoint, ..
     for i, b in enumerate(fe.backends):
         active = None
         if counting:
-            info = maps.backends.get(abi.Backend(abi.be32(b.ip), abi.be16(b.port)))
+            info = (maps.backends6.get(abi.Backend6(abi.in6(b.ip), abi.be16(b.port))) if b.family == IPV6
+                    else maps.backends.get(abi.Backend(abi.be32(b.ip), abi.be16(b.port))))
             active = max(0, info.active) if info is not None else 0
         out.append(inspection.Endpoint(b.ip, b.port, fe.weights[i] if fe.weights else 1, active))
     return tuple(out)
@@ -145,29 +153,36 @@ def view(maps: Maps, flows: bool = True) -> inspection.View:
     now, hz = clock.ticks_now(), clock.kernel_hz()
     names = {fe.svc_id: fe.name for fe in applied.frontends.values()}
     affinity_ticks = {fe.svc_id: fe.affinity_sec * hz for fe in applied.frontends.values()}
-    for k in maps.ct.keys_list():
+    for ct in (maps.ct, maps.ct6):
+        _add_flows(out, ct, names, affinity_ticks, now, hz)
+    return out
+
+
+def _add_flows(out: inspection.View, ct: BpfMap, names: dict[int, str], affinity_ticks: dict[int, int], now: int,
+               hz: int) -> None:
+    """The flows and affinities of one family's CT map (PYPROXY_MAP_CT, PYPROXY_MAP_CT6)."""
+    for k in ct.keys_list():
         if k.dir == abi.CT_REVERSE:
             continue
-        v = maps.ct.get(k)
+        v = ct.get(k)
         # An SNAT pair's FORWARD entry is the reply side of a flow listed under its client (abi.h).
         if v is None or v.flags & abi.CT_F_SNAT:
             continue
         proto = abi.PROTO_NAME.get(k.proto, str(k.proto))
-        backend = f"{abi.ip_of(v.nat_addr)}:{abi.port_of(v.nat_port)}"
+        backend = f"{_ip(v.nat_addr)}:{abi.port_of(v.nat_port)}"
         idle = max(0, now - v.last_seen)
         name = names.get(v.svc_id, "?")
         if k.dir == abi.CT_AFFINITY:
             out.affinities.append(inspection.Affinity(
-                proto, abi.ip_of(k.saddr), abi.ip_of(k.daddr), abi.port_of(k.dport), backend, name,
+                proto, _ip(k.saddr), _ip(k.daddr), abi.port_of(k.dport), backend, name,
                 round((affinity_ticks.get(v.svc_id, 0) - idle) / hz, 3)))
             continue
         out.flows.append(inspection.Flow(
-            proto, abi.ip_of(k.saddr), abi.port_of(k.sport), abi.ip_of(k.daddr), abi.port_of(k.dport), backend,
+            proto, _ip(k.saddr), abi.port_of(k.sport), _ip(k.daddr), abi.port_of(k.dport), backend,
             name, abi.CT_STATE_NAME.get(v.state, str(v.state)), idle_sec=round(idle / hz, 3),
-            snat=_snat_source(maps, k, v) if v.flags & abi.CT_F_MASQ else None,
+            snat=_snat_source(ct, k, v) if v.flags & abi.CT_F_MASQ else None,
             # lb.h takes a SYN on a flow past its handshake as a new connection: a closed one pins none.
             ended=k.proto == abi.IPPROTO["TCP"] and v.state == abi.CT_ST_CLOSED))
-    return out
 
 
 def report(maps: Maps, flows: bool = True) -> str:

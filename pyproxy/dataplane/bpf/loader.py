@@ -281,22 +281,36 @@ def kernel_features(kernel_flags: int | None = None) -> int:
 
 
 def constants(ct_timeouts: abi.CtTimeoutTicks | None, snat_ports: tuple[int, int], cluster_cidr: str | None,
-              endpoint_counters: bool = False, kernel_flags: int = 0) -> abi.Config:
+              endpoint_counters: bool = False, kernel_flags: int = 0, cluster_cidr6: str | None = None) -> abi.Config:
     """The programs' constants (struct pyproxy_config) from the settings and `kernel_flags` (kernel_features());
-    timeouts default to conntrack.CtTimeouts() at this kernel's HZ."""
+    timeouts default to conntrack.CtTimeouts() at this kernel's HZ. `cluster_cidr` and `cluster_cidr6` are
+    --cluster-cidr's IPv4 and IPv6 CIDRs (MasqueradeSettings), each for its own family's flows."""
     if ct_timeouts is None:
         from pyproxy.dataplane.bpf import clock, conntrack  # clock imports this module
 
         ct_timeouts = conntrack.CtTimeouts().ticks(clock.kernel_hz())
     return abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(cluster_cidr),
-                      endpoint_counters=int(endpoint_counters), kernel=kernel_flags)
+                      endpoint_counters=int(endpoint_counters), kernel=kernel_flags,
+                      cluster6=abi.Cidr6.of(cluster_cidr6))
+
+
+def fill_jumps(loaded: LoadedObject) -> None:
+    """Put this load's IPv6 programs in the program arrays the IPv4 entry points tail-call (abi.JUMPS6): until then
+    IPv6 packets pass untouched. Pinned arrays held the previous load's programs: each entry is replaced."""
+    lib = libbpf.lib()
+    for name, jumps in abi.JUMPS6.items():
+        for index, prog in jumps.items():
+            key, value = ffi.new("uint32_t *", index), ffi.new("uint32_t *", loaded.progs[prog])
+            libbpf.check(lib.bpf_map_update_elem(loaded.maps[name], key, value, libbpf.BPF_ANY),
+                         f"put {prog} in {name}")
 
 
 def capacities(max_entries: dict[str, int] | None) -> dict[str, int] | None:
     """The capacities asked for, with the per-endpoint counters map at the backends map's size unless it is given
     one: it holds an entry per backend."""
-    if max_entries and abi.MAP_BACKENDS in max_entries and abi.MAP_EPSTATS not in max_entries:
-        return {**max_entries, abi.MAP_EPSTATS: max_entries[abi.MAP_BACKENDS]}
+    for backends, epstats in ((abi.MAP_BACKENDS, abi.MAP_EPSTATS), (abi.MAP_BACKENDS6, abi.MAP_EPSTATS6)):
+        if max_entries and backends in max_entries and epstats not in max_entries:
+            max_entries = {**max_entries, epstats: max_entries[backends]}
     return max_entries
 
 
@@ -310,16 +324,18 @@ def load(
     cluster_cidr: str | None = None,
     endpoint_counters: bool = False,
     kernel_flags: int | None = None,
+    cluster_cidr6: str | None = None,
 ) -> LoadedObject:
     """Open and load the object. Maps come, in this order of preference, from their pin under `pin_dir`,
     from `adopt` (name -> fd of a previous run's map), or new (and then pinned). A pinned or adopted map of
     another shape (e.g. a changed capacity) is not reused: a warning says so and a new one replaces it.
     `ct_timeouts` (default: conntrack.CtTimeouts() at this kernel's HZ), `snat_ports` (the first and last
-    source port SNAT gives out), `cluster_cidr` (--cluster-cidr) and `endpoint_counters` (--bpf-endpoint-counters)
-    become the programs' constants, and so does what this kernel offers (kernel.py; `kernel_flags`, abi.KERNEL_*,
-    overrides the probe: tests run the older kernels' ways here). A kernel without what the programs need fails
-    here, naming what it lacks."""
-    config = constants(ct_timeouts, snat_ports, cluster_cidr, endpoint_counters, kernel_features(kernel_flags))
+    source port SNAT gives out), `cluster_cidr` and `cluster_cidr6` (--cluster-cidr's IPv4 and IPv6 CIDRs) and
+    `endpoint_counters` (--bpf-endpoint-counters) become the programs' constants, and so does what this kernel
+    offers (kernel.py; `kernel_flags`, abi.KERNEL_*, overrides the probe: tests run the older kernels' ways here).
+    A kernel without what the programs need fails here, naming what it lacks."""
+    config = constants(ct_timeouts, snat_ports, cluster_cidr, endpoint_counters, kernel_features(kernel_flags),
+                       cluster_cidr6)
     max_entries = capacities(max_entries)
     lib = libbpf.lib()
     if not obj_path.exists():
@@ -379,6 +395,7 @@ def load(
             if p == ffi.NULL:
                 break
             loaded.progs[ffi.string(lib.bpf_program__name(p)).decode()] = lib.bpf_program__fd(p)
+        fill_jumps(loaded)
         return loaded
     except BaseException:
         loaded.close()

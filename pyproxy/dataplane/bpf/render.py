@@ -35,13 +35,15 @@ carries its change to them instead of a new copy.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, maglev
+from pyproxy.model.objects import IPV6, family_of
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 FrontendKey = tuple[str, int, str, int]
@@ -420,7 +422,7 @@ def render(
             flags |= abi.SVC_F_DROP
         if st.masquerade or (masq.masquerade_all and not st.kind.external):
             flags |= abi.SVC_F_MASQ
-        elif masq.cluster_cidr and not st.kind.external:
+        elif masq.cluster_cidr_of(st.family) and not st.kind.external:
             flags |= abi.SVC_F_MASQ_OUTSIDE
         if _has_node_view(st):
             flags |= abi.SVC_F_NODE_VIEW
@@ -521,8 +523,10 @@ def render(
         port_clears,
         epoch_batch(epoch) if released else Batch("put", abi.MAP_EPOCH, ()),
     )
+    v6_ids = frozenset(fe.svc_id for key, fe in itertools.chain(current.items(), upserts.items())
+                       if family_of(key[0]) == IPV6)
     return Plan(
-        batches=tuple(b for b in batches if b.keys),
+        batches=tuple(b for b in by_family(batches, v6_ids) if b.keys),
         upserts=upserts,
         removed=tuple(removed),
         refs=refs,
@@ -532,6 +536,45 @@ def render(
         epoch=epoch,
         skipped=tuple(skipped),
     )
+
+
+# The maps whose entries hold an address, by their IPv6 twins (abi.h); how a batch's entry tells its family: by the
+# address in its key (services, backends, per-endpoint counters), or by its frontend's service id (slots, tables,
+# source ranges).
+_TWINS: dict[str, str | None] = {
+    abi.MAP_SERVICES: abi.MAP_SERVICES6, abi.MAP_BACKENDS: abi.MAP_BACKENDS6, abi.MAP_EPSTATS: abi.MAP_EPSTATS6,
+    abi.MAP_SLOTS: abi.MAP_SLOTS6, abi.MAP_TABLES: abi.MAP_TABLES6, abi.MAP_SRCRANGES: abi.MAP_SRCRANGES6,
+}
+_BY_ADDRESS = frozenset({abi.MAP_SERVICES, abi.MAP_BACKENDS, abi.MAP_EPSTATS})
+
+
+def by_family(batches: Iterable[Batch], v6_ids: Set[int]) -> Iterator[Batch]:
+    """The plan's batches with each IPv6 entry moved to the IPv6 twin of its map, in a batch right after its IPv4
+    one: the order of the rules above holds within each family, and an IPv4-only plan is what it was. `v6_ids`: the
+    service ids of IPv6 frontends (applied or planned). Each frontend's backends are of its own family (the
+    model's dual-stack Services have a frontend per family)."""
+    for b in batches:
+        twin = _TWINS.get(b.map, "")
+        if twin == "" or b.verb == "reset":
+            yield b
+            continue
+        by_address = b.map in _BY_ADDRESS
+        six = [family_of(k[0]) == IPV6 if by_address else k[0] in v6_ids for k in b.keys]
+        if b.map == abi.MAP_SRCRANGES:
+            # A Service's source ranges may mix families; each frontend keeps those of its own.
+            keep = [(family_of(k[1]) == IPV6) == v6 for k, v6 in zip(b.keys, six, strict=True)]
+            b = Batch(b.verb, b.map, [k for k, ok in zip(b.keys, keep, strict=True) if ok],
+                      None if b.values is None else [v for v, ok in zip(b.values, keep, strict=True) if ok])
+            six = [v6 for v6, ok in zip(six, keep, strict=True) if ok]
+        if not any(six):
+            yield b
+            continue
+        values = b.values
+        yield Batch(b.verb, b.map, [k for k, v6 in zip(b.keys, six, strict=True) if not v6],
+                    None if values is None else [v for v, v6 in zip(values, six, strict=True) if not v6])
+        if twin is not None:
+            yield Batch(b.verb, twin, [k for k, v6 in zip(b.keys, six, strict=True) if v6],
+                        None if values is None else [v for v, v6 in zip(values, six, strict=True) if v6])
 
 
 def _slots(fe: AppliedFrontend) -> list[tuple[str, int, int]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -73,12 +74,14 @@ def _be32(ip: str) -> ctypes.c_uint32:
 
 def write_device_addresses(devaddrs: BpfMap, wanted: dict[int, str]) -> bool:
     """Make the devices map hold `wanted` (ifindex -> address): new and changed entries first, then the removed
-    ones, so a device keeps an address throughout. Whether anything changed."""
-    have = {int(k.value): abi.ip_of(int(v.value)) for k, v in devaddrs.items()}
+    ones, so a device keeps an address throughout. Whether anything changed. The IPv6 devices map
+    (abi.MAP_DEVADDRS6, struct pyproxy_in6 values) the same way."""
+    six = devaddrs.value_type is abi.In6
+    have = {int(k.value): abi.ip6_of(v) if six else abi.ip_of(int(v.value)) for k, v in devaddrs.items()}
     changed = False
     for index, ip in wanted.items():
         if have.get(index) != ip:
-            devaddrs[ctypes.c_uint32(index)] = _be32(ip)
+            devaddrs[ctypes.c_uint32(index)] = abi.in6(ip) if six else _be32(ip)
             changed = True
     for index in have.keys() - wanted.keys():
         del devaddrs[ctypes.c_uint32(index)]
@@ -91,15 +94,21 @@ class DeviceAddresses:
     they come in bursts). `list_addresses` reads the kernel (tests replace it)."""
 
     def __init__(self, devaddrs: BpfMap,
-                 list_addresses: Callable[[], dict[int, str]] = netlink.primary_ipv4_by_device) -> None:
+                 list_addresses: Callable[[], dict[int, str]] = netlink.primary_ipv4_by_device,
+                 devaddrs6: BpfMap | None = None,
+                 list_addresses6: Callable[[], dict[int, str]] = netlink.primary_ipv6_by_device) -> None:
         self._map = devaddrs
         self._list = list_addresses
+        self._map6 = devaddrs6
+        """The IPv6 devices map (abi.MAP_DEVADDRS6), followed beside the IPv4 one; None: not followed."""
+        self._list6 = list_addresses6
         self._lock = threading.Lock()
         self._watcher: netlink.AddressWatcher | None = None
 
     def start(self) -> None:
         """Subscribe, write what is there, then follow."""
-        self._watcher = netlink.AddressWatcher(self.refresh)
+        families = (socket.AF_INET,) if self._map6 is None else (socket.AF_INET, socket.AF_INET6)
+        self._watcher = netlink.AddressWatcher(self.refresh, families)
         self.refresh()
         self._watcher.start()
 
@@ -108,6 +117,8 @@ class DeviceAddresses:
             self._watcher.stop()
         with self._lock:
             self._map.close()
+            if self._map6 is not None:
+                self._map6.close()
 
     def refresh(self) -> None:
         """Read the addresses, write what changed. Called by the watcher's thread too: a failure is logged, and the
@@ -118,9 +129,14 @@ class DeviceAddresses:
             try:
                 wanted = self._list()
                 changed = write_device_addresses(self._map, wanted)
+                wanted6 = self._list6() if self._map6 is not None else {}
+                if self._map6 is not None:
+                    changed |= write_device_addresses(self._map6, wanted6)
             except OSError as e:
                 log.error("cannot update the SNAT source addresses by device: %s", e)
                 return
             if changed:
+                shown = [f"ifindex {i}: {ip}" for table in (wanted, wanted6) for i, ip in sorted(table.items())]
                 log.info("SNAT source addresses by device (this kernel has no BPF_FIB_LOOKUP_SRC): %s",
-                         ", ".join(f"ifindex {i}: {ip}" for i, ip in sorted(wanted.items())) or "none")
+                         ", ".join(shown) or "none")
+

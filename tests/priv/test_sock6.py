@@ -1,0 +1,88 @@
+"""Socket load balancing of IPv6 frontends (bpf/include/pyproxy/sock.h, the connect6/sendmsg6/recvmsg6/getpeername6
+hooks) with real sockets, in test_sock.py's world: a cgroup, a network namespace and a pin directory of the test's
+own. The IPv6 maps are written entry by entry (render does not write them yet)."""
+
+from __future__ import annotations
+
+import ctypes
+import textwrap
+
+import test_sock
+from harness import ROOT, Dataplane
+from test_sock import World, world  # noqa: F401 (the fixture)
+
+from pyproxy.dataplane.bpf import abi, cgroup
+from pyproxy.model.objects import Protocol
+
+pytestmark = ROOT
+
+VIP6, EMPTY_VIP6 = "fd00:96::77", "fd00:96::78"
+TCP_BACKEND, UDP_BACKEND = ("::1", 18080), ("::1", 15353)
+
+# test_sock.py's server, on IPv6 loopback.
+SERVER = test_sock.SERVER.replace("socket.socket()", "socket.socket(socket.AF_INET6)").replace(
+    "socket.AF_INET,", "socket.AF_INET6,").replace('"127.0.0.1"', '"::1"')
+
+CLIENT = textwrap.dedent("""
+    import json, socket
+    out = {}
+    s = socket.create_connection(("fd00:96::77", 80), timeout=2)
+    out["tcp_reply"] = s.recv(100).decode(); out["tcp_peer"] = list(s.getpeername()[:2]); s.close()
+    u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); u.settimeout(2)
+    u.sendto(b"q", ("fd00:96::77", 53))
+    data, src = u.recvfrom(100); out["udp_reply"] = data.decode(); out["udp_source"] = list(src[:2])
+    try:
+        socket.create_connection(("fd00:96::78", 80), timeout=2); out["empty"] = "connected"
+    except OSError as e:
+        out["empty"] = type(e).__name__
+    print(json.dumps(out))
+""")
+
+
+def frontend6(dp: Dataplane, vip: str, port: int, proto: int, backends: tuple[tuple[str, int], ...],
+              svc_id: int) -> None:
+    dp.maps.services6[abi.Svc6Key(abi.in6(vip), abi.be16(port), proto, abi.SVC_SCOPE_PACKETS)] = abi.SvcValue(
+        svc_id=svc_id, backend_count=len(backends))
+    for i, (ip, p) in enumerate(backends):
+        dp.maps.slots6[abi.SlotKey(svc_id, i)] = abi.Slot6(abi.in6(ip), abi.be16(p), 0)
+        dp.maps.backends6[abi.Backend6(abi.in6(ip), abi.be16(p))] = abi.BackendInfo(0, 0)
+
+
+def test_a_node_process_reaches_ipv6_frontends_through_the_socket_hooks(world: World) -> None:  # noqa: F811
+    dp = world.dp
+    frontend6(dp, VIP6, 80, 6, (TCP_BACKEND,), 1)
+    frontend6(dp, VIP6, 53, 17, (UDP_BACKEND,), 2)
+    frontend6(dp, EMPTY_VIP6, 80, 6, (), 3)
+    cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
+    got = test_sock.serve_and_ask(world, SERVER, CLIENT)
+    assert got["tcp_reply"] == "tcp-backend" and got["tcp_peer"] == [VIP6, 80], "connect() and getpeername()"
+    assert got["udp_reply"] == "udp:q" and got["udp_source"] == [VIP6, 53], "sendto() and recvfrom()'s source"
+    assert got["empty"] == "ConnectionRefusedError", "a frontend without endpoints refuses at connect()"
+    assert dp.counter("sock_lb") == 2 and dp.counter("sock_refused") == 1
+    assert len(dp.maps.socks6) == 2 and ctypes.sizeof(abi.Sock6Key) == 32
+
+
+MAPPED_CLIENT = textwrap.dedent("""
+    import json, socket
+    out = {}
+    s = socket.socket(socket.AF_INET6); s.settimeout(2); s.connect(("::ffff:10.96.77.1", 80))
+    out["tcp_reply"] = s.recv(100).decode(); out["tcp_peer"] = list(s.getpeername()[:2]); s.close()
+    u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); u.settimeout(2)
+    u.sendto(b"q", ("::ffff:10.96.77.1", 53))
+    data, src = u.recvfrom(100); out["udp_reply"] = data.decode(); out["udp_source"] = list(src[:2])
+    print(json.dumps(out))
+""")
+
+
+def test_an_ipv6_socket_reaches_an_ipv4_frontend_by_its_mapped_address(world: World) -> None:  # noqa: F811
+    """A dual-stack socket (AF_INET6) connecting to ::ffff:<ClusterIP>: the IPv4 frontends decide, and the socket
+    sees the frontend's mapped address as its peer and as its datagrams' source."""
+    dp = world.dp
+    dp.apply(test_sock._state(test_sock.VIP, 80, Protocol.TCP, (test_sock.TCP_BACKEND,)),
+             test_sock._state(test_sock.VIP, 53, Protocol.UDP, (test_sock.UDP_BACKEND,)), service="default/web")
+    cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
+    got = test_sock.serve_and_ask(world, test_sock.SERVER, MAPPED_CLIENT)
+    mapped = f"::ffff:{test_sock.VIP}"
+    assert got["tcp_reply"] == "tcp-backend" and got["tcp_peer"] == [mapped, 80]
+    assert got["udp_reply"] == "udp:q" and got["udp_source"] == [mapped, 53]
+    assert dp.counter("sock_lb") == 2
