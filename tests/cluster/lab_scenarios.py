@@ -332,7 +332,8 @@ class Lab:
         k = self.kube
         ds, mode = PROXIES.get(column, ("pyproxy", column))
         t0 = time.monotonic()
-        k("apply", "-f", "-", stdin=self.configmap(mode))
+        # pods read the ConfigMap at their start: only a changed one needs new pods
+        changed = "unchanged" not in k("apply", "-f", "-", stdin=self.configmap(mode))
         if ds == "pyproxy":
             if k.exists("-n", "kube-system", "daemonset", "kube-proxy"):
                 # kube-proxy leaves its rules when it stops; pyproxy removes them at its start (README)
@@ -344,7 +345,7 @@ class Lab:
                 self.pyproxy_cleanup()
             existed = k.exists("-n", "kube-system", "daemonset", "kube-proxy")
             k("apply", "-f", str(MANIFESTS / "kube-proxy.yaml"))
-        if existed:  # a ConfigMap change reaches running pods only through new pods
+        if existed and changed:
             k("-n", "kube-system", "rollout", "restart", f"daemonset/{ds}")
         k("-n", "kube-system", "rollout", "status", f"daemonset/{ds}", "--timeout=900s")
         rolled = time.monotonic() - t0
