@@ -40,6 +40,8 @@ help:
 	@echo "make guest-kernel-test  the BPF fixtures on Debian's 6.1 kernel in a qemu guest (11 min; not in make test)"
 	@echo "make lab-up    the Vagrant lab: PYPROXY_NODES (2) VMs, a real control plane and kubelets (root, minutes)"
 	@echo "make lab-status    its VMs, nodes and pods; make lab-smoke: an echo pod per node behind a Service"
+	@echo "make lab-test  pyproxy's image + DaemonSet on the lab's nodes, cross-node scenarios per mode, one table"
+	@echo "               (PYPROXY_LAB_MODES=bpf,ipvs,nftables,kube-proxy; brings the lab up when it is down)"
 	@echo "make lab-down  destroy the lab: no VM, libvirtd, namespace or bridge left running"
 
 install: apt venv bpf
@@ -191,7 +193,7 @@ guest-kernel-test: install guest-image
 # The Vagrant lab (issue 13, README "Vagrant lab"): PYPROXY_NODES (default 2) Debian bookworm VMs under libvirt
 # (qemu TCG), a real control plane on node 1 and kubelet + containerd on every node. vagrant/lab.sh runs libvirtd
 # and vagrant in a private network namespace; lab-down leaves nothing running.
-.PHONY: lab-up lab-down lab-status lab-smoke lab-box
+.PHONY: lab-up lab-down lab-status lab-smoke lab-box lab-test
 lab-box:
 	bash vagrant/build-box.sh
 lab-up:
@@ -203,3 +205,8 @@ lab-status:
 # one echo pod per node behind a Service: its EndpointSlice, and pod-to-pod across nodes
 lab-smoke:
 	bash vagrant/lab.sh smoke
+# pyproxy from deploy/ (image imported into every node's containerd, rbac, the kube-proxy ConfigMap with the lab's
+# values, the DaemonSet) in each of PYPROXY_LAB_MODES, and upstream kube-proxy as the reference: the scenarios of
+# tests/cluster/lab_scenarios.py, a table of what passed with the numbers measured (README "Vagrant lab").
+lab-test: image pod-image kube-proxy
+	PY=$(abspath $(VPY)) bash vagrant/lab.sh test

@@ -1,6 +1,6 @@
 #!/bin/bash
-# The Vagrant lab's life cycle: lab.sh up | down | status | smoke (make lab-up / lab-down / lab-status /
-# lab-smoke).
+# The Vagrant lab's life cycle: lab.sh up | down | status | smoke | test (make lab-up / lab-down / lab-status /
+# lab-smoke / lab-test).
 #
 # There is no systemd as PID 1 on this machine, so virtlogd and libvirtd are started by hand, inside a private
 # network namespace (NETNS below) so that libvirt's bridges, dnsmasq and NAT rules never touch the host's network;
@@ -10,6 +10,7 @@
 # namespace: nothing is left running and no bridge exists on the host.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(dirname "$HERE")
 CACHE=${PYPROXY_CACHE:-$HOME/.cache/pyproxy}
 export PYPROXY_CACHE=$CACHE
 LAB=$CACHE/vagrant
@@ -148,8 +149,38 @@ wait_ready() {
     done
 }
 
+# ssh NODE COMMAND...: as root on a node, without vagrant's start-up cost per call (its ssh-config, written once
+# per lab-test).
+node_ssh() {
+    inns ssh -F "$RUN/ssh_config" -o LogLevel=ERROR "$1" sudo "${@:2}"
+}
+
+# import_image ARCHIVE BASE-NAME: into every node's containerd, as the README's deploying section says (no
+# registry); skipped on a node that has this very manifest already (an unchanged image costs nothing).
+import_image() {
+    local archive=$1 base=$2 digest name pids=() node t0 rc=0
+    name=$(basename "$archive")
+    mkdir -p "$SHARE/deploy"
+    ln -f "$archive" "$SHARE/deploy/$name" 2>/dev/null || cp -f "$archive" "$SHARE/deploy/$name"
+    digest=$(tar -xOf "$archive" ./index.json | python3 -c 'import json, sys; print(json.load(sys.stdin)["manifests"][0]["digest"])')
+    t0=$(date +%s)
+    for i in $(seq 1 "$NODES"); do
+        node=node$i
+        ( if node_ssh "$node" ctr -n k8s.io images ls | grep -q "$digest"; then
+              log "$node has $base ($digest)"
+          else
+              node_ssh "$node" ctr -n k8s.io images import --base-name "$base" "/lab/deploy/$name" >/dev/null
+              log "$node: imported $name as $base in $(( $(date +%s) - t0 ))s"
+          fi ) &
+        pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || rc=1; done
+    return $rc
+}
+
 case ${1:-} in
 up)
+    rm -f "$LAB/lab-test-results.json"  # a new lab, a new table (make lab-test)
     host_packages
     prepare_share
     log "box"
@@ -192,6 +223,32 @@ smoke)
     done
     log "smoke passed"
     ;;
+test)
+    # make lab-test: pyproxy's image (make image) and upstream kube-proxy's (vagrant/kube-proxy-image.sh) into
+    # every node's containerd, then tests/cluster/lab_scenarios.py per proxy mode (PYPROXY_LAB_MODES, in order).
+    # A lab that is not running is brought up first (as make lab-up).
+    if ! pid_alive "$RUN/libvirtd.pid" || ! kc get nodes >/dev/null 2>&1; then
+        log "the lab is not running: bringing it up (make lab-up)"
+        "$0" up
+    fi
+    wait_ready
+    PY=${PY:-$REPO/.venv/bin/python}
+    version=$(sed -n 's|^ *image: localhost/pyproxy:||p' "$REPO/deploy/daemonset.yaml")
+    image=$REPO/deploy/build/pyproxy-$version.oci.tar
+    [ -s "$image" ] || { log "$image is missing: make image"; exit 1; }
+    inns vagrant ssh-config >"$RUN/ssh_config"
+    log "images: $image, kube-proxy's"
+    import_image "$image" localhost/pyproxy
+    modes=${PYPROXY_LAB_MODES:-bpf,ipvs,nftables,kube-proxy}
+    case ,$modes, in *,kube-proxy*) import_image "$("$HERE/kube-proxy-image.sh")" localhost/kube-proxy;; esac
+    log "images imported"
+    rc=0
+    inns env PYTHONPATH="$REPO" "$PY" "$REPO/tests/cluster/lab_scenarios.py" --kubeconfig "$SHARE/pki/admin.kubeconfig" \
+        --nodes "$NODES" --modes "$modes" \
+        --results "$LAB/lab-test-results.json" || rc=$?
+    log "lab-test took $(( $(date +%s) - T0 ))s (rc $rc)"
+    exit $rc
+    ;;
 status)
     if ! pid_alive "$RUN/libvirtd.pid"; then echo "lab: not running (no libvirtd)"; exit 0; fi
     inns vagrant status
@@ -200,5 +257,5 @@ status)
     kc get pods -A -o wide
     ;;
 *)
-    echo "usage: $0 up|down|status|smoke" >&2; exit 2;;
+    echo "usage: $0 up|down|status|smoke|test" >&2; exit 2;;
 esac

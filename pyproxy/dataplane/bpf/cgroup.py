@@ -82,11 +82,27 @@ def _pins(pin_dir: Path) -> dict[str, Path]:
     return {p.name: p for p in links.glob("cgroup_*")} if links.is_dir() else {}
 
 
+def v2_directory(root: Path) -> Path:
+    """`root` when it is a cgroup v2 directory, else the v2 hierarchy systemd's hybrid layout mounts below it.
+
+    A node booted with cgroup v1 controllers (`systemd.unified_cgroup_hierarchy=0`, as kubelets before cgroup v2
+    support want) keeps its v2 hierarchy at /sys/fs/cgroup/unified: the DaemonSet mounts the host's whole
+    /sys/fs/cgroup at --cgroup-root, so on such a node the hooks' place is `unified` below it."""
+    if root.is_dir() and loader.fs_type(root) == "cgroup2":
+        return root
+    unified = root / "unified"
+    if unified.is_dir() and loader.fs_type(unified) == "cgroup2":
+        log.info("--cgroup-root %s holds cgroup v1 controllers: the socket hooks go on its v2 hierarchy %s",
+                 root, unified)
+        return unified
+    raise loader.BpfUnavailable(f"--cgroup-root {root} is not a cgroup v2 directory (nor has one at {unified})")
+
+
 def attach(progs: dict[str, int], root: Path, pin_dir: Path) -> None:
-    """Attach (or atomically replace) every socket hook on cgroup `root`, pinned under `pin_dir`."""
+    """Attach (or atomically replace) every socket hook on cgroup `root` (or its hybrid layout's v2 hierarchy,
+    v2_directory), pinned under `pin_dir`."""
     lib = libbpf.lib()
-    if not root.is_dir() or loader.fs_type(root) != "cgroup2":
-        raise loader.BpfUnavailable(f"--cgroup-root {root} is not a cgroup v2 directory")
+    root = v2_directory(root)
     want = cgroup_id(root)
     (pin_dir / LINK_DIR).mkdir(exist_ok=True)
     cg = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
