@@ -67,10 +67,12 @@ SETTINGS: dict[str, tuple[str, ...]] = {
 }
 
 # Flags with no field in a KubeProxyConfiguration, which apply beside --config (upstream: --master, and
-# --hostname-override over the file's hostnameOverride); and -v and --logging-format, which win over the file's
-# `logging` block as upstream's since 1.28 (kubernetes#119864: a file without the block reset -v to 0).
+# --hostname-override over the file's hostnameOverride); -v and --logging-format, which win over the file's
+# `logging` block as upstream's since 1.28 (kubernetes#119864: a file without the block reset -v to 0); and
+# --cgroup-root over the file's bpf.cgroupRoot: where the host's cgroup hierarchy is mounted is the pod's
+# business (deploy/daemonset.yaml), not the ConfigMap's, which every node and kube-proxy itself share.
 ALONGSIDE_CONFIG = frozenset({"source", "master", "hostname_override", "iptables_backend", "bpf_pin_path", "v",
-                              "logging_format"})
+                              "logging_format", "cgroup_root"})
 
 
 class SyncFlag(NamedTuple):

@@ -297,6 +297,16 @@ def test_hostname_override_and_the_flags_without_a_field_apply_beside_config(tmp
         ("https://10.0.0.1:6443", tmp_path, "nft", "nft", Path("/sys/fs/bpf/elsewhere"))
 
 
+def test_the_daemonsets_cgroup_root_applies_beside_config(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """deploy/daemonset.yaml passes --cgroup-root (the host's hierarchy as mounted in the pod) beside the shared
+    ConfigMap: it must reach the socket hooks, not be ignored as a flag with a field; it wins over the file's."""
+    with caplog.at_level(logging.WARNING):
+        s = run_settings(tmp_path, "bpf: {cgroupRoot: /from/file}\n", "--cgroup-root=/run/pyproxy/cgroup2")
+    assert s.bpf.cgroup_root == Path("/run/pyproxy/cgroup2")
+    assert not [r for r in caplog.records if "--cgroup-root is ignored" in r.getMessage()]
+    assert run_settings(tmp_path, "bpf: {cgroupRoot: /from/file}\n").bpf.cgroup_root == Path("/from/file")
+
+
 def test_without_a_subcommand_the_command_line_is_kube_proxys(tmp_path: Path) -> None:
     config = tmp_path / "kp.yaml"
     config.write_text(configmap("kubeadm-ipvs-lc.configmap.yaml"))
