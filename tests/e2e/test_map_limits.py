@@ -18,6 +18,7 @@ from cluster.cluster import Cluster
 
 from pyproxy.lab.manifests import Port, endpoint_slice
 from pyproxy.lab.manifests import service as manifest_service
+from pyproxy.lab.netns import ipv6_of
 from pyproxy.lab.proxy import Pyproxy
 
 pytestmark = pytest.mark.root
@@ -83,6 +84,35 @@ def test_a_full_services_map_leaves_out_only_what_does_not_fit(make_env: Callabl
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_full_ipv6_map_leaves_out_only_the_ipv6_service_that_does_not_fit(make_env: Callable) -> None:
+    """Each family against its own map: with services6=2, two IPv6 Services fit and a third is left out naming
+    pyproxy_svc6_v1, while three IPv4 Services (more than the IPv6 map holds) are all served."""
+    env = make_env(2, ipv6=True)
+    b1, b2 = ipv6_of(B1), ipv6_of(B2)
+    docs = cluster_of(3)
+    for i in range(3):
+        docs += [manifest_service(f"svc6-{i}", f"fd00:10:96:40::{i + 1}", [HTTP],
+                                  cluster_ips=[f"fd00:10:96:40::{i + 1}"]),
+                 endpoint_slice(f"svc6-{i}", {b1: True, b2: True}, [HTTP])]
+    env.write("cluster.yaml", *docs)
+    proxy = env.start(args=["--bpf-map-sizes=services6=2"])
+    wait(lambda: "Service default/svc6-2 not programmed" in proxy.log_text(), "the unserved IPv6 Service's log line")
+    log = proxy.log_text()
+    assert re.search(r"Service default/svc6-2 not programmed: BPF map pyproxy_svc6_v1 would need 3 entries but "
+                     r"holds 2", log), proxy.log_tail()
+    assert "not programmed" not in log.replace("Service default/svc6-2 not programmed", ""), proxy.log_tail()
+    for i in range(3):
+        env.assert_reaches("tcp", f"10.96.40.{i + 1}", 80, {"b1:8080", "b2:8080"})
+    for i in range(2):
+        result = env.probe("tcp", f"fd00:10:96:40::{i + 1}", 80, 20)
+        assert result["failures"] == 0 and set(result["replies"]) == {"b1:8080", "b2:8080"}, result
+    metrics = env.metrics()
+    assert metrics["pyproxy_bpf_map_entries{map=pyproxy_svc6_v1}"] == 2, metrics
+    assert metrics["pyproxy_bpf_map_capacity{map=pyproxy_svc6_v1}"] == 2, metrics
+    assert metrics["pyproxy_bpf_map_entries{map=pyproxy_svc_v2}"] == 3, metrics
+    assert metrics["pyproxy_bpf_services_unserved"] == 1, metrics
 
 
 def test_a_left_out_service_gets_a_kubernetes_event(make_env: Callable, cluster: Cluster, kube: Kube,

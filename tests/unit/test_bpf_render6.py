@@ -7,7 +7,8 @@ import pytest
 
 from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi
-from pyproxy.dataplane.bpf.render import Applied, render
+from pyproxy.dataplane.bpf.backend import BpfDataplane, BpfSettings
+from pyproxy.dataplane.bpf.render import Applied, CapacityError, render
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, ServicePortState
 
@@ -80,3 +81,77 @@ def test_each_familys_clusterip_masquerades_by_its_own_cluster_cidr(masq: Masque
     flags = {key[0]: fe.flags for key, fe in plan.upserts.items()}
     assert bool(flags["10.96.0.10"] & abi.SVC_F_MASQ_OUTSIDE) == outside4
     assert bool(flags["fd00:96::a"] & abi.SVC_F_MASQ_OUTSIDE) == outside6
+
+
+# The capacity check: each family against its own maps (render._check_capacity); a plan that does not fit writes
+# nothing, and BpfDataplane leaves out only the Services that do not fit.
+V4B = state("10.96.0.11", (Backend("10.0.1.2", 8080), Backend("10.0.1.3", 8080)))
+V6B = state("fd00:96::b", (Backend("fd00:1::3", 8080),))
+
+
+def applied_with(*states: ServicePortState, capacity: dict[str, int]) -> Applied:
+    applied = Applied()
+    for i, st in enumerate(states):
+        applied.commit(render(applied, {f"default/s{i}": [st]}, capacity))
+    return applied
+
+
+@pytest.mark.parametrize(("full", "size"), [
+    (abi.MAP_SERVICES6, 1), (abi.MAP_SLOTS6, 2), (abi.MAP_BACKENDS6, 2),
+])
+def test_an_ipv6_service_that_does_not_fit_its_ipv6_map_is_rejected_naming_it(full: str, size: int) -> None:
+    """V6 fills the IPv6 map (1 frontend, 2 slots, 2 backends); another IPv6 Service does not fit and the error
+    names the IPv6 map, while IPv4 Services still fit: the IPv4 maps are not charged for the IPv6 entries."""
+    capacity = {**CAPACITY, abi.MAP_SERVICES: 1, abi.MAP_SLOTS: 1, abi.MAP_BACKENDS: 1, full: size}
+    applied = applied_with(V6, capacity=capacity)
+    with pytest.raises(CapacityError, match=rf"BPF map {full} would need \d+ entries but holds {size}:"):
+        render(applied, {"default/other": [V6B]}, capacity)
+    applied.commit(render(applied, {"default/v4": [V4]}, capacity))  # 1 IPv4 frontend, slot and backend: fits
+    assert applied.frontends6 == 1 and len(applied.frontends) == 2
+
+
+@pytest.mark.parametrize(("full", "size"), [
+    (abi.MAP_SERVICES, 1), (abi.MAP_SLOTS, 1), (abi.MAP_BACKENDS, 1),
+])
+def test_an_ipv4_service_that_does_not_fit_its_ipv4_map_is_rejected_naming_it(full: str, size: int) -> None:
+    capacity = {**CAPACITY, abi.MAP_SERVICES6: 1, abi.MAP_SLOTS6: 2, abi.MAP_BACKENDS6: 2, full: size}
+    applied = applied_with(V4, capacity=capacity)
+    with pytest.raises(CapacityError, match=rf"BPF map {full} would need \d+ entries but holds {size}:"):
+        render(applied, {"default/other": [V4B]}, capacity)
+    applied.commit(render(applied, {"default/v6": [V6]}, capacity))  # the IPv6 maps' own room
+    assert applied.frontends6 == 1 and applied.slots6 == 2 and applied.backends6 == 2
+
+
+def test_the_ipv6_endpoint_counters_map_holds_the_ipv6_backends() -> None:
+    capacity = {**CAPACITY, abi.MAP_EPSTATS: 1, abi.MAP_EPSTATS6: 1}
+    applied = Applied()
+    applied.commit(render(applied, {"default/v4": [V4]}, capacity, endpoint_counters=True))
+    with pytest.raises(CapacityError, match=abi.MAP_EPSTATS6):
+        render(applied, {"default/v6": [V6]}, capacity, endpoint_counters=True)
+
+
+def test_the_maps_indexed_by_service_id_count_both_families() -> None:
+    """Names and stats serve both families (ids are shared): two frontends of different families need two."""
+    capacity = {**CAPACITY, abi.MAP_NAMES: 1}
+    with pytest.raises(CapacityError, match=abi.MAP_NAMES):
+        render(Applied(), {"default/web": [V4, V6]}, capacity)
+
+
+def test_the_per_family_counts_follow_removals() -> None:
+    capacity = {**CAPACITY, abi.MAP_SERVICES6: 1, abi.MAP_BACKENDS6: 2}
+    applied = applied_with(V6, capacity=capacity)
+    applied.commit(render(applied, {"default/s0": []}, capacity))
+    assert (applied.frontends6, applied.slots6, applied.backends6) == (0, 0, 0)
+    applied.commit(render(applied, {"default/other": [V6B]}, capacity))  # the room is back
+    assert (applied.frontends6, applied.slots6, applied.backends6) == (1, 1, 1)
+
+
+def test_the_map_fill_metrics_count_each_family_in_its_own_map() -> None:
+    """`pyproxy_bpf_map_entries{map}` (BpfDataplane.map_usage): the IPv6 twins report their own fill."""
+    dp = BpfDataplane(BpfSettings(endpoint_counters=True))
+    dp.applied = applied_with(V4, V6, capacity=CAPACITY)
+    dp._capacity = dict.fromkeys(abi.RESIZABLE.values(), 100)  # noqa: SLF001 # as start() reads them
+    usage = {name: n for name, (n, _) in dp.map_usage().items()}
+    assert usage == {abi.MAP_SERVICES: 1, abi.MAP_SLOTS: 1, abi.MAP_BACKENDS: 1, abi.MAP_EPSTATS: 1,
+                     abi.MAP_STATS: 2, abi.MAP_SERVICES6: 1, abi.MAP_SLOTS6: 2, abi.MAP_BACKENDS6: 2,
+                     abi.MAP_EPSTATS6: 2}

@@ -64,9 +64,11 @@ RESIZABLE = {
     "frags6": MAP_FRAGS6, "socks6": MAP_SOCKS6, "srcranges6": MAP_SRCRANGES6, "tables6": MAP_TABLES6,
     "epstats6": MAP_EPSTATS6,
 }
-"""The maps whose capacity a setting may change (--bpf-map-sizes), by the short name a setting uses. Service ids
-index stats, cursors and tables too: they hold as many as services (the largest id must fit). epstats holds one
-entry per backend: unless given its own size it takes the backends map's (loader.load)."""
+"""The maps whose capacity a setting may change (--bpf-map-sizes), by the short name a setting uses; an IPv6 twin's
+is its IPv4 map's with a 6, and render's capacity check counts each family against its own map. Service ids
+index stats, cursors and tables too: they hold as many as services (the largest id must fit); names, stats and
+cursors serve both families. epstats holds one entry per backend: unless given its own size it takes the backends
+map's (loader.load; epstats6 the backends6 map's)."""
 NAME_LEN = 128  # PYPROXY_NAME_LEN
 PORT_WORDS = 1024  # PYPROXY_PORT_WORDS
 CONFIG_VAR = "pyproxy_config"

@@ -960,9 +960,13 @@ class BpfDataplane:
     def map_usage(self) -> dict[str, tuple[int, int]]:
         """Map name -> (entries, capacity) of the maps the control plane fills, as last applied."""
         a = self.applied
-        held = {abi.MAP_SERVICES: len(a.frontends), abi.MAP_SLOTS: a.slots, abi.MAP_BACKENDS: len(a.backend_refs),
-                abi.MAP_STATS: a.max_id() + 1,
-                abi.MAP_EPSTATS: len(a.backend_refs) if self.settings.endpoint_counters else 0}
+        counters = self.settings.endpoint_counters
+        backends = len(a.backend_refs) - a.backends6
+        held = {abi.MAP_SERVICES: len(a.frontends) - a.frontends6, abi.MAP_SLOTS: a.slots - a.slots6,
+                abi.MAP_BACKENDS: backends, abi.MAP_STATS: a.max_id() + 1,
+                abi.MAP_EPSTATS: backends if counters else 0,
+                abi.MAP_SERVICES6: a.frontends6, abi.MAP_SLOTS6: a.slots6, abi.MAP_BACKENDS6: a.backends6,
+                abi.MAP_EPSTATS6: a.backends6 if counters else 0}
         return {name: (n, self._capacity[name]) for name, n in held.items() if name in self._capacity}
 
 

@@ -143,8 +143,8 @@ class Applied:
     reference (read back from the maps after a restart): the next plan removes them unless it uses them.
     """
 
-    __slots__ = ("frontends", "backend_refs", "epoch", "by_service", "slots", "generation", "port_backends",
-                 "port_words", "_unreferenced", "_free", "_next_id")
+    __slots__ = ("frontends", "backend_refs", "epoch", "by_service", "slots", "slots6", "frontends6", "backends6",
+                 "generation", "port_backends", "port_words", "_unreferenced", "_free", "_next_id")
 
     def __init__(
         self,
@@ -161,6 +161,12 @@ class Applied:
         """Service -> its frontends (a dict for a stable order)."""
         self.slots = 0
         """Slots in use: the sum of every frontend's ready backends."""
+        self.slots6 = 0
+        """Of `slots`, those of IPv6 frontends (MAP_SLOTS6's)."""
+        self.frontends6 = 0
+        """Of `frontends`, the IPv6 ones (MAP_SERVICES6's)."""
+        self.backends6 = sum(1 for b in self.backend_refs if family_of(b.ip) == IPV6)
+        """Of `backend_refs`, the IPv6 ones (MAP_BACKENDS6's)."""
         self.generation = 0
         self.port_backends: dict[int, int] = {}
         """Port -> how many backends in the map (`backend_refs`, referenced or not) have it."""
@@ -174,7 +180,7 @@ class Applied:
         self._unreferenced = {b for b, n in self.backend_refs.items() if n <= 0}
         for key, fe in self.frontends.items():
             self.by_service.setdefault(fe.service, {})[key] = None
-            self.slots += len(fe.backends)
+            self._count(key, fe, 1)
         ids = {fe.svc_id for fe in self.frontends.values()}
         self._next_id = max(ids) + 1 if ids else 0
         """One past the largest service id in use."""
@@ -221,7 +227,7 @@ class Applied:
                 self._unindex(key, old)
             self.frontends[key] = fe
             self.by_service.setdefault(fe.service, {})[key] = None
-            self.slots += len(fe.backends)
+            self._count(key, fe, 1)
         if allocated:
             # They are new_ids(len(allocated)): the lowest free ids, then ids from _next_id up.
             del self._free[: len(allocated)]
@@ -232,9 +238,12 @@ class Applied:
         while self._free and self._free[-1] == self._next_id - 1:
             self._free.pop()
             self._next_id -= 1
-        self.backend_refs.update(plan.refs)
+        held = self.backend_refs
+        self.backends6 += sum(1 for b in plan.refs if b not in held and family_of(b.ip) == IPV6)
+        self.backends6 -= sum(1 for b in plan.released if family_of(b.ip) == IPV6)
+        held.update(plan.refs)
         for b in plan.released:
-            del self.backend_refs[b]
+            del held[b]
         if self._unreferenced:
             self._unreferenced.difference_update(plan.refs)
         for p, n in plan.ports.items():
@@ -253,7 +262,14 @@ class Applied:
         del keys[key]
         if not keys:
             del self.by_service[fe.service]
-        self.slots -= len(fe.backends)
+        self._count(key, fe, -1)
+
+    def _count(self, key: FrontendKey, fe: AppliedFrontend, sign: int) -> None:
+        """Count a frontend in (1) or out (-1) of the slot and per-family counts."""
+        self.slots += sign * len(fe.backends)
+        if family_of(key[0]) == IPV6:
+            self.slots6 += sign * len(fe.backends)
+            self.frontends6 += sign
 
 
 class CapacityError(RuntimeError):
@@ -639,28 +655,45 @@ def _check_capacity(
     """The most each map holds while the plan runs, from the applied counts and the plan's changes: new entries
     are written before the entries they replace go (the order rules above), so a plan that removes as much as it
     adds still needs the room for both at its peak. A plan that does not fit so may fit as several (the backend
-    applies removals first then)."""
+    applies removals first then). Each family counts against its own maps (an IPv6 frontend, its slots and
+    backends against the IPv6 twins: by_family); the maps indexed by service id (names, stats, cursors) serve
+    both."""
     current = applied.frontends
-    slots = applied.slots
-    added = 0
+    slots6 = applied.slots6
+    slots = applied.slots - slots6
+    added = added6 = 0
     top = applied.max_id()
     for key, fe in upserts.items():
         old = current.get(key)
-        slots += max(0, len(fe.backends) - (len(old.backends) if old else 0))
+        grown = max(0, len(fe.backends) - (len(old.backends) if old else 0))
+        six = family_of(key[0]) == IPV6
+        if six:
+            slots6 += grown
+        else:
+            slots += grown
         if old is None:
             added += 1
+            added6 += six
             top = max(top, fe.svc_id)
     # Backends new to the map come first and the released go last; C-level loops, as a cold start touches 100,000.
     held = applied.backend_refs
-    backends = len(held) + sum(1 for b, n in refs.items() if n > 0 and b not in held)
+    new = [b for b, n in refs.items() if n > 0 and b not in held]
+    new6 = sum(1 for b in new if family_of(b.ip) == IPV6)
+    backends6 = applied.backends6 + new6
+    backends = len(held) + len(new) - backends6
+    frontends6 = applied.frontends6 + added6
     need = {
-        abi.MAP_SERVICES: len(current) + added,
+        abi.MAP_SERVICES: len(current) + added - frontends6,
+        abi.MAP_SERVICES6: frontends6,
         abi.MAP_NAMES: len(current) + added,
         abi.MAP_SLOTS: slots,
+        abi.MAP_SLOTS6: slots6,
         abi.MAP_BACKENDS: backends,
+        abi.MAP_BACKENDS6: backends6,
     }
     if endpoint_counters:
         need[abi.MAP_EPSTATS] = backends
+        need[abi.MAP_EPSTATS6] = backends6
     # Service ids index arrays (per-CPU stats, rr cursors): the largest id must fit the smallest of them.
     by_id = [m for m in (abi.MAP_STATS, abi.MAP_CURSORS) if m in capacity]
     id_map = min(by_id, key=capacity.__getitem__) if by_id else None
