@@ -110,8 +110,8 @@ class Loaded:
     maps: Maps
 
     @classmethod
-    def load(cls, path: Path) -> Loaded:
-        obj = loader.load(path, None)
+    def load(cls, path: Path, max_entries: dict[str, int] | None = None) -> Loaded:
+        obj = loader.load(path, None, max_entries)
         # Maps owns (closes) its fds, and so does the object: give Maps its own.
         return cls(obj, Maps({n: os.dup(fd) for n, fd in obj.maps.items()}))
 
@@ -155,6 +155,21 @@ def desired_state(n: int) -> dict[str, tuple[ServicePortState, ...]]:
     out[name] += (ServicePortState(name, "", Frontend(NODE_ADDR, NODE_PORT, Protocol.TCP), real, real,
                                    kind=FrontendKind.NODE_PORT, external_backends=real, masquerade=True),)
     return out
+
+
+def map_sizes(n: int) -> dict[str, int] | None:
+    """Capacities for n dual-stack Services where the defaults (abi.h) are too small: both families' frontends
+    count in the names map and the service ids (which index stats, cursors, tables), and render's capacity
+    check counts them, and their backends, against the IPv4 maps too. None: the defaults hold them (up to
+    65,535 Services)."""
+    frontends = 2 * n + 1  # and the NodePort
+    services = 1 << frontends.bit_length()
+    if services <= 131072:
+        return None
+    backends = 1 << (2 * n * core.ENDPOINTS).bit_length()
+    return {**{m: services for m in (abi.MAP_SERVICES, abi.MAP_NAMES, abi.MAP_STATS, abi.MAP_CURSORS,
+                                     abi.MAP_TABLES)},
+            abi.MAP_BACKENDS: max(backends, 1048576)}
 
 
 def populate(dp: Loaded, n: int) -> dict[str, float]:
@@ -276,13 +291,16 @@ SERIES_SINGLE = {
 
 def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.LoadedObject) -> None:
     rec.step(f"{core.plural(n, 'service')}: loading the object and filling the maps through render() -> Maps.run")
-    dp = Loaded.load(PYPROXY_OBJECT)
+    sizes = map_sizes(n)
+    dp = Loaded.load(PYPROXY_OBJECT, sizes)
     steps = loader.LoadedObject(None)
     try:
         pop = populate(dp, n)
         rec.add(Measurement("populate_s", "render() + Maps.run, one bpf(2) call per key", "bpf", n,
                             pop["render_s"] + pop["write_s"], "s",
-                            f"{pop['ops']:,} ops, {pop['us_per_op']:.1f} us/op", pop))
+                            f"{pop['ops']:,} ops, {pop['us_per_op']:.1f} us/op"
+                            + (f"; maps resized: {', '.join(f'{k} {v:,}' for k, v in sizes.items())}" if sizes else ""),
+                            pop))
         progs = dp.obj.progs
         est_flow = Flow(CLIENT, core.vip(n - 1), 40000, core.PORT, TCP)
         est_pkt = frame(est_flow, tcp_flags=TCP_ACK)
@@ -305,7 +323,7 @@ def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.Lo
             "xdp_miss_syn": TestRun(progs[abi.PROG_XDP], miss_syn_pkt),
             "tc_miss_syn": TestRun(progs[abi.PROG_TC_INGRESS], miss_syn_pkt),
         }
-        steps = loader.load(STEPS_OBJECT, None, adopt=dp.obj.maps)
+        steps = loader.load(STEPS_OBJECT, None, sizes, adopt=dp.obj.maps)
         runs.update((name, TestRun(steps.progs[name], est_pkt)) for name in STEPS if name in steps.progs)
         tries = pin_to_self(dp, runs["xdp_est"], est_flow)
         tries6 = pin_to_self(dp, runs["xdp_est6"], est_flow6)
