@@ -160,16 +160,14 @@ def desired_state(n: int) -> dict[str, tuple[ServicePortState, ...]]:
 def map_sizes(n: int) -> dict[str, int] | None:
     """Capacities for n dual-stack Services where the defaults (abi.h) are too small: both families' frontends
     count in the names map and the service ids (which index stats, cursors, tables), and render's capacity
-    check counts them, and their backends, against the IPv4 maps too. None: the defaults hold them (up to
-    65,535 Services)."""
-    frontends = 2 * n + 1  # and the NodePort
-    services = 1 << frontends.bit_length()
-    if services <= 131072:
+    check counts them, and their backends, against the IPv4 maps too. None: the defaults hold them."""
+    services = max(131072, 1 << (2 * n + 1).bit_length())  # and the NodePort
+    backends = max(1048576, 1 << (2 * n * core.ENDPOINTS).bit_length())
+    if (services, backends) == (131072, 1048576):
         return None
-    backends = 1 << (2 * n * core.ENDPOINTS).bit_length()
     return {**{m: services for m in (abi.MAP_SERVICES, abi.MAP_NAMES, abi.MAP_STATS, abi.MAP_CURSORS,
                                      abi.MAP_TABLES)},
-            abi.MAP_BACKENDS: max(backends, 1048576)}
+            abi.MAP_BACKENDS: backends}
 
 
 def populate(dp: Loaded, n: int) -> dict[str, float]:
