@@ -22,6 +22,10 @@ it does NOT reset between repeats):
   duration includes the test harness' timer overhead (two clock reads, bottom-half disable/enable), so the
   floor and the established flow are measured the same way beside it, and new flows are compared with that
   floor; the difference to it is the program's own cost.
+- IPv6: every Service is dual-stack (an IPv6 ClusterIP and 10 IPv6 backends beside the IPv4 ones, written by
+  the same render()), and the measured one's IPv6 flow is pinned to its own IPv6 ClusterIP the same way. Its
+  packets go in through the IPv4 entry points, as on a device, so the tail call to the IPv6 programs is in the
+  figure; each IPv6 row's note gives its ratio to the IPv4 row of the same size.
 - Caveat: one hot packet per run keeps the few hash buckets it touches in cache; real traffic to 100,000
   Services misses the cache more often. Spreading the new flows over every Service shows part of that.
 """
@@ -52,6 +56,7 @@ from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortStat
 
 sys.path.insert(0, str(core.REPO / "tests" / "priv"))
 from packets import TCP, TCP_ACK, TCP_SYN, Flow, decode, frame, pseudo_header_sum  # noqa: E402 - the project's frame builder
+from packets6 import frame6  # noqa: E402 - its IPv6 twin
 
 PYPROXY_OBJECT = core.REPO / "bpf" / "build" / "pyproxy.bpf.o"
 VERDICT_OBJECT = core.REPO / "bpf" / "build" / "verdict.bpf.o"
@@ -61,6 +66,7 @@ XDP_PASS, TC_ACT_OK = 2, 0
 CLIENT = "192.168.1.10"
 NOT_A_SERVICE = "10.250.0.1"
 CLIENTS = ipaddress.IPv4Address("172.16.0.0")  # new flows: one client address each
+CLIENT6 = "fd00:c::10"
 # The NodePort: served on the node's address NODE_ADDR; the endpoints are reached through another device whose
 # address, SNAT_ADDR, is what the node's routing picks as the source toward them (see nodeport_netns).
 NODE_ADDR, NODE_PORT = "10.200.0.1", 30000
@@ -104,8 +110,8 @@ class Loaded:
     maps: Maps
 
     @classmethod
-    def load(cls, path: Path) -> Loaded:
-        obj = loader.load(path, None)
+    def load(cls, path: Path, max_entries: dict[str, int] | None = None) -> Loaded:
+        obj = loader.load(path, None, max_entries)
         # Maps owns (closes) its fds, and so does the object: give Maps its own.
         return cls(obj, Maps({n: os.dup(fd) for n, fd in obj.maps.items()}))
 
@@ -117,17 +123,30 @@ class Loaded:
         return {name: sum(v.value for v in self.maps.counters.get(i)) for i, name in enumerate(abi.COUNTERS)}
 
 
+def vip6(i: int) -> str:
+    """Service i's IPv6 ClusterIP: fd00:100:: + i."""
+    return str(ipaddress.IPv6Address("fd00:100::") + i)
+
+
+def endpoint6(k: int) -> str:
+    """Endpoint k's IPv6 address, fd00:128:: + k (core.endpoint's twin)."""
+    return str(ipaddress.IPv6Address("fd00:128::") + k)
+
+
 def desired_state(n: int) -> dict[str, tuple[ServicePortState, ...]]:
-    """n Services with one TCP port and 10 ready backends each. The last one, the measured Service, has
-    itself (ClusterIP:80) as one of its backends (see the module's docstring)."""
+    """n dual-stack Services with one TCP port and 10 ready backends each, per family. The last one, the
+    measured Service, has itself (ClusterIP:80, IPv4 and IPv6) as one of its backends (see the module's
+    docstring)."""
     out: dict[str, tuple[ServicePortState, ...]] = {}
     for i in range(n):
-        backends = [Backend(core.endpoint(i * core.ENDPOINTS + j), core.BACKEND_PORT) for j in range(core.ENDPOINTS)]
-        if i == n - 1:
-            backends[-1] = Backend(core.vip(i), core.PORT)
-        ordered = tuple(sorted(backends))
         name = f"bench/svc-{i}"
-        out[name] = (ServicePortState(name, "", Frontend(core.vip(i), core.PORT, Protocol.TCP), ordered, ordered),)
+        out[name] = ()
+        for family, vip, endpoint in (("", core.vip, core.endpoint), ("v6", vip6, endpoint6)):
+            backends = [Backend(endpoint(i * core.ENDPOINTS + j), core.BACKEND_PORT) for j in range(core.ENDPOINTS)]
+            if i == n - 1:
+                backends[-1] = Backend(vip(i), core.PORT)
+            ordered = tuple(sorted(backends))
+            out[name] += (ServicePortState(name, family, Frontend(vip(i), core.PORT, Protocol.TCP), ordered, ordered),)
     # The measured Service is also a NodePort with externalTrafficPolicy Cluster (DNAT and SNAT), to its
     # 10 endpoints proper (its NodePort rows are single runs: no self backend needed).
     name = f"bench/svc-{n - 1}"
@@ -136,6 +155,19 @@ def desired_state(n: int) -> dict[str, tuple[ServicePortState, ...]]:
     out[name] += (ServicePortState(name, "", Frontend(NODE_ADDR, NODE_PORT, Protocol.TCP), real, real,
                                    kind=FrontendKind.NODE_PORT, external_backends=real, masquerade=True),)
     return out
+
+
+def map_sizes(n: int) -> dict[str, int] | None:
+    """Capacities for n dual-stack Services where the defaults (abi.h) are too small: both families' frontends
+    count in the names map and the service ids (which index stats, cursors, tables), and render's capacity
+    check counts them, and their backends, against the IPv4 maps too. None: the defaults hold them."""
+    services = max(131072, 1 << (2 * n + 1).bit_length())  # and the NodePort
+    backends = max(1048576, 1 << (2 * n * core.ENDPOINTS).bit_length())
+    if (services, backends) == (131072, 1048576):
+        return None
+    return {**{m: services for m in (abi.MAP_SERVICES, abi.MAP_NAMES, abi.MAP_STATS, abi.MAP_CURSORS,
+                                     abi.MAP_TABLES)},
+            abi.MAP_BACKENDS: backends}
 
 
 def populate(dp: Loaded, n: int) -> dict[str, float]:
@@ -157,21 +189,29 @@ def ct_key(flow: Flow, direction: int) -> abi.CtKey:
                      flow.proto, direction)
 
 
+def ct6_key(flow: Flow, direction: int) -> abi.Ct6Key:
+    return abi.Ct6Key(abi.in6(flow.src), abi.in6(flow.dst), abi.be16(flow.sport), abi.be16(flow.dport),
+                      flow.proto, direction)
+
+
 def pin_to_self(dp: Loaded, xdp: TestRun, flow: Flow, tries: int = 300) -> int:
     """Send the flow's packet until the datapath picked the Service itself as its backend; returns the
-    number of packets it took."""
-    fwd = ct_key(flow, abi.CT_FORWARD)
-    want = (abi.be32(flow.dst), abi.be16(flow.dport))
+    number of packets it took. Either family: an IPv6 flow's entries are in the IPv6 flow map."""
+    v6 = ":" in flow.dst
+    ct, key, addr = (dp.maps.ct6, ct6_key, abi.in6) if v6 else (dp.maps.ct, ct_key, abi.be32)
+    fwd = key(flow, abi.CT_FORWARD)
+    want = (bytes(addr(flow.dst)), abi.be16(flow.dport)) if v6 else (addr(flow.dst), abi.be16(flow.dport))
     for attempt in range(1, tries + 1):
         xdp(1)
-        v = dp.maps.ct.get(fwd)
-        if v is not None and (v.nat_addr, v.nat_port) == want:
+        v = ct.get(fwd)
+        got = None if v is None else (bytes(v.nat_addr) if v6 else v.nat_addr, v.nat_port)
+        if got == want:
             return attempt
         if v is not None:
-            rev = abi.CtKey(v.nat_addr, abi.be32(flow.src), v.nat_port, abi.be16(flow.sport), flow.proto,
-                            abi.CT_REVERSE)
-            dp.maps.ct.pop(rev, None)
-            dp.maps.ct.pop(fwd, None)
+            rev = (abi.Ct6Key if v6 else abi.CtKey)(v.nat_addr, addr(flow.src), v.nat_port, abi.be16(flow.sport),
+                                                     flow.proto, abi.CT_REVERSE)
+            ct.pop(rev, None)
+            ct.pop(fwd, None)
     raise RuntimeError(f"the measured flow never picked its self backend in {tries} packets")
 
 
@@ -217,6 +257,8 @@ SERIES_REPEAT = {  # key -> (series, mode)
     "floor": ("XDP verdict only (floor)", "floor"),
     "xdp_est": ("XDP established flow", "bpf"),
     "tc_est": ("TC established flow", "bpf"),
+    "xdp_est6": ("XDP established flow, IPv6", "bpf"),
+    "tc_est6": ("TC established flow, IPv6", "bpf"),
     "xdp_miss": ("XDP not a Service", "bpf"),
     "tc_miss": ("TC not a Service", "bpf"),
     "xdp_miss_syn": ("XDP not a Service, SYN to an endpoint port", "bpf"),
@@ -247,16 +289,23 @@ SERIES_SINGLE = {
 
 def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.LoadedObject) -> None:
     rec.step(f"{core.plural(n, 'service')}: loading the object and filling the maps through render() -> Maps.run")
-    dp = Loaded.load(PYPROXY_OBJECT)
+    sizes = map_sizes(n)
+    dp = Loaded.load(PYPROXY_OBJECT, sizes)
     steps = loader.LoadedObject(None)
     try:
         pop = populate(dp, n)
         rec.add(Measurement("populate_s", "render() + Maps.run, one bpf(2) call per key", "bpf", n,
                             pop["render_s"] + pop["write_s"], "s",
-                            f"{pop['ops']:,} ops, {pop['us_per_op']:.1f} us/op", pop))
+                            f"{pop['ops']:,} ops, {pop['us_per_op']:.1f} us/op"
+                            + (f"; maps resized: {', '.join(f'{k} {v:,}' for k, v in sizes.items())}" if sizes else ""),
+                            pop))
         progs = dp.obj.progs
         est_flow = Flow(CLIENT, core.vip(n - 1), 40000, core.PORT, TCP)
         est_pkt = frame(est_flow, tcp_flags=TCP_ACK)
+        # The IPv6 twin: the measured Service's IPv6 frontend, in through the IPv4 entry points (their tail call
+        # to the IPv6 programs included, as on a device).
+        est_flow6 = Flow(CLIENT6, vip6(n - 1), 40000, core.PORT, TCP)
+        est_pkt6 = frame6(est_flow6, tcp_flags=TCP_ACK)
         # Not a Service: a segment of some other connection, and a SYN to a port endpoints listen on, which also
         # looks for an old Service flow on its ports (bpf/include/pyproxy/ct.h, pyproxy_ct_untrack).
         miss_pkt = frame(Flow(CLIENT, NOT_A_SERVICE, 40001, core.PORT, TCP), tcp_flags=TCP_ACK)
@@ -265,15 +314,19 @@ def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.Lo
             "floor": TestRun(verdict.progs[VERDICT_PROG], est_pkt),
             "xdp_est": TestRun(progs[abi.PROG_XDP], est_pkt),
             "tc_est": TestRun(progs[abi.PROG_TC_INGRESS], est_pkt),
+            "xdp_est6": TestRun(progs[abi.PROG_XDP], est_pkt6),
+            "tc_est6": TestRun(progs[abi.PROG_TC_INGRESS], est_pkt6),
             "xdp_miss": TestRun(progs[abi.PROG_XDP], miss_pkt),
             "tc_miss": TestRun(progs[abi.PROG_TC_INGRESS], miss_pkt),
             "xdp_miss_syn": TestRun(progs[abi.PROG_XDP], miss_syn_pkt),
             "tc_miss_syn": TestRun(progs[abi.PROG_TC_INGRESS], miss_syn_pkt),
         }
-        steps = loader.load(STEPS_OBJECT, None, adopt=dp.obj.maps)
+        steps = loader.load(STEPS_OBJECT, None, sizes, adopt=dp.obj.maps)
         runs.update((name, TestRun(steps.progs[name], est_pkt)) for name in STEPS if name in steps.progs)
         tries = pin_to_self(dp, runs["xdp_est"], est_flow)
+        tries6 = pin_to_self(dp, runs["xdp_est6"], est_flow6)
         verdict_ok = {"floor": XDP_PASS, "xdp_est": XDP_PASS, "xdp_miss": XDP_PASS, "tc_est": TC_ACT_OK,
+                      "xdp_est6": XDP_PASS, "tc_est6": TC_ACT_OK,
                       "tc_miss": TC_ACT_OK, "xdp_miss_syn": XDP_PASS, "tc_miss_syn": TC_ACT_OK,
                       **{name: XDP_PASS for name in steps.progs}}
 
@@ -289,22 +342,27 @@ def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.Lo
                 before = dp.counters()
                 retval, ns = run(repeat)
                 got = _delta(before, dp.counters())
-                want = {"established": repeat} if key.endswith("_est") or key == "step6_decision" else {}
+                want = {"established": repeat} if "_est" in key or key == "step6_decision" else {}
                 _expect(f"{key} x{repeat}", got, want)
                 if retval != verdict_ok[key]:
                     raise RuntimeError(f"{key}: verdict {retval}, expected {verdict_ok[key]}")
                 per_round[key].append(float(ns))
-        if runs["xdp_est"].output() != est_pkt:
-            raise RuntimeError("the self-DNAT was not idempotent: repeats would not see the same packet")
+        for key, pkt in (("xdp_est", est_pkt), ("xdp_est6", est_pkt6)):
+            if runs[key].output() != pkt:
+                raise RuntimeError(f"{key}: the self-DNAT was not idempotent: repeats would not see the same packet")
         floor = statistics.median(per_round["floor"])
         for key, values in per_round.items():
             if key not in SERIES_REPEAT:
                 continue
             series, mode = SERIES_REPEAT[key]
             value = statistics.median(values)
-            rec.add(Measurement("ns_per_packet", series, mode, n, value, "ns",
-                                "" if key == "floor" else f"{value / floor:.1f}x floor",
-                                {**summary(values), "repeat": repeat, "pin_packets": tries}))
+            note = "" if key == "floor" else f"{value / floor:.1f}x floor"
+            extra: dict[str, float] = {"pin_packets": tries6 if key.endswith("6") else tries}
+            if key.endswith("_est6"):
+                extra["ipv6_over_ipv4"] = value / statistics.median(per_round[key[:-1]])
+                note += f", {extra['ipv6_over_ipv4']:.2f}x IPv4"
+            rec.add(Measurement("ns_per_packet", series, mode, n, value, "ns", note,
+                                {**summary(values), "repeat": repeat, **extra}))
         previous = None
         for key, series in STEPS.items():
             value = statistics.median(per_round[key])

@@ -297,6 +297,8 @@ def constants(ct_timeouts: abi.CtTimeoutTicks | None, snat_ports: tuple[int, int
 def fill_jumps(loaded: LoadedObject) -> None:
     """Put this load's IPv6 programs in the program arrays the IPv4 entry points tail-call (abi.JUMPS6): until then
     IPv6 packets pass untouched. Pinned arrays held the previous load's programs: each entry is replaced."""
+    if not any(prog in loaded.progs for jumps in abi.JUMPS6.values() for prog in jumps.values()):
+        return  # not the datapath (bench's verdict-only floor, its steps on adopted maps): nothing to put anywhere
     lib = libbpf.lib()
     for name, jumps in abi.JUMPS6.items():
         for index, prog in jumps.items():
