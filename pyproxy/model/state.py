@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from pyproxy.model.node import NodeInputs
-from pyproxy.model.objects import IPV4, IPV6, Protocol
+from pyproxy.model.objects import IPV4, IPV6, Protocol, family_of
 
 
 class Frontend(NamedTuple):
@@ -33,7 +33,7 @@ class Frontend(NamedTuple):
     @property
     def family(self) -> int:
         """IPV4 or IPV6 (objects.family_of): a frontend's backends are all of its family."""
-        return IPV6 if ":" in self.ip else IPV4
+        return family_of(self.ip)
 
 
 class Backend(NamedTuple):
@@ -46,7 +46,7 @@ class Backend(NamedTuple):
 
     @property
     def family(self) -> int:
-        return IPV6 if ":" in self.ip else IPV4
+        return family_of(self.ip)
 
 
 class FrontendKind(enum.StrEnum):
@@ -260,7 +260,7 @@ class FamilyFilter:
                 self.skipped.pop(key, None)
         self.newly = sorted(newly)
         node = desired.node
-        addresses = tuple(ip for ip in node.nodeport_addresses if (IPV6 if ":" in ip else IPV4) in families)
+        addresses = tuple(ip for ip in node.nodeport_addresses if family_of(ip) in families)
         if not self.skipped and addresses == node.nodeport_addresses:
             return desired
         served = dict(services)

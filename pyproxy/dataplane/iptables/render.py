@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 from pyproxy.dataplane import netfilter as nf
 from pyproxy.model.conntrack import Stale, stale_udp_states
-from pyproxy.model.objects import Protocol
+from pyproxy.model.objects import IPV6, Protocol, family_of
 from pyproxy.model.state import Backend, DesiredState, Frontend, FrontendKind, ServicePortState
 
 SVC_PREFIX = "KUBE-SVC-"
@@ -152,12 +152,12 @@ def fw_chain(sp: ServicePortState) -> str:
 
 def _host(ip: str) -> str:
     """An address as a one-address network: /32, or /128 for IPv6."""
-    return f"{ip}/128" if ":" in ip else f"{ip}/32"
+    return f"{ip}/128" if family_of(ip) == IPV6 else f"{ip}/32"
 
 
 def _endpoint(b: Backend) -> str:
     """"ip:port", an IPv6 address in brackets (upstream's endpoint string, net.JoinHostPort; DNAT's form)."""
-    return f"[{b.ip}]:{b.port}" if ":" in b.ip else f"{b.ip}:{b.port}"
+    return f"[{b.ip}]:{b.port}" if b.family == IPV6 else f"{b.ip}:{b.port}"
 
 
 def sep_chain(sp: ServicePortState, backend: Backend) -> str:
@@ -282,7 +282,7 @@ def shared_rules(desired: DesiredState, m: nf.MasqueradeSettings, family: int = 
     # before their own rules. Only the addresses the model chose (--nodeport-addresses, never loopback), rather
     # than upstream's `addrtype --dst-type LOCAL`, which would also take 127.0.0.1 (it needs route_localnet).
     out.services += [f"{_comment(NODEPORTS_COMMENT)} -d {_host(ip)} -j {NODEPORTS_CHAIN}"
-                     for ip in desired.node.nodeport_addresses if (6 if ":" in ip else 4) == family]
+                     for ip in desired.node.nodeport_addresses if family_of(ip) == family]
     return out
 
 
