@@ -14,10 +14,12 @@ import errno
 import logging
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from pyroute2 import IPRoute
+
+from pyproxy.model.objects import IPV4, IPV6, family_of
 
 log = logging.getLogger(__name__)
 
@@ -331,19 +333,30 @@ def set_host_address(ipr: IPRoute, index: int, verb: str, ip: str) -> None:
     ipr.addr(verb, index=index, address=ip, prefixlen=32)
 
 
-def local_routes(ipr: IPRoute, proto: int) -> frozenset[str]:
-    """The destinations of the /32 `local` routes of the local table whose routing protocol is `proto`."""
-    return frozenset(r.get_attr("RTA_DST") for r in ipr.get_routes(family=socket.AF_INET, table=RT_TABLE_LOCAL)
-                     if r["proto"] == proto and r["type"] == RTN_LOCAL and r["dst_len"] == 32)
+_AF = {IPV4: socket.AF_INET, IPV6: socket.AF_INET6}
+_HOST_PREFIX = {IPV4: 32, IPV6: 128}
+
+
+def local_routes(ipr: IPRoute, proto: int, families: Iterable[int] = (IPV4, IPV6)) -> frozenset[str]:
+    """The destinations of the host (/32, /128) `local` routes of the local table of `families` (IPV4, IPV6) whose
+    routing protocol is `proto`."""
+    return frozenset(r.get_attr("RTA_DST") for family in families
+                     for r in ipr.get_routes(family=_AF[family], table=RT_TABLE_LOCAL)
+                     if r["proto"] == proto and r["type"] == RTN_LOCAL and r["dst_len"] == _HOST_PREFIX[family])
 
 
 def set_local_route(ipr: IPRoute, verb: str, ip: str, proto: int, index: int) -> None:
-    """Add ("add") or remove ("del") `local ip/32 dev <index> table local proto <proto> src ip`: the node then
-    takes packets for `ip` as its own and a socket may bind it, as for one of its addresses, without the address
-    (the kernel inserts a route in O(log n), where an address costs a walk of the device's addresses), and its
-    own flows to `ip` leave from `ip`."""
-    ipr.route(verb, dst=f"{ip}/32", table=RT_TABLE_LOCAL, type=RTN_LOCAL, proto=proto, scope=RT_SCOPE_HOST,
-              oif=index, prefsrc=ip)
+    """Add ("add") or remove ("del") `local ip/32 dev <index> table local proto <proto> src ip`, or for an IPv6
+    `ip`, `local ip/128 dev <index> table local proto <proto>`: the node then takes packets for `ip` as its own,
+    as for one of its addresses, without the address (the kernel inserts a route in O(log n), where an address
+    costs a walk of the device's addresses). An IPv4 `ip` may then be bound by any socket, and the node's own
+    flows to it leave from it; IPv6 checks a bind against the devices' addresses only, so an IPv6 socket binds it
+    with IPV6_FREEBIND, and the kernel refuses a preferred source that is no device's address ("Invalid source
+    address"): the node's own flows to it leave from an address source selection picks."""
+    family = family_of(ip)
+    extra = {"prefsrc": ip} if family == IPV4 else {}
+    ipr.route(verb, family=_AF[family], dst=f"{ip}/{_HOST_PREFIX[family]}", table=RT_TABLE_LOCAL, type=RTN_LOCAL,
+              proto=proto, scope=RT_SCOPE_HOST, oif=index, **extra)
 
 
 def delete_link(ipr: IPRoute, name: str) -> bool:

@@ -1,12 +1,13 @@
 """The userspace mode (pyproxy/dataplane/userspace/render.py for a run of syncs, each rendered from the state the
 plan before left) followed for a new flow entering the node.
 
-Models: the Service addresses the plans give local routes (local, as the node's own addresses are); a listener per
-frontend with its classic BPF socket filter, run by sockfilter.run on the packet's source as arriving on a device
-other than lo; the route's endpoints for the source (externalTrafficPolicy Local's `external_backends` for a
-source that is neither the node nor, with --cluster-cidr, a pod: the tracer's sources are the client and pods, and
-the table runs without --cluster-cidr, so there every source is outside); ClientIP affinity (a second flow from the
-client goes where the first went). A local destination without a listener is refused by the node's stack; any
+Models, for both families (an IPv6 packet meets IPv6 frontends only: their sockets are IPV6_V6ONLY): the Service
+addresses the plans give local routes (local, as the node's own addresses are); a listener per frontend with its
+classic BPF socket filter, run by sockfilter.run on the packet's source as arriving on a device other than lo;
+the route's endpoints for the source (externalTrafficPolicy Local's `external_backends` for a source that is
+neither the node nor, with --cluster-cidr, a pod: the tracer's sources are the client and pods, and the table runs
+without --cluster-cidr, so there every source is outside); ClientIP affinity (a second flow from the client goes
+where the first went). A local destination without a listener is refused by the node's stack; any
 other destination is routed on, and nothing answers.
 Does not model: the proxy's round robin order (every endpoint is a possible pick), connect retries (every endpoint
 answers in the table), UDP sessions, the node's own traffic.
@@ -19,7 +20,7 @@ from collections.abc import Iterator, Sequence
 
 from pyproxy.dataplane.userspace import render as us_render
 from pyproxy.dataplane.userspace import sockfilter
-from pyproxy.dataplane.userspace.backend import UserspaceDataplane
+from pyproxy.dataplane.userspace.backend import UserspaceDataplane, UserspaceSettings
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Frontend
 from tracers.common import NODE_ADDRESSES, Memory, Packet, Sync, Verdict, as_served
@@ -28,14 +29,14 @@ ENTERING_IFINDEX = 2
 """A device index other than lo's: the table's traced flows come from the client's link or a pod's."""
 
 
-def plans(syncs: Sequence[Sync], cluster_cidr: str | None = None) -> list[us_render.Plan]:
+def plans(syncs: Sequence[Sync], cluster_cidrs: Sequence[str] = ()) -> list[us_render.Plan]:
     """The plans of `syncs` in turn, each rendered from the state the one before left (the frontends of the
     families the mode renders: the proxier leaves out the others)."""
     state, out = us_render.State(), []
-    for desired, changed in as_served(syncs, UserspaceDataplane.ip_families):
+    for desired, changed in as_served(syncs, UserspaceDataplane(UserspaceSettings()).ip_families):
         keys = desired.services.keys() if changed is None else changed
         plan = us_render.render(state, {k: desired.services.get(k, ()) for k in keys}, full=changed is None,
-                                cluster_cidr=cluster_cidr)
+                                cluster_cidrs=cluster_cidrs)
         state = plan.state
         out.append(plan)
     return out
@@ -44,8 +45,8 @@ def plans(syncs: Sequence[Sync], cluster_cidr: str | None = None) -> list[us_ren
 class Proxy:
     """The listeners, filters, routes and addresses the plans leave, as the proxy and the kernel would hold them."""
 
-    def __init__(self, plans: Sequence[us_render.Plan], cluster_cidr: str | None = None) -> None:
-        self.cluster = ipaddress.IPv4Network(cluster_cidr) if cluster_cidr else None
+    def __init__(self, plans: Sequence[us_render.Plan], cluster_cidrs: Sequence[str] = ()) -> None:
+        self.cluster = tuple(ipaddress.ip_network(c) for c in cluster_cidrs)
         self.addresses: set[str] = set()
         self.listeners: dict[Frontend, tuple[sockfilter.Insn, ...] | None] = {}
         self.routes: dict[Frontend, us_render.Route] = {}
@@ -77,7 +78,8 @@ class Proxy:
             yield Verdict("no-answer")
             return
         route = self.routes[frontend]
-        inside = self.cluster is not None and ipaddress.IPv4Address(pkt.src) in self.cluster
+        src = ipaddress.ip_address(pkt.src)
+        inside = any(src in net for net in self.cluster if net.version == src.version)
         pool = route.backends if route.external_backends is None or inside else route.external_backends
         fact = ("affinity", str(frontend), pkt.src)
         earlier = [f[-1] for f in memory if f[:-1] == fact and f[-1] in {str(b) for b in pool}]

@@ -1,4 +1,4 @@
-"""A mode that cannot render IPv6 yet (ipvs, userspace) keeps serving IPv4
+"""A mode that cannot render IPv6 yet (ipvs) keeps serving IPv4
 exactly as before a dual-stack Service arrived: the proxier hands it the desired state without the IPv6
 frontends (model.state.FamilyFilter), says so in one log line per sync that left some out, and its render()
 of that state is the IPv4-only Service's."""
@@ -117,12 +117,12 @@ def test_each_mode_says_which_families_it_renders() -> None:
     from pyproxy.dataplane.iptables.backend import IptablesDataplane, IptablesSettings
     from pyproxy.dataplane.ipvs.backend import IpvsDataplane
     from pyproxy.dataplane.nftables.backend import NftablesDataplane, NftablesSettings
-    from pyproxy.dataplane.userspace.backend import UserspaceDataplane
-    families = {cls.mode: getattr(cls, "ip_families", IPV4_ONLY) for cls in (
-        BpfDataplane, IpvsDataplane, UserspaceDataplane)}
-    # nftables and iptables say it per instance: both, unless start() finds IPv6 unusable here.
+    from pyproxy.dataplane.userspace.backend import UserspaceDataplane, UserspaceSettings
+    families = {cls.mode: getattr(cls, "ip_families", IPV4_ONLY) for cls in (BpfDataplane, IpvsDataplane)}
+    # nftables, iptables and userspace say it per instance: both, unless start() finds IPv6 unusable here.
     families["nftables"] = NftablesDataplane(NftablesSettings()).ip_families
     families["iptables"] = IptablesDataplane(IptablesSettings()).ip_families
+    families["userspace"] = UserspaceDataplane(UserspaceSettings()).ip_families
     assert set(families) == set(AUTO_ORDER)
     assert families == {"bpf": BOTH_FAMILIES, "ipvs": IPV4_ONLY, "nftables": BOTH_FAMILIES, "iptables": BOTH_FAMILIES,
-                        "userspace": IPV4_ONLY}
+                        "userspace": BOTH_FAMILIES}

@@ -258,11 +258,29 @@ def test_userspace_tracer_sees_a_lost_filter_and_a_lost_local_policy(first: list
         "PreferClose, externalTrafficPolicy Local: outside clients get this node's endpoint"]
 
 
+def test_userspace_tracer_sees_a_lost_ipv6_filter_and_ipv6_frontends_served_from_ipv4_endpoints(
+        first: list[Sync]) -> None:
+    """The IPv6 listeners' filters and routes are followed, not the IPv4 ones'."""
+    [plan] = userspace.plans(first)
+
+    def wrong_after(broken: userspace.us_render.Plan) -> list[str]:
+        return [w.split(" (")[0] for w in mismatches(userspace.Proxy([broken]), "userspace", flowcases.IPV6_CASES)]
+
+    unfiltered = dataclasses.replace(plan, open={f: None if ":" in f.ip else p for f, p in plan.open.items()})
+    assert wrong_after(unfiltered) == ["IPv6: a load-balancer IP whose source ranges leave the client out: no answer"]
+    assert not mismatches(userspace.Proxy([unfiltered]), "userspace"), "the IPv4 frontends keep their filters"
+    # A dual-stack Service's IPv6 frontends given its IPv4 frontend's endpoints.
+    ipv4 = {f.port: r for f, r in plan.routes.items() if r is not None and f.ip == "10.96.20.30"}
+    crossed = {f: ipv4.get(f.port, r) if f.ip == "fd00:10:96::30" else r for f, r in plan.routes.items()}
+    assert wrong_after(dataclasses.replace(plan, routes=crossed)) == [
+        "dual-stack: the IPv6 ClusterIP reaches the IPv6 endpoints only"]
+
+
 def test_userspace_cluster_cidr_lets_pods_past_the_local_drop(first: list[Sync]) -> None:
     # With --cluster-cidr the pods are inside: the Local frontends' filters let them in (the route then gives them
     # every endpoint), while the client outside is still dropped.
-    [plan] = userspace.plans(first, cluster_cidr="10.201.0.0/16")
-    proxy = userspace.Proxy([plan], cluster_cidr="10.201.0.0/16")
+    [plan] = userspace.plans(first, cluster_cidrs=("10.201.0.0/16",))
+    proxy = userspace.Proxy([plan], cluster_cidrs=("10.201.0.0/16",))
     elsewhere = Packet(SOURCES["b1"], "tcp", flowcases.NODE_IP, flowcases.ELSEWHERE_HTTP.node_port)
     assert {v.kind for v in proxy.flows(elsewhere, frozenset())} == {"dnat"}
     outside = dataclasses.replace(elsewhere, src=SOURCES["client"])

@@ -1,6 +1,6 @@
 """The userspace proxy's event loop with real sockets on loopback (no root, no namespace): round robin, the retry on
 the next endpoint when one refuses, ClientIP affinity, UDP sessions and their idle end, a reset when no endpoint
-answers. Counts only, no timing."""
+answers; over IPv6 (::1) too. Counts only, no timing."""
 
 from __future__ import annotations
 
@@ -24,12 +24,13 @@ def _free_port() -> int:
 
 
 class Echo:
-    """TCP and UDP servers on 127.0.0.N:port answering their own name."""
+    """TCP and UDP servers on ip:port (127.0.0.N or ::1) answering their own name (the address, unless told)."""
 
-    def __init__(self, ip: str, port: int) -> None:
-        self.name = ip
-        self.tcp = socket.create_server((ip, port))
-        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    def __init__(self, ip: str, port: int, name: str | None = None) -> None:
+        self.name = name or ip
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        self.tcp = socket.create_server((ip, port), family=family)
+        self.udp = socket.socket(family, socket.SOCK_DGRAM)
         self.udp.bind((ip, port))
         for target in (self._tcp, self._udp):
             threading.Thread(target=target, daemon=True).start()
@@ -61,7 +62,7 @@ class Echo:
 def setup() -> Iterator[tuple[Proxy, int, list[Echo]]]:
     port = _free_port()
     servers = [Echo("127.0.0.2", port), Echo("127.0.0.3", port)]  # 127.0.0.4: nothing listens
-    proxy = Proxy(udp_idle_timeout=0.25, cluster_cidr=None)
+    proxy = Proxy(udp_idle_timeout=0.25)
     proxy.start()
     yield proxy, port, servers
     proxy.stop()
@@ -76,16 +77,18 @@ def serve(proxy: Proxy, frontend: Frontend, backends: tuple[Backend, ...], affin
 
 
 def tcp(ip: str, port: int) -> str:
-    with socket.create_connection((ip, port), timeout=5) as c:
+    with socket.create_connection((ip, port), timeout=5) as c:  # either family, by the address
         c.sendall(b"hi")
         return c.recv(64).decode()
 
 
 def udp(ip: str, port: int) -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as c:
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_DGRAM) as c:
         c.settimeout(5)
         c.sendto(b"hi", (ip, port))
-        return c.recv(64).decode()
+        data, sender = c.recvfrom(64)
+        assert sender[:2] == (ip, port), "the answer comes from the frontend"
+        return data.decode()
 
 
 def test_round_robin_and_a_retry_past_the_endpoint_that_refuses(setup) -> None:
@@ -151,3 +154,58 @@ def test_an_idle_udp_session_ends_and_the_clients_next_datagram_starts_another(s
         assert not sessions
         c.sendto(b"hi", (front.ip, front.port))
         assert c.recv(64).decode() != first, "a new session, the round robin's next endpoint"
+
+
+@pytest.fixture
+def setup6() -> Iterator[tuple[Proxy, list[int]]]:
+    """Two IPv6 endpoints on ::1 (a port each), a third port where nothing listens."""
+    ports = [_free_port6() for _ in range(3)]
+    servers = [Echo("::1", ports[0], "b1"), Echo("::1", ports[1], "b2")]
+    proxy = Proxy(udp_idle_timeout=0.25, cluster_cidrs=("10.244.0.0/16", "fd00:10:244::/48"),
+                  is_local=lambda ip: ip in ("::1", "127.0.0.1"))
+    proxy.start()
+    yield proxy, ports
+    proxy.stop()
+    for s in servers:
+        s.close()
+
+
+def _free_port6() -> int:
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_ipv6_frontend_round_robins_retries_and_keeps_udp_sessions(setup6) -> None:
+    proxy, ports = setup6
+    front = Frontend("::1", _free_port6(), Protocol.TCP)
+    serve(proxy, front, tuple(Backend("::1", p) for p in ports))
+    answers = [tcp(front.ip, front.port) for _ in range(30)]
+    assert len(answers) == 30 and set(answers) == {"b1", "b2"}  # the third endpoint refuses: retried
+    assert proxy.retries >= 10
+    dns = Frontend("::1", front.port, Protocol.UDP)  # the same port, UDP: a socket of its own
+    serve(proxy, dns, tuple(Backend("::1", p) for p in ports[:2]))
+    answers = [udp(dns.ip, dns.port) for _ in range(10)]
+    assert sorted(set(answers)) == ["b1", "b2"] and answers.count("b1") == 5
+
+
+def test_an_ipv6_listener_takes_no_ipv4_flow() -> None:
+    proxy = Proxy(udp_idle_timeout=0.25)
+    proxy.start()
+    try:
+        port = _free_port6()
+        server = Echo("::1", _free_port6(), "b1")
+        serve(proxy, Frontend("::", port, Protocol.TCP), (Backend("::1", server.tcp.getsockname()[1]),))
+        assert tcp("::1", port) == "b1"
+        with pytest.raises(ConnectionRefusedError):  # IPV6_V6ONLY: the wildcard takes no IPv4-mapped flow
+            tcp("127.0.0.1", port)
+        server.close()
+    finally:
+        proxy.stop()
+
+
+def test_pods_are_inside_by_their_familys_cluster_cidr(setup6) -> None:
+    proxy, _ = setup6
+    assert proxy.internal("fd00:10:244:3::4") and proxy.internal("10.244.3.4") and proxy.internal("::1")
+    assert not proxy.internal("fd00:10:245::4") and not proxy.internal("2001:db8::1")
+    assert not proxy.internal("10.245.0.1")

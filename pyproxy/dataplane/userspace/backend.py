@@ -1,10 +1,10 @@
 """The userspace dataplane backend (`--proxy-mode=userspace`): kube-proxy's original mode, the last fallback.
 
 Per sync: render.py plans from what the proxy runs now; apply() adds the new Service addresses' local routes
-(netlink, through pyproxy's one netlink module), lets the proxy's loop open, close and re-filter listeners and
-swap routes, then removes the local routes nothing uses any more. No netfilter, no bpf() syscall: what it
-needs is
-CAP_NET_ADMIN (the local routes) and CAP_NET_BIND_SERVICE (ports below 1024).
+(/32 and /128; netlink, through pyproxy's one netlink module), lets the proxy's loop open, close and re-filter
+listeners and swap routes, then removes the local routes nothing uses any more. No netfilter, no bpf() syscall:
+what it needs is CAP_NET_ADMIN (the local routes) and CAP_NET_BIND_SERVICE (ports below 1024). Both families are
+served, unless IPv6 is off in the network namespace (then IPv4 only, said at start).
 
 A listener that cannot be opened (a node process holds the port on 0.0.0.0, say) leaves its Service in
 `unserved`, named in the log and, through the proxier, in an Event; that frontend refuses flows meanwhile, the
@@ -29,7 +29,8 @@ from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import DataplaneError, MasqueradeSettings, ModeUnavailable
 from pyproxy.dataplane.userspace.proxy import CONNECT_TIMEOUTS, Proxy
 from pyproxy.dataplane.userspace.render import DEVICE, ROUTE_PROTO, Plan, State, render
-from pyproxy.model.state import IPV4_ONLY, DesiredState
+from pyproxy.model.objects import IPV4, IPV6
+from pyproxy.model.state import BOTH_FAMILIES, IPV4_ONLY, DesiredState
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +74,26 @@ def _raise_open_files() -> None:
     log.info("open files: up to %s", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 
 
+def _ipv6_problem() -> str | None:
+    """Why this network namespace cannot serve IPv6 Service addresses (None: it can): a kernel booted with
+    ipv6.disable=1 has no /proc/sys/net/ipv6, and `lo` with disable_ipv6 set takes no IPv6 routes."""
+    try:
+        with open("/proc/sys/net/ipv6/conf/lo/disable_ipv6") as f:
+            if f.read().strip() != "0":
+                return f"IPv6 is disabled on {DEVICE} (net.ipv6.conf.lo.disable_ipv6)"
+    except FileNotFoundError:
+        return "this kernel has no IPv6 (ipv6.disable=1)"
+    return None
+
+
 class UserspaceDataplane:
     mode = "userspace"
-    ip_families = IPV4_ONLY
-    """The IP families it renders (the proxier leaves out the others' frontends): IPv4 only,
-    its IPv6 listeners are not built yet (issue 15)."""
 
     def __init__(self, settings: UserspaceSettings) -> None:
         self.settings = settings
+        self.ip_families = BOTH_FAMILIES
+        """The IP families it renders: both, unless start() found IPv6 off in this network namespace (then the
+        proxier leaves out the IPv6 frontends)."""
         self.state = State()
         self.proxy: Proxy | None = None
         self.unserved: dict[str, str] = {}
@@ -95,10 +108,14 @@ class UserspaceDataplane:
         if missing:
             raise ModeUnavailable(f"the userspace mode needs {' and '.join(missing)} (local routes for the "
                                   "Service addresses, ports below 1024), which this process lacks")
+        problem = _ipv6_problem()
+        if problem is not None:
+            self.ip_families = IPV4_ONLY
+            log.warning("userspace mode serves IPv4 only: %s", problem)
         try:
             with netlink.rtnl() as ipr:
                 index = netlink.link_index(ipr, DEVICE)
-                kept = netlink.local_routes(ipr, ROUTE_PROTO)
+                kept = netlink.local_routes(ipr, ROUTE_PROTO, self.ip_families)
         except (NetlinkError, OSError) as e:
             raise ModeUnavailable(f"cannot read the local routing table: {e}") from e
         if index is None:
@@ -108,8 +125,7 @@ class UserspaceDataplane:
         self.state = State({}, kept)
         if kept:
             log.info("kept the local routes of %d Service addresses from the previous run", len(kept))
-        self.proxy = Proxy(udp_idle_timeout=self.settings.udp_idle_timeout,
-                           cluster_cidr=self.settings.masquerade.cluster_cidr,
+        self.proxy = Proxy(udp_idle_timeout=self.settings.udp_idle_timeout, cluster_cidrs=self._cluster_cidrs(),
                            connect_timeouts=self.settings.connect_timeouts)
         self.proxy.start()
 
@@ -130,7 +146,7 @@ class UserspaceDataplane:
             assert changed is not None
             keys = set(changed) | set(self.unserved)
             services = {k: desired.services.get(k, ()) for k in keys}
-        plan = render(self.state, services, full=full, cluster_cidr=self.settings.masquerade.cluster_cidr)
+        plan = render(self.state, services, full=full, cluster_cidrs=self._cluster_cidrs())
         if plan.empty:
             return
         self._need_full = True  # until this plan is all done
@@ -147,12 +163,16 @@ class UserspaceDataplane:
         self._need_full = False
         self._report(plan, failed)
 
+    def _cluster_cidrs(self) -> tuple[str, ...]:
+        m = self.settings.masquerade
+        return tuple(c for c in (m.cluster_cidr, m.cluster_cidr6) if c)
+
     def _addresses(self, verb: str, ips: tuple[str, ...]) -> None:
         if not ips:
             return
         try:
             with netlink.rtnl() as ipr:
-                present = netlink.local_routes(ipr, ROUTE_PROTO)
+                present = netlink.local_routes(ipr, ROUTE_PROTO, self.ip_families)
                 for ip in ips:
                     if (ip in present) != (verb == "add"):
                         netlink.set_local_route(ipr, verb, ip, ROUTE_PROTO, self._index)
@@ -181,7 +201,8 @@ def cleanup(settings: UserspaceSettings) -> list[str]:
     try:
         with netlink.rtnl() as ipr:
             index = netlink.link_index(ipr, DEVICE) or 1
-            ips = sorted(netlink.local_routes(ipr, ROUTE_PROTO))
+            families = (IPV4,) if _ipv6_problem() else (IPV4, IPV6)
+            ips = sorted(netlink.local_routes(ipr, ROUTE_PROTO, families))
             for ip in ips:
                 netlink.set_local_route(ipr, "del", ip, ROUTE_PROTO, index)
     except NetlinkError as e:

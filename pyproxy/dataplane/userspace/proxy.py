@@ -13,6 +13,11 @@ chosen for it, whose replies go back to the client from the frontend's socket. A
 `udp_idle_timeout` without a datagram either way (upstream's udpIdleTimeout, 250 ms by default), or when its
 endpoint leaves the frontend's endpoints (the client's next datagram starts a new session).
 
+IPv6: an IPv6 frontend's socket is an AF_INET6 one with IPV6_V6ONLY (an IPv4 flow never reaches it, nor an IPv6
+one an IPv4 socket), bound with IPV6_FREEBIND: an IPv6 bind is checked against the devices' addresses, which a
+Service address with only its local route is not (EADDRNOTAVAIL without it). Its endpoints are IPv6 ones (the
+model gives a frontend its own family's), dialled from AF_INET6 sockets.
+
 Everything here runs on the loop's thread; `Proxy.apply` is the one entry from outside (the sync thread).
 """
 
@@ -31,7 +36,7 @@ from typing import Any, TypeVar
 
 from pyproxy.dataplane.userspace import sockfilter
 from pyproxy.dataplane.userspace.render import Plan, Route
-from pyproxy.model.objects import Protocol
+from pyproxy.model.objects import IPV6, Protocol, family_of
 from pyproxy.model.state import Backend, Frontend
 
 log = logging.getLogger(__name__)
@@ -46,6 +51,8 @@ AFFINITY_SWEEP_SECONDS = 10.0
 LINGER_RESET = struct.pack("ii", 1, 0)
 """SO_LINGER on, 0 s: close() sends a reset."""
 APPLY_TIMEOUT = 60.0
+IPV6_FREEBIND = 78
+"""linux/in6.h (Python's socket module lacks it): bind an IPv6 address no device has (kernel 4.15 and later)."""
 
 T = TypeVar("T")
 
@@ -57,6 +64,10 @@ def _reset(sock: socket.socket | None) -> None:
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_RESET)
     sock.close()
+
+
+def _socket_family(ip: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if family_of(ip) == IPV6 else socket.AF_INET
 
 
 def _same(side: _Side) -> _Side:
@@ -180,9 +191,13 @@ class _Frontend:
 
     def open(self, program: Sequence[sockfilter.Insn] | None) -> None:
         kind = socket.SOCK_STREAM if self.frontend.protocol is Protocol.TCP else socket.SOCK_DGRAM
-        sock = socket.socket(socket.AF_INET, kind)
+        family = _socket_family(self.frontend.ip)
+        sock = socket.socket(family, kind)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.setsockopt(socket.IPPROTO_IPV6, IPV6_FREEBIND, 1)
             sockfilter.attach(sock, program)  # before bind: no packet may arrive unfiltered
             sock.bind((self.frontend.ip, self.frontend.port))
             if kind == socket.SOCK_STREAM:
@@ -260,7 +275,7 @@ class _UdpSession:
         self.backend = backend
         self.loop = frontend.proxy.loop
         self.timeout = frontend.proxy.udp_idle_timeout
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock = socket.socket(_socket_family(backend.ip), socket.SOCK_DGRAM)
         try:
             sock.setblocking(False)
             sock.connect((backend.ip, backend.port))
@@ -314,8 +329,10 @@ class _UdpSession:
 
 
 def is_local(ip: str) -> bool:
-    """Whether `ip` is one of this network namespace's own addresses (only those can be bound)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    """Whether `ip` is one of this network namespace's own addresses (only those can be bound without
+    IPV6_FREEBIND: an IPv6 Service address's local route does not make it one, an IPv4 one's does, and neither
+    is a client's source)."""
+    with socket.socket(_socket_family(ip), socket.SOCK_DGRAM) as s:
         try:
             s.bind((ip, 0))
         except OSError:
@@ -326,11 +343,12 @@ def is_local(ip: str) -> bool:
 class Proxy:
     """The event loop and the frontends it serves."""
 
-    def __init__(self, *, udp_idle_timeout: float, cluster_cidr: str | None,
+    def __init__(self, *, udp_idle_timeout: float, cluster_cidrs: Sequence[str] = (),
                  connect_timeouts: Sequence[float] = CONNECT_TIMEOUTS,
                  is_local: Callable[[str], bool] = is_local) -> None:
         self.udp_idle_timeout = udp_idle_timeout
-        self.cluster = ipaddress.IPv4Network(cluster_cidr, strict=False) if cluster_cidr else None
+        self.cluster = tuple(ipaddress.ip_network(c, strict=False) for c in cluster_cidrs)
+        """--cluster-cidr's networks, at most one of each family: the pods."""
         self.connect_timeouts = tuple(connect_timeouts)
         self._is_local = is_local
         self._local: dict[str, bool] = {}
@@ -416,7 +434,8 @@ class Proxy:
     def internal(self, client: str) -> bool:
         """Whether a client is the node itself or (with --cluster-cidr) a pod: what externalTrafficPolicy Local
         does not limit."""
-        if self.cluster is not None and ipaddress.IPv4Address(client) in self.cluster:
+        address = ipaddress.ip_address(client)
+        if any(address in net for net in self.cluster if net.version == address.version):
             return True
         local = self._local.get(client)
         if local is None:

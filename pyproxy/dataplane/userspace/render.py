@@ -1,9 +1,10 @@
 """From the desired state to what the userspace proxy must change (pure: no I/O).
 
-How traffic reaches the proxy, without netfilter: every ClusterIP, external IP and load-balancer IP gets a /32
-`local` route in the local table (on `lo`, routing protocol ROUTE_PROTO), so the node takes their packets as its
-own and a socket may bind them, and the proxy listens on each frontend's address and port itself; a NodePort
-frontend is already one of the node's addresses (the model makes one per node-port address). Routes rather than
+How traffic reaches the proxy, without netfilter: every ClusterIP, external IP and load-balancer IP gets a `local`
+route in the local table (/32 or /128, on `lo`, routing protocol ROUTE_PROTO), so the node takes their packets as
+its own, and the proxy listens on each frontend's address and port itself; a NodePort frontend is already one of
+the node's addresses (the model makes one per node-port address of each family). Both families are served alike,
+each frontend from its own family's endpoints (the model gives each its family's). Routes rather than
 addresses on a dummy device (as the ipvs mode's kube-ipvs0): the kernel inserts a route in O(log n) where each
 address walks the device's others (1.6 ms an address at 2,000, measured), a kernel without the dummy driver (this
 project's test machine) has them too, and they are no node addresses (no NodePorts on them). Per frontend:
@@ -22,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pyproxy.dataplane.userspace.sockfilter import Insn, compile_admission
+from pyproxy.model.objects import family_of
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 DEVICE = "lo"
@@ -91,8 +93,9 @@ class Plan:
                     or self.del_addresses)
 
 
-def entry(service: str, sp: ServicePortState, cluster_cidr: str | None) -> Entry:
-    """The proxy's entry for one frontend of the desired state."""
+def entry(service: str, sp: ServicePortState, cluster_cidrs: Sequence[str] = ()) -> Entry:
+    """The proxy's entry for one frontend of the desired state; `cluster_cidrs`: --cluster-cidr's, at most one of
+    each family (the frontend's filter uses its family's)."""
     external = None
     if sp.kind.external and sp.external_backends != sp.backends:
         external = sp.external_backends
@@ -101,13 +104,14 @@ def entry(service: str, sp: ServicePortState, cluster_cidr: str | None) -> Entry
     listen = bool(sp.backends or sp.external_backends or sp.drop)
     program = None
     if listen:
-        program = compile_admission(drop_all=sp.drop, source_ranges=sp.source_ranges,
-                                    internal_only=external == (), cluster_cidr=cluster_cidr)
+        pods = next((c for c in cluster_cidrs if family_of(c) == sp.family), None)
+        program = compile_admission(family=sp.family, drop_all=sp.drop, source_ranges=sp.source_ranges,
+                                    internal_only=external == (), cluster_cidr=pods)
     return Entry(service, route, sp.kind is not FrontendKind.NODE_PORT, listen, program)
 
 
 def render(state: State, services: Mapping[str, Sequence[ServicePortState]], *, full: bool,
-           cluster_cidr: str | None = None) -> Plan:
+           cluster_cidrs: Sequence[str] = ()) -> Plan:
     """What brings `state` to the desired one: `services` are every Service (full) or the changed ones, each with
     its frontends (none: the Service is gone)."""
     if full:
@@ -116,7 +120,7 @@ def render(state: State, services: Mapping[str, Sequence[ServicePortState]], *, 
         entries = {f: e for f, e in state.entries.items() if e.service not in services}
     for key, states in services.items():
         for sp in states:
-            entries[sp.frontend] = entry(key, sp, cluster_cidr)
+            entries[sp.frontend] = entry(key, sp, cluster_cidrs)
     addresses = frozenset(f.ip for f, e in entries.items() if e.local)
     old = state.entries
     close = tuple(sorted(f for f, e in old.items() if e.listen and not (f in entries and entries[f].listen)))
