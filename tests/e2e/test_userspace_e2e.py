@@ -102,3 +102,19 @@ def test_a_connection_to_an_endpoint_that_does_not_listen_is_retried_on_the_next
     assert failed["userspace IPv6"] == 0, results["userspace IPv6"]
     # Each kernel-mode flow picks b3 with a chance of 1 in 3: none in 100 would happen once in 4e17 runs.
     assert failed["bpf"] > 0 and failed["nftables"] > 0, results
+
+
+def test_a_node_without_ipv6_on_lo_serves_ipv4_and_says_so(make_env) -> None:
+    """IPv6 off in the node's network namespace (`lo` takes no IPv6 route then): the mode starts, serves the IPv4
+    half of a dual-stack Service, adds no IPv6 route, and says at start that it serves IPv4 only."""
+    env = make_env(2, ipv6=True)
+    env.lab.exec(env.lab.node, "sysctl", "-qw", "net.ipv6.conf.lo.disable_ipv6=1")
+    env.write("web.yaml", service("web", VIP, [HTTP], cluster_ips=[VIP, VIP6]),
+              endpoint_slice("web", {B1: True}, [HTTP], name="web-v4"),
+              endpoint_slice("web", {ipv6_of(B1): True}, [HTTP], name="web-v6"))
+    proxy = env.start(mode="userspace")
+    assert proxy.wait_for_log("userspace mode serves IPv4 only: IPv6 is disabled on lo"), proxy.log_tail()
+    served = env.probe("tcp", VIP, 80, 10, timeout=3.0)
+    assert set(served["replies"]) == {"b1:8080"} and not served["failures"], describe(served)
+    assert [r.split()[1] for r in _local_routes(env, "-4")] == [VIP] and not _local_routes(env, "-6")
+    assert proxy.terminate() == 0, proxy.log_tail()
