@@ -189,6 +189,13 @@ def test_an_ipv6_frontend_round_robins_retries_and_keeps_udp_sessions(setup6) ->
     assert sorted(set(answers)) == ["b1", "b2"] and answers.count("b1") == 5
 
 
+def test_ipv6_client_ip_affinity_sticks(setup6) -> None:
+    proxy, ports = setup6
+    front = Frontend("::1", _free_port6(), Protocol.TCP)
+    serve(proxy, front, tuple(Backend("::1", p) for p in ports[:2]), affinity=600)
+    assert len({tcp(front.ip, front.port) for _ in range(10)}) == 1
+
+
 def test_an_ipv6_listener_takes_no_ipv4_flow() -> None:
     proxy = Proxy(udp_idle_timeout=0.25)
     proxy.start()
