@@ -261,7 +261,8 @@ def parser() -> argparse.ArgumentParser:
                                           "of this network namespace (any mode)")
     insp.add_argument("--no-flows", action="store_true", help="omit the connection-tracking table")
     insp.add_argument("--service", metavar="NS/NAME", help="only this Service's frontends and flows")
-    insp.add_argument("--frontend", metavar="IP:PORT[/PROTO]", help="only this frontend and its flows")
+    insp.add_argument("--frontend", metavar="IP:PORT[/PROTO]",
+                      help="only this frontend and its flows (IPv6 in brackets: [fd00:10:96::1]:80/tcp)")
     insp.add_argument("-o", "--output", choices=("text", "json"), default="text", help="output format")
     _add_common(insp)
     views = insp.add_subparsers(dest="view")
