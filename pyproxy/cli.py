@@ -261,7 +261,8 @@ def parser() -> argparse.ArgumentParser:
                                           "of this network namespace (any mode)")
     insp.add_argument("--no-flows", action="store_true", help="omit the connection-tracking table")
     insp.add_argument("--service", metavar="NS/NAME", help="only this Service's frontends and flows")
-    insp.add_argument("--frontend", metavar="IP:PORT[/PROTO]", help="only this frontend and its flows")
+    insp.add_argument("--frontend", metavar="IP:PORT[/PROTO]",
+                      help="only this frontend and its flows (IPv6 in brackets: [fd00:10:96::1]:80/tcp)")
     insp.add_argument("-o", "--output", choices=("text", "json"), default="text", help="output format")
     _add_common(insp)
     views = insp.add_subparsers(dest="view")
@@ -269,7 +270,8 @@ def parser() -> argparse.ArgumentParser:
         "trace", help="where a packet from SRC to DST goes: its frontend, the policy, its flow's endpoint or the "
                       "endpoints a new flow could get",
         epilog="SRC is ADDR or ADDR:PORT: without a port, the source's flows to the frontend are listed and a new "
-               "flow's choice is shown. DST is ADDR:PORT/PROTO (tcp when no /PROTO).")
+               "flow's choice is shown. DST is ADDR:PORT/PROTO (tcp when no /PROTO). IPv6: SRC fd00::2 or "
+               "[fd00::2]:PORT, DST [fd00:10:96::1]:80/tcp.")
     trace.add_argument("src", metavar="SRC")
     trace.add_argument("dst", metavar="DST")
     trace.add_argument("-o", "--output", choices=("text", "json"), default=argparse.SUPPRESS, help="output format")
@@ -384,8 +386,7 @@ def _logging(settings: ProxySettings) -> None:
 def _inspect(args: argparse.Namespace, settings: ProxySettings) -> str:
     if args.view == "trace":
         # Checked before any I/O: a typo answers at once, and never as "not a Service".
-        inspection.parse_source(args.src)
-        inspection.parse_destination(args.dst)
+        inspection.parse_flow(args.src, args.dst)
         found = inspection.trace(app.inspect_view(settings), args.src, args.dst)
         if args.output == "json":
             return json.dumps(dataclasses.asdict(found), indent=2)

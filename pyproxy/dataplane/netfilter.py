@@ -74,6 +74,7 @@ from prometheus_client.registry import Collector
 from pyproxy.dataplane.base import DataplaneError, MasqueradeSettings, ModeUnavailable
 from pyproxy.model import inspection
 from pyproxy.model.conntrack import Stale
+from pyproxy.model.objects import join_host_port
 
 log = logging.getLogger(__name__)
 
@@ -340,14 +341,14 @@ def ct_flows(view: inspection.View, ct: Iterable[CtEntry]) -> Iterator[inspectio
         fe = inspection.frontend_of(view, e.dst, e.dport, e.proto)
         if fe is None:
             continue
-        yield inspection.Flow(e.proto, e.src, e.sport, e.dst, e.dport, f"{e.reply_src}:{e.reply_sport}", fe.name,
-                              e.state, expires_sec=e.expires_sec,
+        yield inspection.Flow(e.proto, e.src, e.sport, e.dst, e.dport, join_host_port(e.reply_src, e.reply_sport),
+                              fe.name, e.state, expires_sec=e.expires_sec,
                               ended=e.proto == "TCP" and e.state in ENDED_TCP_STATES)
 
 
 def conntrack_list() -> list[CtEntry]:
-    """The kernel's TCP and UDP conntrack entries of this network namespace; DataplaneError if conntrack is
-    missing or fails."""
+    """The kernel's TCP and UDP conntrack entries of this network namespace, of both families (`-L` without `-f`
+    dumps IPv4's and IPv6's alike); DataplaneError if conntrack is missing or fails."""
     path = shutil.which("conntrack")
     if path is None:
         raise DataplaneError("conntrack not found in PATH (install conntrack): flows are not shown")

@@ -14,11 +14,13 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
+from pyproxy.model.objects import IPV4, IPV6, family_of, join_host_port
+
 _PROTO_NUMBER = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP}
 
 ANY_NODE_ADDRESS = ""
-"""A frontend's `ip` when it is a NodePort served on every address of `View.nodeport_ips` (nftables' one
-element per port, where bpf writes one frontend per node address)."""
+"""A frontend's `ip` when it is a NodePort served on every address of `View.nodeport_ips` of its family
+(`Frontend.node_family`): nftables' one element per port, where bpf writes one frontend per node address."""
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class Endpoint:
     """Open flows, where the scheduler counts them (lc, sed, nq); None: not counted."""
 
     def __str__(self) -> str:
-        return f"{self.ip}:{self.port}"
+        return join_host_port(self.ip, self.port)
 
 
 @dataclass(frozen=True)
@@ -62,10 +64,20 @@ class Frontend:
     in the kernel, on state no reader sees): the trace then names the endpoints of weight > 0 and this rule."""
     packets: int | None = None
     bytes: int | None = None
+    node_family: int = IPV4
+    """On ANY_NODE_ADDRESS: the family of the node addresses it is served on (IPV6 from an IPv6 table or
+    ip6tables). A dual-stack NodePort has one such frontend per family, each with its family's endpoints."""
+
+    @property
+    def family(self) -> int:
+        return family_of(self.ip) if self.ip else self.node_family
 
     @property
     def address(self) -> str:
-        return f"{self.ip or '*'}:{self.port}/{self.proto}"
+        """ip:port/PROTO, [ip]:port/PROTO for IPv6; `*` for ANY_NODE_ADDRESS ([*] for the IPv6 one)."""
+        if self.ip:
+            return f"{join_host_port(self.ip, self.port)}/{self.proto}"
+        return f"{'[*]' if self.node_family == IPV6 else '*'}:{self.port}/{self.proto}"
 
 
 @dataclass(frozen=True)
@@ -76,14 +88,14 @@ class Flow:
     frontend: str
     frontend_port: int
     backend: str
-    """ip:port."""
+    """ip:port ([ip]:port for IPv6)."""
     service: str
     """The name of the frontend it was made for."""
     state: str
     idle_sec: float | None = None
     expires_sec: float | None = None
     snat: str | None = None
-    """ip:port the flow leaves the node from when masqueraded (bpf), if known."""
+    """ip:port ([ip]:port) the flow leaves the node from when masqueraded (bpf), if known."""
     ended: bool = False
     """Over (a TCP flow closed, or in TIME_WAIT): its next packet, a new connection's, is scheduled afresh."""
 
@@ -148,16 +160,32 @@ class Trace:
 # ------------------------------------------------------------------------------------------------ parsing
 
 
-def _no_ipv6(text: str) -> None:
-    if text.startswith("[") or text.count(":") > 1:
-        raise ValueError(f"{text!r}: `inspect trace` follows IPv4 flows only: IPv6 flows are not traced yet")
+def split_host_port(text: str) -> tuple[str, str]:
+    """ADDR:PORT or [ADDR6]:PORT -> (ADDR, PORT); ADDR, [ADDR6] or a bare ADDR6 -> (ADDR, ""): the port's text
+    unchecked. An IPv6 address with a port goes in brackets (upstream's net.SplitHostPort)."""
+    if text.startswith("["):
+        addr, closed, rest = text[1:].partition("]")
+        if not closed or (rest and not rest.startswith(":")):
+            raise ValueError(f"expected [IPv6 address] or [IPv6 address]:PORT, not {text!r}")
+        return addr, rest[1:]
+    if text.count(":") > 1:
+        return text, ""
+    addr, _, port = text.partition(":")
+    return addr, port
+
+
+def _address(addr: str, text: str) -> str:
+    """The address in its canonical form (IPv6 compressed, as every reader writes it)."""
+    try:
+        return str(ipaddress.ip_address(addr))
+    except ValueError:
+        raise ValueError(f"{text!r}: {addr!r} is not an IPv4 or IPv6 address") from None
 
 
 def parse_source(text: str) -> tuple[str, int | None]:
-    """ADDR or ADDR:PORT."""
-    _no_ipv6(text)
-    ip, _, port = text.partition(":")
-    ipaddress.IPv4Address(ip)
+    """ADDR or ADDR:PORT; an IPv6 ADDR bare or in brackets, in brackets before a port ([fd00::2]:40000)."""
+    addr, port = split_host_port(text)
+    ip = _address(addr, text)
     if not port:
         return ip, None
     if not port.isdigit() or not 0 < int(port) < 65536:
@@ -166,42 +194,53 @@ def parse_source(text: str) -> tuple[str, int | None]:
 
 
 def parse_destination(text: str) -> tuple[str, int, str]:
-    """ADDR:PORT[/PROTO], PROTO tcp (the default) or udp."""
-    _no_ipv6(text)
+    """ADDR:PORT[/PROTO], PROTO tcp (the default) or udp; an IPv6 ADDR in brackets ([fd00:10:96::1]:80/tcp)."""
     addr, _, proto = text.partition("/")
-    ip, _, port = addr.partition(":")
-    ipaddress.IPv4Address(ip)
+    host, port = split_host_port(addr)
+    ip = _address(host, text)
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected ADDR:PORT/PROTO, such as 10.96.0.10:80/tcp, not {text!r}")
+        raise ValueError(f"expected ADDR:PORT/PROTO, such as 10.96.0.10:80/tcp or [fd00:10:96::1]:80/tcp, "
+                         f"not {text!r}")
     proto = (proto or "tcp").upper()
     if proto not in ("TCP", "UDP"):
         raise ValueError(f"protocol must be tcp or udp, not {proto.lower()!r}")
     return ip, int(port), proto
 
 
+def parse_flow(source: str, destination: str) -> tuple[str, int | None, str, int, str]:
+    """(src, sport, dst, dport, proto) of `inspect trace`'s SRC and DST, both of one family (a packet's are)."""
+    src, sport = parse_source(source)
+    dst, dport, proto = parse_destination(destination)
+    if family_of(src) != family_of(dst):
+        raise ValueError(f"{source} and {destination} are of two IP families: a packet's source and destination "
+                         "are both IPv4 or both IPv6")
+    return src, sport, dst, dport, proto
+
+
 # ------------------------------------------------------------------------------------------------ filters
 
 
 def filtered(view: View, service: str | None = None, frontend: str | None = None) -> View:
-    """The view narrowed to the frontends of Service `service` (ns/name) and/or at `frontend` (IP:PORT, with
-    /PROTO or not), and to their flows and affinity entries."""
+    """The view narrowed to the frontends of Service `service` (ns/name) and/or at `frontend` (IP:PORT or
+    [IPv6]:PORT, with /PROTO or not), and to their flows and affinity entries."""
     fes = view.frontends
     if service is not None:
         fes = [f for f in fes if service in (f.service, f.name)]
     if frontend is not None:
         addr, _, proto = frontend.partition("/")
-        ip, _, port = addr.partition(":")
+        host, port = split_host_port(addr)
+        ip = _address(host, frontend)
         fes = [f for f in fes if f.ip in (ip, ANY_NODE_ADDRESS) and str(f.port) == port
                and (not proto or f.proto == proto.upper())
-               and (f.ip or ip in view.nodeport_ips)]
+               and (f.ip or (ip in view.nodeport_ips and f.family == family_of(ip)))]
     if fes is view.frontends:
         return view
     names = {f.name for f in fes}
-    keys = {(f.ip, f.port, f.proto) for f in fes}
+    keys = {(f.ip, f.port, f.proto, f.family) for f in fes}
 
     def kept(ip: str, port: int, proto: str, name: str) -> bool:
-        return name in names if frontend is None else (ip, port, proto) in keys or (
-            (ANY_NODE_ADDRESS, port, proto) in keys and ip in view.nodeport_ips)
+        return name in names if frontend is None else (ip, port, proto, family_of(ip)) in keys or (
+            (ANY_NODE_ADDRESS, port, proto, family_of(ip)) in keys and ip in view.nodeport_ips)
 
     return replace(view, frontends=fes,
                    flows=[f for f in view.flows if kept(f.frontend, f.frontend_port, f.proto, f.service)],
@@ -211,9 +250,20 @@ def filtered(view: View, service: str | None = None, frontend: str | None = None
 # ------------------------------------------------------------------------------------------------ trace
 
 
+def _words(ip: str) -> list[int]:
+    """An address as the datapath's u32 words hold it: its network-order bytes, four at a time, read in this host's
+    order (IPv4's one word, struct pyproxy_in6's four)."""
+    packed = ipaddress.ip_address(ip).packed
+    return [int.from_bytes(packed[i:i + 4], sys.byteorder) for i in range(0, len(packed), 4)]
+
+
 def _u32(ip: str) -> int:
-    """An address as the datapath's u32 holds it: its network-order bytes read in this host's order."""
-    return int.from_bytes(socket.inet_aton(ip), sys.byteorder)
+    """An address as the schedulers hash it: IPv4's u32, an IPv6 address folded to 32 bits (parse6.h's
+    pyproxy_in6_fold, the XOR of its words)."""
+    out = 0
+    for w in _words(ip):
+        out ^= w
+    return out
 
 
 def _u16(port: int) -> int:
@@ -230,8 +280,12 @@ def mix32(h: int) -> int:
 
 
 def flow_hash(saddr: str, daddr: str, sport: int, dport: int, proto: str) -> int:
-    """sched.h's pyproxy_flow_hash: what Maglev indexes its table with."""
-    h = mix32(_u32(saddr) ^ 0x9E3779B9)
+    """sched.h's pyproxy_flow_hash, or for IPv6 lb6.h's pyproxy_lb6_flow_hash (every word of the source, the
+    destination folded): what Maglev indexes its table with."""
+    first, *rest = _words(saddr)
+    h = mix32(first ^ 0x9E3779B9)
+    for w in rest:
+        h = mix32(h ^ w)
     h = mix32(h ^ _u32(daddr))
     h = mix32(h ^ ((_u16(sport) << 16) | _u16(dport)))
     return mix32(h ^ _PROTO_NUMBER[proto])
@@ -309,8 +363,9 @@ def _scheduled(fe: Frontend, src: str, sport: int | None, dst: str, dport: int) 
 
 
 def _in_ranges(ip: str, ranges: Sequence[str]) -> bool:
-    addr = ipaddress.IPv4Address(ip)
-    return any(addr in ipaddress.IPv4Network(r, strict=False) for r in ranges)
+    """Whether `ip` is in one of `ranges` (those of the other family hold none of it)."""
+    addr = ipaddress.ip_address(ip)
+    return any(addr in ipaddress.ip_network(r, strict=False) for r in ranges)
 
 
 def new_flow(view: View, fe: Frontend, src: str, sport: int | None, dst: str) -> tuple[NewFlow, Affinity | None]:
@@ -342,7 +397,7 @@ def frontend_of(view: View, dst: str, dport: int, proto: str) -> Frontend | None
             continue
         if fe.ip == dst:
             return fe
-        if fe.ip == ANY_NODE_ADDRESS and dst in view.nodeport_ips:
+        if fe.ip == ANY_NODE_ADDRESS and dst in view.nodeport_ips and fe.node_family == family_of(dst):
             found = fe
     return found
 
@@ -350,9 +405,8 @@ def frontend_of(view: View, dst: str, dport: int, proto: str) -> Frontend | None
 def trace(view: View, source: str, destination: str) -> Trace:
     """Where a packet from `source` (ADDR or ADDR:PORT) to `destination` (ADDR:PORT/PROTO) goes. Without a
     source port: the source's flows to the frontend, and what a new flow of it would get."""
-    src, sport = parse_source(source)
-    dst, dport, proto = parse_destination(destination)
-    where = f"{dst}:{dport}/{proto.lower()}"
+    src, sport, dst, dport, proto = parse_flow(source, destination)
+    where = f"{join_host_port(dst, dport)}/{proto.lower()}"
     fe = frontend_of(view, dst, dport, proto)
     if fe is None:
         return Trace(view.mode, source, where, "not a Service",
@@ -388,28 +442,36 @@ def _endpoint_text(fe: Frontend, e: Endpoint) -> str:
     return out
 
 
+def _width(least: int, values: Iterable[str]) -> int:
+    """A column's width: `least`, or its widest value's (IPv6 addresses), so the columns stay aligned."""
+    return max([least, *map(len, values)])
+
+
 def report(view: View, flows: bool = True) -> str:
     """The view as `pyproxy inspect` prints it."""
     lines = [f"read from: {view.source}", ""] if view.source else []
-    lines.append(f"{'SERVICE':40} {'FRONTEND':26} {'SCHED':12} {'PACKETS':>9} {'BYTES':>11}  BACKENDS")
-    for fe in sorted(view.frontends, key=lambda f: (f.name, f.ip, f.port)):
-        backends = ", ".join(_endpoint_text(fe, e) for e in fe.endpoints) or f"(none: {fe.empty})"
-        frontend = f"{fe.ip or '*'}:{fe.port}/{fe.proto}" + (" node" if fe.node else "")
-        sched = fe.scheduler + (f"/{len(fe.table)}" if fe.table else "")
-        pkts = "-" if fe.packets is None else fe.packets
-        byts = "-" if fe.bytes is None else fe.bytes
-        lines.append(f"{fe.name:40} {frontend:26} {sched:12} {pkts:>9} {byts:>11}  {backends}")
+    rows = [(fe.name, fe.address + (" node" if fe.node else ""), fe.scheduler + (f"/{len(fe.table)}" if fe.table
+                                                                                    else ""),
+             "-" if fe.packets is None else str(fe.packets), "-" if fe.bytes is None else str(fe.bytes),
+             ", ".join(_endpoint_text(fe, e) for e in fe.endpoints) or f"(none: {fe.empty})")
+            for fe in sorted(view.frontends, key=lambda f: (f.name, f.ip, f.port))]
+    fw = _width(26, (r[1] for r in rows))
+    lines.append(f"{'SERVICE':40} {'FRONTEND':{fw}} {'SCHED':12} {'PACKETS':>9} {'BYTES':>11}  BACKENDS")
+    for name, frontend, sched, pkts, byts, backends in rows:
+        lines.append(f"{name:40} {frontend:{fw}} {sched:12} {pkts:>9} {byts:>11}  {backends}")
     if view.counters:
         lines.append("")
         lines.append("datapath: " + ", ".join(f"{n}={c}" for n, c in view.counters.items()))
     if flows:
         lines.append("")
-        lines.append(f"{'FLOW (client -> frontend)':48} {'BACKEND':22} {'SERVICE':30} {'STATE':12} IDLE")
-        for f in view.flows:
-            flow = f"{f.proto} {f.client}:{f.client_port} -> {f.frontend}:{f.frontend_port}"
-            backend = f.backend + (f" from {f.snat}" if f.snat else "")
-            idle = "-" if f.idle_sec is None else f"{f.idle_sec:.1f}s"
-            lines.append(f"{flow:48} {backend:22} {f.service:30} {f.state:12} {idle}")
+        flow_rows = [(f"{f.proto} {join_host_port(f.client, f.client_port)} -> "
+                      f"{join_host_port(f.frontend, f.frontend_port)}",
+                      f.backend + (f" from {f.snat}" if f.snat else ""), f.service, f.state,
+                      "-" if f.idle_sec is None else f"{f.idle_sec:.1f}s") for f in view.flows]
+        cw, bw = _width(48, (r[0] for r in flow_rows)), _width(22, (r[1] for r in flow_rows))
+        lines.append(f"{'FLOW (client -> frontend)':{cw}} {'BACKEND':{bw}} {'SERVICE':30} {'STATE':12} IDLE")
+        for flow, backend, service, state, idle in flow_rows:
+            lines.append(f"{flow:{cw}} {backend:{bw}} {service:30} {state:12} {idle}")
     return "\n".join(lines)
 
 
@@ -425,7 +487,7 @@ def trace_text(t: Trace) -> str:
         lines.append(f"frontend: {fe.name} at {fe.address} ({'; '.join(policy)})")
         lines.append("endpoints: " + (", ".join(_endpoint_text(fe, e) for e in fe.endpoints) or "none"))
     for f in t.flows:
-        lines.append(f"flow: {f.proto.lower()} {f.client}:{f.client_port} -> {f.backend} ({f.state}"
+        lines.append(f"flow: {f.proto.lower()} {join_host_port(f.client, f.client_port)} -> {f.backend} ({f.state}"
                      + (", ended)" if f.ended else ")"))
     if t.affinity is not None:
         lines.append(f"affinity: {t.affinity.client} -> {t.affinity.backend} "

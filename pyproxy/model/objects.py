@@ -44,6 +44,12 @@ def family_of(address: str) -> int:
     return IPV6 if ":" in address else IPV4
 
 
+def join_host_port(ip: str, port: int) -> str:
+    """"ip:port", an IPv6 address in brackets (upstream's net.JoinHostPort): how endpoints and frontends are
+    written wherever an address and a port go together (DNAT targets, `pyproxy inspect`)."""
+    return f"[{ip}]:{port}" if family_of(ip) == IPV6 else f"{ip}:{port}"
+
+
 class Protocol(enum.StrEnum):
     TCP = "TCP"
     UDP = "UDP"

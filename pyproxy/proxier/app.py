@@ -128,8 +128,9 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
 
 
 def inspect_view(settings: ProxySettings, flows: bool = True) -> inspection.View:
-    """What the dataplane of this network namespace holds: the BPF maps when pyproxy's programs or pins are here,
-    else pyproxy's nftables table, else the iptables mode's chains, else pyproxy's IPVS virtual servers."""
+    """What the dataplane of this network namespace holds, both IP families': the BPF maps when pyproxy's programs
+    or pins are here, else pyproxy's nftables tables, else the iptables mode's chains (iptables' and ip6tables'),
+    else pyproxy's IPVS virtual servers."""
     maps = bpf_inspect.open_maps(settings.bpf.pin_path, settings.bpf.object_path)
     if maps is not None:
         try:
@@ -140,8 +141,9 @@ def inspect_view(settings: ProxySettings, flows: bool = True) -> inspection.View
     if found is None:
         raise StartupError(
             f"no pyproxy dataplane here: no BPF pins under {settings.bpf.pin_path}, no pyproxy program attached in "
-            "this network namespace, no nftables table ip pyproxy, no KUBE-SVC/KUBE-NODEPORTS chains in either "
-            "iptables backend and no IPVS virtual server of pyproxy's (run inspect in pyproxy's network namespace, "
+            "this network namespace, no nftables table ip or ip6 pyproxy, no KUBE-SVC/KUBE-NODEPORTS chains in "
+            "either iptables backend (iptables or ip6tables) and no IPVS virtual server of pyproxy's (run inspect "
+            "in pyproxy's network namespace, "
             "with pyproxy's --bpf-pin-path if it pins elsewhere)"
         )
     return found

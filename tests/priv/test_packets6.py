@@ -495,6 +495,6 @@ def test_inspect_shows_ipv6_frontends_and_flows(dp: Dataplane) -> None:
     fe = next(f for f in view.frontends if f.ip == VIP6)
     assert {(e.ip, e.port) for e in fe.endpoints} == set(BACKENDS6)
     assert sum(e.active or 0 for e in fe.endpoints) == 1
-    assert [f.backend for f in view.flows] == [f"{ip}:{port}"]
+    assert [f.backend for f in view.flows] == [f"[{ip}]:{port}"]
     text = inspect.report(dp.maps)
-    assert VIP6 in text and f"{ip}:{port}" in text and CLIENT6 in text, text
+    assert f"[{VIP6}]:{PORT}/TCP" in text and f"[{ip}]:{port}" in text and f"[{CLIENT6}]:48000" in text, text

@@ -4,7 +4,11 @@ nftables reader's view of a table listing and conntrack lines."""
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
+import socket
+import struct
+from pathlib import Path
 
 import pytest
 
@@ -139,9 +143,114 @@ def test_bad_addresses_are_refused(src: str, dst: str) -> None:
 
 
 @pytest.mark.parametrize("src, dst", [("fd00:10:200::2", "10.96.0.10:80"), ("10.200.0.2", "[fd00:10:96::1]:80")])
-def test_ipv6_flows_are_refused_saying_they_are_not_inspected_yet(src: str, dst: str) -> None:
-    with pytest.raises(ValueError, match="IPv6 flows are not traced yet"):
+def test_a_source_and_destination_of_two_families_are_refused(src: str, dst: str) -> None:
+    with pytest.raises(ValueError, match="two IP families"):
         trace(View("bpf", [web()]), src, dst)
+
+
+@pytest.mark.parametrize("src, dst, why", [
+    ("fd00:10:200::2", "fd00:10:96::1:80", "such as 10.96.0.10:80/tcp or \\[fd00:10:96::1\\]:80/tcp"),
+    ("[fd00:10:200::2", "[fd00:10:96::1]:80", "expected \\[IPv6 address\\]"),
+    ("[fd00:10:200::2]x", "[fd00:10:96::1]:80", "expected \\[IPv6 address\\]"),
+    ("[fd00:10:200::2]:0", "[fd00:10:96::1]:80", "source port must be"),
+    ("fd00:10:200::zz", "[fd00:10:96::1]:80", "not an IPv4 or IPv6 address"),
+])
+def test_bad_ipv6_addresses_are_refused_saying_why(src: str, dst: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        trace(View("bpf", [web()]), src, dst)
+
+
+CLIENT6, VIP6 = "fd00:10:200::2", "fd00:10:96::1"
+E1, E2, E3 = Endpoint("fd00:10:201:1::2", 8080), Endpoint("fd00:10:201:2::2", 8080), Endpoint("fd00:10:201:3::2", 8080)
+
+
+def web6(**kw: object) -> Frontend:
+    return web(**{"ip": VIP6, "name": "default/web6:http", "service": "default/web6", "endpoints": (E1, E2), **kw})
+
+
+def flow6(backend: str = "[fd00:10:201:2::2]:8080", port: int = 40000, **kw: object) -> Flow:
+    return flow(backend, port, **{"client": CLIENT6, "frontend": VIP6, "service": "default/web6:http", **kw})
+
+
+def test_an_ipv6_flow_is_traced_with_its_addresses_in_brackets() -> None:
+    v = View("bpf", [web(), web6()], [flow(), flow6(), flow6("[fd00:10:201:1::2]:8080", port=40001)])
+    # The source bare or in brackets, any spelling of the addresses: the view's are compressed.
+    for src in (f"[{CLIENT6}]:40000", "[fd00:10:200:0:0:0:0:2]:40000"):
+        t = trace(v, src, "[fd00:10:96:0::1]:80/tcp")
+        assert (t.verdict, t.backend, len(t.flows)) == ("established", "[fd00:10:201:2::2]:8080", 1), src
+    assert t.destination == "[fd00:10:96::1]:80/tcp"
+    text = trace_text(t)
+    assert "established: follows its established flow to [fd00:10:201:2::2]:8080" in text
+    assert "frontend: default/web6:http at [fd00:10:96::1]:80/TCP" in text
+    assert "endpoints: [fd00:10:201:1::2]:8080, [fd00:10:201:2::2]:8080" in text
+    assert f"flow: tcp [{CLIENT6}]:40000 -> [fd00:10:201:2::2]:8080 (established)" in text
+    for src in (CLIENT6, f"[{CLIENT6}]"):
+        listed = trace(v, src, f"[{VIP6}]:80")
+        assert {f.client_port for f in listed.flows} == {40000, 40001} and listed.backend is None
+        assert listed.new_flow is not None and listed.new_flow.shares == {"[fd00:10:201:1::2]:8080": 0.5,
+                                                                          "[fd00:10:201:2::2]:8080": 0.5}
+    # The IPv4 frontend on the same port is another frontend: its flows are not the IPv6 one's.
+    assert trace(v, f"{CLIENT}:40000", "10.96.0.10:80/tcp").backend == "10.201.2.2:8080"
+    gone = trace(View("bpf", [web6(endpoints=(E1,))], [flow6()]), f"[{CLIENT6}]:40000", f"[{VIP6}]:80")
+    assert gone.verdict == "dnat" and "no longer an endpoint" in gone.why and gone.backend == "[fd00:10:201:1::2]:8080"
+
+
+def test_ipv6_affinity_source_ranges_and_no_endpoint() -> None:
+    fe = web6(affinity_sec=600, endpoints=(E1, E2, E3))
+    pinned = Affinity("TCP", CLIENT6, VIP6, 80, "[fd00:10:201:3::2]:8080", fe.name, 590.0)
+    t = trace(View("bpf", [fe], affinities=[pinned]), CLIENT6, f"[{VIP6}]:80/tcp")
+    assert (t.verdict, t.backend, t.affinity) == ("dnat", "[fd00:10:201:3::2]:8080", pinned)
+    assert trace(View("bpf", [fe], affinities=[pinned]), "fd00:10:200::3", f"[{VIP6}]:80").backend is None
+    ranged = View("bpf", [web6(source_ranges=("2001:db8:ffff::/48", "198.51.100.0/24"))])
+    out = trace(ranged, CLIENT6, f"[{VIP6}]:80")
+    assert out.verdict == "dropped" and "outside the source ranges 2001:db8:ffff::/48, 198.51.100.0/24" in out.why
+    assert trace(ranged, "2001:db8:ffff::7", f"[{VIP6}]:80").verdict == "dnat"
+    assert trace(View("bpf", [web6(endpoints=())]), CLIENT6, f"[{VIP6}]:80").verdict == "refused"
+    assert trace(View("bpf", [web6()]), CLIENT6, f"[{VIP6}]:81").verdict == "not a Service"
+
+
+def _words(ip: str) -> list[int]:
+    """struct pyproxy_in6's four __be32 words as a little-endian host loads them (this test's machines)."""
+    return list(struct.unpack("<4I", ipaddress.IPv6Address(ip).packed))
+
+
+def test_ipv6_hash_schedulers_fold_the_addresses_as_the_datapath_does() -> None:
+    # parse6.h's pyproxy_in6_fold (the XOR of the four words) is what sh and dh hash for IPv6.
+    fold = _words(CLIENT6)[0] ^ _words(CLIENT6)[1] ^ _words(CLIENT6)[2] ^ _words(CLIENT6)[3]
+    sh = trace(View("bpf", [web6(scheduler="sh", endpoints=(E1, E2, E3))]), CLIENT6, f"[{VIP6}]:80")
+    assert sh.backend == str((E1, E2, E3)[mix32(fold) % 3])
+    vfold = _words(VIP6)[0] ^ _words(VIP6)[1] ^ _words(VIP6)[2] ^ _words(VIP6)[3]
+    dh = trace(View("bpf", [web6(scheduler="dh", endpoints=(E1, E2, E3))]), CLIENT6, f"[{VIP6}]:80")
+    assert dh.backend == str((E1, E2, E3)[mix32(vfold) % 3])
+    # lb6.h's pyproxy_lb6_flow_hash: every word of the source, the destination folded, then ports and protocol.
+    h = mix32(_words(CLIENT6)[0] ^ 0x9E3779B9)
+    for w in _words(CLIENT6)[1:]:
+        h = mix32(h ^ w)
+    h = mix32(h ^ vfold)
+    ports = struct.unpack("<I", struct.pack("<HH", socket.htons(80), socket.htons(40000)))[0]
+    h = mix32(mix32(h ^ ports) ^ socket.IPPROTO_TCP)
+    assert flow_hash(CLIENT6, VIP6, 40000, 80, "TCP") == h
+    table = tuple(map(str, (E1, E2, E1, E2, E3)))
+    by_port = trace(View("bpf", [web6(scheduler="maglev", table=table, endpoints=(E1, E2, E3))]),
+                    f"[{CLIENT6}]:40000", f"[{VIP6}]:80")
+    assert by_port.backend == table[h % 5]
+
+
+def test_the_report_writes_ipv6_addresses_in_brackets_in_aligned_columns() -> None:
+    v = View("bpf", [web(), web6(), web6(ip="", port=30094, node_family=6, name="default/web6:np")],
+             [flow(), flow6()], nodeport_ips=["fd00:10:200::1"])
+    text = report(v)
+    lines = text.splitlines()
+    header = lines[0]
+    row6 = next(line for line in lines if line.startswith("default/web6:http"))
+    assert "[fd00:10:96::1]:80/TCP" in row6 and row6.endswith("[fd00:10:201:1::2]:8080, [fd00:10:201:2::2]:8080")
+    assert row6.index("random") == header.index("SCHED")
+    assert "[*]:30094/TCP" in text
+    flows_header = next(line for line in lines if line.startswith("FLOW"))
+    row = next(line for line in lines if line.startswith(f"TCP [{CLIENT6}]:40000 -> [fd00:10:96::1]:80"))
+    assert row.index("[fd00:10:201:2::2]:8080") == flows_header.index("BACKEND")
+    assert trace(v, CLIENT6, "[fd00:10:200::1]:30094/tcp").frontend == v.frontends[2]
+    assert trace(v, CLIENT6, "[fd00:10:200::9]:30094/tcp").verdict == "not a Service"
 
 
 def test_filters_keep_a_services_or_a_frontends_frontends_and_flows() -> None:
@@ -231,3 +340,43 @@ def test_the_nftables_view_of_a_table_and_its_flows() -> None:
     assert trace(v, CLIENT, "10.96.20.3:80/tcp").verdict == "refused"
     assert trace(v, CLIENT, "203.0.113.11:80/tcp").verdict == "dropped"
     assert trace(v, "198.51.100.1", "203.0.113.11:80/tcp").backend == "10.201.1.2:8080"
+
+
+CAPTURED = Path(__file__).parent / "captured"
+
+
+@pytest.fixture(scope="module")
+def nft_dual() -> View:
+    """Both tables of a run in nftables mode (tests/unit/captured/README), joined as `read()` joins them."""
+    doc = json.loads((CAPTURED / "nftables-dualstack.json").read_text())
+    return nft_inspect.view(doc, parse_conntrack((CAPTURED / "nftables-conntrack6.txt").read_text()))
+
+
+def test_the_nftables_view_reads_the_ip6_table_beside_the_ip_one(nft_dual: View) -> None:
+    fes = {(fe.ip, fe.port, fe.proto): fe for fe in nft_dual.frontends}
+    assert [str(e) for e in fes[(VIP6, 80, "TCP")].endpoints] == ["[fd00:10:201:1::2]:8080", "[fd00:10:201:2::2]:8080"]
+    assert fes[(VIP6, 80, "TCP")].name == "default/web6/tcp/http"
+    assert [str(e) for e in fes[("10.96.20.1", 80, "TCP")].endpoints] == ["10.201.1.2:8080", "10.201.2.2:8080"]
+    assert fes[("2001:db8::12", 80, "TCP")].source_ranges == ("2001:db8:ffff::/48",)
+    assert fes[("fd00:10:96::3", 80, "TCP")].endpoints == () and fes[("fd00:10:96::3", 80, "TCP")].empty == "refused"
+    assert nft_dual.nodeport_ips == ["10.200.0.1", "10.201.1.1", "10.201.2.1", "10.201.3.1", "fd00:10:200::1",
+                                     "fd00:10:201:1::1", "fd00:10:201:2::1", "fd00:10:201:3::1"]
+    assert trace(nft_dual, CLIENT6, "[2001:db8::12]:80/tcp").verdict == "dropped"
+    assert trace(nft_dual, CLIENT6, "[fd00:10:200::1]:30093/tcp").verdict == "refused"
+    assert trace(nft_dual, CLIENT, "10.200.0.1:30093/tcp").verdict == "not a Service"  # np6-empty is IPv6 only
+
+
+def test_the_nftables_dual_stack_service_and_ipv6_flows_and_affinity(nft_dual: View) -> None:
+    # The same chain names in both tables (external-LKDYN4ID-default/dual-np/tcp/http): each family's own endpoints.
+    assert trace(nft_dual, CLIENT6, "[fd00:10:200::1]:30094/tcp").backend == "[fd00:10:201:2::2]:8080"
+    assert trace(nft_dual, CLIENT, "10.200.0.1:30094/tcp").backend == "10.201.1.2:8080"
+    assert trace(nft_dual, CLIENT6, "[fd00:10:96::30]:80/tcp").backend == "[fd00:10:201:2::2]:8080"
+    assert trace(nft_dual, CLIENT, "10.96.20.30:80/tcp").backend == "10.201.1.2:8080"
+    held = trace(nft_dual, f"[{CLIENT6}]:56552", f"[{VIP6}]:80/tcp")
+    assert (held.verdict, held.backend) == ("established", "[fd00:10:201:2::2]:8080")
+    # The affinity set's name holds the endpoint with its colons as dots: read back as the endpoint.
+    pinned = trace(nft_dual, CLIENT6, "[fd00:10:96::40]:80/tcp")
+    assert (pinned.verdict, pinned.backend) == ("dnat", "[fd00:10:201:3::2]:8080")
+    assert pinned.affinity is not None and pinned.affinity.remaining_sec == 599
+    assert [f.address for f in filtered(nft_dual, service="default/dual").frontends] == [
+        "10.96.20.30:80/TCP", "[fd00:10:96::30]:80/TCP"]

@@ -22,11 +22,19 @@ JIFFIES = 4297483753
 STICKY_SEP = "KUBE-SEP-HYWCQ6N44D73YF4U"
 
 
+def captured(conntrack: str, recent: dict[str, str], jiffies: int, ipv6: bool = False) -> ii.inspection.View:
+    """The view of the captured tables (with ip6tables-save.txt's too when `ipv6`, as `read()` joins them), flows
+    from the conntrack file `conntrack`, and `recent` lists by name, on a HZ=250 kernel at `jiffies`."""
+    saved = nf.parse_save((CAPTURED / "iptables-save.txt").read_text())
+    saved6 = nf.parse_save((CAPTURED / "ip6tables-save.txt").read_text()) if ipv6 else None
+    ct = nf.parse_conntrack((CAPTURED / conntrack).read_text())
+    return ii.view(saved, ct, {name: ii.parse_recent(text) for name, text in recent.items()}, ii.Clock(jiffies, 250),
+                   saved6)
+
+
 @pytest.fixture(scope="module")
 def view() -> ii.inspection.View:
-    saved = nf.parse_save((CAPTURED / "iptables-save.txt").read_text())
-    ct = nf.parse_conntrack((CAPTURED / "iptables-conntrack.txt").read_text())
-    return ii.view(saved, ct, {STICKY_SEP: ii.parse_recent(RECENT)}, ii.Clock(JIFFIES, 250))
+    return captured("iptables-conntrack.txt", {STICKY_SEP: RECENT}, JIFFIES)
 
 
 def frontend(view: ii.inspection.View, ip: str, port: int, proto: str = "TCP") -> ii.inspection.Frontend:
@@ -123,3 +131,72 @@ def test_only_the_iptables_modes_chains_count_as_its_tables() -> None:
     assert ii.is_ours(saved)
     ipvs_like = nf.parse_save("*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-MARK-MASQ - [0:0]\nCOMMIT\n")
     assert not ii.is_ours(ipvs_like)
+
+
+# ------------------------------------------------------------------------------------------------ IPv6
+
+CLIENT6 = "fd00:10:200::2"
+# The list of [fd00:10:201:3::2]:8080 of default/sticky6:http, the kernel's IPv6 address in full (%pI6), and the
+# jiffies, read with ip6tables-save.txt.
+RECENT6 = {"KUBE-SEP-XC4YLXGQWXENC27K": "src=fd00:0010:0200:0000:0000:0000:0000:0002 ttl: 64 last_seen: 4303489712 "
+                                        "oldest_pkt: 5 4303489710, 4303489712, 4303489712, 4303489712, 4303489712\n"}
+JIFFIES6 = 4303489875
+
+
+@pytest.fixture(scope="module")
+def dual() -> ii.inspection.View:
+    return captured("ip6tables-conntrack.txt", RECENT6, JIFFIES6, ipv6=True)
+
+
+def test_ipv6_frontends_from_ip6tables_with_their_endpoints(dual: ii.inspection.View) -> None:
+    web6 = frontend(dual, "fd00:10:96::1", 80)
+    assert (web6.name, web6.service) == ("default/web6:http", "default/web6")
+    assert [str(e) for e in web6.endpoints] == ["[fd00:10:201:1::2]:8080", "[fd00:10:201:2::2]:8080"]
+    assert web6.probabilities == (0.5, 1.0) and web6.address == "[fd00:10:96::1]:80/TCP"
+    assert [str(e) for e in frontend(dual, "fd00:10:96::1", 53, "UDP").endpoints] == [
+        "[fd00:10:201:1::2]:5353", "[fd00:10:201:2::2]:5353"]
+    # IPv4's frontends are still there, from iptables-save.
+    assert [str(e) for e in frontend(dual, "10.96.20.1", 80).endpoints] == ["10.201.1.2:8080", "10.201.2.2:8080"]
+    assert dual.nodeport_ips == ["10.200.0.1", "10.201.1.1", "10.201.2.1", "10.201.3.1", "fd00:10:200::1",
+                                 "fd00:10:201:1::1", "fd00:10:201:2::1", "fd00:10:201:3::1"]
+
+
+def test_a_dual_stack_service_has_each_familys_endpoints_on_its_cluster_ips_and_node_ports(
+        dual: ii.inspection.View) -> None:
+    assert [str(e) for e in frontend(dual, "10.96.20.30", 80).endpoints] == ["10.201.1.2:8080"]
+    assert [str(e) for e in frontend(dual, "fd00:10:96::30", 80).endpoints] == ["[fd00:10:201:2::2]:8080"]
+    # The NodePort 30094 of both families: one KUBE-NODEPORTS frontend in each table, each on its family's
+    # addresses, though the chains have the same names in both.
+    node_ports = [f for f in dual.frontends if (f.ip, f.port) == (ANY_NODE_ADDRESS, 30094)]
+    assert sorted((f.address, tuple(map(str, f.endpoints))) for f in node_ports) == [
+        ("*:30094/TCP", ("10.201.1.2:8080",)), ("[*]:30094/TCP", ("[fd00:10:201:2::2]:8080",))]
+    assert trace(dual, CLIENT6, "[fd00:10:200::1]:30094/tcp").backend == "[fd00:10:201:2::2]:8080"
+    assert trace(dual, CLIENT, "10.200.0.1:30094/tcp").backend == "10.201.1.2:8080"
+    only6 = filtered(dual, frontend="[fd00:10:200::1]:30094/tcp")
+    assert [f.address for f in only6.frontends] == ["[*]:30094/TCP"]
+    assert {f.frontend for f in filtered(dual, service="default/dual").flows} == {"fd00:10:96::30"}
+
+
+def test_ipv6_node_ports_firewalls_and_frontends_without_endpoints(dual: ii.inspection.View) -> None:
+    assert trace(dual, CLIENT6, "[fd00:10:200::1]:30090/tcp").verdict == "dnat"
+    assert [str(e) for e in frontend(dual, ANY_NODE_ADDRESS, 30092).endpoints] == ["[fd00:10:201:1::2]:8080"]
+    closed = frontend(dual, "2001:db8::12", 80)
+    assert closed.source_ranges == ("2001:db8:ffff::/48",)
+    assert trace(dual, CLIENT6, "[2001:db8::12]:80/tcp").verdict == "dropped"
+    assert trace(dual, "2001:db8:ffff::7", "[2001:db8::12]:80/tcp").verdict == "dnat"
+    assert trace(dual, CLIENT6, "[2001:db8::13]:80/tcp").verdict == "dnat"  # lb6-open lets fd00:10:200::/64 in
+    assert trace(dual, CLIENT6, "[fd00:10:96::3]:80/tcp").verdict == "refused"
+    assert trace(dual, CLIENT6, "[fd00:10:200::1]:30093/tcp").verdict == "refused"
+    assert trace(dual, CLIENT6, "[fd00:10:96::99]:80/tcp").verdict == "not a Service"
+
+
+def test_an_established_ipv6_flow_and_ipv6_client_ip_affinity(dual: ii.inspection.View) -> None:
+    t = trace(dual, f"[{CLIENT6}]:45328", "[fd00:10:96::1]:80/tcp")
+    assert (t.verdict, t.backend) == ("established", "[fd00:10:201:1::2]:8080")
+    assert f"[{CLIENT6}]:45328 -> [fd00:10:96::1]:80/tcp: established: follows its established flow to " \
+           "[fd00:10:201:1::2]:8080" in trace_text(t)
+    pinned = trace(dual, CLIENT6, "[fd00:10:96::40]:80/tcp")
+    assert (pinned.verdict, pinned.backend) == ("dnat", "[fd00:10:201:3::2]:8080")
+    assert pinned.affinity is not None and pinned.affinity.client == CLIENT6
+    assert pinned.affinity.remaining_sec == pytest.approx(600 - (JIFFIES6 - 4303489712) / 250)
+    assert len(pinned.flows) == 5 and all(f.ended for f in pinned.flows)

@@ -22,7 +22,7 @@ from pyproxy.dataplane.bpf.backend import DEFAULT_OBJECT, Maps
 from pyproxy.dataplane.bpf.maps import BpfMap
 from pyproxy.dataplane.bpf.render import AppliedFrontend
 from pyproxy.model import inspection
-from pyproxy.model.objects import IPV6
+from pyproxy.model.objects import IPV6, join_host_port
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def _snat_source(ct: BpfMap, k: abi.CtKey | abi.Ct6Key, v: abi.CtValue | abi.Ct6
                           dir=abi.CT_REVERSE))
     if snat is None or not snat.flags & abi.CT_F_SNAT:
         return "?"
-    return f"{_ip(snat.nat_addr)}:{abi.port_of(snat.nat_port)}"
+    return join_host_port(_ip(snat.nat_addr), abi.port_of(snat.nat_port))
 
 
 def _endpoints(maps: Maps, fe: AppliedFrontend) -> tuple[inspection.Endpoint, ...]:
@@ -169,7 +169,7 @@ def _add_flows(out: inspection.View, ct: BpfMap, names: dict[int, str], affinity
         if v is None or v.flags & abi.CT_F_SNAT:
             continue
         proto = abi.PROTO_NAME.get(k.proto, str(k.proto))
-        backend = f"{_ip(v.nat_addr)}:{abi.port_of(v.nat_port)}"
+        backend = join_host_port(_ip(v.nat_addr), abi.port_of(v.nat_port))
         idle = max(0, now - v.last_seen)
         name = names.get(v.svc_id, "?")
         if k.dir == abi.CT_AFFINITY:

@@ -1,10 +1,12 @@
 """`pyproxy inspect` for the iptables mode (either iptables backend): the view (pyproxy/model/inspection.py) read
-back from the kernel, namely the KUBE-* chains `iptables-save` shows, the `recent` lists of ClientIP affinity
-(/proc/net/xt_recent) and the conntrack table. Nothing comes from pyproxy's memory, so it answers the same
-whether pyproxy runs, stopped, or was upstream kube-proxy (the chains are upstream's, render.py).
+back from the kernel, namely the KUBE-* chains `iptables-save` and `ip6tables-save` show (IPv4's frontends in the
+one, IPv6's in the other, each family read on its own: a dual-stack Service's chains have the same names in both),
+the `recent` lists of ClientIP affinity (/proc/net/xt_recent) and the conntrack table. Nothing comes from pyproxy's
+memory, so it answers the same whether pyproxy runs, stopped, or was upstream kube-proxy (the chains are
+upstream's, render.py).
 
 Where each part comes from:
-- frontends: nat KUBE-SERVICES (`-d IP/32 -p P --dport N -j KUBE-SVC-/SVL-/EXT-/FW-…`, named by the rule's
+- frontends: nat KUBE-SERVICES (`-d IP/32 (IPv6: /128) -p P --dport N -j KUBE-SVC-/SVL-/EXT-/FW-…`, named by the rule's
   comment, `ns/name:port cluster IP` and the like) and nat KUBE-NODEPORTS (`--dport N -j KUBE-EXT-…`, on every
   address KUBE-SERVICES sends to KUBE-NODEPORTS); a frontend without endpoints from filter KUBE-SERVICES and
   KUBE-EXTERNAL-SERVICES (`… has no endpoints` REJECT: refused; `… has no local endpoints` DROP: dropped);
@@ -13,7 +15,7 @@ Where each part comes from:
   node-local short circuits of externalTrafficPolicy Local are conditional and not followed; none: no local
   endpoint, dropped) -> KUBE-SVC or KUBE-SVL, whose `statistic --mode random --probability P` rules, in order,
   each take a new flow with their probability if no earlier one did, the last rule the rest -> KUBE-SEP's
-  `DNAT --to-destination IP:PORT`;
+  `DNAT --to-destination IP:PORT` (`[IP]:PORT` for IPv6);
 - ClientIP affinity: KUBE-SVC's `recent --rcheck --seconds S --name KUBE-SEP-…` rules (S is the affinity), and
   the list of that name in /proc/net/xt_recent: one `src=CLIENT … last_seen: JIFFIES` line per client, whose
   time left is S less the jiffies since then (`jiffies_hz`);
@@ -43,6 +45,7 @@ from pyproxy.dataplane.iptables.render import (
     is_mode_chain,
 )
 from pyproxy.model import inspection
+from pyproxy.model.objects import IPV4, IPV6
 
 RANDOM = "random"
 """The only scheduler of the iptables mode: `statistic --mode random`."""
@@ -115,8 +118,8 @@ class Rule:
 
     @property
     def dst(self) -> str:
-        """-d without a /32."""
-        return self.options.get("-d", "").removesuffix("/32")
+        """-d without its /32 (/128 for IPv6)."""
+        return self.options.get("-d", "").removesuffix("/32").removesuffix("/128")
 
 
 def _rules(table: nf.SavedTable, chain: str) -> list[Rule]:
@@ -143,7 +146,7 @@ def _endpoint(nat: nf.SavedTable, sep: str) -> inspection.Endpoint | None:
     for rule in _rules(nat, sep):
         to = rule.get("--to-destination")
         if rule.target == "DNAT" and to:
-            ip, _, port = to.rpartition(":")
+            ip, port = inspection.split_host_port(to)
             return inspection.Endpoint(ip, int(port))
     return None
 
@@ -205,12 +208,14 @@ class RecentEntry:
 
 
 def parse_recent(text: str) -> list[RecentEntry]:
-    """A /proc/net/xt_recent/NAME file: `src=ADDR ttl: T last_seen: JIFFIES oldest_pkt: …` per address."""
+    """A /proc/net/xt_recent/NAME file: `src=ADDR ttl: T last_seen: JIFFIES oldest_pkt: …` per address. The
+    kernel writes an IPv6 ADDR in full (`%pI6`, fd00:0010:0200:0000:…): it is kept compressed, as every other
+    reader writes addresses."""
     out = []
     for line in text.splitlines():
         m = re.match(r"src=(\S+) .*\blast_seen: (\d+)", line)
         if m:
-            out.append(RecentEntry(m.group(1), int(m.group(2))))
+            out.append(RecentEntry(str(ipaddress.ip_address(m.group(1))), int(m.group(2))))
     return out
 
 
@@ -273,11 +278,11 @@ def _name(comment: str) -> str:
     return comment
 
 
-def _frontend(rule: Rule, ip: str, policy: _Policy, name: str) -> inspection.Frontend:
+def _frontend(rule: Rule, ip: str, policy: _Policy, name: str, family: int) -> inspection.Frontend:
     return inspection.Frontend(
         ip=ip, port=rule.dport or 0, proto=rule.proto, name=name, service=name.partition(":")[0], scheduler=RANDOM,
         endpoints=tuple(policy.endpoints), affinity_sec=policy.affinity_sec, source_ranges=policy.source_ranges,
-        empty=policy.empty, probabilities=tuple(policy.probabilities))
+        empty=policy.empty, probabilities=tuple(policy.probabilities), node_family=family)
 
 
 def _empty_frontends(filter_: nf.SavedTable) -> Iterator[inspection.Frontend]:
@@ -292,20 +297,34 @@ def _empty_frontends(filter_: nf.SavedTable) -> Iterator[inspection.Frontend]:
 
 
 def view(saved: Mapping[str, nf.SavedTable], ct: Iterable[nf.CtEntry] = (),
-         recent: Mapping[str, list[RecentEntry]] | None = None, clock: Clock | None = None) -> inspection.View:
-    """The view from iptables-save's nat and filter tables, the conntrack entries, and the `recent` lists by
-    name (with the kernel's clock to age them; without it an entry counts as just seen)."""
-    nat = saved.get("nat", nf.SavedTable())
+         recent: Mapping[str, list[RecentEntry]] | None = None, clock: Clock | None = None,
+         saved6: Mapping[str, nf.SavedTable] | None = None) -> inspection.View:
+    """The view from iptables-save's nat and filter tables (and ip6tables-save's, `saved6`), the conntrack entries,
+    and the `recent` lists by name (with the kernel's clock to age them; without it an entry counts as just
+    seen)."""
     out = inspection.View(mode="iptables")
+    for family, tables in ((IPV4, saved), (IPV6, saved6 or {})):
+        _add_family(out, tables, family, recent or {}, clock)
+    out.nodeport_ips.sort(key=lambda ip: (ipaddress.ip_address(ip).version, ipaddress.ip_address(ip)))
+    out.flows = list(nf.ct_flows(out, ct))
+    return out
+
+
+def _add_family(out: inspection.View, saved: Mapping[str, nf.SavedTable], family: int,
+                recent: Mapping[str, list[RecentEntry]], clock: Clock | None) -> None:
+    """The frontends, affinity entries and node-port addresses of one family's tables (chain names repeat across
+    the families, so each is walked on its own)."""
+    nat = saved.get("nat", nf.SavedTable())
     policies: dict[str, _Policy] = {}
     keys: set[tuple[str, int, str]] = set()
+    nodeport_ips: list[str] = []
 
     def add(fe: inspection.Frontend, chain: str) -> None:
         out.frontends.append(fe)
         keys.add((fe.ip, fe.port, fe.proto))
         pol = policies[chain]
         for name in pol.recent:
-            for entry in (recent or {}).get(name, ()):
+            for entry in recent.get(name, ()):
                 backend = _endpoint(nat, name)
                 age = clock.age(entry.last_seen) if clock is not None else 0.0
                 if backend is not None:
@@ -314,24 +333,22 @@ def view(saved: Mapping[str, nf.SavedTable], ct: Iterable[nf.CtEntry] = (),
 
     for rule in _rules(nat, nf.SERVICES_CHAIN):
         if rule.target == NODEPORTS_CHAIN and rule.dst:
-            out.nodeport_ips.append(rule.dst)
+            nodeport_ips.append(rule.dst)
         elif rule.target.startswith((SVC_PREFIX, SVL_PREFIX, EXT_PREFIX, FW_PREFIX)) and rule.dport is not None:
             policy = policies.setdefault(rule.target, policy_of(nat, rule.target))
-            add(_frontend(rule, rule.dst, policy, _name(rule.comment)), rule.target)
+            add(_frontend(rule, rule.dst, policy, _name(rule.comment), family), rule.target)
     for rule in _rules(nat, NODEPORTS_CHAIN):
         if rule.target.startswith(EXT_PREFIX) and rule.dport is not None:
             policy = policies.setdefault(rule.target, policy_of(nat, rule.target))
-            add(_frontend(rule, inspection.ANY_NODE_ADDRESS, policy, rule.comment), rule.target)
+            add(_frontend(rule, inspection.ANY_NODE_ADDRESS, policy, rule.comment, family), rule.target)
     node_ports = {(port, proto) for ip, port, proto in keys if ip == inspection.ANY_NODE_ADDRESS}
     for fe in _empty_frontends(saved.get("filter", nf.SavedTable())):
         # A NodePort's filter rules (one per node address) repeat what its KUBE-NODEPORTS frontend says.
-        on_node_port = (fe.port, fe.proto) in node_ports and fe.ip in out.nodeport_ips
+        on_node_port = (fe.port, fe.proto) in node_ports and fe.ip in nodeport_ips
         if (fe.ip, fe.port, fe.proto) not in keys and not on_node_port:
             keys.add((fe.ip, fe.port, fe.proto))
             out.frontends.append(fe)
-    out.nodeport_ips.sort(key=lambda ip: int(ipaddress.IPv4Address(ip)))
-    out.flows = list(nf.ct_flows(out, ct))
-    return out
+    out.nodeport_ips += nodeport_ips
 
 
 def is_ours(saved: Mapping[str, nf.SavedTable]) -> bool:
@@ -340,23 +357,33 @@ def is_ours(saved: Mapping[str, nf.SavedTable]) -> bool:
 
 
 def read(flows: bool = True) -> inspection.View | None:
-    """The view of the iptables backend whose tables hold the mode's chains, or None when neither does."""
-    for tools in nf.installed_backends():
-        try:
-            saved = nf.save(tools, tables=None)
-        except DataplaneError:
-            continue  # this backend's tables cannot be read here
-        if not is_ours(saved):
+    """The view of the iptables backend whose tables (iptables', ip6tables' or both) hold the mode's chains, or None
+    when neither backend's do."""
+    by_backend: dict[str, list[nf.Tools]] = {}
+    for tools in nf.installed_backends((IPV4, IPV6)):
+        by_backend.setdefault(tools.backend, []).append(tools)
+    for backend, family_tools in by_backend.items():
+        saved: dict[int, dict[str, nf.SavedTable]] = {}
+        for tools in family_tools:
+            try:
+                tables = nf.save(tools, tables=None)
+            except DataplaneError:
+                continue  # this backend's tables of this family cannot be read here
+            if is_ours(tables):
+                saved[tools.family] = tables
+        if not saved:
             continue
-        nat = saved.get("nat", nf.SavedTable())
-        names = {r.get("--name") or "" for chain in nat.chains if chain.startswith((SVC_PREFIX, SVL_PREFIX))
-                 for r in _rules(nat, chain) if "--rcheck" in r.options}
+        nats = [tables.get("nat", nf.SavedTable()) for tables in saved.values()]
+        names = {r.get("--name") or "" for nat in nats for chain in nat.chains
+                 if chain.startswith((SVC_PREFIX, SVL_PREFIX)) for r in _rules(nat, chain) if "--rcheck" in r.options}
         try:
             ct = nf.conntrack_list() if flows else []
         except DataplaneError:
             ct = []
-        found = view(saved, ct, read_recent(sorted(names - {""})), kernel_clock())
-        found.source = (f"iptables-{tools.backend}-save (nat, filter)" + (", conntrack -L" if flows else "")
+        found = view(saved.get(IPV4, {}), ct, read_recent(sorted(names - {""})), kernel_clock(), saved.get(IPV6))
+        commands = " and ".join(f"{'ip6tables' if family == IPV6 else 'iptables'}-{backend}-save"
+                                for family in sorted(saved))
+        found.source = (f"{commands} (nat, filter)" + (", conntrack -L" if flows else "")
                         + (f", {RECENT_DIR}" if names - {""} else ""))
         return found
     return None

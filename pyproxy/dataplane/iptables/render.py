@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 from pyproxy.dataplane import netfilter as nf
 from pyproxy.model.conntrack import Stale, stale_udp_states
-from pyproxy.model.objects import IPV6, Protocol, family_of
+from pyproxy.model.objects import IPV6, Protocol, family_of, join_host_port
 from pyproxy.model.state import Backend, DesiredState, Frontend, FrontendKind, ServicePortState
 
 SVC_PREFIX = "KUBE-SVC-"
@@ -157,7 +157,7 @@ def _host(ip: str) -> str:
 
 def _endpoint(b: Backend) -> str:
     """"ip:port", an IPv6 address in brackets (upstream's endpoint string, net.JoinHostPort; DNAT's form)."""
-    return f"[{b.ip}]:{b.port}" if b.family == IPV6 else f"{b.ip}:{b.port}"
+    return join_host_port(b.ip, b.port)
 
 
 def sep_chain(sp: ServicePortState, backend: Backend) -> str:

@@ -87,6 +87,7 @@ from pyproxy.dataplane.nftables.table import (
     owner,
 )
 from pyproxy.model.conntrack import Stale, UdpFrontend, UdpKey, stale_udp, udp_frontends
+from pyproxy.model.objects import join_host_port
 from pyproxy.model.state import Backend, FrontendKind, ServicePortState
 
 # nft's object names are at most 256 bytes; prefixes ("endpoint-", …) stay within 16 (as upstream).
@@ -126,7 +127,7 @@ class Dialect(NamedTuple):
 
     def to(self, b: Backend) -> str:
         """`dnat to`'s argument: an IPv6 address in brackets before its port, as nft writes it."""
-        return f"[{b.ip}]:{b.port}" if self.family == 6 else f"{b.ip}:{b.port}"
+        return join_host_port(b.ip, b.port)
 
 
 V4 = Dialect(4, FAMILIES[4], "ip", "ipv4_addr")

@@ -122,8 +122,8 @@ def verdict_target(verdict: str) -> str:
 
 
 def endpoint_of(chain: str) -> Backend | None:
-    """The endpoint an `endpoint-…__ip/port` chain DNATs to."""
-    if not chain.startswith(ENDPOINT_PREFIX) or ENDPOINT_SEP not in chain:
+    """The endpoint an `endpoint-…__ip/port` chain DNATs to, or an `affinity-…__ip/port` set pins its clients to."""
+    if not chain.startswith((ENDPOINT_PREFIX, AFFINITY_PREFIX)) or ENDPOINT_SEP not in chain:
         return None
     ip, _, port = chain.rsplit(ENDPOINT_SEP, 1)[1].partition("/")
     parts = ip.split(".")
