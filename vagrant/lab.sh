@@ -244,7 +244,7 @@ test)
     log "images imported"
     rc=0
     inns env PYTHONPATH="$REPO" "$PY" "$REPO/tests/cluster/lab_scenarios.py" --kubeconfig "$SHARE/pki/admin.kubeconfig" \
-        --nodes "$NODES" --modes "$modes" \
+        --nodes "$NODES" --modes "$modes" ${PYPROXY_LAB_SCENARIOS:+--scenarios "$PYPROXY_LAB_SCENARIOS"} \
         --results "$LAB/lab-test-results.json" || rc=$?
     log "lab-test took $(( $(date +%s) - T0 ))s (rc $rc)"
     exit $rc

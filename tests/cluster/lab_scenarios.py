@@ -82,7 +82,7 @@ def probe(c, stop):
                 name, src = ask(s, time.monotonic() + c["timeout"])
         except Exception as e:
             errors[kind(e)] += 1
-            if len(first) < 10: first.append([round(time.monotonic() - t0, 1), kind(e)])
+            if len(first) < 50: first.append([round(time.monotonic() - t0, 1), kind(e)])
         else:
             replies[name] += 1
             seen[src] += 1
@@ -90,7 +90,7 @@ def probe(c, stop):
     return {"count": n, "failures": sum(errors.values()), "replies": dict(replies), "seen_from": dict(seen),
             "errors": dict(errors), "first_failures": first, "elapsed": round(time.monotonic() - t0, 1)}
 def talk(c, stop):
-    conns, failed = [], []
+    conns, failed, t0 = [], [], time.monotonic()
     for _ in range(c["count"]):
         try:
             s = socket.create_connection((c["ip"], c["port"]), timeout=c["timeout"])
@@ -107,7 +107,7 @@ def talk(c, stop):
                 if name != k["first"]: k["broken"] = "answered by " + name
             except Exception as e:
                 k["broken"] = kind(e)
-            if "broken" in k: broken.append(k["first"] + ": " + k["broken"])
+            if "broken" in k: broken.append(k["first"] + ": " + k["broken"] + f" at +{time.monotonic() - t0:.1f}s")
             else: exchanges += 1
     for k in conns: k["s"].close()
     return {"opened": len(conns), "failed_to_open": failed, "broken": broken, "exchanges": exchanges,
@@ -242,8 +242,45 @@ def short(pod: str) -> str:
     return pod.rsplit("-", 1)[-1]
 
 
+def short_break(broken: str) -> str:
+    """`spread-5d8f7c9b6-x2k4q: timeout at +3.2s` -> `x2k4q: timeout at +3.2s`."""
+    pod, _, why = broken.partition(": ")
+    return f"{short(pod)}: {why}"
+
+
+def programming(metrics: str) -> str:
+    """kubeproxy_network_programming_duration_seconds from a /metrics text: how many changes, and the bucket
+    bounds below which half and all of them were programmed (from the EndpointSlice controller's trigger time
+    to the dataplane: what a pod's preStop delay has to cover)."""
+    name = "kubeproxy_network_programming_duration_seconds"
+    buckets = _buckets(metrics, name)
+    count = next((float(m[1]) for m in re.finditer(rf"^{name}_count (\S+)$", metrics, re.M)), 0.0)
+    if not count:
+        return "none"
+    p50 = next((le for le, c in buckets if c >= count / 2), float("inf"))
+    top = next((le for le, c in buckets if c >= count), float("inf"))
+    return f"{count:.0f} changes, half <= {p50:g} s, all <= {top:g} s"
+
+
+def _buckets(metrics: str, name: str) -> list[tuple[float, float]]:
+    out = []
+    for line in metrics.splitlines():
+        if line.startswith(f"{name}_bucket{{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out.append((float(le), float(line.rsplit(" ", 1)[1])))
+    return sorted(out)
+
+
 def eps(names: Any) -> str:
     return "{" + ",".join(sorted(short(n) for n in names)) + "}"
+
+
+def when(r: dict[str, Any], events: dict[str, float]) -> str:
+    """A probe loop's failure times and the scenario's events, in seconds since the loop began: which failures
+    fell while pods were going away, and which did not."""
+    fails = ", ".join(f"+{t:.0f}s {k}" for t, k in r["first_failures"][:8]) or "none"
+    marks = ", ".join(f"{name} +{t:.0f}s" for name, t in events.items())
+    return f"failures at {fails} ({marks})"
 
 
 def answered(r: dict[str, Any]) -> str:
@@ -265,6 +302,7 @@ class Lab:
         self.host: Agent | None = None
         self.host_ip = ""
         self.svc: dict[str, str] = {}
+        self.only = set(SCENARIOS)
 
     # -- set up ---------------------------------------------------------------------------------------------------
 
@@ -466,25 +504,36 @@ class Lab:
         before = self.ready_names("spread")
         loops = {n: a.start("probe", ip=self.svc["spread"], port=80, count=None, interval=0.05, timeout=2)
                  for n, a in self.clients.items()}
+        t0 = time.monotonic()
+        events: dict[str, float] = {}
+
+        def mark(name: str) -> None:
+            events[name] = time.monotonic() - t0
+
         try:
             time.sleep(5)
+            mark("up")
             k("scale", "deployment/spread", "--replicas=6")
             k("rollout", "status", "deployment/spread", "--timeout=900s")
+            mark("6 ready")
             time.sleep(10)  # the proxies follow the new endpoints; the traffic reaches them
             up = self.ready_names("spread")
             new = up - before
         finally:
+            mark("down")
             k("scale", "deployment/spread", "--replicas=3")
             end = time.monotonic() + 600
             while len(k.pods("app=spread")) > 3 and time.monotonic() < end:  # until the deleted pods are gone
                 time.sleep(3)
+            mark("gone")
             time.sleep(5)
             res = {n: self.clients[n].stop(i) for n, i in loops.items()}
         total = sum(r["count"] for r in res.values())
         failed = sum(r["failures"] for r in res.values())
         got = set().union(*(set(r["replies"]) for r in res.values()))
         ok = failed == 0 and len(new) == 3 and new <= got
-        detail = "; ".join(f"{n} {r['failures']}/{r['count']} failed ({errors(r)})" for n, r in res.items())
+        detail = "; ".join(f"{n} {r['failures']}/{r['count']} failed ({errors(r)}; {when(r, events)})"
+                           for n, r in res.items())
         return ok, (f"{len(before)}->{len(up)}->3: {failed} of {total} connections failed ({detail}); "
                     f"{len(new & got)}/{len(new)} new replicas answered")
 
@@ -494,15 +543,21 @@ class Lab:
         talk = a.start("talk", ip=self.svc["spread"], port=80, count=6, interval=0.2, timeout=3)
         opened = a.progress(talk)
         loop = a.start("probe", ip=self.svc["spread"], port=80, count=None, interval=0.05, timeout=2)
+        t_loop = time.monotonic()
+        events: dict[str, float] = {}
         try:
             old = self.proxy_pods(ds)[node]["name"]
             time.sleep(3)
             t0 = time.monotonic()
+            events["deleted"] = t0 - t_loop
             self.kube("-n", "kube-system", "delete", "pod", old, "--wait=false")
             end = t0 + 600
             while True:
                 pod = self.proxy_pods(ds).get(node)
+                if pod and pod["name"] != old and "new pod" not in events:
+                    events["new pod"] = time.monotonic() - t_loop
                 if pod and pod["name"] != old and pod["ready"]:
+                    events["ready"] = time.monotonic() - t_loop
                     break
                 if time.monotonic() > end:
                     break
@@ -515,8 +570,9 @@ class Lab:
             r = a.stop(loop)
         ok = healthy and opened["opened"] == 6 and not t["broken"] and r["failures"] == 0
         return ok, (f"{node}'s {ds} back in {took:.0f} s: established {t['opened'] - len(t['broken'])}/"
-                    f"{t['opened']} kept ({t['exchanges']} exchanges), new {r['failures']} of {r['count']} "
-                    f"failed ({errors(r)})")
+                    f"{t['opened']} kept ({t['exchanges']} exchanges{'; broken: ' if t['broken'] else ''}"
+                    f"{', '.join(short_break(b) for b in t['broken'][:3])}), new {r['failures']} of {r['count']} "
+                    f"failed ({errors(r)}; {when(r, events)})")
 
     def checks(self, ds: str, mode: str) -> tuple[bool, str]:
         """What a user runs: the DaemonSet ready everywhere, each node's /healthz and /metrics, the logs naming
@@ -530,23 +586,24 @@ class Lab:
         get_metrics = ("import urllib.request; print(urllib.request.urlopen("
                        "'http://127.0.0.1:10249/metrics', timeout=10).read().decode())")
 
-        def node_checks(node: str) -> tuple[bool, bool]:
+        def node_checks(node: str) -> tuple[bool, bool, str]:
             name = pods[node]["name"]
             metrics = k("-n", "kube-system", "exec", name, "--", "python3", "-c", get_metrics, check=False)
             logs = k("-n", "kube-system", "logs", name, check=False)
             return ("kubeproxy_sync_proxy_rules_duration_seconds" in metrics,
-                    re.search(rf"Using {mode} Proxier", logs, re.I) is not None)
+                    re.search(rf"Using {mode} Proxier", logs, re.I) is not None, programming(metrics))
 
         with ThreadPoolExecutor(len(self.nodes)) as pool:
             per_node = list(pool.map(node_checks, self.nodes))
-        metrics_ok = sum(m for m, _ in per_node)
-        logs_ok = sum(lg for _, lg in per_node)
+        metrics_ok = sum(m for m, _, _ in per_node)
+        logs_ok = sum(lg for _, lg, _ in per_node)
+        latency = "; ".join(f"{node} {p}" for node, (_, _, p) in zip(self.nodes, per_node, strict=True))
         ok &= health == metrics_ok == logs_ok == len(self.nodes)
         slices = k("get", "endpointslices", "-l", "kubernetes.io/service-name in (spread,local1)", "-o", "wide")
         print(slices, end="", flush=True)
         n = len(self.nodes)
         return ok, (f"ds {ready}/{n} ready, /healthz {health}/{n}, /metrics {metrics_ok}/{n}, "
-                    f"logs 'Using {mode} Proxier' {logs_ok}/{n}")
+                    f"logs 'Using {mode} Proxier' {logs_ok}/{n}; network programming: {latency}")
 
     def run_column(self, column: str) -> dict[str, Any]:
         ds, mode = PROXIES.get(column, ("pyproxy", column))
@@ -574,13 +631,13 @@ class Lab:
             cells["rollout"] = [False, f"error: {e}"]
             log(f"{column} rollout: FAIL {e}")
             return done()
-        record("clusterip", self.clusterip)
-        record("nodeport", self.nodeport)
-        record("etp-local", self.etp_local)
-        record("cross-node", self.cross_node)
-        record("scale", self.scale)
-        record("proxy-restart", lambda: self.proxy_restart(ds))
-        record("checks", lambda: self.checks(ds, mode))
+        runs: dict[str, Callable[[], tuple[bool, str]]] = {
+            "clusterip": self.clusterip, "nodeport": self.nodeport, "etp-local": self.etp_local,
+            "cross-node": self.cross_node, "scale": self.scale, "proxy-restart": lambda: self.proxy_restart(ds),
+            "checks": lambda: self.checks(ds, mode)}
+        for name, fn in runs.items():
+            if name in self.only:
+                record(name, fn)
         return done()
 
 
@@ -615,18 +672,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="bpf,ipvs,nftables,kube-proxy",
                         help="comma-separated columns, in order: pyproxy modes, kube-proxy, kube-proxy-ipvs")
     parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS[1:]),
+                        help="comma-separated scenarios to run after the rollout (a rerun of some keeps the "
+                             "column's other cells)")
     parser.add_argument("--results", type=Path, required=True, help="JSON file the columns accumulate in")
     args = parser.parse_args(argv)
     if args.nodes != 2:
         raise SystemExit("lab-test's scenarios are written for 2 nodes (PYPROXY_NODES=2)")
     results: dict[str, Any] = json.loads(args.results.read_text()) if args.results.exists() else {}
     lab = Lab(Kube(args.kubeconfig), args.nodes)
+    lab.only = set(args.scenarios.split(","))
+    unknown = lab.only - set(SCENARIOS)
+    if unknown:
+        raise SystemExit(f"unknown scenarios {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
     t0 = time.monotonic()
     ok = True
     try:
         lab.setup()
         for column in [c for c in args.modes.split(",") if c]:
-            results[column] = lab.run_column(column)
+            ran = lab.run_column(column)
+            if column in results and lab.only != set(SCENARIOS[1:]):  # a rerun of some: keep the others' cells
+                ran["cells"] = {**results[column]["cells"], **ran["cells"]}
+            results[column] = ran
             args.results.write_text(json.dumps(results, indent=1))
             ok &= all(cell[0] for cell in results[column]["cells"].values())
             print(table({column: results[column]}), flush=True)
