@@ -357,6 +357,19 @@ class Lab:
         for a in [*self.clients.values(), *([self.host] if self.host else [])]:
             a.close()
 
+    def respread(self) -> None:
+        """spread's replicas on every node again: scaling down picks its victims without the topology spread
+        constraint (only the scheduler honours it), and a ClusterIP "across nodes" must have endpoints on both."""
+        nodes = {p["node"] for p in self.kube.pods("app=spread") if p["ready"] and not p["deleting"]}
+        if nodes >= set(self.nodes):
+            return
+        log(f"spread's replicas are on {sorted(nodes)} only: rollout restart, so the scheduler spreads them again")
+        self.kube("rollout", "restart", "deployment/spread")
+        self.kube("rollout", "status", "deployment/spread", "--timeout=900s")
+        end = time.monotonic() + 600
+        while len(self.kube.pods("app=spread")) > 3 and time.monotonic() < end:  # the old ones gone
+            time.sleep(3)
+
     def ready_names(self, app: str) -> set[str]:
         return {p["name"] for p in self.kube.pods(f"app={app}") if p["ready"] and not p["deleting"]}
 
@@ -452,7 +465,8 @@ class Lab:
 
     def clusterip(self) -> tuple[bool, str]:
         want = self.ready_names("spread")
-        ok, parts = True, []
+        on = sorted({p["node"] for p in self.kube.pods("app=spread") if p["name"] in want})
+        ok, parts = on == self.nodes, [f"replicas on {'+'.join(on)}"]
         for node, a in self.clients.items():
             r = a.probe(self.svc["spread"], 80, 30)
             seen = set(r["replies"])
@@ -625,6 +639,7 @@ class Lab:
         log(f"=== {column}: {ds} in {mode} mode")
         try:
             self.ensure_clients()
+            self.respread()
             cells["rollout"] = [True, self.switch(column)]
             log(f"{column} rollout: {cells['rollout'][1]}")
         except Exception as e:  # noqa: BLE001 - the column records why nothing else ran
