@@ -741,7 +741,9 @@ def params(quick: bool) -> dict[str, Any]:
                         "iptables-legacy": [1000], "iptables-nft": [1000]},
                 "change_at": 1000, "change_rounds": 2, "change_cap_s": 10, "change_timeout_s": 20,
                 "repeats": {"1000": 2}, "netfilter_repeats": {}, "programmed_timeout_s": 40,
-                "netfilter_timeout_s": 30, "dual_stack": [1000], "dual_stack_rounds": 1}
+                # No dual-stack A/B: at a load of 7 its two starts and four changes left the API server runs no time
+                # in the 95 s (every one "0 of 1,000 frontends after 0 s").
+                "netfilter_timeout_s": 30, "dual_stack": [], "dual_stack_rounds": 1}
     return {"manifests": {"bpf": [1000, 10000, 50000], **{m: [1000, 10000] for m in NETFILTER}},
             "api": {"kube-proxy iptables-legacy": [1000, 10000], "kube-proxy iptables-nft": [1000, 10000],
                     # 50,000 in bpf mode from manifests only: creating 100,000 objects through this API
