@@ -43,6 +43,16 @@ def endpoint(k: int) -> str:
     return str(ipaddress.IPv4Address("10.128.0.0") + k)
 
 
+def vip6(i: int) -> str:
+    """Service i's IPv6 ClusterIP (a dual-stack Service's second one): fd00:100:: + i."""
+    return str(ipaddress.IPv6Address("fd00:100::") + i)
+
+
+def endpoint6(k: int) -> str:
+    """Endpoint k's IPv6 address, fd00:128:: + k (endpoint's twin)."""
+    return str(ipaddress.IPv6Address("fd00:128::") + k)
+
+
 @dataclass(frozen=True)
 class Measurement:
     metric: str

@@ -123,16 +123,6 @@ class Loaded:
         return {name: sum(v.value for v in self.maps.counters.get(i)) for i, name in enumerate(abi.COUNTERS)}
 
 
-def vip6(i: int) -> str:
-    """Service i's IPv6 ClusterIP: fd00:100:: + i."""
-    return str(ipaddress.IPv6Address("fd00:100::") + i)
-
-
-def endpoint6(k: int) -> str:
-    """Endpoint k's IPv6 address, fd00:128:: + k (core.endpoint's twin)."""
-    return str(ipaddress.IPv6Address("fd00:128::") + k)
-
-
 def desired_state(n: int) -> dict[str, tuple[ServicePortState, ...]]:
     """n dual-stack Services with one TCP port and 10 ready backends each, per family. The last one, the
     measured Service, has itself (ClusterIP:80, IPv4 and IPv6) as one of its backends (see the module's
@@ -141,7 +131,7 @@ def desired_state(n: int) -> dict[str, tuple[ServicePortState, ...]]:
     for i in range(n):
         name = f"bench/svc-{i}"
         out[name] = ()
-        for family, vip, endpoint in (("", core.vip, core.endpoint), ("v6", vip6, endpoint6)):
+        for family, vip, endpoint in (("", core.vip, core.endpoint), ("v6", core.vip6, core.endpoint6)):
             backends = [Backend(endpoint(i * core.ENDPOINTS + j), core.BACKEND_PORT) for j in range(core.ENDPOINTS)]
             if i == n - 1:
                 backends[-1] = Backend(vip(i), core.PORT)
@@ -304,7 +294,7 @@ def measure_size(n: int, p: Mapping[str, Any], rec: Recorder, verdict: loader.Lo
         est_pkt = frame(est_flow, tcp_flags=TCP_ACK)
         # The IPv6 twin: the measured Service's IPv6 frontend, in through the IPv4 entry points (their tail call
         # to the IPv6 programs included, as on a device).
-        est_flow6 = Flow(CLIENT6, vip6(n - 1), 40000, core.PORT, TCP)
+        est_flow6 = Flow(CLIENT6, core.vip6(n - 1), 40000, core.PORT, TCP)
         est_pkt6 = frame6(est_flow6, tcp_flags=TCP_ACK)
         # Not a Service: a segment of some other connection, and a SYN to a port endpoints listen on, which also
         # looks for an old Service flow on its ports (bpf/include/pyproxy/ct.h, pyproxy_ct_untrack).

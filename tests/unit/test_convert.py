@@ -1,5 +1,6 @@
 import contextlib
 import copy
+import ipaddress
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -496,7 +497,67 @@ def test_the_fast_path_for_endpoints_agrees_with_field_by_field_conversion(monke
                                                                          [{"name": ""}], [{"name": None}], None)]
         docs += [set_path(doc, "endpoints.0.addresses", ["10.0.0.1", "10.0.0.2"]), set_path(doc, "endpoints", None),
                  set_path(doc, "endpoints", [])]
+    v6 = set_path(slice_doc(), "addressType", "IPv6")
+    v6["endpoints"] = [{"addresses": ["fd00::1"], "conditions": {"ready": True}, "nodeName": "node-a"}]
+    docs += [set_path(v6, path, value) for path in paths(v6) for value in ODD_VALUES]
+    docs += [set_path(v6, "endpoints.0.addresses.0", a) for a in IPV6_SPELLINGS]
+    docs += [set_path(v6, "endpoints.0.addresses", ["fd00::1", "fd00::2"]),
+             set_path(v6, "endpoints.0.addresses", ["fd00::1", "10.0.0.1"])]
     fast = [_outcome(d) for d in docs]
-    monkeypatch.setattr("pyproxy.k8s.convert._endpoints_fast", lambda entries, v1beta1: None)
+    monkeypatch.setattr("pyproxy.k8s.convert._endpoints_fast", lambda *args: None)
     assert fast == [_outcome(d) for d in docs]
     assert sum(isinstance(f, EndpointSlice) for f in fast) > 50  # not only errors compared
+
+
+IPV6_SPELLINGS = (
+    "fd00::1", "FD00::1", "fd00:0::1", "fd00:0:0:0:0:0:0:1", "fd00::0001", "::", "::1", "::0", "1::", "fd00::",
+    "1:0:0:1:0:0:0:1", "1:0:0:1:0:0:1:1", "1:0:1:0:1:0:1:0", "1::1:0:0:1:1", "1:0:0:1::1", "0:0:1::1",
+    "::ffff:10.0.0.1", "::ffff:a00:1", "::10.0.0.1", "64:ff9b::10.0.0.1", "fe80::1%eth0", "fd00::1/128",
+    "fd00:::1", "fd00::1::2", "1:2:3:4:5:6:7:8:9", "1:2:3:4:5:6:7::", "::2:3:4:5:6:7:8", "g::1", " fd00::1",
+    "fd00::1\n", "", "1:2:3:4:5:6:7:8",
+)
+"""IPv6 addresses as written and miswritten: canonical, uncompressed, upper case, dotted quads, zones, invalid."""
+
+
+def test_the_ipv6_fast_test_takes_only_what_ipaddress_writes() -> None:
+    """An address the IPv6 fast path keeps as written must be exactly ipaddress's form of it, and ipaddress's form
+    of every address takes the fast path, over every zero-run shape of eight groups, but those with a zone and
+    those whose first 80 bits are zero (IPv4-mapped and -compatible: inet_ntop writes them with a dotted quad)."""
+    from pyproxy.k8s.convert import _canonical_ipv6
+
+    spellings = list(IPV6_SPELLINGS)
+    for mask in range(256):  # each group zero or not: every place and length of zero runs
+        groups = [0 if mask >> i & 1 else 0x1000 + i for i in range(8)]
+        full = ":".join(f"{g:x}" for g in groups)
+        spellings += [full, str(ipaddress.IPv6Address(full))]
+    for a in spellings:
+        try:
+            written = str(ipaddress.IPv6Address(a))
+        except ValueError:
+            written = None
+        if _canonical_ipv6(a):
+            assert written == a, a
+        elif written == a and "%" not in a and int(ipaddress.IPv6Address(a)) >> 48:
+            raise AssertionError(f"{a}: canonical but not taken by the fast path")
+
+
+def _service_outcome(doc: Any) -> object:
+    try:
+        return service_from_dict(doc)
+    except InvalidObject as e:
+        return str(e)
+
+
+def test_service_addresses_already_canonical_skip_the_parser_and_convert_the_same(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """ClusterIPs and externalIPs written canonically are kept without ipaddress's parser; any spelling gives what
+    the parser gives: the same Service (canonical addresses) or the same error."""
+    spellings = [*IPV6_SPELLINGS, "10.0.0.1", "010.0.0.1", "10.0.0.01", "10.1", "10.0.0.256", "0.0.0.0", " 10.0.0.1"]
+    docs = [set_path(service_doc(), "spec.externalIPs", [a]) for a in spellings]
+    docs += [set_path(set_path(service_doc(), "spec.clusterIPs", ["10.96.0.10", a]), "spec.ipFamilyPolicy",
+                      "RequireDualStack") for a in spellings]
+    fast = [_service_outcome(d) for d in docs]
+    monkeypatch.setattr("pyproxy.k8s.convert._canonical_ipv4", lambda a: False)
+    monkeypatch.setattr("pyproxy.k8s.convert._canonical_ipv6", lambda a: False)
+    assert fast == [_service_outcome(d) for d in docs]
+    assert sum(isinstance(f, Service) for f in fast) > 20

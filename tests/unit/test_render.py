@@ -194,6 +194,7 @@ def check_indexes(applied: Applied) -> None:
     six = [(k, f) for k, f in applied.frontends.items() if ":" in k[0]]
     assert applied.slots6 == fresh.slots6 == sum(len(f.backends) for _, f in six)
     assert applied.frontends6 == fresh.frontends6 == len(six)
+    assert applied.ids6 == fresh.ids6 == {f.svc_id for _, f in six}
     assert applied.backends6 == fresh.backends6 == sum(1 for b in applied.backend_refs if ":" in b.ip)
     assert applied.max_id() == max((f.svc_id for f in applied.frontends.values()), default=-1)
     assert applied.new_ids(3) == fresh.new_ids(3)

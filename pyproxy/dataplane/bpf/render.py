@@ -35,7 +35,6 @@ carries its change to them instead of a new copy.
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, replace
@@ -143,7 +142,7 @@ class Applied:
     reference (read back from the maps after a restart): the next plan removes them unless it uses them.
     """
 
-    __slots__ = ("frontends", "backend_refs", "epoch", "by_service", "slots", "slots6", "frontends6", "backends6",
+    __slots__ = ("frontends", "backend_refs", "epoch", "by_service", "slots", "slots6", "ids6", "backends6",
                  "generation", "port_backends", "port_words", "_unreferenced", "_free", "_next_id")
 
     def __init__(
@@ -163,8 +162,9 @@ class Applied:
         """Slots in use: the sum of every frontend's ready backends."""
         self.slots6 = 0
         """Of `slots`, those of IPv6 frontends (MAP_SLOTS6's)."""
-        self.frontends6 = 0
-        """Of `frontends`, the IPv6 ones (MAP_SERVICES6's)."""
+        self.ids6: set[int] = set()
+        """The service ids of the IPv6 frontends (MAP_SERVICES6's): which map a slot, table or source range of a
+        plan goes to (`by_family`), without a pass over every frontend at each sync."""
         self.backends6 = sum(1 for b in self.backend_refs if family_of(b.ip) == IPV6)
         """Of `backend_refs`, the IPv6 ones (MAP_BACKENDS6's)."""
         self.generation = 0
@@ -196,6 +196,11 @@ class Applied:
 
     def __repr__(self) -> str:
         return f"Applied({len(self.frontends)} frontends, {len(self.backend_refs)} backends)"
+
+    @property
+    def frontends6(self) -> int:
+        """Of `frontends`, the IPv6 ones."""
+        return len(self.ids6)
 
     def new_ids(self, count: int) -> list[int]:
         """The ids the next `count` new frontends get: the lowest ones no frontend uses."""
@@ -269,7 +274,10 @@ class Applied:
         self.slots += sign * len(fe.backends)
         if family_of(key[0]) == IPV6:
             self.slots6 += sign * len(fe.backends)
-            self.frontends6 += sign
+            if sign > 0:
+                self.ids6.add(fe.svc_id)
+            else:
+                self.ids6.discard(fe.svc_id)
 
 
 class CapacityError(RuntimeError):
@@ -539,8 +547,9 @@ def render(
         port_clears,
         epoch_batch(epoch) if released else Batch("put", abi.MAP_EPOCH, ()),
     )
-    v6_ids = frozenset(fe.svc_id for key, fe in itertools.chain(current.items(), upserts.items())
-                       if family_of(key[0]) == IPV6)
+    # The applied IPv6 frontends' ids (removed ones' too: their slots go from the IPv6 map) and the new ones'.
+    new6 = {fe.svc_id for key, fe in upserts.items() if family_of(key[0]) == IPV6}
+    v6_ids = applied.ids6 | new6 if new6 - applied.ids6 else applied.ids6
     return Plan(
         batches=tuple(b for b in by_family(batches, v6_ids) if b.keys),
         upserts=upserts,
