@@ -173,6 +173,10 @@ class Proxier:
             log.warning("%s", notice)
         if not changed and not full and not self.dataplane.housekeeping_due():
             self._update_service_health(())  # ports that could not be bound are tried again
+            # What was queued (a Node event, a slice change no frontend sees) is handled: nothing to apply is
+            # applied. Without this, /healthz stayed 503 from 2 x --sync-period on until a real change came.
+            self.metrics.last_sync.set_to_current_time()
+            self.health.updated()
             return True
         served = self.desired if self._families is None else self._families.update(self.desired,
                                                                                     None if full else changed)

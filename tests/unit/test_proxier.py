@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pyproxy.dataplane.fake import FakeDataplane
+from pyproxy.model.node import NodeInputs
 from pyproxy.model.objects import Endpoint, EndpointPort, EndpointSlice, Protocol, Service, ServicePort
 from pyproxy.proxier.metrics import ProxyMetrics
 from pyproxy.proxier.proxier import Proxier
@@ -93,6 +94,25 @@ def test_a_failed_apply_is_retried_with_the_same_services() -> None:
     p.set_endpoint_slice("default/a-1", _slice("a-1", "a", "10.0.0.8"))
     p.sync()
     assert dp.applies[-1][1] == {"default/a"}, "once a sync succeeded, syncs are partial again"
+
+
+def test_a_change_that_alters_no_service_leaves_the_proxy_healthy() -> None:
+    """Seen on the Vagrant lab: the own Node arrived after the first sync and its primary address changed no
+    Service's frontends. That sync had nothing to apply, but the queued change was never marked applied: /healthz
+    (and every health-check node port's serviceProxyHealthy) answered 503 from 2 x --sync-period on, the pod
+    went unready and its DaemonSet's rollout stalled, with the dataplane fully programmed."""
+    clock = [1000.0]
+    dp, health = FakeDataplane(), ProxyHealth(sync_period=30, clock=lambda: clock[0])
+    p = Proxier(dp, min_sync_period=0, sync_period=3600, metrics=ProxyMetrics("fake"), health=health)
+    p.set_service("default/a", _svc("a", "10.96.0.1"))
+    p.mark_synced()
+    p.sync()
+    p.set_node_inputs(NodeInputs(name="node1", primary_ip="192.168.50.11"))
+    p.sync()
+    assert len(dp.applies) == 1, "nothing to apply: no frontend uses the node's addresses"
+    clock[0] += 61
+    assert health.healthy()[0], "the queued change was handled by that sync"
+    assert health.healthz()[0] == 200
 
 
 def test_periodic_syncs_apply_only_changes_and_a_full_one_comes_hourly(monkeypatch: pytest.MonkeyPatch) -> None:
