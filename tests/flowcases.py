@@ -408,7 +408,6 @@ IPV6_CASES = (
 )
 
 NOT_RENDERED_YET = {
-    "ipvs": "ipvs mode renders IPv4 only: IPv6 virtual servers are not built yet (issue 15)",
     "userspace": "the userspace mode renders IPv4 only: its IPv6 listeners are not built yet (issue 15)",
 }
 """The modes that do not serve IPV6_CASES yet, and why (their backends' `ip_families`)."""

@@ -183,14 +183,14 @@ def parse_destination(text: str) -> tuple[str, int, str]:
 
 
 def filtered(view: View, service: str | None = None, frontend: str | None = None) -> View:
-    """The view narrowed to the frontends of Service `service` (ns/name) and/or at `frontend` (IP:PORT, with
-    /PROTO or not), and to their flows and affinity entries."""
+    """The view narrowed to the frontends of Service `service` (ns/name) and/or at `frontend` (IP:PORT, an IPv6
+    address in brackets, with /PROTO or not), and to their flows and affinity entries."""
     fes = view.frontends
     if service is not None:
         fes = [f for f in fes if service in (f.service, f.name)]
     if frontend is not None:
         addr, _, proto = frontend.partition("/")
-        ip, _, port = addr.partition(":")
+        ip, _, port = addr[1:].partition("]:") if addr.startswith("[") else addr.partition(":")
         fes = [f for f in fes if f.ip in (ip, ANY_NODE_ADDRESS) and str(f.port) == port
                and (not proto or f.proto == proto.upper())
                and (f.ip or ip in view.nodeport_ips)]
