@@ -732,3 +732,38 @@ def test_ipv6_virtual_servers_carry_their_prefix_length() -> None:
     assert kernel._create_options("KUBE-6-CLUSTER-IP", "hash:ip,port") == "family inet6"
     assert kernel._create_options("KUBE-CLUSTER-IP", "hash:ip,port") == "family inet"
     assert kernel._create_options("KUBE-6-NODE-PORT-TCP", "bitmap:port") == "range 0-65535"
+
+
+def test_a_node_without_usable_ip6tables_is_served_ipv4_only_saying_so(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    import contextlib
+
+    from pyproxy.dataplane import netfilter as nf
+    from pyproxy.dataplane import netlink
+    from pyproxy.dataplane.base import ModeUnavailable
+    from pyproxy.dataplane.ipvs import backend
+    from pyproxy.model.state import BOTH_FAMILIES, IPV4_ONLY
+
+    class Socket:
+        def close(self) -> None:
+            pass
+
+    def tools(flavour: str, family: int = 4) -> nf.Tools:
+        if family == 6:
+            raise ModeUnavailable("ip6tables-nft-save not found in PATH (install the iptables package)")
+        return nf.Tools("nft", "iptables-nft-save", "iptables-nft-restore")
+
+    for name in ("check_sysctls", "check_ipset", "write_sysctls"):
+        monkeypatch.setattr(backend.kernel, name, lambda: None)
+    monkeypatch.setattr(backend.kernel, "open_ipvs", Socket)
+    monkeypatch.setattr(backend.nf, "tools", tools)
+    monkeypatch.setattr(backend.nf, "check_usable", lambda t: None)
+    monkeypatch.setattr(netlink, "rtnl", contextlib.nullcontext)
+    monkeypatch.setattr(netlink, "host_addresses", lambda ipr, name: frozenset())
+    dp = IpvsDataplane(IpvsSettings())
+    assert dp.ip_families == BOTH_FAMILIES
+    with caplog.at_level(logging.WARNING):
+        dp.start()
+    assert dp.ip_families == IPV4_ONLY and dp.tools6 is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "ipvs mode serves IPv4 only: ip6tables-nft-save not found in PATH (install the iptables package)"]
