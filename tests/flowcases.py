@@ -403,13 +403,17 @@ IPV6_CASES = (
     FlowCase("IPv6: from the node itself to a NodePort", "tcp", NODE_IP6, 30090, answered_by("b1:8080", "b2:8080"),
              src="node"),
     # TCP, as the IPv4 case: the reset reaches the node's socket. (A UDP datagram from the node itself got no
-    # ICMPv6 error back in nftables and both iptables flavours alike on this kernel: its sender waits.)
-    FlowCase("IPv6: from the node, no endpoints: rejected", "tcp", "fd00:10:96::3", 80, REFUSED, src="node"),
+    # ICMPv6 error back in nftables and both iptables flavours alike on this kernel: its sender waits.) ipvs: IPVS
+    # refuses in its local-out hook with ICMPv6 port unreachable, which reaches the socket while connect() still
+    # holds it, and TCP drops it (TcpExtLockDroppedIcmps; IPv4's ICMP error is not lost so): the SYN's
+    # retransmission is refused, after 1 s, past the table's 0.5 s. Seen with IPVS alone, no rule of pyproxy's, on
+    # Debian's 6.1; upstream's IPVS proxier, whose virtual server is the same, shares it. tests/guest_ipvs checks
+    # the refusal with a longer wait.
+    FlowCase("IPv6: from the node, no endpoints: rejected", "tcp", "fd00:10:96::3", 80, REFUSED, src="node",
+             by_mode={"ipvs": NO_ANSWER}),
 )
 
-NOT_RENDERED_YET = {
-    "ipvs": "ipvs mode renders IPv4 only: IPv6 virtual servers are not built yet (issue 15)",
-}
+NOT_RENDERED_YET: dict[str, str] = {}
 """The modes that do not serve IPV6_CASES yet, and why (their backends' `ip_families`)."""
 
 

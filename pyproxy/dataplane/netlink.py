@@ -320,17 +320,19 @@ def ensure_dummy(ipr: IPRoute, name: str) -> int:
     return index
 
 
-def ipv4_addresses(ipr: IPRoute, name: str) -> frozenset[str]:
-    """The IPv4 addresses on device `name` (none when it does not exist)."""
+def host_addresses(ipr: IPRoute, name: str) -> frozenset[str]:
+    """The global IPv4 and IPv6 addresses on device `name` (none when it does not exist); not the IPv6 link-local
+    one the kernel gives a device that is up, which nobody put there."""
     index = link_index(ipr, name)
     if index is None:
         return frozenset()
-    return frozenset(a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(index=index, family=socket.AF_INET))
+    return frozenset(a.get_attr("IFA_ADDRESS") for family in (socket.AF_INET, socket.AF_INET6)
+                     for a in ipr.get_addr(index=index, family=family) if a["scope"] == RT_SCOPE_UNIVERSE)
 
 
 def set_host_address(ipr: IPRoute, index: int, verb: str, ip: str) -> None:
-    """Add ("add") or remove ("del") `ip`/32 on the device with `index`."""
-    ipr.addr(verb, index=index, address=ip, prefixlen=32)
+    """Add ("add") or remove ("del") `ip`/32 (an IPv6 `ip`/128) on the device with `index`."""
+    ipr.addr(verb, index=index, address=ip, prefixlen=128 if family_of(ip) == IPV6 else 32)
 
 
 _AF = {IPV4: socket.AF_INET, IPV6: socket.AF_INET6}

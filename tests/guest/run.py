@@ -49,6 +49,8 @@ MODULES = (
     "xt_set", "xt_ipvs", "xt_mark", "xt_comment", "xt_addrtype", "xt_conntrack", "xt_MASQUERADE", "xt_nat",
     "iptable_nat", "iptable_filter", "nf_tables", "nft_compat", "nft_chain_nat", "nf_reject_ipv4", "nft_reject",
     "ipt_REJECT", "dummy", "veth",
+    # IPv6: ip6tables' tables and REJECT (the ipsets' and xt matches' modules serve both families).
+    "ip6table_nat", "ip6table_filter", "nf_reject_ipv6", "ip6t_REJECT",
 )
 
 

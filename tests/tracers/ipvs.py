@@ -3,7 +3,8 @@ left, and the iptables rules of pyproxy/dataplane/ipvs/backend.py with their jum
 entering the node.
 
 Models: the plans' ops applied in order (virtual and real servers, kube-ipvs0's addresses, ipset members);
-nat PREROUTING walked over those ipsets (netfilter.py; `-m addrtype LOCAL` is a node address or one on
+nat PREROUTING walked over those ipsets (an IPv6 flow: ip6tables' rules over the KUBE-6-* sets, each table seeing
+only its family's sets, as the kernel's set match does) (netfilter.py; `-m addrtype LOCAL` is a node address or one on
 kube-ipvs0); a destination on kube-ipvs0 or a node address is the node's own, so the flow goes through filter
 INPUT (KUBE-IPVS-FIREWALL drops sources outside a load balancer's source ranges and outside flows to a Local
 frontend without a local endpoint; KUBE-IPVS-FILTER rejects a new flow to a kube-ipvs0 address on a port that
@@ -24,8 +25,9 @@ from collections.abc import Iterator, Sequence
 
 from pyproxy.dataplane import netfilter as nf
 from pyproxy.dataplane.ipvs import render as ipvs_render
-from pyproxy.dataplane.ipvs.backend import JUMPS, IpvsDataplane, rule_edits
+from pyproxy.dataplane.ipvs.backend import JUMPS, IpvsDataplane, IpvsSettings, rule_edits
 from pyproxy.dataplane.ipvs.render import Op
+from pyproxy.model.objects import IPV4, IPV6, family_of
 from pyproxy.model.state import Backend
 from tracers.common import NODE_ADDRESSES, Memory, Packet, Sync, Unmodelled, Verdict, as_served, untranslated
 from tracers.iptables import forwarded
@@ -71,7 +73,7 @@ def plans(syncs: Sequence[Sync]) -> list[tuple[Op, ...]]:
     """The ops of `syncs` in turn, as the ipvs backend's apply() renders them from what the kernel holds (the
     frontends of the families it renders: the proxier leaves out the others)."""
     kernel, memory, out = Kernel(), ipvs_render.Memory(), []
-    for desired, changed in as_served(syncs, IpvsDataplane.ip_families):
+    for desired, changed in as_served(syncs, IpvsDataplane(IpvsSettings()).ip_families):
         full = changed is None
         keys = set(desired.services) | set(memory.owners.values()) if changed is None else changed
         plan = ipvs_render.render(kernel.observed(), memory, {k: desired.services.get(k, ()) for k in keys},
@@ -84,39 +86,46 @@ def plans(syncs: Sequence[Sync]) -> list[tuple[Op, ...]]:
     return out
 
 
-def rules_text(masquerade: nf.MasqueradeSettings | None = None) -> str:
-    """The iptables-restore input of the first sync: the mode's chains and the jumps into them."""
-    edits = rule_edits(masquerade or nf.MasqueradeSettings())
+def rules_text(masquerade: nf.MasqueradeSettings | None = None, family: int = IPV4) -> str:
+    """The iptables-restore input (family 6: ip6tables-restore's) of the first sync: the mode's chains and the
+    jumps into them."""
+    edits = rule_edits(masquerade or nf.MasqueradeSettings(), family)
     for jump in JUMPS:
         edits[jump.table].insert(jump)
     return nf.restore_input(edits)
 
 
 class IpvsTracer:
-    def __init__(self, plans: Sequence[tuple[Op, ...]], rules: str | None = None) -> None:
+    def __init__(self, plans: Sequence[tuple[Op, ...]], rules: str | None = None, rules6: str | None = None) -> None:
         self.kernel = Kernel()
         for op in (op for ops in plans for op in ops):
             self.kernel.run(op)
-        ipsets = {name: (kind, frozenset(self.kernel.members[name])) for name, kind in ipvs_render.SET_TYPES.items()}
-        self.tables = Tables(rules if rules is not None else rules_text(), ipsets, self._local)
+        self.tables = {family: Tables(text if text is not None else rules_text(family=family),
+                                      self._ipsets(family), self._local)
+                       for family, text in ((IPV4, rules), (IPV6, rules6))}
+
+    def _ipsets(self, family: int) -> dict[str, tuple[str, frozenset[str]]]:
+        return {name: (kind, frozenset(self.kernel.members[name])) for name, kind in ipvs_render.SET_TYPES.items()
+                if ipvs_render.SET_FAMILIES[name] == family}
 
     def _local(self, ip: str) -> bool:
         """`-m addrtype --*-type LOCAL`: the node's addresses, those on kube-ipvs0 and loopback."""
-        return ip in NODE_ADDRESSES or ip in self.kernel.addresses or ip.startswith("127.")
+        return ip in NODE_ADDRESSES or ip in self.kernel.addresses or ip.startswith("127.") or ip == "::1"
 
     def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
-        for verdict, f in self.tables.walk("nat", "PREROUTING", Flow(pkt, memory=memory)):
+        tables = self.tables[family_of(pkt.dst)]
+        for verdict, f in tables.walk("nat", "PREROUTING", Flow(pkt, memory=memory)):
             if verdict == "DROP":
                 yield Verdict("no-answer")
             elif verdict == "DNAT":
                 raise Unmodelled("a DNAT rule in ipvs mode")
             elif self._local(f.pkt.dst):
-                yield from self._input(f)
+                yield from self._input(tables, f)
             else:
-                yield from forwarded(self.tables, f, translated=False)
+                yield from forwarded(tables, f, translated=False)
 
-    def _input(self, flow: Flow) -> Iterator[Verdict]:
-        for verdict, f in self.tables.walk("filter", "INPUT", flow):
+    def _input(self, tables: Tables, flow: Flow) -> Iterator[Verdict]:
+        for verdict, f in tables.walk("filter", "INPUT", flow):
             if verdict in ("REJECT", "DROP"):
                 yield Verdict("refused" if verdict == "REJECT" else "no-answer")
                 continue

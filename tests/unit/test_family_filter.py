@@ -115,14 +115,15 @@ def test_the_ipv4_modes_render_a_dual_stack_service_as_its_ipv4_half() -> None:
 
 def test_each_mode_says_which_families_it_renders() -> None:
     from pyproxy.dataplane.iptables.backend import IptablesDataplane, IptablesSettings
-    from pyproxy.dataplane.ipvs.backend import IpvsDataplane
+    from pyproxy.dataplane.ipvs.backend import IpvsDataplane, IpvsSettings
     from pyproxy.dataplane.nftables.backend import NftablesDataplane, NftablesSettings
     from pyproxy.dataplane.userspace.backend import UserspaceDataplane, UserspaceSettings
-    families = {cls.mode: getattr(cls, "ip_families", IPV4_ONLY) for cls in (BpfDataplane, IpvsDataplane)}
-    # nftables, iptables and userspace say it per instance: both, unless start() finds IPv6 unusable here.
+    families = {cls.mode: getattr(cls, "ip_families", IPV4_ONLY) for cls in (BpfDataplane,)}
+    # nftables, iptables, ipvs and userspace say it per instance: both, unless start() finds IPv6 unusable here.
     families["nftables"] = NftablesDataplane(NftablesSettings()).ip_families
     families["iptables"] = IptablesDataplane(IptablesSettings()).ip_families
+    families["ipvs"] = IpvsDataplane(IpvsSettings()).ip_families
     families["userspace"] = UserspaceDataplane(UserspaceSettings()).ip_families
     assert set(families) == set(AUTO_ORDER)
-    assert families == {"bpf": BOTH_FAMILIES, "ipvs": IPV4_ONLY, "nftables": BOTH_FAMILIES, "iptables": BOTH_FAMILIES,
-                        "userspace": BOTH_FAMILIES}
+    assert families == {"bpf": BOTH_FAMILIES, "ipvs": BOTH_FAMILIES, "nftables": BOTH_FAMILIES,
+                        "iptables": BOTH_FAMILIES, "userspace": BOTH_FAMILIES}

@@ -92,6 +92,13 @@ def test_the_ipv6_tracers_see_a_lost_ipv6_reject_and_firewall(first: list[Sync])
     tracer = iptables.IptablesTracer(iptables.restore_texts(first), [_without_lines(text6, "-j REJECT")])
     assert [w.split(" (")[0] for w in mismatches(tracer, "iptables", flowcases.IPV6_CASES)] == [
         "IPv6: no ready endpoints: rejected", "IPv6: no ready endpoints: rejected, udp"]
+    # ipvs: ip6tables' source-range firewall over the KUBE-6-* sets.
+    [ops] = ipvs.plans(first)
+    text6 = _without_lines(ipvs.rules_text(family=6), "KUBE-SOURCE-RANGES-FIREWALL -j DROP")
+    tracer = ipvs.IpvsTracer([ops], None, text6)
+    assert [w.split(" (")[0] for w in mismatches(tracer, "ipvs", flowcases.IPV6_CASES)] == [
+        "IPv6: a load-balancer IP whose source ranges leave the client out: no answer"]
+    assert not mismatches(tracer, "ipvs"), "the IPv4 table is untouched"
 
 
 @pytest.mark.parametrize("masquerade", [
@@ -104,11 +111,11 @@ def test_masquerade_settings_change_no_outcome(update: list[Sync], masquerade: M
     tracers: dict[str, Tracer] = {
         "iptables": iptables.IptablesTracer(iptables.restore_texts(update, masquerade),
                                             iptables.restore_texts(update, masquerade, family=6)),
-        "ipvs": ipvs.IpvsTracer(ipvs.plans(update), ipvs.rules_text(masquerade)),
+        "ipvs": ipvs.IpvsTracer(ipvs.plans(update), ipvs.rules_text(masquerade), ipvs.rules_text(masquerade, 6)),
         "nftables": nftables.NftablesTracer(nftables.scripts(update, masquerade)),
     }
     for mode, tracer in tracers.items():
-        wrong = mismatches(tracer, mode) + (mismatches(tracer, mode, flowcases.IPV6_CASES) if mode != "ipvs" else [])
+        wrong = mismatches(tracer, mode) + mismatches(tracer, mode, flowcases.IPV6_CASES)
         assert not wrong, f"{mode}:\n" + "\n".join(wrong)
 
 

@@ -17,7 +17,7 @@ from pyproxy.dataplane.ipvs.render import (
     Real,
     Virtual,
 )
-from pyproxy.model.inspection import View, trace, trace_text
+from pyproxy.model.inspection import View, filtered, trace, trace_text
 from pyproxy.model.state import Backend
 
 CAPTURED = Path(__file__).parent / "captured"
@@ -59,7 +59,39 @@ def test_the_connection_table_parses_connections_and_templates() -> None:
             held.expires_sec) == ("TCP", CLIENT, 51180, HOLD, "10.201.3.2", 7070, "established", 899)
     [template] = [c for c in conns if c.template]
     assert (template.vip, template.vport, template.dest, template.expires_sec) == (STICKY, 80, "10.201.3.2", 597)
-    assert ii.parse_conns("TCP [fd00::1] 0050 [fd00::2] 0050 [fd00::3] 1F90 ESTABLISHED 10\n") == []
+
+
+
+def test_ipv6_connections_and_virtual_servers_are_listed() -> None:
+    # An IPv6 line as Debian's 6.1 prints it (captured in the guest), and a newer kernel's bracketed destination.
+    conns = ii.parse_conns(
+        "Pro FromIP   FPrt ToIP     TPrt DestIP   DPrt State       Expires PEName PEData\n"
+        "TCP fd00:0010:0200:0000:0000:0000:0000:0002 B04E fd00:0010:0096:0000:0000:0000:0000:000a 0050 "
+        "fd00:0010:0244:0000:0000:0000:0000:0005 1F90 ESTABLISHED     899\n"
+        "TCP fd00:0010:0200:0000:0000:0000:0000:0002 0000 fd00:0010:0096:0000:0000:0000:0000:000a 0050 "
+        "[fd00:0010:0244:0000:0000:0000:0000:0005] 1F90 NONE 597\n")
+    assert [(c.client, c.client_port, c.vip, c.vport, c.dest, c.dport, c.template) for c in conns] == [
+        ("fd00:10:200::2", 45134, "fd00:10:96::a", 80, "fd00:10:244::5", 8080, False),
+        ("fd00:10:200::2", 0, "fd00:10:96::a", 80, "fd00:10:244::5", 8080, True)]
+    key6, key4 = ("fd00:10:96::a", 80, "TCP"), ("10.96.0.10", 80, "TCP")
+    be6 = Backend("fd00:10:244::5", 8080)
+    sets = {"KUBE-6-LOAD-BALANCER": frozenset({"fd00:10:96::a,tcp:80"}),
+            "KUBE-6-LOAD-BALANCER-FW": frozenset({"fd00:10:96::a,tcp:80"}),
+            "KUBE-6-LOAD-BALANCER-SOURCE-CID": frozenset({"fd00:10:96::a,tcp:80,fd00:10:200::2",
+                                                          "fd00:10:96::a,tcp:80,fd00:10:300::/64"})}
+    v = ii.view({key6: Virtual("rr", 600, {be6: Real(1, 1)}), key4: Virtual("rr")}, ("10.96.0.10",), sets, conns)
+    assert [(f.name, f.ip) for f in v.frontends] == [("10.96.0.10:80/TCP", "10.96.0.10"),
+                                                      ("[fd00:10:96::a]:80/TCP", "fd00:10:96::a")]
+    fe = v.frontends[1]
+    assert fe.source_ranges == ("fd00:10:200::2/128", "fd00:10:300::/64")
+    assert [(e.ip, e.port, e.active) for e in fe.endpoints] == [("fd00:10:244::5", 8080, 1)]
+    assert [(f.client, f.backend, f.service) for f in v.flows] == [
+        ("fd00:10:200::2", "fd00:10:244::5:8080", fe.name)]
+    assert [a.backend for a in v.affinities] == ["fd00:10:244::5:8080"]
+    # --frontend takes an IPv6 address in brackets.
+    narrowed = filtered(v, frontend="[fd00:10:96::a]:80/tcp")
+    assert [f.name for f in narrowed.frontends] == [fe.name] and len(narrowed.flows) == 1
+    assert filtered(v, frontend="[fd00:10:96::a]:81").frontends == []
 
 
 def test_frontends_are_the_virtual_servers_named_by_address(view: View) -> None:

@@ -49,10 +49,11 @@ from pyproxy.dataplane.ipvs.render import (
     cluster_entry,
     loopback_entry,
     render,
+    set_name,
 )
 from pyproxy.dataplane.netfilter import MasqueradeSettings, restore_input
 from pyproxy.model.conntrack import Stale
-from pyproxy.model.objects import Protocol
+from pyproxy.model.objects import IPV6, Protocol, family_of
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 WEB, DNS = "default/web", "kube-system/dns"
@@ -126,7 +127,8 @@ class KernelModel:
             served = [k for k in self.virtuals if k[0] == ip]
             assert served, f"{ip} is local but no virtual server serves it"
             for k in served:
-                listed = [name for name in FRONTEND_SETS if cluster_entry(k) in self.sets.get(name, set())]
+                names = [set_name(name, family_of(k[0])) for name in FRONTEND_SETS]
+                listed = [name for name in names if cluster_entry(k) in self.sets.get(name, set())]
                 assert listed, f"{k} local but not accepted"
 
     def sync(self, memory: Memory, desired: Mapping[str, Iterable[ServicePortState]], *, full: bool = True,
@@ -629,3 +631,139 @@ def test_a_hashing_virtual_server_without_its_fallback_flag_is_edited(scheduler:
     asked = {"mh": "maglev"}.get(scheduler, scheduler)
     ops = k.sync(Memory(owners={WEB_KEY: WEB}), {WEB: [scheduled(web(), asked)]}).ops
     assert (VirtualOp("set", WEB_KEY, scheduler, 0) in ops) == (read != scheduler), ops
+
+
+# ---------------------------------------------------------------------------------------------------- IPv6
+# Upstream's IPv6 proxier: the same virtual servers, kube-ipvs0 addresses (/128) and sets, named KUBE-6-*.
+
+A6, B6 = (Backend(f"fd00:10:244::{i}", 8080) for i in (1, 2))
+X6 = Backend("fd00:10:244::9", 53)
+WEB6_KEY: VSKey = ("fd00:10:96::a", 80, "TCP")
+NODE_IPS6 = ("fd00:10:0:1::5",)
+
+
+def test_ipv6_sets_are_upstreams_kube_6_names_within_ipsets_31_characters() -> None:
+    assert set_name(CLUSTER_IP_SET, IPV6) == "KUBE-6-CLUSTER-IP"
+    assert set_name(LOAD_BALANCER_SOURCE_CIDR_SET, IPV6) == "KUBE-6-LOAD-BALANCER-SOURCE-CID"
+    assert set_name("KUBE-NODE-PORT-LOCAL-SCTP-HASH", IPV6) == "KUBE-6-NODE-PORT-LOCAL-SCTP-HAS"
+    assert set_name(CLUSTER_IP_SET, 4) == CLUSTER_IP_SET
+    from pyproxy.dataplane.ipvs.render import SET_FAMILIES, SET_TYPES, SET_TYPES4
+    assert len(SET_TYPES) == len(SET_FAMILIES) == 2 * len(SET_TYPES4), "two names are one after the cut"
+    assert all(len(name) <= 31 for name in SET_TYPES)
+
+
+def test_a_dual_stack_service_is_a_virtual_server_per_family_each_in_its_familys_sets() -> None:
+    k = KernelModel()
+    web6 = port(WEB, WEB6_KEY[0], 80, [A6, B6])
+    plan = k.sync(Memory(), {WEB: [web(A, B), web6, *node_ports(30080, [A6], ips=NODE_IPS6)]},
+                  node=(*NODE_IPS, *NODE_IPS6))
+    assert k.virtuals[WEB6_KEY] == ("rr", 0, {A6: 1, B6: 1})
+    assert k.virtuals[(NODE_IPS6[0], 30080, "TCP")] == ("rr", 0, {A6: 1})
+    assert k.addresses == {"10.96.0.10", "fd00:10:96::a"}
+    assert AddressOp("add", "fd00:10:96::a") in plan.ops
+    assert k.sets["KUBE-6-CLUSTER-IP"] == {"fd00:10:96::a,tcp:80"}
+    assert k.sets["KUBE-6-IPVS-IPS"] == {"fd00:10:96::a"}
+    assert k.sets["KUBE-6-LOOP-BACK"] == {"fd00:10:244::1,tcp:8080,fd00:10:244::1",
+                                          "fd00:10:244::2,tcp:8080,fd00:10:244::2"}
+    assert k.sets["KUBE-6-NODE-PORT-TCP"] == {"30080"}
+    # The IPv4 sets hold IPv4 members only: an inet set refuses an IPv6 one.
+    assert k.sets[CLUSTER_IP_SET] == {"10.96.0.10,tcp:80"} and k.sets[IPVS_IPS_SET] == {"10.96.0.10"}
+    assert "fd00" not in "".join(k.sets[LOOPBACK_SET]) and "KUBE-NODE-PORT-TCP" not in k.sets
+    # The IPv6 half goes, the IPv4 one stays.
+    k.sync(plan.memory, {WEB: [web(A, B)]}, full=False)
+    assert set(k.virtuals) == {WEB_KEY} and k.addresses == {"10.96.0.10"}
+    assert not any(k.sets[name] for name in k.sets if name.startswith("KUBE-6-"))
+
+
+def test_a_restart_adopts_ipv6_virtual_servers_by_their_kube_6_sets() -> None:
+    k = KernelModel()
+    lb6 = ext(FrontendKind.LOAD_BALANCER, "fd00:203::10", 80, [A6], ranges=("fd00:10:200::/64",))
+    k.sync(Memory(), {WEB: [port(WEB, WEB6_KEY[0], 80, [A6]), lb6, *node_ports(30080, [A6], ips=NODE_IPS6)]},
+           node=NODE_IPS6)
+    assert k.sets["KUBE-6-LOAD-BALANCER-SOURCE-CID"] == {"fd00:203::10,tcp:80,fd00:10:200::/64"}
+    # Nothing remembered, the Service gone: every one of them is known as ours and removed.
+    k.addresses.clear()  # not even kube-ipvs0's addresses tell: the sets do
+    k.sync(Memory(), {}, node=NODE_IPS6)
+    assert k.virtuals == {} and not any(k.sets.values())
+
+
+def test_ipv6_udp_entries_are_planned_per_family() -> None:
+    k = KernelModel()
+    dns6 = port(DNS, "fd00:10:96::35", 53, [X6], protocol=Protocol.UDP, name="dns")
+    first = k.sync(Memory(), {DNS: [dns(X), dns6, *node_ports(30053, [X6], ips=NODE_IPS6, protocol=Protocol.UDP)]},
+                   node=NODE_IPS6)
+    dns6_gone = port(DNS, "fd00:10:96::35", 53, [], protocol=Protocol.UDP, name="dns")
+    plan = k.sync(first.memory, {DNS: [dns(X), dns6_gone, *node_ports(30053, [], ips=NODE_IPS6,
+                                                                        protocol=Protocol.UDP)]},
+                  full=False, node=NODE_IPS6)
+    # The NodePort's entries by port, of its family (conntrack's -f ipv6), the ClusterIP's by address.
+    assert set(plan.stale_udp) == {Stale("", 30053, X6), Stale("fd00:10:96::35", 53, X6)}
+    assert {s.family for s in plan.stale_udp} == {IPV6}
+
+
+def test_ipv6_rules_match_the_ipv6_sets_and_cidr() -> None:
+    m = MasqueradeSettings(cluster_cidr="10.244.0.0/16", cluster_cidr6="fd00:10:244::/56")
+    text6, text4 = restore_input(rule_edits(m, IPV6)), restore_input(rule_edits(m))
+    sets6 = {line.split("--match-set ")[1].split()[0] for line in text6.splitlines() if "--match-set" in line}
+    sets4 = {line.split("--match-set ")[1].split()[0] for line in text4.splitlines() if "--match-set" in line}
+    assert sets6 == {set_name(name, IPV6) for name in sets4}
+    assert "--match-set KUBE-6-CLUSTER-IP dst,dst ! -s fd00:10:244::/56 -j KUBE-MARK-MASQ" in text6
+    assert "10.244.0.0/16" not in text6 and "fd00" not in text4
+    for name in sets4:
+        text6 = text6.replace(f" {set_name(name, IPV6)} ", f" {name} ")
+    assert text6.replace("fd00:10:244::/56", "10.244.0.0/16") == text4
+    assert all(is_mode_rule("nat", "KUBE-SERVICES", line) for line in text6.splitlines() if "--match-set" in line)
+
+
+def test_ipv6_virtual_servers_carry_their_prefix_length() -> None:
+    # The kernel refuses an IPv6 service without its netmask (a prefix length, 1..128); pyroute2 sets IPv4's only.
+    calls: list[Any] = []
+
+    class Recorder:
+        def service(self, verb: str, service: Any) -> None:
+            calls.append(service.combined)
+
+    kernel.put_virtual(Recorder(), "add", WEB6_KEY, "rr", 0)  # type: ignore[arg-type]
+    kernel.put_virtual(Recorder(), "add", WEB_KEY, "rr", 0)  # type: ignore[arg-type]
+    import socket
+    import struct
+    assert struct.unpack("=I", socket.inet_aton(calls[0]["netmask"])) == (128,)
+    assert "netmask" not in calls[1]  # pyroute2 gives IPv4 its 255.255.255.255
+    assert kernel._create_options("KUBE-6-CLUSTER-IP", "hash:ip,port") == "family inet6"
+    assert kernel._create_options("KUBE-CLUSTER-IP", "hash:ip,port") == "family inet"
+    assert kernel._create_options("KUBE-6-NODE-PORT-TCP", "bitmap:port") == "range 0-65535"
+
+
+def test_a_node_without_usable_ip6tables_is_served_ipv4_only_saying_so(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    import contextlib
+
+    from pyproxy.dataplane import netfilter as nf
+    from pyproxy.dataplane import netlink
+    from pyproxy.dataplane.base import ModeUnavailable
+    from pyproxy.dataplane.ipvs import backend
+    from pyproxy.model.state import BOTH_FAMILIES, IPV4_ONLY
+
+    class Socket:
+        def close(self) -> None:
+            pass
+
+    def tools(flavour: str, family: int = 4) -> nf.Tools:
+        if family == 6:
+            raise ModeUnavailable("ip6tables-nft-save not found in PATH (install the iptables package)")
+        return nf.Tools("nft", "iptables-nft-save", "iptables-nft-restore")
+
+    for name in ("check_sysctls", "check_ipset", "write_sysctls"):
+        monkeypatch.setattr(backend.kernel, name, lambda: None)
+    monkeypatch.setattr(backend.kernel, "open_ipvs", Socket)
+    monkeypatch.setattr(backend.nf, "tools", tools)
+    monkeypatch.setattr(backend.nf, "check_usable", lambda t: None)
+    monkeypatch.setattr(netlink, "rtnl", contextlib.nullcontext)
+    monkeypatch.setattr(netlink, "host_addresses", lambda ipr, name: frozenset())
+    dp = IpvsDataplane(IpvsSettings())
+    assert dp.ip_families == BOTH_FAMILIES
+    with caplog.at_level(logging.WARNING):
+        dp.start()
+    assert dp.ip_families == IPV4_ONLY and dp.tools6 is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "ipvs mode serves IPv4 only: ip6tables-nft-save not found in PATH (install the iptables package)"]

@@ -10,10 +10,12 @@ is what makes reading slow. What is where:
 - IPVS (netlink, kernel.py): a virtual server per frontend (ClusterIP, external IP, load-balancer IP, and a
   NodePort on each node address it is served on), real servers = the frontend's endpoints, graceful termination
   of the ones that leave (render.py);
-- kube-ipvs0: every ClusterIP, external IP and load-balancer IP as a /32, so the node takes packets for them
-  into LOCAL_IN, where IPVS is (node addresses are the node's already);
-- upstream's ipsets (render.py says which) and, through netfilter.py (iptables-restore), upstream's rules over
-  them:
+- kube-ipvs0: every ClusterIP, external IP and load-balancer IP as a /32 (IPv6: /128; the device stays down, and
+  an address there is local all the same: seen on Debian's 6.1), so the node takes packets for them into LOCAL_IN,
+  where IPVS is (node addresses are the node's already);
+- upstream's ipsets (render.py says which; the IPv6 frontends' are upstream's IPv6 proxier's KUBE-6-* sets) and,
+  through netfilter.py (iptables-restore; ip6tables-restore for the IPv6 sets, the same rules), upstream's rules
+  over them:
     nat KUBE-SERVICES (from PREROUTING and OUTPUT): mark for SNAT ClusterIP traffic per --masquerade-all /
       --cluster-cidr, externalTrafficPolicy Cluster traffic to external IPs (and, through KUBE-LOAD-BALANCER
       and KUBE-NODE-PORT, to load-balancer IPs and node ports), and the node's own flows to any external
@@ -28,8 +30,9 @@ is what makes reading slow. What is where:
       no frontend's: the address is local, so the node's own listeners would otherwise answer there (upstream
       issue 72236);
     filter KUBE-FORWARD: accept marked traffic, drop conntrack-INVALID;
-- sysctls net.ipv4.vs.conntrack=1 (iptables must see IPVS flows to masquerade them), expire_nodest_conn=1,
-  expire_quiescent_template=1, ip_forward=1, as upstream.
+- sysctls net.ipv4.vs.conntrack=1 (iptables must see IPVS flows to masquerade them; IPVS's sysctls serve both
+  families), expire_nodest_conn=1, expire_quiescent_template=1, ip_forward=1, as upstream (IPv6 forwarding, which
+  IPv6 real servers' replies need, is the node's, as upstream: no mode here writes it).
 - after the ops, the UDP conntrack entries of endpoints that left (and the never-DNATed ones of frontends that got
   their first endpoint) are deleted with `conntrack -D`, planned by model/conntrack.py as in the other netfilter
   modes: a UDP real server is deleted at once, but the conntrack entry of a client that keeps sending would
@@ -90,10 +93,13 @@ from pyproxy.dataplane.ipvs.render import (
     after,
     ours,
     render,
+    set_name,
+    sets_of,
     vs_key,
 )
 from pyproxy.dataplane.netfilter import MasqueradeSettings
-from pyproxy.model.state import IPV4_ONLY, DesiredState
+from pyproxy.model.objects import IPV4, IPV6, family_of
+from pyproxy.model.state import BOTH_FAMILIES, IPV4_ONLY, DesiredState
 
 log = logging.getLogger(__name__)
 
@@ -147,11 +153,12 @@ _NOT_FROM_NODE = "-m addrtype ! --src-type LOCAL"
 model's rule; their source may be an address of kube-ipvs0, which an endpoint on another node cannot answer)."""
 
 
-def _node_port_rules() -> list[str]:
+def _node_port_rules(family: int) -> list[str]:
     """nat KUBE-NODE-PORT, per protocol: Local node ports keep the client's address, the others are marked for
     SNAT (upstream's rules; SCTP's sets hold address and port)."""
     rules = []
-    for proto, (every, local) in NODE_PORT_SETS.items():
+    for proto, names in NODE_PORT_SETS.items():
+        every, local = (set_name(name, family) for name in names)
         flags = "dst" if SET_TYPES[every] == BITMAP_PORT else "dst,dst"
         p = f"-p {proto.lower()}"
         rules.append(f'{p} -m comment --comment "Kubernetes nodeport {proto} port with externalTrafficPolicy=local" '
@@ -161,21 +168,27 @@ def _node_port_rules() -> list[str]:
     return rules
 
 
-def rule_edits(m: MasqueradeSettings) -> dict[str, nf.TableEdit]:
-    """The chains this mode writes (as upstream's IPVS proxier), without the jumps into them. They match the
-    ipsets only, so they depend on the settings, never on Services."""
-    cluster_ip = _set_match(CLUSTER_IP_SET, "dst,dst")
+def rule_edits(m: MasqueradeSettings, family: int = IPV4) -> dict[str, nf.TableEdit]:
+    """The chains this mode writes (as upstream's IPVS proxier), without the jumps into them: iptables' for the
+    IPv4 frontends, ip6tables' (`family` 6) for the IPv6 ones, the same rules over that family's ipsets (upstream's
+    IPv6 proxier's KUBE-6-* sets). They match the ipsets only, so they depend on the settings, never on Services."""
+
+    def match(name: str, flags: str) -> str:
+        return _set_match(set_name(name, family), flags)
+
+    cluster_ip = match(CLUSTER_IP_SET, "dst,dst")
     marking = nf.mark_masq_rule(
-        m, f'-m comment --comment "Kubernetes service cluster ip + port for masquerade purpose" {cluster_ip}')
+        m, f'-m comment --comment "Kubernetes service cluster ip + port for masquerade purpose" {cluster_ip}',
+        family)
     if marking is None:
         # Upstream: without a cluster CIDR, node-originated traffic whose source picked a ClusterIP of
         # kube-ipvs0 (VIP to VIP) is masqueraded, else the reply would go to the VIP itself.
-        marking = f"{_set_match(CLUSTER_IP_SET, 'src,dst')} -j {nf.MARK_MASQ_CHAIN}"
+        marking = f"{match(CLUSTER_IP_SET, 'src,dst')} -j {nf.MARK_MASQ_CHAIN}"
     mark_masq, postrouting = nf.masquerade_chains(m)
     hairpin = ('-m comment --comment "Kubernetes endpoints dst ip:port, source ip for solving hairpin purpose" '
-               f"{_set_match(LOOPBACK_SET, 'dst,dst,src')} -j MASQUERADE")
-    load_balancer = _set_match(LOAD_BALANCER_SET, "dst,dst")
-    external, external_local = _set_match(EXTERNAL_IP_SET, "dst,dst"), _set_match(EXTERNAL_IP_LOCAL_SET, "dst,dst")
+               f"{match(LOOPBACK_SET, 'dst,dst,src')} -j MASQUERADE")
+    load_balancer = match(LOAD_BALANCER_SET, "dst,dst")
+    external, external_local = match(EXTERNAL_IP_SET, "dst,dst"), match(EXTERNAL_IP_LOCAL_SET, "dst,dst")
     nat, flt = nf.TableEdit(), nf.TableEdit()
     # Upstream's first rule here, `-s 127.0.0.0/8 -j RETURN`, is left out: it matches none of our sets, so
     # cleanup could not tell it from another mode's rule in this shared chain; without it a localhost flow to a
@@ -198,40 +211,41 @@ def rule_edits(m: MasqueradeSettings) -> dict[str, nf.TableEdit]:
         f"-m addrtype --dst-type LOCAL -j {NODE_PORT_CHAIN}",
     )))
     nat.write(nf.Chain(LOAD_BALANCER_CHAIN, (
-        f"{_set_match(LOAD_BALANCER_LOCAL_SET, 'dst,dst')} {_NOT_FROM_NODE} -j RETURN",
+        f"{match(LOAD_BALANCER_LOCAL_SET, 'dst,dst')} {_NOT_FROM_NODE} -j RETURN",
         f"-j {nf.MARK_MASQ_CHAIN}",
     )))
-    nat.write(nf.Chain(NODE_PORT_CHAIN, tuple(_node_port_rules())))
+    nat.write(nf.Chain(NODE_PORT_CHAIN, tuple(_node_port_rules(family))))
     nat.write(mark_masq)
     nat.write(nf.Chain(postrouting.name, (hairpin, *postrouting.rules)))
     flt.write(nf.forward_chain(m))
     # Before IPVS (its LOCAL_IN hook runs after filter INPUT): sources outside loadBalancerSourceRanges are
     # dropped, and so are new flows from outside the cluster to a Local frontend this node has no endpoint for
     # (render.py); pods (by --cluster-cidr) and the node reach every endpoint there.
-    pods = f" ! -s {m.cluster_cidr}" if m.cluster_cidr else ""
+    cidr = m.cluster_cidr_of(family)
+    pods = f" ! -s {cidr}" if cidr else ""
     flt.write(nf.Chain(FIREWALL_CHAIN, (
         '-m comment --comment "Kubernetes service load balancer ip + port for load balancer with sourceRange" '
-        f"{_set_match(LOAD_BALANCER_FW_SET, 'dst,dst')} -j {SOURCE_RANGES_CHAIN}",
+        f"{match(LOAD_BALANCER_FW_SET, 'dst,dst')} -j {SOURCE_RANGES_CHAIN}",
         '-m comment --comment "externalTrafficPolicy Local without a local endpoint" -m conntrack --ctstate NEW '
-        f"{_set_match(NO_LOCAL_SET, 'dst,dst')}{pods} {_NOT_FROM_NODE} -j DROP",
+        f"{match(NO_LOCAL_SET, 'dst,dst')}{pods} {_NOT_FROM_NODE} -j DROP",
         # internalTrafficPolicy Local without a local endpoint: every source this chain sees (render.py; the
         # node's own flows IPVS takes in its local-out hook first, and refuses).
         '-m comment --comment "internalTrafficPolicy Local without a local endpoint" -m conntrack --ctstate NEW '
-        f"{_set_match(NO_LOCAL_CLUSTER_IP_SET, 'dst,dst')} -j DROP",
+        f"{match(NO_LOCAL_CLUSTER_IP_SET, 'dst,dst')} -j DROP",
         # IPVS refuses these with ICMP, which the kernel rate-limits per client (render.py).
         '-m comment --comment "has no endpoints" -p tcp -m conntrack --ctstate NEW '
-        f"{_set_match(NO_ENDPOINTS_SET, 'dst,dst')} -j REJECT --reject-with tcp-reset",
+        f"{match(NO_ENDPOINTS_SET, 'dst,dst')} -j REJECT --reject-with tcp-reset",
     )))
     flt.write(nf.Chain(SOURCE_RANGES_CHAIN, (
-        f"{_set_match(LOAD_BALANCER_SOURCE_CIDR_SET, 'dst,dst,src')} -j RETURN",
+        f"{match(LOAD_BALANCER_SOURCE_CIDR_SET, 'dst,dst,src')} -j RETURN",
         "-j DROP",
     )))
     # The node's own listeners must not answer on a frontend's address (upstream issue 72236): only the
     # frontends pass, other new flows to an address of kube-ipvs0 are rejected.
     flt.write(nf.Chain(IPVS_FILTER_CHAIN, (
-        *(f"{_set_match(name, 'dst,dst')} -j RETURN"
+        *(f"{match(name, 'dst,dst')} -j RETURN"
           for name in (LOAD_BALANCER_SET, CLUSTER_IP_SET, EXTERNAL_IP_SET, EXTERNAL_IP_LOCAL_SET)),
-        f"-m conntrack --ctstate NEW {_set_match(IPVS_IPS_SET, 'dst')} -j REJECT",
+        f"-m conntrack --ctstate NEW {match(IPVS_IPS_SET, 'dst')} -j REJECT",
     )))
     return {"nat": nat, "filter": flt}
 
@@ -241,8 +255,8 @@ def is_mode_chain(table: str, chain: str) -> bool:
 
 
 def is_mode_rule(table: str, chain: str, body: str) -> bool:
-    """A rule of this mode in a shared chain: it matches one of our ipsets (the jump to KUBE-NODE-PORT goes
-    with that chain)."""
+    """A rule of this mode in a shared chain: it matches one of our ipsets, of either family (the jump to
+    KUBE-NODE-PORT goes with that chain)."""
     return any(f"--match-set {name} " in body for name in SET_TYPES)
 
 
@@ -251,16 +265,18 @@ def is_mode_rule(table: str, chain: str, body: str) -> bool:
 
 class IpvsDataplane:
     mode = "ipvs"
-    ip_families = IPV4_ONLY
-    """The IP families it renders (the proxier leaves out the others' frontends): IPv4 only,
-    IPv6 virtual servers are not built yet (issue 15)."""
 
     def __init__(self, settings: IpvsSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
+        self.ip_families = BOTH_FAMILIES
+        """The IP families it renders: both, unless start() finds ip6tables unusable (then the proxier leaves out
+        the IPv6 frontends). IPVS and ipset serve IPv6 wherever the kernel has IPv6; the rules need ip6tables."""
         self.memory = Memory()
         self.collector = nf.ConntrackMetrics()
         """The dataplane's own metrics (the conntrack reconciler's), for the proxier's registry."""
         self.tools: nf.Tools | None = None
+        self.tools6: nf.Tools | None = None
+        """ip6tables of the same flavour; None when it cannot be used here."""
         self._clock = clock
         self._fallbacks: dict[str, str] = {}
         """Service -> the scheduler IPVS has not that it asks for, as last logged: said once, not every sync."""
@@ -279,10 +295,16 @@ class IpvsDataplane:
         except ValueError as e:
             raise ModeUnavailable(str(e)) from e
         nf.check_usable(t)
+        try:
+            t6 = nf.tools(t.backend, 6)
+            nf.check_usable(t6)
+        except ModeUnavailable as e:
+            t6, self.ip_families = None, IPV4_ONLY
+            log.warning("ipvs mode serves IPv4 only: %s", e)
         kernel.write_sysctls()
-        self.tools = t
+        self.tools, self.tools6 = t, t6
         with netlink.rtnl() as ipr:
-            kept = len(netlink.ipv4_addresses(ipr, DUMMY_DEVICE))
+            kept = len(netlink.host_addresses(ipr, DUMMY_DEVICE))
         if kept:
             log.info("kept %d ClusterIPs on %s from the previous run until the first sync", kept, DUMMY_DEVICE)
         log.info("ipvs mode, scheduler %s, iptables %s backend", self.settings.scheduler, t.backend)
@@ -361,7 +383,7 @@ class IpvsDataplane:
             if fresh is None or self._last is None:
                 virtuals = kernel.read_virtuals(ipvs)
                 with netlink.rtnl() as ipr:
-                    addresses = netlink.ipv4_addresses(ipr, DUMMY_DEVICE)
+                    addresses = netlink.host_addresses(ipr, DUMMY_DEVICE)
                 return Observed(virtuals, addresses, kernel.read_sets())
             known = dict(self._last.virtuals)
             for key in fresh:
@@ -378,7 +400,8 @@ class IpvsDataplane:
         ops = list(ops)
         set_ops = [op for op in ops if isinstance(op, SetOp)]
         # Sets first (creating them when missing): rules and the next steps rely on the members being there.
-        kernel.change_sets(adds=[(op.name, op.entry) for op in set_ops if op.verb == "add"])
+        kernel.change_sets(adds=[(op.name, op.entry) for op in set_ops if op.verb == "add"],
+                           create=sets_of(self.ip_families))
         with netlink.rtnl() as ipr:
             index: int | None = None
             for op in ops:
@@ -394,19 +417,24 @@ class IpvsDataplane:
                     raise DataplaneError(f"{describe(op)} failed: {e}") from e
         dels = [(op.name, op.entry) for op in set_ops if op.verb == "del"]
         if dels:
-            kernel.change_sets(dels=dels)
+            kernel.change_sets(dels=dels, create=sets_of(self.ip_families))
 
     def _write_rules(self) -> None:
-        assert self.tools is not None
-        edits = rule_edits(self.settings.masquerade)
-        saved = nf.save(self.tools)
-        for jump in JUMPS:
-            if not jump.present(saved):
-                edits[jump.table].insert(jump)
-        try:
-            nf.restore(self.tools, nf.restore_input(edits))
-        except DataplaneError as e:
-            raise DataplaneError(f"iptables-{self.tools.backend}-restore failed, the previous rules stay: {e}") from e
+        """iptables' rules, then ip6tables' (the same over the IPv6 sets). Should the second restore fail, the
+        sync fails and the next one, full, writes both again."""
+        for tools, family in ((self.tools, IPV4), (self.tools6, IPV6)):
+            if tools is None:
+                continue
+            edits = rule_edits(self.settings.masquerade, family)
+            saved = nf.save(tools)
+            for jump in JUMPS:
+                if not jump.present(saved):
+                    edits[jump.table].insert(jump)
+            try:
+                nf.restore(tools, nf.restore_input(edits))
+            except DataplaneError as e:
+                raise DataplaneError(f"{tools.command}-{tools.backend}-restore failed, the previous rules stay: "
+                                     f"{e}") from e
 
 
 def _run_ipvs(ipvs: IPVS, op: VirtualOp | RealOp) -> None:
@@ -430,12 +458,14 @@ def describe(op: Op) -> str:
         extra = f" weight {op.weight}" if op.verb != "del" else ""
         return f"IPVS {op.verb} real server {op.backend} of {_key(op.key)}{extra}"
     if isinstance(op, AddressOp):
-        return f"{op.verb} address {op.ip}/32 on {DUMMY_DEVICE}"
+        return f"{op.verb} address {op.ip}/{128 if family_of(op.ip) == IPV6 else 32} on {DUMMY_DEVICE}"
     return f"ipset {op.verb} {op.name} {op.entry}"
 
 
 def _key(key: tuple[str, int, str]) -> str:
-    return f"{key[0]}:{key[1]}/{key[2]}"
+    """address:port/protocol, an IPv6 address in brackets ([fd00::1]:80/TCP, as ipvsadm prints it)."""
+    address = f"[{key[0]}]" if family_of(key[0]) == IPV6 else key[0]
+    return f"{address}:{key[1]}/{key[2]}"
 
 
 # ---------------------------------------------------------------------------------------------- cleanup
@@ -449,7 +479,7 @@ def cleanup(settings: IpvsSettings, shared: bool = True) -> list[str]:
     done: list[str] = []
     sets = _read_sets_or_none()
     with netlink.rtnl() as ipr:
-        addresses = netlink.ipv4_addresses(ipr, DUMMY_DEVICE)
+        addresses = netlink.host_addresses(ipr, DUMMY_DEVICE)
         try:
             ipvs = kernel.open_ipvs()
         except ModeUnavailable:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from pyproxy.dataplane.base import DataplaneError, ModeUnavailable
 from pyproxy.dataplane.ipvs import kernel
 from pyproxy.dataplane.ipvs import render as r
 from pyproxy.model import inspection
+from pyproxy.model.objects import IPV6, family_of
 
 CONN_TABLE = Path("/proc/net/ip_vs_conn")
 RULES = {
@@ -71,21 +71,27 @@ class Conn:
         return self.client_port == 0
 
 
-def _hex_ip(text: str) -> str:
+def _conn_ip(text: str) -> str:
+    """An address of /proc/net/ip_vs_conn: IPv4 as 8 hex digits (the address's value), IPv6 in full colon form
+    (%pI6: fd00:0010:0096:0000:0000:0000:0000:000a), a destination's in brackets on newer kernels; compressed."""
+    if ":" in text:
+        return ipaddress.IPv6Address(text.strip("[]")).compressed
+    if len(text) != 8:
+        raise ValueError(f"not an address: {text!r}")
     return str(ipaddress.IPv4Address(int(text, 16)))
 
 
 def parse_conns(text: str) -> list[Conn]:
-    """/proc/net/ip_vs_conn: `Pro FromIP FPrt ToIP TPrt DestIP DPrt State Expires [PEName PEData]`, IPv4
-    addresses as 8 hex digits (host order of the address's value), ports as 4; IPv6 lines are skipped."""
+    """/proc/net/ip_vs_conn: `Pro FromIP FPrt ToIP TPrt DestIP DPrt State Expires [PEName PEData]`, addresses as
+    _conn_ip reads them, ports as 4 hex digits."""
     out = []
     for line in text.splitlines():
         words = line.split()
-        if len(words) < 9 or words[0] == "Pro" or not all(len(w) == 8 for w in (words[1], words[3], words[5])):
+        if len(words) < 9 or words[0] == "Pro":
             continue
         try:
-            out.append(Conn(words[0].upper(), _hex_ip(words[1]), int(words[2], 16), _hex_ip(words[3]),
-                            int(words[4], 16), _hex_ip(words[5]), int(words[6], 16), words[7].lower(),
+            out.append(Conn(words[0].upper(), _conn_ip(words[1]), int(words[2], 16), _conn_ip(words[3]),
+                            int(words[4], 16), _conn_ip(words[5]), int(words[6], 16), words[7].lower(),
                             int(words[8])))
         except ValueError:
             continue
@@ -93,16 +99,24 @@ def parse_conns(text: str) -> list[Conn]:
 
 
 def _source_ranges(key: r.VSKey, ipsets: Mapping[str, frozenset[str]]) -> tuple[str, ...]:
-    entry = r.cluster_entry(key)
-    if entry not in ipsets.get(r.LOAD_BALANCER_FW_SET, ()):
+    entry, family = r.cluster_entry(key), family_of(key[0])
+    if entry not in ipsets.get(r.set_name(r.LOAD_BALANCER_FW_SET, family), ()):
         return ()
-    ranges = [m.removeprefix(entry + ",") for m in ipsets.get(r.LOAD_BALANCER_SOURCE_CIDR_SET, ())
+    ranges = [m.removeprefix(entry + ",") for m in ipsets.get(r.set_name(r.LOAD_BALANCER_SOURCE_CIDR_SET, family), ())
               if m.startswith(entry + ",")]
-    return tuple(sorted(x if "/" in x else f"{x}/32" for x in ranges))
+    return tuple(sorted(str(ipaddress.ip_network(x)) for x in ranges))
 
 
 def frontend_name(key: r.VSKey) -> str:
-    return f"{key[0]}:{key[1]}/{key[2]}"
+    """address:port/protocol, an IPv6 address in brackets ([fd00:10:96::a]:80/TCP)."""
+    address = f"[{key[0]}]" if family_of(key[0]) == IPV6 else key[0]
+    return f"{address}:{key[1]}/{key[2]}"
+
+
+def _ip_order(ip: str) -> tuple[int, int]:
+    """IPv4 addresses first, each family in numeric order."""
+    address = ipaddress.ip_address(ip)
+    return address.version, int(address)
 
 
 def view(virtuals: Mapping[r.VSKey, r.Virtual], addresses: Iterable[str], ipsets: Mapping[str, frozenset[str]],
@@ -111,13 +125,14 @@ def view(virtuals: Mapping[r.VSKey, r.Virtual], addresses: Iterable[str], ipsets
     observed = r.Observed(virtuals, frozenset(addresses), ipsets)
     out = inspection.View(mode="ipvs")
     by_key: dict[tuple[str, int, str], inspection.Frontend] = {}
-    for key in sorted(r.ours(observed, r.Memory()), key=lambda k: (socket.inet_aton(k[0]), k[1], k[2])):
+    for key in sorted(r.ours(observed, r.Memory()), key=lambda k: (_ip_order(k[0]), k[1], k[2])):
         v = virtuals[key]
-        entry = r.cluster_entry(key)
+        entry, family = r.cluster_entry(key), family_of(key[0])
         endpoints = tuple(inspection.Endpoint(b.ip, b.port, real.weight, real.active)
-                          for b, real in sorted(v.reals.items(), key=lambda x: (socket.inet_aton(x[0].ip), x[0].port)))
+                          for b, real in sorted(v.reals.items(), key=lambda x: (_ip_order(x[0].ip), x[0].port)))
         empty = "refused"
-        if any(entry in ipsets.get(name, ()) for name in (r.NO_LOCAL_SET, r.NO_LOCAL_CLUSTER_IP_SET)):
+        dropping = (r.set_name(name, family) for name in (r.NO_LOCAL_SET, r.NO_LOCAL_CLUSTER_IP_SET))
+        if any(entry in ipsets.get(name, ()) for name in dropping):
             endpoints, empty = (), "dropped"
         scheduler = v.scheduler
         by_key[key] = inspection.Frontend(
@@ -158,7 +173,7 @@ def read(flows: bool = True) -> inspection.View | None:
         ipvs.close()
     try:
         with netlink.rtnl() as ipr:
-            addresses = netlink.ipv4_addresses(ipr, r.DUMMY_DEVICE)
+            addresses = netlink.host_addresses(ipr, r.DUMMY_DEVICE)
         ipsets = kernel.read_sets()
     except (DataplaneError, ModeUnavailable, NetlinkError, OSError):
         # Without them only the virtual servers this process cannot tell from others' are missing: none show.

@@ -4,7 +4,9 @@ ipsets through the `ipset` command, the IPVS sysctls. Nothing here decides anyth
 - IPVS: pyroute2's `IPVS` socket. Two traps of its helper classes: `IPVSDest` defaults to direct routing
   (fwd_method 3), while kube-proxy forwards by NAT ("masq", 0), so every real server is written with
   fwd_method 0; and `IPVSService.from_message` leaves its defaults in the friendly keys (timeout, flags), so
-  dumps are read from the raw IPVS_*_ATTR_* attributes.
+  dumps are read from the raw IPVS_*_ATTR_* attributes. A third: it gives an IPv4 virtual server its netmask
+  (255.255.255.255) but an IPv6 one none, which the kernel refuses; an IPv6 one's "netmask" is its prefix length
+  (128, as upstream), which the kernel reads as a host-order u32 from the attribute's four bytes.
 - ipsets: `ipset restore -exist` takes a whole batch in one process and ignores members already there (or
   already gone), which makes a retried batch harmless; `ipset save` reads them back.
 - kube-ipvs0 lives in pyroute2 here rather than in dataplane/netlink.py: only this mode has the device.
@@ -16,6 +18,7 @@ import errno
 import shlex
 import shutil
 import socket
+import struct
 import subprocess
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -25,13 +28,17 @@ from pyroute2 import IPVS, IPVSDest, IPVSService
 from pyroute2.netlink.exceptions import NetlinkError
 
 from pyproxy.dataplane.base import DataplaneError, ModeUnavailable
-from pyproxy.dataplane.ipvs.render import BITMAP_PORT, SET_TYPES, Real, Virtual, VSKey
+from pyproxy.dataplane.ipvs.render import BITMAP_PORT, SET_FAMILIES, SET_TYPES, Real, Virtual, VSKey
+from pyproxy.model.objects import IPV6, family_of
 from pyproxy.model.state import Backend
 
 IPSET_TIMEOUT = 30.0
 PROTOCOLS = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": getattr(socket, "IPPROTO_SCTP", 132)}
 PROTOCOL_NAMES = {v: k for k, v in PROTOCOLS.items()}
 FWD_MASQ = 0
+AF_OF_FAMILY = {4: socket.AF_INET, 6: socket.AF_INET6}
+IPV6_NETMASK = socket.inet_ntoa(struct.pack("=I", 128))
+"""An IPv6 virtual server's prefix length, 128, in pyroute2's IPv4-address form of the netmask attribute."""
 SVC_F_PERSISTENT = 0x1
 SVC_F_SCHED1 = 0x8
 """sh-fallback for sh, mh-fallback for mh: a flow that hashes to a real server of weight 0 goes to the next one
@@ -69,16 +76,20 @@ def open_ipvs() -> IPVS:
     return ipvs
 
 
-def _service(key: VSKey, **extra: Any) -> IPVSService:
+def _service(key: VSKey, full: bool = False, **extra: Any) -> IPVSService:
+    """The service of `key`; `full`: as add and set need it (with its netmask)."""
+    if full and family_of(key[0]) == IPV6:
+        extra["netmask"] = IPV6_NETMASK
     return IPVSService(addr=key[0], port=key[1], protocol=PROTOCOLS[key[2]], **extra)
 
 
 def _service_of(msg: Any) -> tuple[VSKey, str, int] | None:
-    """(key, scheduler, persistence) of an IPv4 address:port virtual server message; None for others (fwmark
-    ones, other families: never ours)."""
+    """(key, scheduler, persistence) of an IPv4 or IPv6 address:port virtual server message; None for others
+    (fwmark ones: never ours)."""
     svc = msg.get_attr("IPVS_CMD_ATTR_SERVICE")
     proto = PROTOCOL_NAMES.get(svc.get_attr("IPVS_SVC_ATTR_PROTOCOL"))
-    if svc.get_attr("IPVS_SVC_ATTR_AF") != socket.AF_INET or proto is None or svc.get_attr("IPVS_SVC_ATTR_FWMARK"):
+    if (svc.get_attr("IPVS_SVC_ATTR_AF") not in AF_OF_FAMILY.values() or proto is None
+            or svc.get_attr("IPVS_SVC_ATTR_FWMARK")):
         return None
     flags = svc.get_attr("IPVS_SVC_ATTR_FLAGS") or {}
     timeout = svc.get_attr("IPVS_SVC_ATTR_TIMEOUT") if flags.get("flags", 0) & SVC_F_PERSISTENT else 0
@@ -123,7 +134,7 @@ def read_virtual(ipvs: IPVS, key: VSKey) -> Virtual | None:
 def put_virtual(ipvs: IPVS, verb: str, key: VSKey, scheduler: str, timeout: int) -> None:
     flags = {"flags": (SVC_F_PERSISTENT if timeout else 0) | (SVC_F_SCHED1 if scheduler in FALLBACK_SCHEDULERS else 0),
              "mask": 0xFFFF}
-    ipvs.service(verb, service=_service(key, sched_name=scheduler, timeout=timeout, flags=flags))
+    ipvs.service(verb, service=_service(key, True, sched_name=scheduler, timeout=timeout, flags=flags))
 
 
 def delete_virtual(ipvs: IPVS, key: VSKey) -> None:
@@ -186,14 +197,17 @@ def parse_sets(text: str, names: Iterable[str] = SET_TYPES) -> dict[str, frozens
     return {name: frozenset(m) for name, m in members.items()}
 
 
-# A bitmap has no address family; it needs its range (every port, as upstream).
-_CREATE_OPTIONS = {BITMAP_PORT: "range 0-65535"}
+def _create_options(name: str, kind: str) -> str:
+    # A bitmap has no address family; it needs its range (every port, as upstream).
+    if kind == BITMAP_PORT:
+        return "range 0-65535"
+    return "family inet6" if SET_FAMILIES[name] == IPV6 else "family inet"
 
 
 def change_sets(adds: Iterable[tuple[str, str]] = (), dels: Iterable[tuple[str, str]] = (),
                 create: Mapping[str, str] = SET_TYPES) -> None:
     """Create the sets (if missing), then add and delete members, in one `ipset restore -exist`."""
-    lines = [f"create {name} {kind} {_CREATE_OPTIONS.get(kind, 'family inet')}" for name, kind in create.items()]
+    lines = [f"create {name} {kind} {_create_options(name, kind)}" for name, kind in create.items()]
     lines += [f"add {name} {entry}" for name, entry in adds]
     lines += [f"del {name} {entry}" for name, entry in dels]
     _ipset("restore", "-exist", input="\n".join(lines) + "\n")

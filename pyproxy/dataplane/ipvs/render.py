@@ -38,6 +38,8 @@ Upstream kube-proxy's IPVS semantics:
 - a real server that leaves drains (graceful termination): TCP ones go to weight 0 and are deleted once they
   have no active or inactive connections, or after `grace_seconds` (upstream's original 15 minutes), checked at
   every later sync; UDP and SCTP ones are deleted at once (upstream: there is no connection to wait for);
+- IPv6 frontends (upstream's IPv6 proxier) are the same: IPv6 virtual and real servers, /128 addresses on
+  kube-ipvs0, and the same sets of that family, named KUBE-6-* (`set_name`), which ip6tables' rules match;
 - every ClusterIP, external IP and load-balancer IP is a /32 on the dummy device kube-ipvs0 (so the node
   accepts packets for it and IPVS sees them in LOCAL_IN); NodePort addresses are the node's own already and
   are never bound, nor is an external or load-balancer IP that is one of them (as upstream). The ipsets tell
@@ -66,7 +68,7 @@ from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 
 from pyproxy.model.conntrack import Stale, UdpFrontend, UdpKey, stale_udp, udp_frontends
-from pyproxy.model.objects import family_of
+from pyproxy.model.objects import IPV4, IPV6, family_of
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 VSKey = tuple[str, int, str]
@@ -95,7 +97,7 @@ NODE_PORT_SETS: Mapping[str, tuple[str, str]] = {
 }
 """Per protocol, the sets of every node port and of those with externalTrafficPolicy Local (upstream's names)."""
 BITMAP_PORT = "bitmap:port"
-SET_TYPES: Mapping[str, str] = {
+SET_TYPES4: Mapping[str, str] = {
     CLUSTER_IP_SET: "hash:ip,port", LOOPBACK_SET: "hash:ip,port,ip", IPVS_IPS_SET: "hash:ip",
     EXTERNAL_IP_SET: "hash:ip,port", EXTERNAL_IP_LOCAL_SET: "hash:ip,port",
     LOAD_BALANCER_SET: "hash:ip,port", LOAD_BALANCER_LOCAL_SET: "hash:ip,port",
@@ -105,10 +107,34 @@ SET_TYPES: Mapping[str, str] = {
     **{name: BITMAP_PORT if proto != "SCTP" else "hash:ip,port" for proto, names in NODE_PORT_SETS.items()
        for name in names},
 }
-"""Our ipsets and their types, as upstream (but KUBE-NO-LOCAL-ENDPOINTS, KUBE-NO-LOCAL-CLUSTER-IP and
-KUBE-NO-ENDPOINTS)."""
+"""The IPv4 frontends' ipsets and their types, as upstream (but KUBE-NO-LOCAL-ENDPOINTS,
+KUBE-NO-LOCAL-CLUSTER-IP and KUBE-NO-ENDPOINTS). The constants above are their names."""
+MAX_SET_NAME = 31
+"""ipset's longest set name (IPSET_MAXNAMELEN 32, with the NUL)."""
+
+
+def set_name(name: str, family: int) -> str:
+    """The set `name` (an IPv4 set, SET_TYPES4) of `family`'s frontends. Upstream's IPv6 proxier names its sets
+    KUBE-6-..., cut to ipset's 31 characters (KUBE-6-LOAD-BALANCER-SOURCE-CID): both families' sets live in one
+    kernel table, and an `inet6` set holds IPv6 members only."""
+    return name if family == IPV4 else name.replace("KUBE-", "KUBE-6-", 1)[:MAX_SET_NAME]
+
+
+SET_FAMILIES: Mapping[str, int] = {set_name(name, family): family for family in (IPV4, IPV6) for name in SET_TYPES4}
+"""Every ipset of ours (both families') -> the family of its members."""
+SET_TYPES: Mapping[str, str] = {set_name(name, family): kind for family in (IPV4, IPV6)
+                                for name, kind in SET_TYPES4.items()}
+"""Every ipset of ours (both families') -> its type."""
+
+
+def sets_of(families: Set[int]) -> dict[str, str]:
+    """The ipsets (name -> type) of `families`' frontends."""
+    return {name: SET_TYPES[name] for name, family in SET_FAMILIES.items() if family in families}
+
+
 FRONTEND_SETS = frozenset({CLUSTER_IP_SET, EXTERNAL_IP_SET, EXTERNAL_IP_LOCAL_SET, LOAD_BALANCER_SET})
-"""The sets that list every ClusterIP, external IP and load-balancer frontend (ip,proto:port)."""
+"""The sets that list every ClusterIP, external IP and load-balancer frontend (ip,proto:port): the IPv4 ones'
+names (set_name gives the IPv6 ones')."""
 
 IPVS_SCHEDULERS: Mapping[str, str] = {"rr": "rr", "wrr": "wrr", "lc": "lc", "sed": "sed", "nq": "nq", "sh": "sh",
                                       "dh": "dh", "maglev": "mh"}
@@ -257,42 +283,50 @@ def members(key: VSKey, st: ServicePortState, node_addresses: Set[str] = frozens
     is no node address: KUBE-IPVS-FILTER would otherwise reject the node's own services on it, ssh included)."""
     entry = cluster_entry(key)
     local = st.kind.external and not st.masquerade  # externalTrafficPolicy Local
+    family = family_of(key[0])
     out: set[tuple[str, str]] = set()
+
+    def add(name: str, member: str) -> None:
+        out.add((set_name(name, family), member))
+
     if st.kind is FrontendKind.NODE_PORT:
         every, local_set = NODE_PORT_SETS[key[2]]
-        out.add((every, node_port_entry(key)))
+        add(every, node_port_entry(key))
         if local:
-            out.add((local_set, node_port_entry(key)))
+            add(local_set, node_port_entry(key))
     else:
         if st.kind is FrontendKind.CLUSTER_IP or key[0] not in node_addresses:
-            out.add((IPVS_IPS_SET, key[0]))
+            add(IPVS_IPS_SET, key[0])
         if st.kind is FrontendKind.CLUSTER_IP:
-            out.add((CLUSTER_IP_SET, entry))
+            add(CLUSTER_IP_SET, entry)
         elif st.kind is FrontendKind.EXTERNAL_IP:
-            out.add((EXTERNAL_IP_LOCAL_SET if local else EXTERNAL_IP_SET, entry))
+            add(EXTERNAL_IP_LOCAL_SET if local else EXTERNAL_IP_SET, entry)
         else:
-            out.add((LOAD_BALANCER_SET, entry))
+            add(LOAD_BALANCER_SET, entry)
             if local:
-                out.add((LOAD_BALANCER_LOCAL_SET, entry))
+                add(LOAD_BALANCER_LOCAL_SET, entry)
             if st.source_ranges:
-                out.add((LOAD_BALANCER_FW_SET, entry))
-                out.update((LOAD_BALANCER_SOURCE_CIDR_SET, source_cidr_entry(key, r)) for r in st.source_ranges)
+                add(LOAD_BALANCER_FW_SET, entry)
+                for r in st.source_ranges:
+                    add(LOAD_BALANCER_SOURCE_CIDR_SET, source_cidr_entry(key, r))
     if local and st.backends and not st.external_backends:
-        out.add((NO_LOCAL_SET, entry))
+        add(NO_LOCAL_SET, entry)
     if st.drop:
-        out.add((NO_LOCAL_CLUSTER_IP_SET, entry))
+        add(NO_LOCAL_CLUSTER_IP_SET, entry)
     elif not real_servers(st):
-        out.add((NO_ENDPOINTS_SET, entry))
+        add(NO_ENDPOINTS_SET, entry)
     return frozenset(out)
 
 
 def ours(observed: Observed, memory: Memory) -> set[VSKey]:
     def listed(k: VSKey) -> bool:
-        if any(cluster_entry(k) in observed.ipsets.get(name, ()) for name in FRONTEND_SETS):
+        family = family_of(k[0])
+        if any(cluster_entry(k) in observed.ipsets.get(set_name(name, family), ()) for name in FRONTEND_SETS):
             return True
-        # A NodePort: not on kube-ipvs0; its port (SCTP: address and port) is in our node-port set.
+        # A NodePort: not on kube-ipvs0; its port (SCTP: address and port) is in our node-port set of its family.
         node_ports = NODE_PORT_SETS.get(k[2])
-        return node_ports is not None and node_port_entry(k) in observed.ipsets.get(node_ports[0], ())
+        return (node_ports is not None
+                and node_port_entry(k) in observed.ipsets.get(set_name(node_ports[0], family), ()))
 
     return {k for k in observed.virtuals if k in memory.owners or k[0] in observed.addresses or listed(k)}
 
@@ -390,8 +424,10 @@ def render(observed: Observed, memory: Memory, desired: Mapping[str, Iterable[Se
     for key in reals_after:
         for name, entry in accounted.get(key, ()):
             sets_after[name].add(entry)
-    sets_after[LOOPBACK_SET] = {loopback_entry(k, b) for k, reals in reals_after.items() for b in reals}
-    addresses = sets_after[IPVS_IPS_SET]
+    for family in (IPV4, IPV6):
+        sets_after[set_name(LOOPBACK_SET, family)] = {
+            loopback_entry(k, b) for k, reals in reals_after.items() if family_of(k[0]) == family for b in reals}
+    addresses = sets_after[IPVS_IPS_SET] | sets_after[set_name(IPVS_IPS_SET, IPV6)]
     set_adds, set_dels = [], []
     for name, entries in sets_after.items():
         have = observed.ipsets.get(name, frozenset())
@@ -415,12 +451,13 @@ def _udp_before(observed: Observed, memory: Memory, scope: Set[VSKey]) -> dict[U
     """The UDP frontends in `scope` as the kernel holds them (their real servers), with the not-ready endpoints
     `memory` knew. A NodePort's virtual servers (one per node address; a port in our node-port set on an address
     not on kube-ipvs0) merge into one by port, as model/conntrack.py keys them."""
-    node_ports = observed.ipsets.get(NODE_PORT_SETS["UDP"][0], frozenset())
     out: dict[UdpKey, UdpFrontend] = {}
     for key in sorted(k for k in scope if k[2] == "UDP" and k in observed.virtuals):
         reals = observed.virtuals[key].reals
+        family = family_of(key[0])
+        node_ports = observed.ipsets.get(set_name(NODE_PORT_SETS["UDP"][0], family), frozenset())
         node_port = key[0] not in observed.addresses and node_port_entry(key) in node_ports
-        ukey = ("" if node_port else key[0], key[1], family_of(key[0]))
+        ukey = ("" if node_port else key[0], key[1], family)
         mine = UdpFrontend(served=any(r.weight for r in reals.values()),
                            known=frozenset(reals) | memory.known.get(key, frozenset()),
                            addresses=frozenset({key[0]}))
