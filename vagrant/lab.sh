@@ -170,6 +170,7 @@ import_image() {
               log "$node has $base ($digest)"
           else
               node_ssh "$node" ctr -n k8s.io images import --base-name "$base" "/lab/deploy/$name" >/dev/null
+              touch "$RUN/images-changed"  # pods already running the old image under this tag must restart
               log "$node: imported $name as $base in $(( $(date +%s) - t0 ))s"
           fi ) &
         pids+=($!)
@@ -243,8 +244,10 @@ test)
     case ,$modes, in *,kube-proxy*) import_image "$("$HERE/kube-proxy-image.sh")" localhost/kube-proxy;; esac
     log "images imported"
     rc=0
+    restart=()
+    if [ -e "$RUN/images-changed" ]; then restart=(--restart-proxies); rm -f "$RUN/images-changed"; fi
     inns env PYTHONPATH="$REPO" "$PY" "$REPO/tests/cluster/lab_scenarios.py" --kubeconfig "$SHARE/pki/admin.kubeconfig" \
-        --nodes "$NODES" --modes "$modes" ${PYPROXY_LAB_SCENARIOS:+--scenarios "$PYPROXY_LAB_SCENARIOS"} \
+        --nodes "$NODES" --modes "$modes" ${PYPROXY_LAB_SCENARIOS:+--scenarios "$PYPROXY_LAB_SCENARIOS"} "${restart[@]}" \
         --results "$LAB/lab-test-results.json" || rc=$?
     log "lab-test took $(( $(date +%s) - T0 ))s (rc $rc)"
     exit $rc

@@ -303,6 +303,9 @@ class Lab:
         self.host_ip = ""
         self.svc: dict[str, str] = {}
         self.only = set(SCENARIOS)
+        self.restart_proxies = False
+        """A new image was imported under the same tag: running proxy pods restart even if their ConfigMap did
+        not change."""
 
     # -- set up ---------------------------------------------------------------------------------------------------
 
@@ -396,7 +399,7 @@ class Lab:
                 self.pyproxy_cleanup()
             existed = k.exists("-n", "kube-system", "daemonset", "kube-proxy")
             k("apply", "-f", str(MANIFESTS / "kube-proxy.yaml"))
-        if existed and changed:
+        if existed and (changed or self.restart_proxies):
             k("-n", "kube-system", "rollout", "restart", f"daemonset/{ds}")
         k("-n", "kube-system", "rollout", "status", f"daemonset/{ds}", "--timeout=900s")
         rolled = time.monotonic() - t0
@@ -687,6 +690,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="bpf,ipvs,nftables,kube-proxy",
                         help="comma-separated columns, in order: pyproxy modes, kube-proxy, kube-proxy-ipvs")
     parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--restart-proxies", action="store_true",
+                        help="restart running proxy pods at each switch (lab.sh: a new image was imported)")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS[1:]),
                         help="comma-separated scenarios to run after the rollout (a rerun of some keeps the "
                              "column's other cells)")
@@ -697,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = json.loads(args.results.read_text()) if args.results.exists() else {}
     lab = Lab(Kube(args.kubeconfig), args.nodes)
     lab.only = set(args.scenarios.split(","))
+    lab.restart_proxies = args.restart_proxies
     unknown = lab.only - set(SCENARIOS)
     if unknown:
         raise SystemExit(f"unknown scenarios {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
