@@ -108,7 +108,9 @@ IFNAMSIZ = 15
 MAX_BACKENDS = 254
 
 # The counters a wrong checksum after NAT increments in the receiving namespace (names as nstat prints them).
-CHECKSUM_COUNTERS = ("TcpInCsumErrors", "UdpInCsumErrors", "IcmpInCsumErrors", "IpExtInCsumErrors")
+CHECKSUM_COUNTERS = ("TcpInCsumErrors", "UdpInCsumErrors", "IcmpInCsumErrors", "IpExtInCsumErrors",
+                     "Udp6InCsumErrors", "Icmp6InCsumErrors")
+"""TCP's counter covers both families; UDP and ICMP over IPv6 count theirs in /proc/net/snmp6."""
 
 _PR_SET_PDEATHSIG = 1
 _CLONE_NEWNET = 0x40000000
@@ -866,9 +868,15 @@ class Lab:
                 if a.get("scope") != "link"}
 
     def net_counters(self, ns: str) -> dict[str, int]:
-        """Every counter of /proc/net/snmp and /proc/net/netstat inside `ns`, named as nstat names them
-        (IcmpOutDestUnreachs, IcmpMsgOutType3, TcpInCsumErrors, ...)."""
-        return parse_proc_net_counters(self.exec(ns, "cat", "/proc/net/snmp", "/proc/net/netstat").stdout)
+        """Every counter of /proc/net/snmp, /proc/net/netstat and /proc/net/snmp6 inside `ns`, named as nstat
+        names them (IcmpOutDestUnreachs, IcmpMsgOutType3, TcpInCsumErrors, Udp6InCsumErrors, ...)."""
+        counters = parse_proc_net_counters(self.exec(ns, "cat", "/proc/net/snmp", "/proc/net/netstat").stdout)
+        snmp6 = self.exec(ns, "cat", "/proc/net/snmp6", check=False).stdout  # absent where IPv6 is off
+        for line in snmp6.splitlines():
+            name, _, value = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                counters[name] = int(value.strip())
+        return counters
 
 
 def parse_proc_net_counters(text: str) -> dict[str, int]:

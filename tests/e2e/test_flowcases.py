@@ -61,5 +61,4 @@ def test_the_modes_that_render_ipv6_agree_on_the_ipv6_flow_table(make_env, mode:
     env.start(mode=mode, args=[f"--hostname-override={NODE_NAME}", *args])
     wrong = mismatches(env.lab, mode, IPV6_CASES, timeout=TIMEOUTS.get(mode, 1.0))
     assert not wrong, f"{mode} {args}:\n" + "\n".join(wrong)
-    # TCP's counters cover both families; UDP over IPv6 has its own (Udp6InCsumErrors, not read here).
     assert not nonzero_checksum_errors(env.lab.checksum_errors())
