@@ -411,12 +411,14 @@ class Lab:
 
     def pyproxy_cleanup(self) -> None:
         """README's way back from pyproxy: the DaemonSet's own command turned into `pyproxy cleanup` (with every
-        mount and privilege it needs), rolled out to every node, then deleted. Its probes go too: nothing serves
-        /healthz or /livez once pyproxy is not running, and the rollout would stop at the first node."""
+        mount and privilege it needs), rolled out to every node, then deleted. Its probes go too (startup,
+        readiness, liveness): nothing serves /healthz or /livez once pyproxy is not running, and the rollout would
+        stop at the first node."""
         k = self.kube
         log("pyproxy cleanup on every node (the DaemonSet's command replaced), then deleting it")
         patch = [{"op": "replace", "path": "/spec/template/spec/containers/0/command",
                   "value": ["/bin/sh", "-c", "pyproxy cleanup; exec sleep infinity"]},
+                 {"op": "remove", "path": "/spec/template/spec/containers/0/startupProbe"},
                  {"op": "remove", "path": "/spec/template/spec/containers/0/readinessProbe"},
                  {"op": "remove", "path": "/spec/template/spec/containers/0/livenessProbe"}]
         k("-n", "kube-system", "patch", "daemonset", "pyproxy", "--type=json", "-p", json.dumps(patch))
