@@ -98,7 +98,7 @@ from pyproxy.dataplane.ipvs.render import (
     vs_key,
 )
 from pyproxy.dataplane.netfilter import MasqueradeSettings
-from pyproxy.model.objects import IPV4, IPV6, family_of
+from pyproxy.model.objects import IPV4, IPV6, family_of, join_host_port
 from pyproxy.model.state import BOTH_FAMILIES, IPV4_ONLY, DesiredState
 
 log = logging.getLogger(__name__)
@@ -464,8 +464,7 @@ def describe(op: Op) -> str:
 
 def _key(key: tuple[str, int, str]) -> str:
     """address:port/protocol, an IPv6 address in brackets ([fd00::1]:80/TCP, as ipvsadm prints it)."""
-    address = f"[{key[0]}]" if family_of(key[0]) == IPV6 else key[0]
-    return f"{address}:{key[1]}/{key[2]}"
+    return f"{join_host_port(key[0], key[1])}/{key[2]}"
 
 
 # ---------------------------------------------------------------------------------------------- cleanup

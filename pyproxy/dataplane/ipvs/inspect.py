@@ -34,7 +34,7 @@ from pyproxy.dataplane.base import DataplaneError, ModeUnavailable
 from pyproxy.dataplane.ipvs import kernel
 from pyproxy.dataplane.ipvs import render as r
 from pyproxy.model import inspection
-from pyproxy.model.objects import IPV6, family_of
+from pyproxy.model.objects import family_of, join_host_port
 
 CONN_TABLE = Path("/proc/net/ip_vs_conn")
 RULES = {
@@ -109,8 +109,7 @@ def _source_ranges(key: r.VSKey, ipsets: Mapping[str, frozenset[str]]) -> tuple[
 
 def frontend_name(key: r.VSKey) -> str:
     """address:port/protocol, an IPv6 address in brackets ([fd00:10:96::a]:80/TCP)."""
-    address = f"[{key[0]}]" if family_of(key[0]) == IPV6 else key[0]
-    return f"{address}:{key[1]}/{key[2]}"
+    return f"{join_host_port(key[0], key[1])}/{key[2]}"
 
 
 def _ip_order(ip: str) -> tuple[int, int]:
