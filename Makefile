@@ -196,7 +196,7 @@ guest-kernel-test: install guest-image
 .PHONY: lab-up lab-down lab-status lab-smoke lab-box lab-test
 lab-box:
 	bash vagrant/build-box.sh
-lab-up:
+lab-up: kube-binaries pod-image
 	bash vagrant/lab.sh up
 lab-down:
 	bash vagrant/lab.sh down
@@ -208,5 +208,5 @@ lab-smoke:
 # pyproxy from deploy/ (image imported into every node's containerd, rbac, the kube-proxy ConfigMap with the lab's
 # values, the DaemonSet) in each of PYPROXY_LAB_MODES, and upstream kube-proxy as the reference: the scenarios of
 # tests/cluster/lab_scenarios.py, a table of what passed with the numbers measured (README "Vagrant lab").
-lab-test: image pod-image kube-proxy
+lab-test: kube-binaries image pod-image kube-proxy
 	PY=$(abspath $(VPY)) bash vagrant/lab.sh test

@@ -26,18 +26,21 @@ export PYPROXY_NODES=$NODES PYPROXY_LAB_NET=$NET PYPROXY_LAB_SHARE=$SHARE
 export VAGRANT_HOME=$LAB/home VAGRANT_DEFAULT_PROVIDER=libvirt LIBVIRT_DEFAULT_URI=qemu:///system
 export VAGRANT_CWD=$HERE VAGRANT_CHECKPOINT_DISABLE=1
 HOST_PKGS="vagrant vagrant-libvirt libvirt-daemon-system libvirt-daemon-driver-qemu libvirt-clients dnsmasq-base
-           qemu-system-x86 qemu-utils mmdebstrap e2fsprogs kubernetes-client openssl"
+           qemu-system-x86 qemu-utils mmdebstrap e2fsprogs openssl"
+# kubectl is the v1.20.2 one make kube-binaries builds, not Debian's kubernetes-client: that package conflicts with
+# other kubectl packages a machine may carry (a fresh machine here has Google Cloud SDK's 1.32), and apt stops.
+KUBECTL=$CACHE/kubectl-$KUBE_VERSION
 
 T0=$(date +%s)
 log() { echo "lab: $(date +%T) (+$(( $(date +%s) - T0 ))s) $*" >&2; }
 inns() { ip netns exec "$NETNS" "$@"; }
-kc() { inns kubectl --kubeconfig "$SHARE/pki/admin.kubeconfig" "$@"; }
+kc() { inns "$KUBECTL" --kubeconfig "$SHARE/pki/admin.kubeconfig" "$@"; }
 pid_alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
 host_packages() {
     local missing=0
     for f in /usr/bin/vagrant /usr/sbin/libvirtd /usr/sbin/virtlogd /usr/bin/virsh /usr/sbin/dnsmasq \
-             /usr/bin/qemu-system-x86_64 /usr/bin/qemu-img /usr/bin/mmdebstrap /usr/bin/kubectl /usr/bin/openssl; do
+             /usr/bin/qemu-system-x86_64 /usr/bin/qemu-img /usr/bin/mmdebstrap /usr/bin/openssl; do
         [ -e "$f" ] || missing=1
     done
     vagrant plugin list 2>/dev/null | grep -q vagrant-libvirt || missing=1
@@ -96,7 +99,7 @@ stop_libvirt() {
 prepare_share() {
     mkdir -p "$SHARE/bin" "$SHARE/images"
     local missing=()
-    for b in kube-apiserver kube-controller-manager kube-scheduler kubelet; do
+    for b in kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl; do
         local src=$CACHE/$b-$KUBE_VERSION
         if [ -x "$src" ]; then
             ln -f "$src" "$SHARE/bin/$b" 2>/dev/null || cp -f "$src" "$SHARE/bin/$b"
@@ -246,7 +249,7 @@ test)
     rc=0
     restart=()
     if [ -e "$RUN/images-changed" ]; then restart=(--restart-proxies); rm -f "$RUN/images-changed"; fi
-    inns env PYTHONPATH="$REPO" "$PY" "$REPO/tests/cluster/lab_scenarios.py" --kubeconfig "$SHARE/pki/admin.kubeconfig" \
+    inns env PYTHONPATH="$REPO" "$PY" "$REPO/tests/cluster/lab_scenarios.py" --kubeconfig "$SHARE/pki/admin.kubeconfig" --kubectl "$KUBECTL" \
         --nodes "$NODES" --modes "$modes" ${PYPROXY_LAB_SCENARIOS:+--scenarios "$PYPROXY_LAB_SCENARIOS"} "${restart[@]}" \
         --results "$LAB/lab-test-results.json" || rc=$?
     log "lab-test took $(( $(date +%s) - T0 ))s (rc $rc)"

@@ -136,8 +136,8 @@ def log(msg: str) -> None:
 
 
 class Kube:
-    def __init__(self, kubeconfig: str) -> None:
-        self.base = ["kubectl", f"--kubeconfig={kubeconfig}"]
+    def __init__(self, kubeconfig: str, kubectl: str = "kubectl") -> None:
+        self.base = [kubectl, f"--kubeconfig={kubeconfig}"]
 
     def __call__(self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 900) -> str:
         p = subprocess.run([*self.base, *args], input=stdin, capture_output=True, text=True, timeout=timeout)
@@ -689,6 +689,7 @@ def table(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kubeconfig", required=True)
+    parser.add_argument("--kubectl", default="kubectl", help="the kubectl to run (lab.sh: the v1.20.2 one it built)")
     parser.add_argument("--modes", default="bpf,ipvs,nftables,kube-proxy",
                         help="comma-separated columns, in order: pyproxy modes, kube-proxy, kube-proxy-ipvs")
     parser.add_argument("--nodes", type=int, default=2)
@@ -702,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.nodes != 2:
         raise SystemExit("lab-test's scenarios are written for 2 nodes (PYPROXY_NODES=2)")
     results: dict[str, Any] = json.loads(args.results.read_text()) if args.results.exists() else {}
-    lab = Lab(Kube(args.kubeconfig), args.nodes)
+    lab = Lab(Kube(args.kubeconfig, args.kubectl), args.nodes)
     lab.only = set(args.scenarios.split(","))
     lab.restart_proxies = args.restart_proxies
     unknown = lab.only - set(SCENARIOS)
