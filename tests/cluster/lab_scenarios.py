@@ -304,6 +304,9 @@ class Lab:
         self.svc: dict[str, str] = {}
         self.only = set(SCENARIOS)
         self.restart_proxies = False
+        self.logs: Path | None = None
+        """Where each column's proxy pods' logs are kept (their start included), to read beside a failure's
+        times; None: not kept."""
         """A new image was imported under the same tag: running proxy pods restart even if their ConfigMap did
         not change."""
 
@@ -377,6 +380,17 @@ class Lab:
         return {p["name"] for p in self.kube.pods(f"app={app}") if p["ready"] and not p["deleting"]}
 
     # -- the proxy ----------------------------------------------------------------------------------------------
+
+    def keep_logs(self, column: str, ds: str) -> None:
+        """The proxy pods' logs with timestamps as `column` ends, one file per node (the restarted pod's start is
+        in node2's); a failure's times print as seconds after its scenario's start, logged with the clock."""
+        if self.logs is None:
+            return
+        self.logs.mkdir(parents=True, exist_ok=True)
+        for node, pod in self.proxy_pods(ds).items():
+            text = self.kube("-n", "kube-system", "logs", "--timestamps", pod["name"], check=False)
+            (self.logs / f"{column}-{node}.log").write_text(text)
+        log(f"{column}: proxy logs kept in {self.logs}/{column}-*.log")
 
     def proxy_pods(self, ds: str) -> dict[str, dict[str, Any]]:
         return {p["node"]: p for p in self.kube.pods(f"k8s-app={ds}", "kube-system") if not p["deleting"]}
@@ -524,6 +538,7 @@ class Lab:
         loops = {n: a.start("probe", ip=self.svc["spread"], port=80, count=None, interval=0.05, timeout=2)
                  for n, a in self.clients.items()}
         t0 = time.monotonic()
+        log(f"scale: traffic from every client since {time.strftime('%T')} (+0s below)")
         events: dict[str, float] = {}
 
         def mark(name: str) -> None:
@@ -563,6 +578,7 @@ class Lab:
         opened = a.progress(talk)
         loop = a.start("probe", ip=self.svc["spread"], port=80, count=None, interval=0.05, timeout=2)
         t_loop = time.monotonic()
+        log(f"proxy-restart: traffic from {node}'s client since {time.strftime('%T')} (+0s below)")
         events: dict[str, float] = {}
         try:
             old = self.proxy_pods(ds)[node]["name"]
@@ -630,6 +646,7 @@ class Lab:
         cells: dict[str, Any] = {}
 
         def done() -> dict[str, Any]:
+            self.keep_logs(column, ds)
             when = time.strftime("%FT%TZ", time.gmtime())
             return {"cells": cells, "seconds": round(time.monotonic() - t0), "when": when}
 
@@ -699,6 +716,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated scenarios to run after the rollout (a rerun of some keeps the "
                              "column's other cells)")
     parser.add_argument("--results", type=Path, required=True, help="JSON file the columns accumulate in")
+    parser.add_argument("--logs", type=Path, help="folder to keep each column's proxy pod logs in")
     args = parser.parse_args(argv)
     if args.nodes != 2:
         raise SystemExit("lab-test's scenarios are written for 2 nodes (PYPROXY_NODES=2)")
@@ -706,6 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     lab = Lab(Kube(args.kubeconfig, args.kubectl), args.nodes)
     lab.only = set(args.scenarios.split(","))
     lab.restart_proxies = args.restart_proxies
+    lab.logs = args.logs
     unknown = lab.only - set(SCENARIOS)
     if unknown:
         raise SystemExit(f"unknown scenarios {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
