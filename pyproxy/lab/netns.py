@@ -59,10 +59,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -116,6 +117,28 @@ _PR_SET_PDEATHSIG = 1
 _CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
 T = TypeVar("T")
+
+
+@dataclass
+class Traffic:
+    """What `Lab.under_traffic` saw."""
+
+    held: dict[str, Any] = field(default_factory=dict)
+    """traffic.talk's summary: connections, opened, broken (why each), exchanges, max_gap_ms."""
+    probes: list[ProbeResult] = field(default_factory=list)
+
+    @property
+    def failures(self) -> dict[str, int]:
+        """New connections that failed, by error."""
+        out: dict[str, int] = {}
+        for r in self.probes:
+            for error, n in r["errors"].items():
+                out[error] = out.get(error, 0) + n
+        return out
+
+    @property
+    def count(self) -> int:
+        return sum(r["count"] for r in self.probes)
 
 
 class LabError(RuntimeError):
@@ -834,6 +857,39 @@ class Lab:
                           timeout=deadline + 15.0).stdout
         result: ProbeResult = json.loads(out)
         return result
+
+    @contextlib.contextmanager
+    def under_traffic(self, held: Sequence[tuple[str, int]], probed: Sequence[tuple[str, int]], *,
+                      connections: int = 6, timeout: float = 3.0) -> Iterator[Traffic]:
+        """While the block runs (a restart, say): `connections` long-lived TCP connections from the client over
+        `held` exchanging a line every 100 ms (traffic.talk), and new TCP connections to `probed` in turn, 10
+        at a time. After it, the result's `held` is talk's summary (broken ones named) and `probes` every
+        probe's result."""
+        talk = self.popen(self.client, sys.executable, "-m", "pyproxy.lab.traffic", "talk",
+                          ",".join(f"{ip}:{port}" for ip, port in held), "--count", str(connections),
+                          "--timeout", str(timeout), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert talk.stdout is not None and talk.stdin is not None
+        opened = json.loads(talk.stdout.readline())
+        if opened["opened"] != connections:
+            talk.kill()
+            raise LabError(f"only {opened['opened']} of {connections} long-lived connections opened: {opened}")
+        out = Traffic()
+        stop = threading.Event()
+
+        def new_connections() -> None:
+            while not stop.is_set():
+                for ip, port in probed:
+                    out.probes.append(self.probe("tcp", ip, port, 10, timeout=timeout))
+
+        thread = threading.Thread(target=new_connections)
+        thread.start()
+        try:
+            yield out
+        finally:
+            stop.set()
+            thread.join(timeout=120)
+            talk.stdin.close()
+            out.held = json.loads(talk.stdout.readline())
 
     def http_get(self, ns: str, url: str, *, timeout: float = 2.0, wait: float = 0.0,
                  expect: int | None = None) -> HttpResult:

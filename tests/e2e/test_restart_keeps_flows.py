@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -128,22 +127,7 @@ def test_restarts_and_a_map_layout_change_under_load_lose_no_connection(make_env
     env.start()
     pins = Path(env.lab.pin_path)
     ct = _map_id(pins / abi.MAP_CT)
-    talk = env.lab.popen(env.lab.client, sys.executable, "-m", "pyproxy.lab.traffic", "talk",
-                         f"{VIP}:80,{NODE_IP}:30080", "--count", "6", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         text=True)
-    assert talk.stdout is not None and talk.stdin is not None
-    assert json.loads(talk.stdout.readline())["opened"] == 6
-    stop = threading.Event()
-    results: list[dict] = []
-
-    def new_connections() -> None:
-        while not stop.is_set():
-            for ip, port in ((VIP, 80), (NODE_IP, 30080)):
-                results.append(dict(env.probe("tcp", ip, port, 10, timeout=3.0)))
-
-    loader_thread = threading.Thread(target=new_connections)
-    loader_thread.start()
-    try:
+    with env.lab.under_traffic([(VIP, 80), (NODE_IP, 30080)], [(VIP, 80), (NODE_IP, 30080)]) as traffic:
         time.sleep(1)
         env.running.kill()
         env.start()
@@ -157,13 +141,8 @@ def test_restarts_and_a_map_layout_change_under_load_lose_no_connection(make_env
         env.start()
         assert (pins / abi.MAP_FRAGS).exists() and not (pins / "pyproxy_frag_v9").exists()
         time.sleep(1)
-    finally:
-        stop.set()
-        loader_thread.join(timeout=60)
-        talk.stdin.close()
-    held = json.loads(talk.stdout.readline())
+    held = traffic.held
     assert _map_id(pins / abi.MAP_CT) == ct, "the connection-tracking map was replaced"
-    failures = {k: v for r in results for k, v in r["errors"].items()}
-    assert sum(r["failures"] for r in results) == 0, f"new connections failed: {failures}"
-    assert sum(r["count"] for r in results) >= 40, results
+    assert traffic.failures == {}, f"new connections failed: {traffic.failures}"
+    assert traffic.count >= 40, traffic.probes
     assert held["broken"] == [] and held["exchanges"] > 0, held

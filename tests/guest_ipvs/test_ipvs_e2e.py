@@ -399,6 +399,26 @@ def test_restart_keeps_traffic_and_cleanup_leaves_nothing(env: Env) -> None:
     assert gone["replies"] == {}, describe(gone)
 
 
+def test_restarts_under_traffic_break_no_connection(env: Env) -> None:
+    """pyproxy stopped (SIGTERM) and started again, then killed and started again, while 6 long-lived connections
+    exchange a line every 100 ms and new connections keep coming: none breaks and none fails. A restart adopts
+    the previous run's virtual servers, addresses and sets; a real server deleted and re-added on the way would
+    end its established connections (net.ipv4.vs.expire_nodest_conn)."""
+    env.write("web.yaml", *web(ready(env.lab)))
+    proxy = env.start()
+    with env.lab.under_traffic([(WEB_IP, 80)], [(WEB_IP, 80)]) as traffic:
+        assert proxy.terminate(20.0) == 0
+        proxy = env.start()
+        time.sleep(3)  # a few syncs of the new run
+        proxy.kill()
+        proxy = env.start()
+        time.sleep(3)
+    held = traffic.held
+    assert traffic.failures == {}, f"new connections failed: {traffic.failures}"
+    assert traffic.count >= 20, traffic.probes
+    assert held["broken"] == [] and held["exchanges"] > 0, held
+
+
 # bpf mode too: this guest's kernel is Debian's 6.1, the oldest pyproxy supports (README, "Kernel requirements"), and
 # the table sends real packets through the BPF programs there (SNAT included), which tests/priv's test runs do not.
 # ipvs runs the IPv6 table too, in the same lab given IPv6 beside IPv4 (tests/e2e/test_flowcases.py's `ipv6=True`):
