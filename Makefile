@@ -102,7 +102,8 @@ apiserver:
 	bash tests/cluster/build-apiserver.sh
 
 # kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kube-proxy and kubectl v1.20.2 for a real cluster,
-# built from one unpack of Debian's source (only the missing ones; 40 minutes for four on 2 busy cores).
+# built from one unpack of Debian's source (only the missing ones; all six 465 s on a fresh machine's 2 cores with
+# two image builds beside it, 40 minutes for four on 2 cores busy with other sessions).
 kube-binaries:
 	bash tests/cluster/build-kube-binaries.sh
 
