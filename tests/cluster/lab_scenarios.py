@@ -42,6 +42,12 @@ CLUSTER_CIDR = "10.244.0.0/16"
 PROXIES = {"kube-proxy": ("kube-proxy", "iptables"), "kube-proxy-ipvs": ("kube-proxy", "ipvs")}
 """Column name -> (DaemonSet, the ConfigMap's mode); every other column is pyproxy in that mode."""
 SCENARIOS = ["rollout", "clusterip", "nodeport", "etp-local", "cross-node", "scale", "proxy-restart", "checks"]
+WAIT = 10.0
+"""Seconds a client of the scale and restart scenarios waits for a new connection's answer, or a long-lived one's
+next exchange, before it counts a failure: TCP's first three SYN retransmissions (1, 3, 7 s). Under emulation a
+node busy starting a pod (the restarted proxy's own) stalls every process on it for seconds, the client's too
+(the agent's stall meter says how long): what is counted is a connection the proxy lost or broke, not a slow
+node. The cells give the slowest answer and the client's longest stall, so a stall still shows."""
 
 # The client side, run in every client pod with `python3 -u -c AGENT` (and locally for the lab network's host):
 # JSON commands on stdin, each run in its own thread, results as JSON lines. `probe` opens one NEW connection per
@@ -50,7 +56,21 @@ SCENARIOS = ["rollout", "clusterip", "nodeport", "etp-local", "cross-node", "sca
 AGENT = r'''
 import errno, json, socket, sys, threading, time
 from collections import Counter
-LOCK, STOPS = threading.Lock(), {}
+LOCK, STOPS, STALLS = threading.Lock(), {}, []
+def stall_meter():
+    # How long this agent went without a CPU: a 50 ms sleep that took much longer. Under emulation a node
+    # busy starting a pod stalls its every process, this client's included: a timeout then says nothing
+    # of the proxy. Kept: (when, seconds) of every stall above 0.5 s.
+    while True:
+        t = time.monotonic()
+        time.sleep(0.05)
+        late = time.monotonic() - t - 0.05
+        if late > 0.5:
+            with LOCK: STALLS.append((t, late))
+threading.Thread(target=stall_meter, daemon=True).start()
+def stalls(t0):
+    with LOCK: seen = [(round(t - t0, 1), round(d, 1)) for t, d in STALLS if t >= t0]
+    return {"max_stall": max((d for _, d in seen), default=0.0), "stalls": sorted(seen, key=lambda x: -x[1])[:5]}
 def emit(msg):
     with LOCK:
         sys.stdout.write(json.dumps(msg) + "\n")
@@ -74,21 +94,24 @@ def ask(sock, end):
     return words[0].rsplit(":", 1)[0], words[1].rsplit(":", 1)[0]
 def probe(c, stop):
     replies, seen, errors, first = Counter(), Counter(), Counter(), []
-    n, t0 = 0, time.monotonic()
+    n, t0, slowest = 0, time.monotonic(), (0.0, 0.0)
     while not stop.is_set() and (c.get("count") is None or n < c["count"]):
         n += 1
+        t = time.monotonic()
         try:
             with socket.create_connection((c["ip"], c["port"]), timeout=c["timeout"]) as s:
-                name, src = ask(s, time.monotonic() + c["timeout"])
+                name, src = ask(s, t + c["timeout"])
         except Exception as e:
             errors[kind(e)] += 1
             if len(first) < 50: first.append([round(time.monotonic() - t0, 1), kind(e)])
         else:
             replies[name] += 1
             seen[src] += 1
+            slowest = max(slowest, (round(time.monotonic() - t, 2), round(t - t0, 1)))
         if c.get("interval"): stop.wait(c["interval"])
     return {"count": n, "failures": sum(errors.values()), "replies": dict(replies), "seen_from": dict(seen),
-            "errors": dict(errors), "first_failures": first, "elapsed": round(time.monotonic() - t0, 1)}
+            "errors": dict(errors), "first_failures": first, "elapsed": round(time.monotonic() - t0, 1),
+            "slowest": slowest, **stalls(t0)}
 def talk(c, stop):
     conns, failed, t0 = [], [], time.monotonic()
     for _ in range(c["count"]):
@@ -98,20 +121,23 @@ def talk(c, stop):
         except Exception as e:
             failed.append(kind(e))
     emit({"id": c["id"], "progress": {"opened": len(conns), "failed_to_open": failed}})
-    exchanges, broken = 0, []
+    exchanges, broken, slowest = 0, [], (0.0, 0.0)
     while not stop.wait(c["interval"]):
         for k in conns:
             if "broken" in k: continue
+            t = time.monotonic()
             try:
-                name = ask(k["s"], time.monotonic() + c["timeout"])[0]
+                name = ask(k["s"], t + c["timeout"])[0]
                 if name != k["first"]: k["broken"] = "answered by " + name
             except Exception as e:
                 k["broken"] = kind(e)
             if "broken" in k: broken.append(k["first"] + ": " + k["broken"] + f" at +{time.monotonic() - t0:.1f}s")
-            else: exchanges += 1
+            else:
+                exchanges += 1
+                slowest = max(slowest, (round(time.monotonic() - t, 2), round(t - t0, 1)))
     for k in conns: k["s"].close()
     return {"opened": len(conns), "failed_to_open": failed, "broken": broken, "exchanges": exchanges,
-            "backends": sorted({k["first"] for k in conns})}
+            "backends": sorted({k["first"] for k in conns}), "slowest": slowest, **stalls(t0)}
 def run(c, stop):
     try: result = {"probe": probe, "talk": talk}[c["op"]](c, stop)
     except Exception as e: result = {"error": repr(e)}
@@ -281,6 +307,17 @@ def when(r: dict[str, Any], events: dict[str, float]) -> str:
     fails = ", ".join(f"+{t:.0f}s {k}" for t, k in r["first_failures"][:8]) or "none"
     marks = ", ".join(f"{name} +{t:.0f}s" for name, t in events.items())
     return f"failures at {fails} ({marks})"
+
+
+def pace(r: dict[str, Any]) -> str:
+    """The slowest answer a loop got and the client's longest stall (its agent without a CPU), with their
+    times: a timeout within a stall is the node's, not the proxy's."""
+    slowest, at = r.get("slowest", (0.0, 0.0))
+    out = f"slowest answer {slowest:.1f} s at +{at:.0f}s"
+    if r.get("max_stall"):
+        worst = max(r["stalls"], key=lambda x: x[1])
+        out += f", client stalled up to {r['max_stall']:.1f} s at +{worst[0]:.0f}s"
+    return out
 
 
 def answered(r: dict[str, Any]) -> str:
@@ -535,7 +572,7 @@ class Lab:
         """3 -> 6 -> 3 replicas under continuous new connections from every client."""
         k = self.kube
         before = self.ready_names("spread")
-        loops = {n: a.start("probe", ip=self.svc["spread"], port=80, count=None, interval=0.05, timeout=2)
+        loops = {n: a.start("probe", ip=self.svc["spread"], port=80, count=None, interval=0.05, timeout=WAIT)
                  for n, a in self.clients.items()}
         t0 = time.monotonic()
         log(f"scale: traffic from every client since {time.strftime('%T')} (+0s below)")
@@ -566,7 +603,7 @@ class Lab:
         failed = sum(r["failures"] for r in res.values())
         got = set().union(*(set(r["replies"]) for r in res.values()))
         ok = failed == 0 and len(new) == 3 and new <= got
-        detail = "; ".join(f"{n} {r['failures']}/{r['count']} failed ({errors(r)}; {when(r, events)})"
+        detail = "; ".join(f"{n} {r['failures']}/{r['count']} failed ({errors(r)}; {when(r, events)}; {pace(r)})"
                            for n, r in res.items())
         return ok, (f"{len(before)}->{len(up)}->3: {failed} of {total} connections failed ({detail}); "
                     f"{len(new & got)}/{len(new)} new replicas answered")
@@ -574,9 +611,9 @@ class Lab:
     def proxy_restart(self, ds: str) -> tuple[bool, str]:
         """Delete node2's proxy pod under traffic: long-lived connections and new ones from node2's client."""
         node, a = "node2", self.clients["node2"]
-        talk = a.start("talk", ip=self.svc["spread"], port=80, count=6, interval=0.2, timeout=3)
+        talk = a.start("talk", ip=self.svc["spread"], port=80, count=6, interval=0.2, timeout=WAIT)
         opened = a.progress(talk)
-        loop = a.start("probe", ip=self.svc["spread"], port=80, count=None, interval=0.05, timeout=2)
+        loop = a.start("probe", ip=self.svc["spread"], port=80, count=None, interval=0.05, timeout=WAIT)
         t_loop = time.monotonic()
         log(f"proxy-restart: traffic from {node}'s client since {time.strftime('%T')} (+0s below)")
         events: dict[str, float] = {}
@@ -606,8 +643,8 @@ class Lab:
         ok = healthy and opened["opened"] == 6 and not t["broken"] and r["failures"] == 0
         return ok, (f"{node}'s {ds} back in {took:.0f} s: established {t['opened'] - len(t['broken'])}/"
                     f"{t['opened']} kept ({t['exchanges']} exchanges{'; broken: ' if t['broken'] else ''}"
-                    f"{', '.join(short_break(b) for b in t['broken'][:3])}), new {r['failures']} of {r['count']} "
-                    f"failed ({errors(r)}; {when(r, events)})")
+                    f"{', '.join(short_break(b) for b in t['broken'][:3])}; {pace(t)}), new {r['failures']} of "
+                    f"{r['count']} failed ({errors(r)}; {when(r, events)}; {pace(r)})")
 
     def checks(self, ds: str, mode: str) -> tuple[bool, str]:
         """What a user runs: the DaemonSet ready everywhere, each node's /healthz and /metrics, the logs naming
