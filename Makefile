@@ -37,7 +37,7 @@ help:
 	@echo "make cluster-down  stop that cluster and forget its etcd data"
 	@echo "make image     the container image, an OCI layout in deploy/build/ (no registry: Debian + PyPI)"
 	@echo "make image-test    build it, run it in a namespace lab with runc, and check deploy/ on a real API server"
-	@echo "make guest-kernel-test  the BPF fixtures on Debian's 6.1 kernel in a qemu guest (11 min; not in make test)"
+	@echo "make guest-kernel-test  the BPF fixtures on Debian's 6.1 kernel in a qemu guest (~40 min; not in make test)"
 	@echo "make lab-up    the Vagrant lab: PYPROXY_NODES (2) VMs, a real control plane and kubelets (root, minutes)"
 	@echo "make lab-status    its VMs, nodes and pods; make lab-smoke: an echo pod per node behind a Service"
 	@echo "make lab-test  pyproxy's image + DaemonSet on the lab's nodes, cross-node scenarios per mode, one table"
@@ -86,7 +86,7 @@ unit: venv
 	$(VENV)/bin/pytest -q tests/unit
 
 # install-bcc: the BPF fixtures and the bpf end-to-end flow table also run with --bpf-loader=bcc.
-# tests/e2e/test_guest_kernel.py (11 minutes) runs in `make guest-kernel-test` instead.
+# tests/e2e/test_guest_kernel.py (about 40 minutes since the IPv6 fixtures) runs in `make guest-kernel-test` instead.
 test: install install-bcc apiserver guest-image lint
 	$(VENV)/bin/pytest -q tests --ignore=tests/e2e/test_guest_kernel.py
 
@@ -186,7 +186,8 @@ guest-image:
 	bash tests/guest/build-image.sh
 
 # The BPF fixtures (tests/priv) on Debian bookworm's 6.1 kernel in that guest (README, "Kernel requirements"): 11
-# minutes under emulation on 2 busy cores, too long for `make test`, which leaves it to this target.
+# minutes under emulation on 2 busy cores before the IPv6 fixtures, 36 with them, too long for `make test`, which
+# leaves it to this target.
 .PHONY: guest-kernel-test
 guest-kernel-test: install guest-image
 	$(VENV)/bin/pytest -q tests/e2e/test_guest_kernel.py

@@ -20,11 +20,15 @@ pytestmark = pytest.mark.root
 
 REPO = Path(__file__).resolve().parents[2]
 # Measured: 11 minutes (9.9 of them the guest's pytest) under TCG with 2 emulated CPUs, on a 2-core host busy with
-# other test runs (load average 6-10); 14 at load 13-18. The host runs the same suite in 2 minutes so loaded, 15 s
-# idle. Too long for `make test`: `make guest-kernel-test` runs it.
-GUEST_TIMEOUT = 2400.0
-SELECTION = os.environ.get("PYPROXY_GUEST_KERNEL_TESTS", "tests/priv")
-"""What the guest's pytest runs: all of tests/priv, or e.g. `tests/priv/test_snat.py` while working on one file."""
+# other test runs (load average 6-10), before the IPv6 fixtures; with them (366 tests) the guest's pytest took 36
+# minutes at load 2-5 (a Vagrant lab, then a CI run beside it). The host runs the same suite in 2 minutes so
+# loaded, 15 s idle. Too long for `make test`: `make guest-kernel-test` runs it.
+GUEST_TIMEOUT = 3600.0
+SELECTION = os.environ.get("PYPROXY_GUEST_KERNEL_TESTS", "tests/priv -k 'not bcc'")
+"""What the guest's pytest runs: all of tests/priv, or e.g. `tests/priv/test_snat.py` while working on one file.
+The BCC loader's cases are deselected, not skipped: the guest has no BCC (python3-bpfcc and a kernel headers tree,
+the host's `make install-bcc`); the host runs every fixture through both loaders, the guest through libbpf, the
+loader pyproxy uses by default."""
 
 
 def test_bpf_fixtures_on_debians_kernel(guest_pytest: Callable[..., None]) -> None:
