@@ -99,7 +99,8 @@ stop_libvirt() {
 prepare_share() {
     mkdir -p "$SHARE/bin" "$SHARE/images"
     local missing=()
-    for b in kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl; do
+    [ -x "$KUBECTL" ] || missing+=("$KUBECTL")  # the host's; the nodes have their box's
+    for b in kube-apiserver kube-controller-manager kube-scheduler kubelet; do
         local src=$CACHE/$b-$KUBE_VERSION
         if [ -x "$src" ]; then
             ln -f "$src" "$SHARE/bin/$b" 2>/dev/null || cp -f "$src" "$SHARE/bin/$b"

@@ -69,8 +69,9 @@ def stall_meter():
             with LOCK: STALLS.append((t, late))
 threading.Thread(target=stall_meter, daemon=True).start()
 def stalls(t0):
+    # the 5 longest since t0, longest first: (seconds after t0, seconds stalled)
     with LOCK: seen = [(round(t - t0, 1), round(d, 1)) for t, d in STALLS if t >= t0]
-    return {"max_stall": max((d for _, d in seen), default=0.0), "stalls": sorted(seen, key=lambda x: -x[1])[:5]}
+    return {"stalls": sorted(seen, key=lambda x: -x[1])[:5]}
 def emit(msg):
     with LOCK:
         sys.stdout.write(json.dumps(msg) + "\n")
@@ -314,9 +315,9 @@ def pace(r: dict[str, Any]) -> str:
     times: a timeout within a stall is the node's, not the proxy's."""
     slowest, at = r.get("slowest", (0.0, 0.0))
     out = f"slowest answer {slowest:.1f} s at +{at:.0f}s"
-    if r.get("max_stall"):
-        worst = max(r["stalls"], key=lambda x: x[1])
-        out += f", client stalled up to {r['max_stall']:.1f} s at +{worst[0]:.0f}s"
+    if r.get("stalls"):
+        when_, longest = r["stalls"][0]
+        out += f", client stalled up to {longest:.1f} s at +{when_:.0f}s"
     return out
 
 
@@ -341,11 +342,11 @@ class Lab:
         self.svc: dict[str, str] = {}
         self.only = set(SCENARIOS)
         self.restart_proxies = False
+        """A new image was imported under the same tag: running proxy pods restart even if their ConfigMap did
+        not change."""
         self.logs: Path | None = None
         """Where each column's proxy pods' logs are kept (their start included), to read beside a failure's
         times; None: not kept."""
-        """A new image was imported under the same tag: running proxy pods restart even if their ConfigMap did
-        not change."""
 
     # -- set up ---------------------------------------------------------------------------------------------------
 
