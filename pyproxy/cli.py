@@ -101,12 +101,16 @@ class CtFlag(NamedTuple):
 
 
 CT_FLAGS = (
-    CtFlag("--conntrack-tcp-timeout-established", "tcp_established", True, "a TCP flow that got a reply"),
+    CtFlag("--conntrack-tcp-timeout-established", "tcp_established", True, "a TCP flow past its handshake"),
     CtFlag("--conntrack-tcp-timeout-close-wait", "tcp_closing", True, "a TCP flow half-closed by a FIN"),
-    CtFlag("--conntrack-udp-timeout", "udp_new", True, "a UDP flow with no reply yet"),
-    CtFlag("--conntrack-udp-timeout-stream", "udp_established", True, "a UDP flow that got a reply"),
+    CtFlag("--conntrack-udp-timeout", "udp_new", True, "a UDP flow with no reply yet, or a single exchange"),
+    CtFlag("--conntrack-udp-timeout-stream", "udp_established", True,
+           "a UDP stream (replies, and packets more than 2 s after the first)"),
     CtFlag("--bpf-ct-tcp-syn-timeout", "tcp_new", False, "a TCP flow whose SYN got no answer yet"),
-    CtFlag("--bpf-ct-tcp-close-timeout", "tcp_closed", False, "a TCP flow after FINs both ways or a RST"),
+    CtFlag("--bpf-ct-tcp-syn-recv-timeout", "tcp_syn_recv", False,
+           "a half-open TCP flow: SYN-ACK seen, not yet the client's ACK"),
+    CtFlag("--bpf-ct-tcp-time-wait-timeout", "tcp_time_wait", False, "a TCP flow after FINs both ways"),
+    CtFlag("--bpf-ct-tcp-close-timeout", "tcp_closed", False, "a TCP flow after a RST"),
 )
 
 

@@ -94,7 +94,8 @@ SCHEMA: Schema = {
     "configSyncPeriod": DURATION, "portRange": STR, "udpIdleTimeout": DURATION, "windowsRunAsService": BOOL,
     "bpf": {"devices": STRINGS, "xdpDevices": STRINGS, "socketLB": BOOL, "cgroupRoot": STR, "snatPortRange": STR,
             "scheduler": STR, "loader": STR, "maglevTableSize": INT, "mapSizes": INT_MAP, "tcpSynTimeout": DURATION,
-            "tcpCloseTimeout": DURATION, "endpointCounters": BOOL},
+            "tcpSynRecvTimeout": DURATION, "tcpTimeWaitTimeout": DURATION, "tcpCloseTimeout": DURATION,
+            "endpointCounters": BOOL},
 }
 
 # Fields pyproxy cannot honour: a real value is refused with the reason; a zero value passes.
@@ -151,6 +152,8 @@ FLAG_FIELDS = {
     "--conntrack-tcp-timeout-close-wait": "conntrack.tcpCloseWaitTimeout",
     "--conntrack-udp-timeout-stream": "conntrack.udpStreamTimeout", "--conntrack-udp-timeout": "conntrack.udpTimeout",
     "--bpf-ct-tcp-syn-timeout": "bpf.tcpSynTimeout", "--bpf-ct-tcp-close-timeout": "bpf.tcpCloseTimeout",
+    "--bpf-ct-tcp-syn-recv-timeout": "bpf.tcpSynRecvTimeout",
+    "--bpf-ct-tcp-time-wait-timeout": "bpf.tcpTimeWaitTimeout",
     "--udp-timeout": "udpIdleTimeout", "--proxy-mode": "mode",
 }
 
@@ -159,6 +162,7 @@ CT_FIELDS = {
     "conntrack.tcpEstablishedTimeout": "tcp_established", "conntrack.tcpCloseWaitTimeout": "tcp_closing",
     "conntrack.udpTimeout": "udp_new", "conntrack.udpStreamTimeout": "udp_established",
     "bpf.tcpSynTimeout": "tcp_new", "bpf.tcpCloseTimeout": "tcp_closed",
+    "bpf.tcpSynRecvTimeout": "tcp_syn_recv", "bpf.tcpTimeWaitTimeout": "tcp_time_wait",
 }
 
 
@@ -439,7 +443,9 @@ def dump(s: ProxySettings) -> str:
                 "cgroupRoot": str(s.bpf.cgroup_root or ""),
                 "snatPortRange": f"{s.bpf.snat_ports[0]}-{s.bpf.snat_ports[1]}", "scheduler": s.bpf.scheduler,
                 "loader": s.bpf.loader, "maglevTableSize": s.bpf.maglev_table_size, "mapSizes": map_sizes,
-                "tcpSynTimeout": format_duration(ct.tcp_new), "tcpCloseTimeout": format_duration(ct.tcp_closed),
+                "tcpSynTimeout": format_duration(ct.tcp_new), "tcpSynRecvTimeout": format_duration(ct.tcp_syn_recv),
+                "tcpTimeWaitTimeout": format_duration(ct.tcp_time_wait),
+                "tcpCloseTimeout": format_duration(ct.tcp_closed),
                 "endpointCounters": s.bpf.endpoint_counters},
     }
     return yaml.safe_dump(doc, sort_keys=False)

@@ -65,6 +65,8 @@ HONOURED_BY = (
     Honoured("--conntrack-udp-timeout", lambda s: s.bpf.ct_timeouts.udp_new, _BPF),
     Honoured("--conntrack-udp-timeout-stream", lambda s: s.bpf.ct_timeouts.udp_established, _BPF),
     Honoured("--bpf-ct-tcp-syn-timeout", lambda s: s.bpf.ct_timeouts.tcp_new, _BPF),
+    Honoured("--bpf-ct-tcp-syn-recv-timeout", lambda s: s.bpf.ct_timeouts.tcp_syn_recv, _BPF),
+    Honoured("--bpf-ct-tcp-time-wait-timeout", lambda s: s.bpf.ct_timeouts.tcp_time_wait, _BPF),
     Honoured("--bpf-ct-tcp-close-timeout", lambda s: s.bpf.ct_timeouts.tcp_closed, _BPF),
     Honoured("--iptables-masquerade-bit", lambda s: s.masquerade.masquerade_bit, _NETFILTER),
     Honoured("--iptables-backend", lambda s: s.iptables.backend, frozenset({"ipvs", "iptables"})),

@@ -120,20 +120,24 @@ def age(dp: Dataplane, k: abi.CtKey, seconds: float) -> None:
 def test_tcp_flow_moves_through_handshake_and_close_on_both_entries(dp: Dataplane, prog: Prog) -> None:
     dp.apply(port_state(TCP, backends=ONE))
     flow = Flow(CLIENT, VIP, 41001, PORT)
-    new, est = (abi.CT_ST_NEW, 0), (abi.CT_ST_ESTABLISHED, 0)
+    new, syn_recv, est = (abi.CT_ST_NEW, 0), (abi.CT_ST_SYN_RECV, 0), (abi.CT_ST_ESTABLISHED, 0)
     assert send(dp, prog, flow, TCP_SYN) == BE
     assert states(dp, flow, BE) == (new, new)
     send(dp, prog, flow, TCP_SYN)  # a retransmitted SYN stays on the flow
     assert states(dp, flow, BE) == (new, new)
     reply(dp, flow, BE, tcp_flags=TCP_SYN | TCP_ACK)
+    assert states(dp, flow, BE) == (syn_recv, syn_recv), "the backend's answer alone does not establish a flow"
+    reply(dp, flow, BE, tcp_flags=TCP_SYN | TCP_ACK)  # the backend retransmits its SYN-ACK
+    send(dp, prog, flow, TCP_SYN)  # the client retransmits its SYN: it did not get the first SYN-ACK
+    assert states(dp, flow, BE) == (syn_recv, syn_recv)
+    send(dp, prog, flow)  # the client's ACK completes the handshake
     assert states(dp, flow, BE) == (est, est)
-    send(dp, prog, flow)
     send(dp, prog, flow, TCP_FIN | TCP_ACK)
     closing = (abi.CT_ST_CLOSING, abi.CT_F_FIN_FWD)
     assert states(dp, flow, BE) == (closing, closing)
     reply(dp, flow, BE, tcp_flags=TCP_FIN | TCP_ACK)
-    closed = (abi.CT_ST_CLOSED, abi.CT_F_FIN_FWD | abi.CT_F_FIN_REV)
-    assert states(dp, flow, BE) == (closed, closed)
+    time_wait = (abi.CT_ST_TIME_WAIT, abi.CT_F_FIN_FWD | abi.CT_F_FIN_REV)
+    assert states(dp, flow, BE) == (time_wait, time_wait)
     assert send(dp, prog, flow) == BE, "the last ACK of a closed flow still reaches its backend"
     assert dp.counter("new_flow") == 1 and dp.counter("ct_reopened") == 0
 
@@ -147,13 +151,30 @@ def test_a_reset_closes_the_flow(dp: Dataplane) -> None:
 
 
 @pytest.mark.parametrize("prog", INGRESS)
-def test_udp_flow_is_new_until_replied(dp: Dataplane, prog: Prog) -> None:
+def test_udp_flow_is_a_single_exchange_until_it_streams(dp: Dataplane, prog: Prog) -> None:
+    """As the kernel's UDP tracker: unreplied, then replied (a query and its answer: the 30 s timeout), and a
+    stream (the 120 s one) only with a packet more than 2 s after the flow began."""
     dp.apply(port_state(UDP, backends=ONE))
     flow = Flow(CLIENT, VIP, 41003, PORT, UDP)
     send(dp, prog, flow)
     assert states(dp, flow, BE) == ((abi.CT_ST_NEW, 0), (abi.CT_ST_NEW, 0))
     assert decode(reply(dp, flow, BE, b"answer")).flow == flow.reply()
+    replied = ((abi.CT_ST_SYN_RECV, 0), (abi.CT_ST_SYN_RECV, 0))
+    assert states(dp, flow, BE) == replied
+    send(dp, prog, flow)
+    reply(dp, flow, BE, b"answer again")
+    assert states(dp, flow, BE) == replied, "traffic both ways within 2 s of the first packet is no stream yet"
+    born(dp, flow, BE, seconds_ago=3)
+    send(dp, prog, flow)
     assert states(dp, flow, BE) == ((abi.CT_ST_ESTABLISHED, 0), (abi.CT_ST_ESTABLISHED, 0))
+
+
+def born(dp: Dataplane, flow: Flow, be: Backend, seconds_ago: float) -> None:
+    """Make client flow `flow` to `be` look begun `seconds_ago`: its REVERSE entry holds the beginning (abi.h)."""
+    k = key(Flow(be.ip, flow.src, be.port, flow.sport, flow.proto), abi.CT_REVERSE)
+    v = dp.maps.ct[k]
+    v.epoch = (clock.ticks_now() - int(seconds_ago * clock.kernel_hz())) & 0xFFFFFFFF
+    dp.maps.ct[k] = v
 
 
 # -- a new connection on the ports of an old one -----------------------------------------------------------------
@@ -212,25 +233,46 @@ def test_only_syns_and_datagrams_to_an_endpoint_port_look_for_an_old_flow(dp: Da
 
 
 @pytest.mark.parametrize("prog", INGRESS)
-def test_a_syn_after_the_handshake_starts_a_new_flow(dp: Dataplane, prog: Prog) -> None:
-    """A client that reuses its port for a new connection while the old flow lingers (closed, or established
-    because the client died without a FIN) gets a fresh backend choice; the old flow leaves no reverse entry."""
+def test_a_syn_on_a_closed_flow_starts_a_new_flow(dp: Dataplane, prog: Prog) -> None:
+    """A client that reuses its port for a new connection while the old flow lingers (closed by FINs both ways, in
+    TIME_WAIT, or by a RST) gets a fresh backend choice; the old flow leaves no reverse entry."""
     dp.apply(port_state(TCP))
     flow = Flow(CLIENT, VIP, 41020, PORT)
-    syns = 0
+    reopened = 0
+    first = send(dp, prog, flow, TCP_SYN)
     for round_ in range(12):
-        first = send(dp, prog, flow, TCP_SYN)
         reply(dp, flow, first, tcp_flags=TCP_SYN | TCP_ACK)
+        send(dp, prog, flow)
         if round_ % 2:
             send(dp, prog, flow, TCP_FIN | TCP_ACK)
             reply(dp, flow, first, tcp_flags=TCP_FIN | TCP_ACK)
+        else:
+            reply(dp, flow, first, tcp_flags=TCP_RST)
         second = send(dp, prog, flow, TCP_SYN)
+        reopened += 1
         assert states(dp, flow, second) == ((abi.CT_ST_NEW, 0), (abi.CT_ST_NEW, 0))
         if second != first:
             assert entries(dp, flow, first)[1] is None, "the old backend's reverse entry outlived its flow"
-        reply(dp, flow, second, tcp_flags=TCP_RST)
-        syns += 2
-    assert dp.counter("ct_reopened") == syns - 1, "every SYN but the first found a previous connection's flow"
+        first = second
+    assert dp.counter("ct_reopened") == reopened, "every SYN but the first found a previous connection's flow"
+
+
+@pytest.mark.parametrize("prog", INGRESS)
+def test_a_retransmitted_syn_follows_its_flow_in_every_open_state(dp: Dataplane, prog: Prog) -> None:
+    """The defect: a client whose first SYN-ACK was lost retransmits its SYN after the backend answered; taken as a
+    new connection it went to another backend, which reset the client's ACK of the first one's SYN-ACK. In NEW,
+    SYN_RECV and ESTABLISHED a SYN follows the flow; the backend sorts out a stale one."""
+    dp.apply(port_state(TCP))
+    for i, answered, acked in ((0, False, False), (1, True, False), (2, True, True)):
+        flow = Flow(CLIENT, VIP, 41025 + i, PORT)
+        be = send(dp, prog, flow, TCP_SYN)
+        if answered:
+            reply(dp, flow, be, tcp_flags=TCP_SYN | TCP_ACK)
+        if acked:
+            send(dp, prog, flow)
+        for _ in range(20):
+            assert send(dp, prog, flow, TCP_SYN) == be
+    assert dp.counter("ct_reopened") == 0 and dp.counter("new_flow") == 3
 
 
 # -- expiry ----------------------------------------------------------------------------------------------------
@@ -252,6 +294,8 @@ def test_expired_entries_are_neither_followed_nor_used_for_reverse_nat(short: Da
     flow = Flow(CLIENT, VIP, 41030, PORT, UDP)
     be = send(dp, TC_INGRESS, flow)
     reply(dp, flow, be)
+    born(dp, flow, be, seconds_ago=3)
+    send(dp, TC_INGRESS, flow)  # a stream now: the 20 s timeout
     fwd, rev = key(flow, abi.CT_FORWARD), key(Flow(be.ip, CLIENT, be.port, flow.sport, UDP), abi.CT_REVERSE)
     for k in (fwd, rev):
         age(dp, k, 19)
@@ -277,6 +321,28 @@ def test_one_way_traffic_keeps_both_directions_live(short: Dataplane) -> None:
     for _ in range(50):
         assert send(dp, TC_INGRESS, flow) == be
     assert dp.counter("ct_expired") == 0 and dp.counter("new_flow") == 1
+
+
+def test_a_half_open_tcp_flow_expires_in_the_syn_received_timeout(load: Load) -> None:
+    """The defect: a SYN flood's flows, answered by the backend but never completed by the client, were established
+    by the SYN-ACK (24 h) and held their SNAT ports for a day. They are half open until the client's ACK."""
+    timeouts = CtTimeouts(tcp_syn_recv=5).ticks(clock.kernel_hz())
+    dp = Dataplane(load(None, max_entries=CAPACITY, ct_timeouts=timeouts))
+    try:
+        dp.apply(port_state(TCP, backends=ONE))
+        half, whole = Flow(CLIENT, VIP, 41033, PORT), Flow(CLIENT, VIP, 41034, PORT)
+        for flow in (half, whole):
+            send(dp, TC_INGRESS, flow, TCP_SYN)
+            reply(dp, flow, BE, tcp_flags=TCP_SYN | TCP_ACK)
+        send(dp, TC_INGRESS, whole)
+        for flow in (half, whole):
+            for k in (key(flow, abi.CT_FORWARD), key(Flow(BE.ip, CLIENT, BE.port, flow.sport), abi.CT_REVERSE)):
+                age(dp, k, 6)
+        stale = frame(Flow(BE.ip, CLIENT, BE.port, half.sport), tcp_flags=TCP_SYN | TCP_ACK)
+        assert dp.run(TC_EGRESS, stale) == (TC_EGRESS.ok, stale), "a half-open flow 6 s idle (timeout 5 s) was live"
+        assert decode(reply(dp, whole, BE)).flow == whole.reply(), "an established flow expired in the SYN timeout"
+    finally:
+        dp.close()
 
 
 def test_unreplied_udp_expires_sooner(short: Dataplane) -> None:
@@ -385,5 +451,7 @@ def test_timeouts_become_ticks_of_this_kernel() -> None:
     hz = clock.kernel_hz()
     t = CtTimeouts(tcp_closed=0.001).ticks(hz)
     assert t.tcp_established == 86400 * hz and t.udp_new == 30 * hz and t.tcp_closed == 1
+    assert t.tcp_syn_recv == 60 * hz and t.tcp_time_wait == 120 * hz and t.udp_stream_after == 2 * hz
+    assert t.shortest == 1, "the stream rule's 2 s is not a timeout"
     with pytest.raises(ValueError, match="udp_new"):
         CtTimeouts(udp_new=0)

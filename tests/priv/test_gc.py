@@ -209,3 +209,33 @@ def abi_max_flows() -> int:
     """PYPROXY_MAX_FLOWS, the CT map's default capacity (abi.h)."""
     text = (Path(__file__).resolve().parents[2] / "bpf/include/pyproxy/abi.h").read_text()
     return int(text.split("#define PYPROXY_MAX_FLOWS", 1)[1].split()[0])
+
+
+def test_a_pass_leaves_an_entry_a_new_flow_took_over_after_the_read(dp: Dataplane,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race: a pass reads the map, then deletes what had expired; meanwhile a new flow may have taken one of those
+    keys over (the SNAT allocator reuses an expired pair's port: snat.h), and deleting its entry would lose the new
+    flow's translation. Each entry is read again before its delete and left when it changed."""
+    hz, now = clock.kernel_hz(), clock.ticks_now()
+    day_ago = now - CtTimeouts().ticks(hz).tcp_established - 60 * hz
+    expired = sorted(fill(dp, [(i, TCP, abi.CT_ST_ESTABLISHED, day_ago, day_ago) for i in range(100)]))
+    taken = expired[7]
+    real = gc.find_garbage
+
+    def racing(*args: object, **kwargs: object) -> object:
+        picked = real(*args, **kwargs)  # type: ignore[arg-type]
+        # Between the pass's read and its deletes, a new flow writes a live entry under one picked key.
+        fresh = gc.CT_VALUE.pack(socket.inet_aton(BE.ip), struct.pack("!H", BE.port), abi.CT_ST_NEW, abi.CT_F_SNAT,
+                                 1, 0, clock.ticks_now())
+        dp.maps.ct.put_raw(taken, fresh)
+        return picked
+
+    monkeypatch.setattr(gc, "find_garbage", racing)
+    c = collector(dp)
+    try:
+        done = c.run_pass()
+    finally:
+        c.close()
+    left = ct_keys(dp) & set(expired)
+    assert left == {taken}, f"the new flow's entry went, or expired ones stayed: {len(left)} left"
+    assert done.deleted == len(expired) - 1

@@ -269,11 +269,15 @@ def test_direct_connection_after_a_closed_service_one_on_the_same_ports_is_not_t
     assert dp.counter("new_flow") == 2
 
 
-def test_a_syn_past_the_handshake_starts_a_new_flow(dp: Dataplane) -> None:
+def test_a_retransmitted_syn_follows_and_a_syn_after_a_reset_starts_a_new_flow(dp: Dataplane) -> None:
     frontend6(dp, TCP)
     flow = Flow(CLIENT6, VIP6, 41000, PORT, TCP)
-    ip, port = dnat6(dp, TC_INGRESS, flow)
-    run(dp, TC_EGRESS, frame6(Flow(ip, CLIENT6, port, 41000, TCP), tcp_flags=TCP_SYN | TCP_ACK))
+    be = dnat6(dp, TC_INGRESS, flow)
+    run(dp, TC_EGRESS, frame6(Flow(be[0], CLIENT6, be[1], 41000, TCP), tcp_flags=TCP_SYN | TCP_ACK))
+    for _ in range(10):  # the client did not get the SYN-ACK: the same connection, to the same backend
+        assert dnat6(dp, TC_INGRESS, flow) == be
+    assert dp.counter("ct_reopened") == 0
+    run(dp, TC_EGRESS, frame6(Flow(be[0], CLIENT6, be[1], 41000, TCP), tcp_flags=TCP_RST | TCP_ACK))
     dnat6(dp, TC_INGRESS, flow)
     assert dp.counter("ct_reopened") == 1
 

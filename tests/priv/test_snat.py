@@ -27,7 +27,8 @@ from packets import TCP, UDP, Flow, decode, frame
 
 from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import MasqueradeSettings
-from pyproxy.dataplane.bpf import abi, inspect, kernel, loader, snat
+from pyproxy.dataplane.bpf import abi, clock, inspect, kernel, loader, snat
+from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.dataplane.bpf.maps import BpfMap
 from pyproxy.lab.netns import NetnsThread, scratch_node
 from pyproxy.model.objects import Protocol
@@ -156,10 +157,88 @@ def test_flows_to_one_backend_get_distinct_ports_and_a_full_range_drops(load: Lo
         assert {a.sport, b.sport} == {first, first + 1}
         verdict, _ = netns.run(dp, TC_INGRESS, frame(Flow(CLIENT, NODE_IP, 41002, NODE_PORT)))
         assert verdict == TC_INGRESS.drop and dp.counter("snat_no_port") == 1
-        # The backend resets the first flow: its port is free again.
+        # The backend resets the first flow: with no other port free, its port serves a new flow before it expires.
         backward(dp, TC_INGRESS, a.reply(), netns, tcp_flags=TCP_RST)
         c = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 41002, NODE_PORT), netns)
-        assert c.sport == a.sport
+        assert c.sport == a.sport and dp.counter("snat_early_reuse") == 1
+    finally:
+        dp.close()
+
+
+@pytest.mark.parametrize("prog", INGRESS)
+def test_a_retransmitted_syn_after_the_syn_ack_keeps_its_backend_and_snat_port(dp: Dataplane, netns: Node,
+                                                                            prog: Prog) -> None:
+    """The defect: a client whose first SYN-ACK was lost retransmits its SYN; taken as a new connection, it went to
+    another backend from another SNAT port, and the first backend's SYN-ACK the client then ACKed was reset."""
+    dp.apply(nodeport())
+    for i in range(8):
+        client = Flow(CLIENT, NODE_IP, 43000 + i, NODE_PORT)
+        out = forward(dp, prog, client, netns)
+        assert backward(dp, prog, out.reply(), netns) == client.reply()  # lost on its way to the client
+        for _ in range(3):
+            assert forward(dp, prog, client, netns) == out, "the retransmitted SYN left as a new connection"
+        assert forward(dp, prog, client, netns, tcp_flags=TCP_ACK) == out
+    assert dp.counter("ct_reopened") == 0 and dp.counter("snat") == 8
+
+
+def test_the_clients_own_port_is_kept_when_it_is_in_the_range_and_free(dp: Dataplane, netns: Node) -> None:
+    """As nf_nat and Cilium: the backend sees the client's port when no other flow to it holds that port."""
+    be = READY[0]
+    dp.apply(nodeport(backends=(be,)))
+    port = SNAT_PORTS[100]
+    first = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, port, NODE_PORT), netns)
+    assert first.sport == port
+    other = forward(dp, TC_INGRESS, Flow("10.0.9.9", NODE_IP, port, NODE_PORT), netns)
+    assert other.sport != port and other.sport in SNAT_PORTS, "two flows to one backend shared a port"
+    below = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 40500, NODE_PORT), netns)
+    assert below.sport in SNAT_PORTS, "a port outside the range is never given out"
+
+
+def _age_all(dp: Dataplane, seconds: float) -> None:
+    """Every CT entry looks idle for `seconds`."""
+    then = clock.ticks_now() - int(seconds * clock.kernel_hz())
+    for k in dp.maps.ct.keys_list():
+        v = dp.maps.ct[k]
+        v.last_seen = then
+        dp.maps.ct[k] = v
+
+
+def test_a_time_wait_pair_keeps_its_port_while_another_is_free(load: Load, netns: Node) -> None:
+    """A flow closed by FINs both ways: the backend may hold TIME_WAIT on its tuple, so a new flow gets another port
+    while there is one; when there is none, the closed pair's port is taken early (counted) rather than drop."""
+    first = abi.DEFAULT_SNAT_PORTS[0]
+    dp = Dataplane(load(None, max_entries=CAPACITY, snat_ports=(first, first + 1)))
+    try:
+        dp.apply(nodeport(backends=(READY[0],)))
+        closed = _closed_snated_flow(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 44000, NODE_PORT), netns)
+        # Random tries: each hits the closed pair's port half the time; 32 of them all do once in 4e9.
+        new = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 44001, NODE_PORT), netns)
+        assert new.sport != closed.sport, "a new flow took the port its backend may hold in TIME_WAIT"
+        assert dp.counter("snat_early_reuse") == 0
+        last = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 44002, NODE_PORT), netns)
+        assert last.sport == closed.sport and dp.counter("snat_early_reuse") == 1
+        assert dp.counter("snat_no_port") == 0
+    finally:
+        dp.close()
+
+
+def test_a_single_udp_exchange_frees_its_port_in_the_udp_timeout(load: Load, netns: Node) -> None:
+    """The defect: a DNS-like exchange (one query, one answer) held its SNAT port for the stream timeout (120 s), so
+    fresh source ports at 100 per second ran a 4,536-port range dry. It is a single exchange: the UDP timeout."""
+    first = abi.DEFAULT_SNAT_PORTS[0]
+    hz = clock.kernel_hz()
+    dp = Dataplane(load(None, max_entries=CAPACITY, snat_ports=(first, first),
+                        ct_timeouts=CtTimeouts(udp_new=5, udp_established=60).ticks(hz)))
+    try:
+        dp.apply(nodeport(backends=(READY[0],), proto=UDP))
+        query = Flow(CLIENT, NODE_IP, 45000, NODE_PORT, UDP)
+        out = forward(dp, TC_INGRESS, query, netns, tcp_flags=0)
+        assert backward(dp, TC_INGRESS, out.reply(), netns, tcp_flags=0) == query.reply()
+        verdict, _ = netns.run(dp, TC_INGRESS, frame(Flow(CLIENT, NODE_IP, 45001, NODE_PORT, UDP)))
+        assert verdict == TC_INGRESS.drop, "the one port is the first exchange's while it lives"
+        _age_all(dp, 6)
+        again = forward(dp, TC_INGRESS, Flow(CLIENT, NODE_IP, 45001, NODE_PORT, UDP), netns, tcp_flags=0)
+        assert again.sport == first and dp.counter("snat_early_reuse") == 0
     finally:
         dp.close()
 

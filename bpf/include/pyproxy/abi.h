@@ -19,7 +19,8 @@
 #define PYPROXY_MAP_BACKENDS  pyproxy_be_v1
 #define PYPROXY_MAP_CT        pyproxy_ct_v2    /* v2: last_seen in ticks, not ns */
 #define PYPROXY_MAP_STATS     pyproxy_stat_v1
-#define PYPROXY_MAP_COUNTERS  pyproxy_cnt_v3   /* v2: connection-tracking, ICMP and fragment counters; v3: SNAT */
+#define PYPROXY_MAP_COUNTERS  pyproxy_cnt_v4   /* v2: connection-tracking, ICMP and fragment counters; v3: SNAT;
+                                                * v4: SNAT ports reused early */
 #define PYPROXY_MAP_NAMES     pyproxy_name_v1
 #define PYPROXY_MAP_EPOCH     pyproxy_epoch_v1
 #ifndef PYPROXY_MAP_FRAGS             /* -DPYPROXY_MAP_FRAGS=pyproxy_frag_v9: bench/restarts.py's stand-in for a newer
@@ -102,13 +103,19 @@
 #define PYPROXY_CT_REVERSE  1          /* backend -> client, value holds the frontend to restore */
 #define PYPROXY_CT_AFFINITY 2          /* client -> frontend with ports zeroed: ClientIP affinity */
 
-/* struct pyproxy_ct_value.state: where a flow is in its life, which picks its idle timeout. Both entries of
- * a flow (FORWARD and REVERSE) carry it; a packet that changes it writes both. Zero is "established" so
- * that entries written before states existed (a zero pad) stay valid through an upgrade. */
-#define PYPROXY_CT_ST_ESTABLISHED 0    /* a reply was seen */
+/* struct pyproxy_ct_value.state: where a flow is in its life, which picks its idle timeout (ct.h draws the
+ * machine). Both entries of a flow (FORWARD and REVERSE) carry it; a packet that changes it writes both. Zero is
+ * "established" so that entries written before states existed (a zero pad) stay valid through an upgrade; the
+ * states after CLOSED came later, so older programs never wrote them. */
+#define PYPROXY_CT_ST_ESTABLISHED 0    /* TCP: the client's packet after the SYN-ACK was seen; UDP: a stream */
 #define PYPROXY_CT_ST_NEW         1    /* no reply yet (TCP: SYN sent) */
 #define PYPROXY_CT_ST_CLOSING     2    /* TCP: a FIN in one direction (half-closed) */
-#define PYPROXY_CT_ST_CLOSED      3    /* TCP: FINs in both directions, or a RST: lingers for late segments */
+#define PYPROXY_CT_ST_CLOSED      3    /* TCP: a RST: lingers for late segments */
+#define PYPROXY_CT_ST_SYN_RECV    4    /* TCP: the backend's SYN-ACK seen, not yet the client's ACK (a half-open
+					* flow: a flood of them expires in the SYN timeout, not the established one);
+					* UDP: replied, not yet a stream (a single exchange, the kernel's 30 s) */
+#define PYPROXY_CT_ST_TIME_WAIT   5    /* TCP: FINs in both directions: the backend may hold TIME_WAIT on the
+					* tuple, so an SNAT pair's port is not handed out again before it expires */
 
 /* struct pyproxy_ct_value.flags: the FINs seen, so the second one closes the flow. */
 #define PYPROXY_CT_F_FIN_FWD 0x1       /* client -> frontend */
@@ -145,6 +152,8 @@ enum pyproxy_counter {
 	PYPROXY_CNT_SNAT_NO_PORT,      /* dropped: no free SNAT port for the flow's node address and backend */
 	PYPROXY_CNT_SNAT_NO_ROUTE,     /* a flow to SNAT had no route to its backend (nor a source address): left as it is */
 	PYPROXY_CNT_REVSNAT,           /* a backend's reply to a node address and SNAT port went back to its client */
+	PYPROXY_CNT_SNAT_EARLY_REUSE,  /* an SNAT port was handed out while its last flow was in TIME_WAIT: no other
+					* port tried was free (the backend may refuse the first SYN: a 1 s retry) */
 	PYPROXY_CNT_MAX,
 };
 
@@ -216,9 +225,11 @@ struct pyproxy_ct_value {
 	__u8 state;        /* PYPROXY_CT_ST_*; took the place of a zero pad (see above) */
 	__u8 flags;        /* PYPROXY_CT_F_* */
 	__u32 svc_id;      /* host order; the frontend this flow belongs to */
-	/* host order; FORWARD: the backends epoch (PYPROXY_MAP_EPOCH) at which the backend was last seen to be an
-	 * endpoint. It took the place of a zero pad with no version bump: entries of older versions read as 0,
-	 * an epoch the control plane never makes current, so they are checked once and connections survive. */
+	/* host order. A Service flow's FORWARD entry: the backends epoch (PYPROXY_MAP_EPOCH) at which the backend was
+	 * last seen to be an endpoint. It took the place of a zero pad with no version bump: entries of older versions
+	 * read as 0, an epoch the control plane never makes current, so they are checked once and connections
+	 * survive. Every other entry (a Service flow's REVERSE entry, both entries of an SNAT pair): the low 32 bits
+	 * of the tick its flow began, which UDP's stream rule reads (ct.h; 0 in older entries: long begun). */
 	__u32 epoch;
 	__u64 last_seen;   /* host order; jiffies (bpf_jiffies64) of its last packet */
 };
@@ -227,14 +238,16 @@ struct pyproxy_ct_value {
  * (.rodata, set by the loader from the settings in seconds and the kernel's HZ), so the verifier folds it
  * into the code and no packet pays a lookup for it. AFFINITY entries use their Service's timeout. */
 struct pyproxy_ct_timeouts {
-	__u32 tcp_new;           /* TCP, no reply yet */
-	__u32 tcp_established;   /* TCP, replied */
+	__u32 tcp_new;           /* TCP, SYN sent, no reply yet */
+	__u32 tcp_established;   /* TCP, handshake complete */
 	__u32 tcp_closing;       /* TCP, a FIN in one direction */
-	__u32 tcp_closed;        /* TCP, FINs both ways or a RST */
-	__u32 udp_new;           /* UDP, no reply yet */
-	__u32 udp_established;   /* UDP, replied */
-	__u32 shortest;          /* the smallest of the above: an entry idle for less is live in any state */
-	__u32 pad;               /* zero */
+	__u32 tcp_closed;        /* TCP, a RST */
+	__u32 udp_new;           /* UDP, no reply yet; also replied but not yet a stream (the kernel's udp_timeout) */
+	__u32 udp_established;   /* UDP, a stream: replied, and a packet more than udp_stream_after after it began */
+	__u32 shortest;          /* the smallest timeout here: an entry idle for less is live in any state */
+	__u32 tcp_syn_recv;      /* TCP, SYN-ACK seen, no ACK from the client yet (took the place of a zero pad) */
+	__u32 tcp_time_wait;     /* TCP, FINs both ways */
+	__u32 udp_stream_after;  /* not a timeout: how long after it began a replied UDP flow becomes a stream */
 };
 
 /* The source ports SNAT takes (host order, inclusive). Chosen outside the kernel's ephemeral range

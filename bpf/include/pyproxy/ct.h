@@ -4,16 +4,28 @@
  *
  * A flow has two entries, FORWARD (client -> frontend, holds the backend) and REVERSE (backend -> client,
  * holds the frontend), each with the flow's state and the tick of the last packet seen in its direction.
- * As in the kernel's conntrack and Cilium's, the state picks an idle timeout (pyproxy_config.ct):
+ * As in the kernel's conntrack and Cilium's, the state picks an idle timeout (pyproxy_config.ct). TCP:
  *
- *   NEW --reply--> ESTABLISHED --FIN--> CLOSING --other FIN--> CLOSED;  RST from any state --> CLOSED
+ *   NEW --SYN-ACK--> SYN_RECV --client's ACK--> ESTABLISHED --FIN--> CLOSING --other FIN--> TIME_WAIT
+ *   RST from any state --> CLOSED
+ *
+ * A flow is not established by its backend's answer alone: until the client's next packet it is half open and
+ * expires in the SYN-received timeout (60 s), so a flood of SYNs that never complete holds nothing for a day. A
+ * retransmitted SYN on a flow in NEW or SYN_RECV (its first SYN-ACK was lost) is the same connection: it follows
+ * the flow, to the same backend through the same SNAT port (lb.h); only a SYN on a closing or closed flow opens a
+ * new one on its ports. UDP, as the kernel's udp tracker:
+ *
+ *   NEW --reply--> SYN_RECV ("replied": a single exchange so far, the UDP timeout, 30 s)
+ *   SYN_RECV --a packet more than udp_stream_after (2 s) after the flow began--> ESTABLISHED (a stream, 120 s)
+ *
+ * so a DNS query and its answer hold an SNAT port 30 s, not the stream timeout.
  *
  * An entry is live while it, or its peer entry (the other direction of the same flow), saw a packet within
  * its timeout; anything else is treated as absent: never followed, never used for reverse NAT. The entries
  * stay until a new flow overwrites them, the LRU evicts them, or the control plane's collector deletes them.
  *
  * A connection that ends leaves its entries behind for a while, and a later connection on the same ports must
- * not be captured by them: a SYN on a flow past its handshake starts a new flow (lb.h), a SYN or datagram
+ * not be captured by them: a SYN on a closing or closed flow starts a new flow (lb.h), a SYN or datagram
  * that is no Service's removes the flow whose reverse entry would rewrite its replies (pyproxy_ct_untrack), and
  * any new flow removes an SNAT pair that would rewrite its source (pyproxy_ct_forget_snat).
  */
@@ -75,15 +87,41 @@ static __always_inline __u32 pyproxy_ct_timeout(__u8 proto, __u8 state)
 		switch (state) {
 		case PYPROXY_CT_ST_NEW:
 			return pyproxy_config.ct.tcp_new;
+		case PYPROXY_CT_ST_SYN_RECV:
+			return pyproxy_config.ct.tcp_syn_recv;
 		case PYPROXY_CT_ST_CLOSING:
 			return pyproxy_config.ct.tcp_closing;
+		case PYPROXY_CT_ST_TIME_WAIT:
+			return pyproxy_config.ct.tcp_time_wait;
 		case PYPROXY_CT_ST_CLOSED:
 			return pyproxy_config.ct.tcp_closed;
 		default:
 			return pyproxy_config.ct.tcp_established;
 		}
 	}
-	return state == PYPROXY_CT_ST_NEW ? pyproxy_config.ct.udp_new : pyproxy_config.ct.udp_established;
+	return state == PYPROXY_CT_ST_NEW || state == PYPROXY_CT_ST_SYN_RECV ? pyproxy_config.ct.udp_new
+									       : pyproxy_config.ct.udp_established;
+}
+
+/* Whether a TCP flow in `state` is over: closed by a RST or by FINs both ways. */
+static __always_inline int pyproxy_ct_over(__u8 state)
+{
+	return state == PYPROXY_CT_ST_CLOSED || state == PYPROXY_CT_ST_TIME_WAIT;
+}
+
+/* Whether a SYN on a flow in `state` opens a new connection on its ports: the flow is closing or over. A SYN in
+ * NEW or SYN_RECV is a retransmission (the client did not get the SYN-ACK), and one on an established flow the
+ * backend sorts out (it answers an unknown SYN, or challenges a stale one): both follow the flow. */
+static __always_inline int pyproxy_ct_reopens(__u8 state)
+{
+	return state == PYPROXY_CT_ST_CLOSING || pyproxy_ct_over(state);
+}
+
+/* Whether a flow that began at tick `born` (its low 32 bits) is old enough, at `now`, for a replied UDP flow to be a
+ * stream (the kernel's rule: traffic both ways, and a packet more than 2 s after the first). */
+static __always_inline int pyproxy_ct_stream_due(__u32 born, __u64 now)
+{
+	return (__u32)now - born > pyproxy_config.ct.udp_stream_after;
 }
 
 /* Whether an entry last seen at `last_seen` in `state` is past its idle timeout (both families' entries). */
@@ -147,7 +185,8 @@ static __always_inline int pyproxy_ct_live(const struct pyproxy_ct_key *k, const
 	return peer && !pyproxy_ct_expired(peer, k->proto, now);
 }
 
-/* The state after a packet in direction `dir` with TCP flags `tcp_flags` (0 for UDP). */
+/* The state after a packet in direction `dir` with TCP flags `tcp_flags` (0 for UDP). UDP's move from SYN_RECV to
+ * ESTABLISHED depends on the flow's age, not on the packet: the callers' (pyproxy_ct_seen). */
 static __always_inline void pyproxy_ct_next(__u8 dir, __u8 tcp_flags, __u8 *state, __u8 *flags)
 {
 	if (tcp_flags & PYPROXY_TCP_RST) {
@@ -158,11 +197,15 @@ static __always_inline void pyproxy_ct_next(__u8 dir, __u8 tcp_flags, __u8 *stat
 		*flags |= dir == PYPROXY_CT_FORWARD ? PYPROXY_CT_F_FIN_FWD : PYPROXY_CT_F_FIN_REV;
 		*state = (*flags & (PYPROXY_CT_F_FIN_FWD | PYPROXY_CT_F_FIN_REV)) ==
 				 (PYPROXY_CT_F_FIN_FWD | PYPROXY_CT_F_FIN_REV)
-			 ? PYPROXY_CT_ST_CLOSED
+			 ? PYPROXY_CT_ST_TIME_WAIT
 			 : PYPROXY_CT_ST_CLOSING;
 		return;
 	}
 	if (dir == PYPROXY_CT_REVERSE && *state == PYPROXY_CT_ST_NEW)
+		*state = PYPROXY_CT_ST_SYN_RECV;
+	/* The client's packet after the SYN-ACK, not a retransmitted SYN (a TCP packet: UDP has no flags). */
+	else if (dir == PYPROXY_CT_FORWARD && *state == PYPROXY_CT_ST_SYN_RECV && tcp_flags &&
+		 !(tcp_flags & PYPROXY_TCP_SYN))
 		*state = PYPROXY_CT_ST_ESTABLISHED;
 }
 
@@ -184,21 +227,17 @@ static __always_inline void pyproxy_ct_backend(const struct pyproxy_ct_key *k, c
 }
 
 /* A flow counted in its backend's open flows (lc, sed, nq; abi.h PYPROXY_CT_F_COUNTED) ends: it closes, or goes
- * while still open. Called before the entry's state becomes CLOSED, so a flow is uncounted once. */
+ * while still open. Called before the entry's state becomes one that is over, so a flow is uncounted once. */
 static __always_inline void pyproxy_ct_uncount(const struct pyproxy_ct_key *k, const struct pyproxy_ct_value *v)
 {
 	struct pyproxy_backend be;
 
-	if ((v->flags & (PYPROXY_CT_F_COUNTED | PYPROXY_CT_F_SNAT)) != PYPROXY_CT_F_COUNTED ||
-	    v->state == PYPROXY_CT_ST_CLOSED)
+	if ((v->flags & (PYPROXY_CT_F_COUNTED | PYPROXY_CT_F_SNAT)) != PYPROXY_CT_F_COUNTED || pyproxy_ct_over(v->state))
 		return;
 	pyproxy_ct_backend(k, v, &be);
 	pyproxy_active_add(&be, -1);
 }
 
-/* A packet of a live flow passed in the direction of entry `v` (under key `k`): refresh its clock and move
- * the flow's state. A state change is written to the peer entry too (one more lookup, a few times per
- * connection), so both directions expire alike. */
 /* The address-independent half of a packet seen on an entry (both families): refreshes `*last_seen` and works out
  * the flow's next state and flags from the entry's (`dir`: the packet's direction as the client sees it). Returns
  * whether they change. */
@@ -208,9 +247,9 @@ static __always_inline int pyproxy_ct_advance(__u64 *last_seen, __u8 cur_state, 
 	/* Written once per tick, not per packet: a flow's packets on several CPUs then share the cache line. */
 	if (*last_seen != now)
 		*last_seen = now;
-	/* The common packet changes nothing: no FIN or RST, and no first reply. */
-	if (!(tcp_flags & (PYPROXY_TCP_FIN | PYPROXY_TCP_RST)) &&
-	    (dir == PYPROXY_CT_FORWARD || cur_state != PYPROXY_CT_ST_NEW))
+	/* The common packet changes nothing: no FIN or RST on a flow past its handshake. */
+	if (!(tcp_flags & (PYPROXY_TCP_FIN | PYPROXY_TCP_RST)) && cur_state != PYPROXY_CT_ST_NEW &&
+	    cur_state != PYPROXY_CT_ST_SYN_RECV)
 		return 0;
 	*state = cur_state;
 	*flags = cur_flags;
@@ -218,20 +257,43 @@ static __always_inline int pyproxy_ct_advance(__u64 *last_seen, __u8 cur_state, 
 	return *state != cur_state || *flags != cur_flags;
 }
 
+/* Whether entry `v` (under `k`) holds its flow's beginning itself (abi.h, pyproxy_ct_value.epoch): every entry but
+ * a Service flow's FORWARD one, whose epoch field is the backends epoch. */
+static __always_inline int pyproxy_ct_holds_born(__u8 dir, __u8 flags)
+{
+	return dir == PYPROXY_CT_REVERSE || (flags & PYPROXY_CT_F_SNAT);
+}
+
+/* A packet of a live flow passed in the direction of entry `v` (under key `k`): refresh its clock and move
+ * the flow's state. A state change is written to the peer entry too (one more lookup, a few times per
+ * connection), so both directions expire alike. A replied UDP flow pays the peer lookup on each packet of its
+ * first seconds, for its age (pyproxy_ct_stream_due). */
 static __always_inline void pyproxy_ct_seen(const struct pyproxy_ct_key *k, struct pyproxy_ct_value *v,
 					    __u8 tcp_flags, __u64 now)
 {
 	__u8 state, flags;
-	struct pyproxy_ct_value *peer;
+	struct pyproxy_ct_value *peer = NULL;
 
 	if (!pyproxy_ct_advance(&v->last_seen, v->state, v->flags, pyproxy_ct_orig_dir(k, v), tcp_flags, now, &state,
-				&flags))
-		return;
-	if (state == PYPROXY_CT_ST_CLOSED)
+				&flags)) {
+		if (k->proto != IPPROTO_UDP || v->state != PYPROXY_CT_ST_SYN_RECV)
+			return;
+		if (!pyproxy_ct_holds_born(k->dir, v->flags)) {
+			peer = pyproxy_ct_peer(k, v);
+			if (!peer || !pyproxy_ct_stream_due(peer->epoch, now))
+				return;
+		} else if (!pyproxy_ct_stream_due(v->epoch, now)) {
+			return;
+		}
+		state = PYPROXY_CT_ST_ESTABLISHED;
+		flags = v->flags;
+	}
+	if (pyproxy_ct_over(state))
 		pyproxy_ct_uncount(k, v);
 	v->state = state;
 	v->flags = flags;
-	peer = pyproxy_ct_peer(k, v);
+	if (!peer)
+		peer = pyproxy_ct_peer(k, v);
 	if (peer) {
 		peer->state = state;
 		peer->flags = flags;
@@ -344,6 +406,7 @@ static __always_inline int pyproxy_ct_create(const struct pyproxy_pkt *p, const 
 	rv.state = state;
 	rv.flags = flags | (fwd_flags & PYPROXY_CT_F_COUNTED);
 	rv.svc_id = svc_id;
+	rv.epoch = (__u32)now;   /* the flow's beginning (abi.h) */
 	rv.last_seen = now;
 
 	/* Reverse first: a forward entry without its reverse would send replies out untranslated. */

@@ -3,8 +3,9 @@
  * Connection tracking of IPv6 flows (PYPROXY_MAP_CT6): ct.h's twin, entry for entry and rule for rule. The
  * address-independent parts are ct.h's own: the clock, the timeouts by state, the state machine
  * (pyproxy_ct_next), the endpoint-port bitmap. So an IPv6 flow has the same FORWARD/REVERSE pair, the same states
- * and timeouts, and the same closed-connection rules: a SYN past the handshake starts a new flow, and a SYN or
- * datagram that is no Service's removes the flow whose reverse entry would rewrite its replies (pyproxy_ct6_untrack).
+ * and timeouts, and the same closed-connection rules: a SYN on a closing or closed flow starts a new flow, and a
+ * SYN or datagram that is no Service's removes the flow whose reverse entry would rewrite its replies
+ * (pyproxy_ct6_untrack).
  */
 #ifndef PYPROXY_CT6_H
 #define PYPROXY_CT6_H
@@ -103,8 +104,7 @@ static __always_inline void pyproxy_ct6_uncount(const struct pyproxy_ct6_key *k,
 {
 	struct pyproxy_backend6 be;
 
-	if ((v->flags & (PYPROXY_CT_F_COUNTED | PYPROXY_CT_F_SNAT)) != PYPROXY_CT_F_COUNTED ||
-	    v->state == PYPROXY_CT_ST_CLOSED)
+	if ((v->flags & (PYPROXY_CT_F_COUNTED | PYPROXY_CT_F_SNAT)) != PYPROXY_CT_F_COUNTED || pyproxy_ct_over(v->state))
 		return;
 	pyproxy_ct6_backend(k, v, &be);
 	pyproxy_lb6_active_add(&be, -1);
@@ -115,16 +115,28 @@ static __always_inline void pyproxy_ct6_seen(const struct pyproxy_ct6_key *k, st
 					     __u8 tcp_flags, __u64 now)
 {
 	__u8 state, flags;
-	struct pyproxy_ct6_value *peer;
+	struct pyproxy_ct6_value *peer = NULL;
 
 	if (!pyproxy_ct_advance(&v->last_seen, v->state, v->flags, pyproxy_ct6_orig_dir(k, v), tcp_flags, now, &state,
-				&flags))
-		return;
-	if (state == PYPROXY_CT_ST_CLOSED)
+				&flags)) {
+		if (k->proto != IPPROTO_UDP || v->state != PYPROXY_CT_ST_SYN_RECV)
+			return;
+		if (!pyproxy_ct_holds_born(k->dir, v->flags)) {
+			peer = pyproxy_ct6_peer(k, v);
+			if (!peer || !pyproxy_ct_stream_due(peer->epoch, now))
+				return;
+		} else if (!pyproxy_ct_stream_due(v->epoch, now)) {
+			return;
+		}
+		state = PYPROXY_CT_ST_ESTABLISHED;
+		flags = v->flags;
+	}
+	if (pyproxy_ct_over(state))
 		pyproxy_ct6_uncount(k, v);
 	v->state = state;
 	v->flags = flags;
-	peer = pyproxy_ct6_peer(k, v);
+	if (!peer)
+		peer = pyproxy_ct6_peer(k, v);
 	if (peer) {
 		peer->state = state;
 		peer->flags = flags;
@@ -217,6 +229,7 @@ static __always_inline int pyproxy_ct6_create(const struct pyproxy_pkt6 *p, cons
 	v.state = state;
 	v.flags = flags | (fwd_flags & PYPROXY_CT_F_COUNTED);
 	v.svc_id = svc_id;
+	v.epoch = (__u32)now;   /* the flow's beginning (abi.h) */
 	v.last_seen = now;
 	if (bpf_map_update_elem(&PYPROXY_MAP_CT6, &k, &v, BPF_ANY))
 		return -1;

@@ -167,8 +167,14 @@ static __always_inline int pyproxy_lb_forward(void *ctx, __u32 ifindex, const st
 	if (ct) {
 		if (!pyproxy_ct_live(&k, ct, now)) {
 			pyproxy_count(PYPROXY_CNT_CT_EXPIRED);
-		} else if (pyproxy_is_syn(p) && ct->state != PYPROXY_CT_ST_NEW) {
-			/* A SYN past the handshake: the client opened a new connection on the same ports. */
+		} else if (ct->flags & PYPROXY_CT_F_SNAT) {
+			/* A backend's reply to an SNAT port that is also a frontend's (a Service on a node address): the
+			 * live SNAT pair under this very key says whose it is. */
+			if (!pyproxy_snat_reverse(p, be))
+				return PYPROXY_PASS;
+			return PYPROXY_DNAT;
+		} else if (pyproxy_is_syn(p) && pyproxy_ct_reopens(ct->state)) {
+			/* A SYN on a closing or closed flow: the client opened a new connection on the same ports. */
 			pyproxy_count(PYPROXY_CNT_CT_REOPENED);
 		} else if (pyproxy_ct_follow(ct, svc, epoch, be)) {
 			pyproxy_ct_seen(&k, ct, p->tcp_flags, now);

@@ -270,7 +270,12 @@ static __always_inline int pyproxy_lb6_forward(void *ctx, __u32 ifindex, const s
 	if (ct) {
 		if (!pyproxy_ct6_live(&k, ct, now)) {
 			pyproxy_count(PYPROXY_CNT_CT_EXPIRED);
-		} else if (pyproxy_is_syn6(p) && ct->state != PYPROXY_CT_ST_NEW) {
+		} else if (ct->flags & PYPROXY_CT_F_SNAT) {
+			/* A reply to an SNAT port that is also a frontend's (lb.h). */
+			if (!pyproxy_snat6_reverse(p, be))
+				return PYPROXY_PASS;
+			return PYPROXY_DNAT;
+		} else if (pyproxy_is_syn6(p) && pyproxy_ct_reopens(ct->state)) {
 			pyproxy_count(PYPROXY_CNT_CT_REOPENED);
 		} else if (pyproxy_lb6_ct_follow(ct, svc, epoch, be)) {
 			pyproxy_ct6_seen(&k, ct, p->tcp_flags, now);

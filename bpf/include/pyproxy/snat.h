@@ -11,8 +11,9 @@
  *   B:b -> C:c                     egress toward C: the Service flow's REVERSE entry puts F:f in the source
  *
  * S is the address the node's routing picks toward B (the route's preferred source, else the outgoing device's
- * address: what MASQUERADE would put), s a free port of the SNAT range (pyproxy_config.snat), free meaning that
- * no live flow holds (B:b, S:s). The source is written on egress, after routing, because a packet arriving
+ * address: what MASQUERADE would put), s a free port of the SNAT range (pyproxy_config.snat): the client's own c
+ * when it is in the range and free, else a random one; free meaning that no flow holds (B:b, S:s) that is live or
+ * in TIME_WAIT (pyproxy_snat_reusable). The source is written on egress, after routing, because a packet arriving
  * with one of the node's own addresses as its source would be dropped by the stack as a martian.
  */
 #ifndef PYPROXY_SNAT_H
@@ -74,13 +75,21 @@ static __always_inline __be32 pyproxy_snat_addr(void *ctx, __u32 ifindex, const 
 	return addr ? *addr : 0;
 }
 
-/* Whether the SNAT pair entry `v` under `k` may be taken over by a new flow: its flow is over (closed, or no
- * packet within its timeout). */
+/* Whether the SNAT pair entry `v` under `k` may be taken over by a new flow: its flow is over and gone (no packet
+ * within its state's timeout). A pair in TIME_WAIT is not, though its flow has closed: the backend may still hold
+ * TIME_WAIT on the tuple, and refuse a new client's SYN on it (pyproxy_snat_early). */
 static __always_inline int pyproxy_snat_reusable(const struct pyproxy_ct_key *k, const struct pyproxy_ct_value *v,
 						 __u64 now)
 {
-	return (v->flags & PYPROXY_CT_F_SNAT) &&
-	       (v->state == PYPROXY_CT_ST_CLOSED || !pyproxy_ct_live(k, v, now));
+	return (v->flags & PYPROXY_CT_F_SNAT) && !pyproxy_ct_live(k, v, now);
+}
+
+/* Whether the SNAT pair entry `v` may be taken over when no port tried was free nor reusable: its flow closed, by a
+ * RST or by FINs both ways. Better than dropping the new flow: a backend still in TIME_WAIT on the tuple answers
+ * the SYN with an ACK of the old connection, the client's RST clears it, and its next SYN gets through. */
+static __always_inline int pyproxy_snat_early(const struct pyproxy_ct_value *v)
+{
+	return (v->flags & PYPROXY_CT_F_SNAT) && pyproxy_ct_over(v->state);
 }
 
 /* One SNAT port allocation, as bpf_loop hands it to each try. */
@@ -90,35 +99,51 @@ struct pyproxy_snat_alloc {
 	__u64 now;
 	__u32 span;                    /* ports in the range */
 	__u32 found;                   /* set by the try that took rk.dport */
+	__be16 own;                    /* the client's own port, tried first when it is in the range; else 0 */
+	__be16 early;                  /* a port whose pair may be taken over early (pyproxy_snat_early); 0: none */
 };
 
-/* One try (a bpf_loop callback, so the verifier checks it once however many tries run): a random port of the
- * range, taken when no entry holds it, or when the one that does is over. Returns 1 to stop the loop. */
+/* Takes port `port` for the allocation `a` if no entry holds it, or if the one that does may be taken over
+ * (`early`: also one that closed but has not expired). Returns 1 when taken. */
+static __always_inline int pyproxy_snat_take(struct pyproxy_snat_alloc *a, __be16 port, int early)
+{
+	struct pyproxy_ct_value *old;
+
+	a->rk.dport = port;
+	/* The reply side, and only where no entry is: that is what makes the port this flow's. */
+	if (!bpf_map_update_elem(&PYPROXY_MAP_CT, &a->rk, &a->rv, BPF_NOEXIST))
+		return 1;
+	old = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &a->rk);
+	if (!old)
+		return 0;
+	if (!pyproxy_snat_reusable(&a->rk, old, a->now) && !(early && pyproxy_snat_early(old))) {
+		if (!a->early && pyproxy_snat_early(old))
+			a->early = port;
+		return 0;
+	}
+	pyproxy_ct_delete_pair(&a->rk, old);
+	return !bpf_map_update_elem(&PYPROXY_MAP_CT, &a->rk, &a->rv, BPF_NOEXIST);
+}
+
+/* One try (a bpf_loop callback, so the verifier checks it once however many tries run): the client's own port
+ * first (nf_nat's and Cilium's choice: the backend sees the port the client used), then random ports of the range.
+ * Returns 1 to stop the loop. */
 static long pyproxy_snat_try(__u32 i, void *data)
 {
 	struct pyproxy_snat_alloc *a = data;
-	struct pyproxy_ct_value *old;
+	__be16 port = i == 0 && a->own ? a->own
+				       : bpf_htons(pyproxy_config.snat.min + bpf_get_prandom_u32() % a->span);
 
-	a->rk.dport = bpf_htons(pyproxy_config.snat.min + bpf_get_prandom_u32() % a->span);
-	/* The reply side, and only where no entry is: that is what makes the port this flow's. */
-	if (!bpf_map_update_elem(&PYPROXY_MAP_CT, &a->rk, &a->rv, BPF_NOEXIST)) {
+	if (pyproxy_snat_take(a, port, 0)) {
 		a->found = 1;
 		return 1;
-	}
-	old = bpf_map_lookup_elem(&PYPROXY_MAP_CT, &a->rk);
-	if (old && pyproxy_snat_reusable(&a->rk, old, a->now)) {
-		pyproxy_ct_delete_pair(&a->rk, old);
-		if (!bpf_map_update_elem(&PYPROXY_MAP_CT, &a->rk, &a->rv, BPF_NOEXIST)) {
-			a->found = 1;
-			return 1;
-		}
 	}
 	return 0;
 }
 
 /* Records the SNAT pair of the new flow `p` (client -> frontend) that goes to `be`, from `addr` and a free port.
  * Returns non-zero when no port was free (or the table refused): the caller drops the packet, and the client's
- * retransmission tries again. */
+ * retransmission tries again. Both entries of the pair hold the flow's beginning (abi.h). */
 static __always_inline int pyproxy_snat_create(const struct pyproxy_pkt *p, const struct pyproxy_backend *be,
 					       __be32 addr, __u32 svc_id, __u64 now)
 {
@@ -126,9 +151,10 @@ static __always_inline int pyproxy_snat_create(const struct pyproxy_pkt *p, cons
 		.rk = { .saddr = be->addr, .daddr = addr, .sport = be->port, .proto = p->proto,
 			.dir = PYPROXY_CT_FORWARD },
 		.rv = { .nat_addr = p->saddr, .nat_port = p->sport, .state = PYPROXY_CT_ST_NEW,
-			.flags = PYPROXY_CT_F_SNAT, .svc_id = svc_id, .last_seen = now },
+			.flags = PYPROXY_CT_F_SNAT, .svc_id = svc_id, .epoch = (__u32)now, .last_seen = now },
 		.now = now,
 		.span = (__u32)pyproxy_config.snat.max - pyproxy_config.snat.min + 1,
+		.own = pyproxy_snat_port(p->sport) ? p->sport : 0,
 	};
 	struct pyproxy_ct_key ek = {
 		.saddr = p->saddr, .daddr = be->addr, .sport = p->sport, .dport = be->port, .proto = p->proto,
@@ -136,12 +162,15 @@ static __always_inline int pyproxy_snat_create(const struct pyproxy_pkt *p, cons
 	};
 	struct pyproxy_ct_value ev = {
 		.nat_addr = addr, .state = PYPROXY_CT_ST_NEW, .flags = PYPROXY_CT_F_SNAT, .svc_id = svc_id,
-		.last_seen = now,
+		.epoch = (__u32)now, .last_seen = now,
 	};
 
 	bpf_loop(PYPROXY_SNAT_TRIES, pyproxy_snat_try, &a, 0);
-	if (!a.found)
-		return -1;
+	if (!a.found) {
+		if (!a.early || !pyproxy_snat_take(&a, a.early, 1))
+			return -1;
+		pyproxy_count(PYPROXY_CNT_SNAT_EARLY_REUSE);
+	}
 	ev.nat_port = a.rk.dport;
 	if (bpf_map_update_elem(&PYPROXY_MAP_CT, &ek, &ev, BPF_ANY)) {
 		bpf_map_delete_elem(&PYPROXY_MAP_CT, &a.rk);

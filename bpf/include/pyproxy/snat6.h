@@ -47,8 +47,13 @@ static __always_inline int pyproxy_snat6_addr(void *ctx, __u32 ifindex, const st
 static __always_inline int pyproxy_snat6_reusable(const struct pyproxy_ct6_key *k, const struct pyproxy_ct6_value *v,
 						  __u64 now)
 {
-	return (v->flags & PYPROXY_CT_F_SNAT) &&
-	       (v->state == PYPROXY_CT_ST_CLOSED || !pyproxy_ct6_live(k, v, now));
+	return (v->flags & PYPROXY_CT_F_SNAT) && !pyproxy_ct6_live(k, v, now);
+}
+
+/* Whether its flow closed, so it may be taken over when no port tried was free (pyproxy_snat_early's twin). */
+static __always_inline int pyproxy_snat6_early(const struct pyproxy_ct6_value *v)
+{
+	return (v->flags & PYPROXY_CT_F_SNAT) && pyproxy_ct_over(v->state);
 }
 
 /* One IPv6 SNAT port allocation, as bpf_loop hands it to each try (struct pyproxy_snat_alloc's twin). */
@@ -58,25 +63,39 @@ struct pyproxy_snat6_alloc {
 	__u64 now;
 	__u32 span;
 	__u32 found;
+	__be16 own;
+	__be16 early;
 };
+
+/* Takes `port` if free or reusable, or (`early`) closed (pyproxy_snat_take's twin). */
+static __always_inline int pyproxy_snat6_take(struct pyproxy_snat6_alloc *a, __be16 port, int early)
+{
+	struct pyproxy_ct6_value *old;
+
+	a->rk.dport = port;
+	if (!bpf_map_update_elem(&PYPROXY_MAP_CT6, &a->rk, &a->rv, BPF_NOEXIST))
+		return 1;
+	old = bpf_map_lookup_elem(&PYPROXY_MAP_CT6, &a->rk);
+	if (!old)
+		return 0;
+	if (!pyproxy_snat6_reusable(&a->rk, old, a->now) && !(early && pyproxy_snat6_early(old))) {
+		if (!a->early && pyproxy_snat6_early(old))
+			a->early = port;
+		return 0;
+	}
+	pyproxy_ct6_delete_pair(&a->rk, old);
+	return !bpf_map_update_elem(&PYPROXY_MAP_CT6, &a->rk, &a->rv, BPF_NOEXIST);
+}
 
 static long pyproxy_snat6_try(__u32 i, void *data)
 {
 	struct pyproxy_snat6_alloc *a = data;
-	struct pyproxy_ct6_value *old;
+	__be16 port = i == 0 && a->own ? a->own
+				       : bpf_htons(pyproxy_config.snat.min + bpf_get_prandom_u32() % a->span);
 
-	a->rk.dport = bpf_htons(pyproxy_config.snat.min + bpf_get_prandom_u32() % a->span);
-	if (!bpf_map_update_elem(&PYPROXY_MAP_CT6, &a->rk, &a->rv, BPF_NOEXIST)) {
+	if (pyproxy_snat6_take(a, port, 0)) {
 		a->found = 1;
 		return 1;
-	}
-	old = bpf_map_lookup_elem(&PYPROXY_MAP_CT6, &a->rk);
-	if (old && pyproxy_snat6_reusable(&a->rk, old, a->now)) {
-		pyproxy_ct6_delete_pair(&a->rk, old);
-		if (!bpf_map_update_elem(&PYPROXY_MAP_CT6, &a->rk, &a->rv, BPF_NOEXIST)) {
-			a->found = 1;
-			return 1;
-		}
 	}
 	return 0;
 }
@@ -92,16 +111,20 @@ static __always_inline int pyproxy_snat6_create(const struct pyproxy_pkt6 *p, co
 {
 	struct pyproxy_snat6_alloc a = {
 		.rv = { .nat_addr = p->saddr, .nat_port = p->sport, .state = PYPROXY_CT_ST_NEW,
-			.flags = PYPROXY_CT_F_SNAT, .svc_id = svc_id, .last_seen = now },
+			.flags = PYPROXY_CT_F_SNAT, .svc_id = svc_id, .epoch = (__u32)now, .last_seen = now },
 		.now = now,
 		.span = (__u32)pyproxy_config.snat.max - pyproxy_config.snat.min + 1,
+		.own = pyproxy_snat_port(p->sport) ? p->sport : 0,
 	};
 	__be16 port;
 
 	pyproxy_ct6_key_set(&a.rk, &be->addr, addr, be->port, 0, p->proto, PYPROXY_CT_FORWARD);
 	bpf_loop(PYPROXY_SNAT_TRIES, pyproxy_snat6_try, &a, 0);
-	if (!a.found)
-		return -1;
+	if (!a.found) {
+		if (!a.early || !pyproxy_snat6_take(&a, a.early, 1))
+			return -1;
+		pyproxy_count(PYPROXY_CNT_SNAT_EARLY_REUSE);
+	}
 	port = a.rk.dport;
 	pyproxy_ct6_key_set(&a.rk, &p->saddr, &be->addr, p->sport, be->port, p->proto, PYPROXY_CT_REVERSE);
 	a.rv.nat_addr = *addr;

@@ -18,7 +18,7 @@ MAP_SLOTS = "pyproxy_slot_v1"
 MAP_BACKENDS = "pyproxy_be_v1"
 MAP_CT = "pyproxy_ct_v2"
 MAP_STATS = "pyproxy_stat_v1"
-MAP_COUNTERS = "pyproxy_cnt_v3"
+MAP_COUNTERS = "pyproxy_cnt_v4"
 MAP_NAMES = "pyproxy_name_v1"
 MAP_EPOCH = "pyproxy_epoch_v1"
 MAP_FRAGS = "pyproxy_frag_v1"
@@ -127,8 +127,14 @@ CT_ST_ESTABLISHED = 0
 CT_ST_NEW = 1
 CT_ST_CLOSING = 2
 CT_ST_CLOSED = 3
+CT_ST_SYN_RECV = 4
+CT_ST_TIME_WAIT = 5
 CT_STATE_NAME = {CT_ST_ESTABLISHED: "established", CT_ST_NEW: "new", CT_ST_CLOSING: "closing",
-                 CT_ST_CLOSED: "closed"}
+                 CT_ST_CLOSED: "closed", CT_ST_SYN_RECV: "syn-recv", CT_ST_TIME_WAIT: "time-wait"}
+CT_ST_OVER = frozenset({CT_ST_CLOSED, CT_ST_TIME_WAIT})
+"""States of a TCP flow that has ended (ct.h pyproxy_ct_over)."""
+CT_ST_REOPENS = CT_ST_OVER | {CT_ST_CLOSING}
+"""States of a TCP flow on which a SYN opens a new connection (ct.h pyproxy_ct_reopens)."""
 # struct pyproxy_ct_value.flags (PYPROXY_CT_F_*)
 CT_F_FIN_FWD = 0x1
 CT_F_FIN_REV = 0x2
@@ -158,6 +164,7 @@ COUNTERS = (
     "snat_no_port",
     "snat_no_route",
     "revsnat",
+    "snat_early_reuse",
 )
 
 IPPROTO = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP}
@@ -283,7 +290,9 @@ class CtValue(ctypes.Structure):
         ("state", ctypes.c_uint8),  # CT_ST_*
         ("flags", ctypes.c_uint8),  # CT_F_*
         ("svc_id", ctypes.c_uint32),  # host order
-        ("epoch", ctypes.c_uint32),  # host order; backends epoch the backend was last confirmed at (FORWARD)
+        # host order; a Service flow's FORWARD entry: the backends epoch the backend was last confirmed at; any
+        # other entry: the low 32 bits of the tick its flow began (abi.h)
+        ("epoch", ctypes.c_uint32),
         ("last_seen", ctypes.c_uint64),  # host order; jiffies (bpf_jiffies64, clock.py)
     ]
 
@@ -298,8 +307,10 @@ class CtTimeoutTicks(ctypes.Structure):
         ("tcp_closed", ctypes.c_uint32),
         ("udp_new", ctypes.c_uint32),
         ("udp_established", ctypes.c_uint32),
-        ("shortest", ctypes.c_uint32),  # the smallest of the above
-        ("pad", ctypes.c_uint32),
+        ("shortest", ctypes.c_uint32),  # the smallest timeout here
+        ("tcp_syn_recv", ctypes.c_uint32),
+        ("tcp_time_wait", ctypes.c_uint32),
+        ("udp_stream_after", ctypes.c_uint32),  # not a timeout: when a replied UDP flow becomes a stream
     ]
 
 

@@ -3,7 +3,7 @@ the IPv6 layout, `IPV6`), each in a thread of the BPF dataplane.
 
 The programs treat an expired entry as absent (bpf/include/pyproxy/ct.h) but leave it in the map: it goes when a
 new flow overwrites it, when the LRU evicts it, or here. A pass reads the whole map with batched lookups, picks
-the garbage and deletes it with batched deletes:
+the garbage, and deletes each of it that is still as it read it (a compare, then the delete):
 
 - a FORWARD or REVERSE entry idle longer than its state's timeout (`conntrack.timeout_ticks`, the programs' own
   constants) plus `MARGIN_SECONDS`, unless the other entry of its flow is not (the programs keep a flow while
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 MARGIN_SECONDS = 2.0
 """How far past its timeout an entry must be before it is deleted (see `find_garbage` on why)."""
 DELETE_CHUNK = 4096
-"""Keys per bpf_map_delete_batch call; a stop request is honoured between calls."""
+"""Deletes between two looks at a stop request."""
 
 # The CT map's key and value, field by field as in abi.h (tests/unit/test_bpf_gc.py checks them against the
 # ctypes structs). Addresses and ports stay bytes: they are only compared and paired, never printed.
@@ -161,13 +161,14 @@ def find_garbage(
 ) -> array.array:
     """The indexes of the CT entries (packed, as `BpfMap.items_raw` reads them) to delete at tick `now`.
 
-    The read and the deletes are not atomic: a packet may refresh an entry in between, and the delete then
-    removes the refreshed entry. That is harmless because only entries idle for longer than their timeout plus
-    `margin` (and whose flow's other entry is too) are picked: at the read the programs already treated them as
-    absent, so no live flow can be hit. A packet that comes in between on such a tuple starts a new flow in the
-    programs' eyes, and losing its entry is losing that new flow's first packet (a SYN is retransmitted, a
-    datagram's next one picks a backend again). `margin` covers the difference between `clock.ticks_now()` and
-    the kernel's jiffies (times(2) counts in 10 ms), so an entry the programs would keep is never picked.
+    The read and the deletes are not atomic: a packet may refresh an entry in between, or a new flow take its key
+    over (a new connection on its ports, the SNAT allocator reusing an expired pair's port). Only entries idle for
+    longer than their timeout plus `margin` (and whose flow's other entry is too) are picked: at the read the
+    programs already treated them as absent, so no live flow can be hit; and the pass reads each entry again just
+    before deleting it and leaves it when it changed (`CtGarbageCollector.run_pass`), so what a new flow wrote is
+    kept but for the microseconds between that read and the delete. `margin` covers the difference between
+    `clock.ticks_now()` and the kernel's jiffies (times(2) counts in 10 ms), so an entry the programs would keep
+    is never picked.
 
     An AFFINITY entry is read before the services map (`CtGarbageCollector.run_pass`): the programs make one only
     for a frontend with affinity, so when that frontend has none at the later read, the entry is no use.
@@ -223,7 +224,7 @@ def count_open(keys: bytes, values: bytes, deleted: Iterable[int], layout: CtLay
     entries = zip(layout.ct_key.iter_unpack(keys), layout.ct_open.iter_unpack(values), strict=True)
     for i, ((_, _, _, _, _, direction), (nat, state, flags)) in enumerate(entries):
         if (direction == abi.CT_FORWARD and flags & (abi.CT_F_COUNTED | abi.CT_F_SNAT) == abi.CT_F_COUNTED
-                and state != abi.CT_ST_CLOSED and i not in gone):
+                and state not in abi.CT_ST_OVER and i not in gone):
             counts[nat] = counts.get(nat, 0) + 1
     return counts
 
@@ -319,15 +320,21 @@ class CtGarbageCollector:
         affinity = frontends_with_affinity(*self.services.items_raw(), layout=self.layout)
         garbage = find_garbage(keys, values, affinity, self.timeouts, now, int(MARGIN_SECONDS * self.hz),
                                layout=self.layout)
-        size, deleted = self.layout.ct_key.size, 0
-        for first in range(0, len(garbage), DELETE_CHUNK):
-            if self._stop.is_set():
+        size, vsize = self.layout.ct_key.size, self.layout.ct_age.size  # ct_age spans the whole value
+        gone = array.array("I")
+        for n, i in enumerate(garbage):
+            if n % DELETE_CHUNK == 0 and self._stop.is_set():
                 break
-            chunk = garbage[first : first + DELETE_CHUNK]
-            self.ct.delete_batch(b"".join([keys[i * size : (i + 1) * size] for i in chunk]), len(chunk))
-            deleted += len(chunk)
+            key = keys[i * size : (i + 1) * size]
+            # Read again just before the delete, and delete only what is still as the pass read it: between the
+            # pass's read and here, a new flow may have taken the key over (the SNAT allocator reuses an expired
+            # pair's port, snat.h), and deleting its entry would lose that flow's translation.
+            if self.ct.get_raw(key) == values[i * vsize : (i + 1) * vsize]:
+                self.ct.delete_raw(key)
+                gone.append(i)
         if self.backends is not None and not self._stop.is_set():
-            recount(self.backends, count_open(keys, values, garbage[:deleted], self.layout), self.layout)
+            recount(self.backends, count_open(keys, values, gone, self.layout), self.layout)
+        deleted = len(gone)
         done = GcPass(seen=len(keys) // size, deleted=deleted, seconds=time.monotonic() - start)
         self.metrics.entries.set(done.seen)
         self.metrics.deleted.inc(done.deleted)

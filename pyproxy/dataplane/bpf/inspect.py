@@ -181,8 +181,8 @@ def _add_flows(out: inspection.View, ct: BpfMap, names: dict[int, str], affinity
             proto, _ip(k.saddr), abi.port_of(k.sport), _ip(k.daddr), abi.port_of(k.dport), backend,
             name, abi.CT_STATE_NAME.get(v.state, str(v.state)), idle_sec=round(idle / hz, 3),
             snat=_snat_source(ct, k, v) if v.flags & abi.CT_F_MASQ else None,
-            # lb.h takes a SYN on a flow past its handshake as a new connection: a closed one pins none.
-            ended=k.proto == abi.IPPROTO["TCP"] and v.state == abi.CT_ST_CLOSED))
+            # lb.h takes a SYN on a closing or closed flow as a new connection: such a flow pins none.
+            ended=k.proto == abi.IPPROTO["TCP"] and v.state in abi.CT_ST_REOPENS))
 
 
 def report(maps: Maps, flows: bool = True) -> str:

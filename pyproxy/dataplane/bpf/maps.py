@@ -184,6 +184,16 @@ class BpfMap(MutableMapping[K, V], Generic[K, V]):
                 raise MapFullError(errno.E2BIG, f"BPF map {self.name} is full")
             libbpf.check(ret, f"update of map {self.name}")
 
+    def get_raw(self, key: bytes) -> bytes | None:
+        """The value under a packed key, packed; None when there is none."""
+        value = ffi.new("char[]", ctypes.sizeof(self.value_type))
+        ret = libbpf.lib().bpf_map_lookup_elem(self.fd, ffi.from_buffer(key), value)
+        if ret < 0:
+            if _error(ret) == errno.ENOENT:
+                return None
+            libbpf.check(ret, f"lookup in map {self.name}")
+        return bytes(ffi.buffer(value))
+
     def delete_raw(self, key: bytes) -> None:
         """One entry by packed key; an absent one is no error."""
         ret = libbpf.lib().bpf_map_delete_elem(self.fd, ffi.from_buffer(key))
