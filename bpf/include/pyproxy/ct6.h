@@ -119,7 +119,7 @@ static __always_inline void pyproxy_ct6_seen(const struct pyproxy_ct6_key *k, st
 
 	if (!pyproxy_ct_advance(&v->last_seen, v->state, v->flags, pyproxy_ct6_orig_dir(k, v), tcp_flags, now, &state,
 				&flags)) {
-		if (k->proto != IPPROTO_UDP || v->state != PYPROXY_CT_ST_SYN_RECV)
+		if (v->state != PYPROXY_CT_ST_SYN_RECV || k->proto != IPPROTO_UDP)
 			return;
 		if (!pyproxy_ct_holds_born(k->dir, v->flags)) {
 			peer = pyproxy_ct6_peer(k, v);
