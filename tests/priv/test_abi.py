@@ -152,7 +152,7 @@ def test_python_reads_each_map_with_its_c_key_and_value_types(btf: Btf) -> None:
     readers: dict[str, tuple[type, type, int | None]] = {
         m.name: (m.key_type, m.value_type, None) for m in maps.by_name.values()
     }
-    for arr in (maps.stats, maps.counters):
+    for arr in (maps.stats, maps.counters, maps.refusals):
         assert isinstance(arr, PerCpuArray)
         readers[arr.name] = (ctypes.c_uint32, arr.value_type, BPF_MAP_TYPE_PERCPU_ARRAY)
     for per_cpu_hash in (maps.epstats, maps.epstats6):

@@ -5,6 +5,9 @@ host would build from scratch."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 from harness import CLIENT, PORT, ROOT, TC_ACT_SHOT, TC_INGRESS, VIP, XDP, Dataplane, port_state
 from packets import (
@@ -72,3 +75,25 @@ def test_xdp_leaves_the_answer_to_tc(dp: Dataplane, proto: int) -> None:
 def test_what_cannot_be_answered_safely_is_dropped(dp: Dataplane, data: bytes) -> None:
     empty(dp, TCP)
     assert dp.run(TC_INGRESS, data)[0] == TC_ACT_SHOT
+
+
+def test_a_flood_gets_refusals_at_the_kernels_icmp_rate_and_the_rest_is_dropped(dp: Dataplane) -> None:
+    """A SYN flood to a frontend without endpoints is not answered one for one (a reflector): each CPU sends a burst
+    of 50, then 1,000 a second, as the kernel limits its own ICMP errors; the rest is dropped and counted."""
+    empty(dp, TCP)
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cpus)})  # one CPU's bucket (the test runs on the calling CPU)
+    try:
+        start = time.monotonic()
+        verdicts = [dp.run(TC_INGRESS, frame(Flow(CLIENT, VIP, 20000 + i, PORT), tcp_flags=TCP_SYN))[0]
+                    for i in range(400)]
+        elapsed_ms = (time.monotonic() - start) * 1000
+        answered, dropped = verdicts.count(TC_ACT_REDIRECT), verdicts.count(TC_ACT_SHOT)
+        assert answered + dropped == 400
+        assert 50 <= answered <= 50 + elapsed_ms + 2, f"{answered} refusals in {elapsed_ms:.0f} ms"
+        assert verdicts[:50] == [TC_ACT_REDIRECT] * 50, "the burst comes first"
+        assert dp.counter("refusal_limited") == dropped > 0
+        time.sleep(0.05)
+        assert dp.run(TC_INGRESS, frame(Flow(CLIENT, VIP, 21000, PORT), tcp_flags=TCP_SYN))[0] == TC_ACT_REDIRECT
+    finally:
+        os.sched_setaffinity(0, cpus)

@@ -35,6 +35,7 @@
                                                 * template without BTF (maps.h), which 6.1 needs */
 #define PYPROXY_MAP_EPSTATS   pyproxy_epstat_v1
 #define PYPROXY_MAP_DEVADDRS  pyproxy_dev_v1
+#define PYPROXY_MAP_REFUSALS  pyproxy_refuse_v1   /* both families */
 /* IPv6 (README, "IPv6 in bpf mode"): the twins of the maps above whose keys or values hold an address. Frontends of
  * both families share one service id space, so the maps indexed by service id (stats, names, cursors), the epoch,
  * the endpoint ports and the counters serve both. */
@@ -154,6 +155,7 @@ enum pyproxy_counter {
 	PYPROXY_CNT_REVSNAT,           /* a backend's reply to a node address and SNAT port went back to its client */
 	PYPROXY_CNT_SNAT_EARLY_REUSE,  /* an SNAT port was handed out while its last flow was in TIME_WAIT: no other
 					* port tried was free (the backend may refuse the first SYN: a 1 s retry) */
+	PYPROXY_CNT_REFUSAL_LIMITED,   /* dropped, not refused: this CPU's refusals (RST, ICMP) were over their rate */
 	PYPROXY_CNT_MAX,
 };
 
@@ -285,6 +287,22 @@ struct pyproxy_cidr6 {
 	struct pyproxy_in6 mask;
 };
 
+/* Value of PYPROXY_MAP_REFUSALS (per-CPU, one entry): a token bucket of the refusals (reject.h) this CPU may send,
+ * kept as time: credit grows by the nanoseconds that pass, up to a burst's worth, and each refusal spends one
+ * refusal's worth (pyproxy_config.refusal). */
+struct pyproxy_refusal_bucket {
+	__u64 credit_ns;   /* host order */
+	__u64 last_ns;     /* host order; bpf_ktime_get_ns() of the last refusal asked for */
+};
+
+/* struct pyproxy_config.refusal: how many refusals each CPU may send, as the kernel limits its own ICMP errors
+ * (net.ipv4.icmp_msgs_per_sec, icmp_msgs_burst): a flood to a frontend without endpoints is not answered one for
+ * one. */
+struct pyproxy_refusal_rate {
+	__u32 ns_per_refusal;   /* the time one refusal costs: 1e9 / refusals per second */
+	__u32 burst;            /* refusals the bucket holds */
+};
+
 struct pyproxy_config {
 	struct pyproxy_ct_timeouts ct;
 	struct pyproxy_snat_ports snat;
@@ -295,6 +313,7 @@ struct pyproxy_config {
 	__u32 kernel;  /* PYPROXY_KERNEL_* */
 	__u32 pad;     /* zero */
 	struct pyproxy_cidr6 cluster6;   /* appended: .rodata is each load's own, no map keeps the old layout */
+	struct pyproxy_refusal_rate refusal;
 };
 
 /* Value of PYPROXY_MAP_CURSORS: a frontend's round-robin position (rr, wrr). */

@@ -148,6 +148,7 @@ PYPROXY_BCC_TABLE("lpm_trie", struct pyproxy_srcrange6_key, __u32, PYPROXY_MAP_S
 BPF_F_TABLE("array", __u32, struct pyproxy_backend6, pyproxy_table6, 1, BPF_F_INNER_MAP);
 PYPROXY_BCC_TABLE("hash_of_maps$pyproxy_table6", __u32, int, PYPROXY_MAP_TABLES6, PYPROXY_BCC_MAX_tables6, 0);
 PYPROXY_BCC_TABLE("hash", __u32, struct pyproxy_in6, PYPROXY_MAP_DEVADDRS6, PYPROXY_MAX_DEVADDRS, BPF_F_NO_PREALLOC);
+PYPROXY_BCC_TABLE("percpu_array", __u32, struct pyproxy_refusal_bucket, PYPROXY_MAP_REFUSALS, 1, 0);
 PYPROXY_BCC_TABLE("percpu_hash", struct pyproxy_backend6, struct pyproxy_svc_stats, PYPROXY_MAP_EPSTATS6,
 		  PYPROXY_BCC_MAX_epstats6, BPF_F_NO_PREALLOC);
 PYPROXY_BCC_TABLE("prog", __u32, __u32, PYPROXY_MAP_JUMP6, PYPROXY_JUMP6_TC_MAX, 0);

@@ -196,6 +196,16 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_NAMES SEC(".maps");
 
+/* The refusals this CPU may still send (struct pyproxy_refusal_bucket, reject.h): per-CPU, so a refusal costs no
+ * atomic; one entry serves both families. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct pyproxy_refusal_bucket);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_REFUSALS SEC(".maps");
+
 /* Node device (ifindex, host order) -> the IPv4 address (network order) SNAT gives a flow leaving by it: the
  * device's primary address, which MASQUERADE would pick too. Read only where bpf_fib_lookup cannot name the source
  * address itself (pyproxy_config.kernel without PYPROXY_KERNEL_FIB_SRC: before 6.7); the control plane then fills
@@ -361,6 +371,7 @@ const volatile struct pyproxy_config pyproxy_config = {
 	.cluster6 = {},
 	.endpoint_counters = 0,
 	.kernel = PYPROXY_KERNEL_FIB_SRC,
+	.refusal = { .ns_per_refusal = 1000000, .burst = 50 },
 };
 
 #endif /* PYPROXY_BCC */

@@ -18,6 +18,7 @@
 #include <linux/bpf.h>
 #include <linux/pkt_cls.h>
 #include <bpf/bpf_helpers.h>
+#include "pyproxy/counters.h"
 #include "pyproxy/csum.h"
 #include "pyproxy/icmp.h"
 #include "pyproxy/parse.h"
@@ -164,10 +165,36 @@ static __always_inline int pyproxy_reject_udp(struct __sk_buff *skb, const struc
 	return bpf_redirect(skb->ifindex, 0);
 }
 
+/* Whether this CPU may send one more refusal now (PYPROXY_MAP_REFUSALS' bucket), both families: else the packet is
+ * dropped, counted, and its client retries or times out. The clock is read only here: refusals are rare but for
+ * a flood. */
+static __always_inline int pyproxy_refusal_allowed(void)
+{
+	__u32 zero = 0;
+	struct pyproxy_refusal_bucket *b = bpf_map_lookup_elem(&PYPROXY_MAP_REFUSALS, &zero);
+	__u64 now, cost = pyproxy_config.refusal.ns_per_refusal, credit;
+
+	if (!b)
+		return 1;
+	now = bpf_ktime_get_ns();
+	credit = b->credit_ns + (now - b->last_ns);   /* the first refusal finds last_ns 0: a full bucket */
+	if (credit > cost * pyproxy_config.refusal.burst)
+		credit = cost * pyproxy_config.refusal.burst;
+	b->last_ns = now;
+	if (credit < cost) {
+		b->credit_ns = credit;
+		pyproxy_count(PYPROXY_CNT_REFUSAL_LIMITED);
+		return 0;
+	}
+	b->credit_ns = credit - cost;
+	return 1;
+}
+
 /* Answers a packet to a frontend that has no usable endpoint; returns the TC verdict. */
 static __always_inline int pyproxy_tc_reject(struct __sk_buff *skb, const struct pyproxy_pkt *p)
 {
-	if (p->l4_off != PYPROXY_IPV4_PLAIN || p->frag != PYPROXY_FRAG_NONE || skb->gso_segs > 1)
+	if (p->l4_off != PYPROXY_IPV4_PLAIN || p->frag != PYPROXY_FRAG_NONE || skb->gso_segs > 1 ||
+	    !pyproxy_refusal_allowed())
 		return TC_ACT_SHOT;
 	return p->proto == IPPROTO_TCP ? pyproxy_reject_tcp(skb, p) : pyproxy_reject_udp(skb, p);
 }

@@ -77,7 +77,8 @@ static __always_inline int pyproxy_reject6_udp(struct __sk_buff *skb, const stru
 
 static __always_inline int pyproxy_tc_reject6(struct __sk_buff *skb, const struct pyproxy_pkt6 *p)
 {
-	if (p->l4_off != PYPROXY_IPV6_PLAIN || p->frag != PYPROXY_FRAG_NONE || skb->gso_segs > 1)
+	if (p->l4_off != PYPROXY_IPV6_PLAIN || p->frag != PYPROXY_FRAG_NONE || skb->gso_segs > 1 ||
+	    !pyproxy_refusal_allowed())
 		return TC_ACT_SHOT;
 	return p->proto == IPPROTO_TCP ? pyproxy_reject6_tcp(skb, p) : pyproxy_reject6_udp(skb, p);
 }

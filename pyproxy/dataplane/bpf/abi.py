@@ -29,6 +29,8 @@ MAP_CURSORS = "pyproxy_rr_v1"
 MAP_TABLES = "pyproxy_tbl_v3"
 MAP_EPSTATS = "pyproxy_epstat_v1"
 MAP_DEVADDRS = "pyproxy_dev_v1"
+MAP_REFUSALS = "pyproxy_refuse_v1"
+"""Per-CPU token bucket of refusals (reject.h), both families."""
 """Node device (ifindex) -> its primary IPv4 address, for SNAT on kernels without BPF_FIB_LOOKUP_SRC (snat.py)."""
 # IPv6: the twins of the maps holding an address (abi.h; README, "IPv6 in bpf mode").
 MAP_SERVICES6 = "pyproxy_svc6_v1"
@@ -52,6 +54,7 @@ MAP_PREFIX = "pyproxy_"
 """Every map name (and so every pin) starts with it: how cleanup and a newer layout find ours."""
 ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES, MAP_EPOCH,
             MAP_FRAGS, MAP_PORTS, MAP_SOCKS, MAP_SRCRANGES, MAP_CURSORS, MAP_TABLES, MAP_EPSTATS, MAP_DEVADDRS,
+            MAP_REFUSALS,
             MAP_SERVICES6, MAP_SLOTS6, MAP_BACKENDS6, MAP_CT6, MAP_FRAGS6, MAP_SRCRANGES6, MAP_TABLES6, MAP_SOCKS6,
             MAP_DEVADDRS6, MAP_EPSTATS6, MAP_JUMP6, MAP_XJUMP6)
 TABLE6_NAME = "pyproxy_table6"
@@ -165,6 +168,7 @@ COUNTERS = (
     "snat_no_route",
     "revsnat",
     "snat_early_reuse",
+    "refusal_limited",
 )
 
 IPPROTO = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP}
@@ -354,6 +358,24 @@ class Cidr6(ctypes.Structure):
         return cls(in6(str(net.network_address)), in6(str(net.netmask)))
 
 
+class RefusalBucket(ctypes.Structure):
+    """struct pyproxy_refusal_bucket"""
+
+    _fields_ = [("credit_ns", ctypes.c_uint64), ("last_ns", ctypes.c_uint64)]  # host order
+
+
+class RefusalRate(ctypes.Structure):
+    """struct pyproxy_refusal_rate"""
+
+    _fields_ = [("ns_per_refusal", ctypes.c_uint32), ("burst", ctypes.c_uint32)]
+
+
+REFUSALS_PER_SECOND = 1000
+"""Refusals (TCP resets, ICMP unreachables) each CPU may send per second, and REFUSAL_BURST at once: the kernel's own
+limits for its ICMP errors (net.ipv4.icmp_msgs_per_sec, icmp_msgs_burst)."""
+REFUSAL_BURST = 50
+
+
 class Config(ctypes.Structure):
     """struct pyproxy_config (the .rodata variable CONFIG_VAR)"""
 
@@ -365,6 +387,7 @@ class Config(ctypes.Structure):
         ("kernel", ctypes.c_uint32),  # KERNEL_*: what the running kernel offers (kernel.py)
         ("pad", ctypes.c_uint32),
         ("cluster6", Cidr6),  # the cluster CIDR's IPv6 half
+        ("refusal", RefusalRate),
     ]
 
 
@@ -533,6 +556,8 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "pyproxy_ct_value": CtValue,
     "pyproxy_ct_timeouts": CtTimeoutTicks,
     "pyproxy_snat_ports": SnatPorts,
+    "pyproxy_refusal_bucket": RefusalBucket,
+    "pyproxy_refusal_rate": RefusalRate,
     "pyproxy_cidr": Cidr,
     "pyproxy_config": Config,
     "pyproxy_frag_key": FragKey,

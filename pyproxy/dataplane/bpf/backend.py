@@ -337,6 +337,7 @@ class Maps:
         self.devaddrs: BpfMap = BpfMap(fds[abi.MAP_DEVADDRS], abi.MAP_DEVADDRS, ctypes.c_uint32, ctypes.c_uint32)
         self.stats: PerCpuArray = PerCpuArray(fds[abi.MAP_STATS], abi.MAP_STATS, abi.SvcStats)
         self.counters: PerCpuArray = PerCpuArray(fds[abi.MAP_COUNTERS], abi.MAP_COUNTERS, ctypes.c_uint64)
+        self.refusals: PerCpuArray = PerCpuArray(fds[abi.MAP_REFUSALS], abi.MAP_REFUSALS, abi.RefusalBucket)
         self.epstats: PerCpuHash = PerCpuHash(fds[abi.MAP_EPSTATS], abi.MAP_EPSTATS, abi.Backend, abi.SvcStats)
         self.epstats6: PerCpuHash = PerCpuHash(fds[abi.MAP_EPSTATS6], abi.MAP_EPSTATS6, abi.Backend6, abi.SvcStats)
         # IPv6 (abi.h): the twins of the maps above that hold an address, and the program arrays of the IPv6
@@ -373,6 +374,7 @@ class Maps:
             m.close()
         self.stats.close()
         self.counters.close()
+        self.refusals.close()
         self.epstats.close()
         self.epstats6.close()
 

@@ -291,7 +291,8 @@ def constants(ct_timeouts: abi.CtTimeoutTicks | None, snat_ports: tuple[int, int
         ct_timeouts = conntrack.CtTimeouts().ticks(clock.kernel_hz())
     return abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(cluster_cidr),
                       endpoint_counters=int(endpoint_counters), kernel=kernel_flags,
-                      cluster6=abi.Cidr6.of(cluster_cidr6))
+                      cluster6=abi.Cidr6.of(cluster_cidr6),
+                      refusal=abi.RefusalRate(10**9 // abi.REFUSALS_PER_SECOND, abi.REFUSAL_BURST))
 
 
 def fill_jumps(loaded: LoadedObject) -> None:
