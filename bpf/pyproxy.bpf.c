@@ -41,14 +41,14 @@ static __always_inline int pyproxy_is_ipv6(void *data, void *data_end)
 /* Parses an skb, pulling headers into the linear area once if they straddle it. */
 static __always_inline int pyproxy_tc_parse(struct __sk_buff *skb, struct pyproxy_pkt *p)
 {
-	int r = pyproxy_parse((void *)(long)skb->data, (void *)(long)skb->data_end, p);
+	int r = pyproxy_parse_len((void *)(long)skb->data, (void *)(long)skb->data_end, p, skb->len);
 
 	if (r == PYPROXY_PARSE_SHORT && skb->len > skb->data_end - skb->data) {
 		__u32 want = skb->len < 128 ? skb->len : 128;
 
 		if (bpf_skb_pull_data(skb, want))
 			return PYPROXY_PARSE_SKIP;
-		r = pyproxy_parse((void *)(long)skb->data, (void *)(long)skb->data_end, p);
+		r = pyproxy_parse_len((void *)(long)skb->data, (void *)(long)skb->data_end, p, skb->len);
 	}
 	/* A later fragment of a translated datagram takes its ports from the first fragment's record. */
 	if (r == PYPROXY_PARSE_FRAG)

@@ -346,6 +346,8 @@ MALFORMED = {
     "tot-len-below-tcp-header": _ip_to_vip(TCP, _tcp_to_vip(), tot_len=20 + 12),
     "tot-len-below-udp-header": _ip_to_vip(UDP, _udp_to_vip(), tot_len=20 + 4),
     "tot-len-below-ip-header": _ip_to_vip(TCP, _tcp_to_vip(), tot_len=10),
+    # A total length of 0 is BIG TCP's only in a packet over 64 KB (tests/e2e/test_big_tcp_e2e.py); here, malformed.
+    "tot-len-zero-not-big": _ip_to_vip(TCP, _tcp_to_vip(), tot_len=0),
 }
 
 

@@ -84,12 +84,14 @@ static __always_inline int pyproxy_parse_l4(void *data, void *data_end, __u32 of
 }
 
 /* Fills *p for an IPv4 TCP or UDP packet. Malformed headers are SKIP so the caller passes the packet
- * untouched; fragments and ICMP get their own results, for TC (XDP leaves them to TC). */
-static __always_inline int pyproxy_parse(void *data, void *data_end, struct pyproxy_pkt *p)
+ * untouched; fragments and ICMP get their own results, for TC (XDP leaves them to TC). `len`: the packet's length
+ * from its link header as the stack holds it (TC: skb->len; 0 where no packet can be longer than 64 KB, XDP): a TCP
+ * packet over 64 KB is a BIG TCP one (GRO or GSO, kernels since 6.3), whose IPv4 total length reads 0. */
+static __always_inline int pyproxy_parse_len(void *data, void *data_end, struct pyproxy_pkt *p, __u32 len)
 {
 	struct ethhdr *eth = data;
 	struct iphdr *ip;
-	__u32 ihl;
+	__u32 ihl, tot_len;
 	__u16 frag_off;
 
 	if ((void *)(eth + 1) > data_end)
@@ -100,12 +102,15 @@ static __always_inline int pyproxy_parse(void *data, void *data_end, struct pypr
 	if ((void *)(ip + 1) > data_end)
 		return PYPROXY_PARSE_SHORT;
 	ihl = ip->ihl * 4;
-	if (ip->version != 4 || ihl < sizeof(*ip) || bpf_ntohs(ip->tot_len) < ihl)
+	tot_len = bpf_ntohs(ip->tot_len);
+	if (!tot_len && ip->protocol == IPPROTO_TCP && len > 0xffff + sizeof(*eth))
+		tot_len = len - sizeof(*eth);
+	if (ip->version != 4 || ihl < sizeof(*ip) || tot_len < ihl)
 		return PYPROXY_PARSE_SKIP;
 
 	p->l3_off = sizeof(*eth);
 	p->l4_off = sizeof(*eth) + ihl;
-	p->l4_len = bpf_ntohs(ip->tot_len) - ihl;
+	p->l4_len = tot_len - ihl;
 	p->saddr = ip->saddr;
 	p->daddr = ip->daddr;
 	p->proto = ip->protocol;
@@ -129,6 +134,11 @@ static __always_inline int pyproxy_parse(void *data, void *data_end, struct pypr
 
 	return pyproxy_parse_l4(data, data_end, p->l4_off, p->l4_len, p->proto, &p->sport, &p->dport, &p->tcp_flags,
 				&p->csum_off);
+}
+
+static __always_inline int pyproxy_parse(void *data, void *data_end, struct pyproxy_pkt *p)
+{
+	return pyproxy_parse_len(data, data_end, p, 0);
 }
 
 #endif
