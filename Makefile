@@ -171,7 +171,7 @@ bench/build/pyproxy-frag-v9.bpf.o: bpf/pyproxy.bpf.c $(BPF_HDRS)
 
 bench-tools: $(BENCH_TOOLS)
 
-# The full run: under 35 minutes on 2 cores (about 25 on a quiet machine; every part's own budget is in bench/).
+# The full run: under 39 minutes on 2 cores (about 30 on a quiet machine; every part's own budget is in bench/).
 bench: install apiserver kube-proxy guest-image bench-tools $(VENV)/.bench-stamp
 	$(VPY) -m bench.run
 
@@ -181,7 +181,7 @@ bench: install apiserver kube-proxy guest-image bench-tools $(VENV)/.bench-stamp
 bench-restarts: install apiserver kube-proxy bench-tools $(VENV)/.bench-stamp
 	$(VPY) -m bench.run --parts restarts
 
-# Small sizes, under 3 minutes.
+# Small sizes, under 4 minutes.
 bench-quick: install apiserver kube-proxy guest-image bench-tools $(VENV)/.bench-stamp
 	$(VPY) -m bench.run --quick
 
