@@ -19,14 +19,14 @@ and the step before.
 
 What bounds it in bpf mode: the SNAT ports (--bpf-snat-port-range, 4,536 by default) per node address, backend and
 protocol, each held while its flow lives (today a replied UDP flow lives 120 s, --conntrack-udp-timeout-stream;
-the kernel keeps a single exchange 30 s). A flow that finds no free port in 32 random tries is dropped
-(counter snat_no_port, in each step's detail). So the rate at which bpf fails depends on what the ramp's earlier
-steps still hold: this ramp's number, not a sustained rate (sustained, a pool of P ports held H seconds a flow
-carries under about 0.8 P / H a second: 30/s at 120 s, 120/s at 30 s). With 15 s steps the full ramp tells the two
-holds apart: held 120 s, the ports of every step so far add up (2,700 after the 70/s step, 4,200 after the 100/s
-one: misses begin there); held 30 s, only the last two steps' count (2,550 at 100/s, 3,600 at 140/s, 5,100 at
-200/s: misses begin at 140/s). nftables SNATs with the kernel's NAT, which keeps the client's source port where it
-is free: fresh client ports never run out.
+the kernel keeps a single exchange 30 s). A flow that finds no free port in 32 random tries is dropped (counter
+snat_no_port, in each step's detail). So the rate at which bpf fails depends on what the ramp's earlier steps
+still hold: this ramp's number, not a sustained rate (sustained, a pool of P ports held H seconds a flow carries
+under about 0.8 P / H a second: 30/s at 120 s, 120/s at 30 s). With 15 s steps the full ramp tells the two holds
+apart: held 120 s, the ports of every step so far add up (2,700 after the 70/s step, 4,200 after the 100/s one:
+misses begin there); held 30 s, only the last two steps' count (2,550 at 100/s, 3,600 at 140/s, where the 32
+tries may first miss, 5,100 at 200/s: out of ports). nftables SNATs with the kernel's NAT, which keeps the
+client's source port where it is free: fresh client ports never run out.
 The client is Python: a step whose sends lagged their schedule (late_ms in its detail) offered less than its rate
 at the time; the notes say where that happened.
 """
