@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -111,7 +111,11 @@ class Part:
     metrics: Mapping[str, str] = field(default_factory=dict)
     """Metric -> the heading of its table, in the order the tables are printed."""
     size_word: str = "Service"
-    """What a Measurement's `services` counts, in the tables' headings ("Service", "backend")."""
+    """What a Measurement's `services` counts, in the tables' headings ("Service", "backend"; a unit with a "/",
+    "exchanges/s", is not made plural)."""
+    summary: Callable[[Sequence[Mapping[str, Any]]], list[str]] | None = None
+    """More Markdown after the part's tables, from its measurements (as the results hold them): e.g. a table of
+    where each series crosses a threshold."""
     needs_root: bool = True
     """False for a part that only computes (no lab, no BPF): a run of such parts alone needs no root."""
 
@@ -171,6 +175,8 @@ class Recorder:
 
 
 def plural(n: int, word: str) -> str:
+    if "/" in word:  # a unit: "25 exchanges/s"
+        return f"{n:,} {word}"
     return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
