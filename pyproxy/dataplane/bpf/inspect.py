@@ -12,13 +12,16 @@ ones, so the frontends still show, under placeholder names.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import re
 from pathlib import Path
 
+from pyproxy.dataplane import netlink
 from pyproxy.dataplane.bpf import abi, attach, clock, libbpf, loader
 from pyproxy.dataplane.bpf.backend import DEFAULT_OBJECT, Maps
+from pyproxy.dataplane.bpf.conntrack import CtTimeouts, timeout_ticks
 from pyproxy.dataplane.bpf.maps import BpfMap
 from pyproxy.dataplane.bpf.render import AppliedFrontend
 from pyproxy.model import inspection
@@ -153,14 +156,48 @@ def view(maps: Maps, flows: bool = True) -> inspection.View:
     now, hz = clock.ticks_now(), clock.kernel_hz()
     names = {fe.svc_id: fe.name for fe in applied.frontends.values()}
     affinity_ticks = {fe.svc_id: fe.affinity_sec * hz for fe in applied.frontends.values()}
+    timeouts = loaded_timeouts() or CtTimeouts().ticks(hz)
     for ct in (maps.ct, maps.ct6):
-        _add_flows(out, ct, names, affinity_ticks, now, hz)
+        _add_flows(out, ct, names, affinity_ticks, now, hz, timeouts)
     return out
 
 
+def loaded_timeouts() -> abi.CtTimeoutTicks | None:
+    """The connection-tracking timeouts the attached programs run with: their .rodata (struct pyproxy_config, the
+    loader's constants), read through a program on this namespace's devices; None when none is attached."""
+    for pid in sorted({pid for link in netlink.list_links() for pid in attach.ours(link.index).values()}):
+        fds = loader.maps_of_program(pid)
+        try:
+            for name, fd in fds.items():
+                if name.endswith(".rodata"):
+                    value = BpfMap(os.dup(fd), name, ctypes.c_uint32, abi.Config)
+                    try:
+                        return value[ctypes.c_uint32(0)].ct
+                    except (KeyError, OSError):
+                        return None
+                    finally:
+                        value.close()
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+    return None
+
+
+def _expired(ct: BpfMap, k: ctypes.Structure, v: ctypes.Structure, now: int, t: abi.CtTimeoutTicks) -> bool:
+    """Whether the flow of FORWARD entry `v` under `k` is gone in the programs' eyes (ct.h pyproxy_ct_live): this
+    entry and its peer are both past their state's timeout. The collector deletes such a flow at its next pass."""
+    if now - v.last_seen <= timeout_ticks(t, k.proto, v.state):
+        return False
+    peer_key = ct.key_type(saddr=v.nat_addr, daddr=k.saddr, sport=v.nat_port, dport=k.sport, proto=k.proto,
+                           dir=abi.CT_REVERSE)
+    peer = ct.get(peer_key)
+    return peer is None or now - peer.last_seen > timeout_ticks(t, k.proto, peer.state)
+
+
 def _add_flows(out: inspection.View, ct: BpfMap, names: dict[int, str], affinity_ticks: dict[int, int], now: int,
-               hz: int) -> None:
-    """The flows and affinities of one family's CT map (PYPROXY_MAP_CT, PYPROXY_MAP_CT6)."""
+               hz: int, timeouts: abi.CtTimeoutTicks) -> None:
+    """The live flows and affinities of one family's CT map (PYPROXY_MAP_CT, PYPROXY_MAP_CT6): a flow past its
+    timeouts is absent to the programs, and not shown, though the collector has not deleted it yet."""
     for k in ct.keys_list():
         if k.dir == abi.CT_REVERSE:
             continue
@@ -176,6 +213,8 @@ def _add_flows(out: inspection.View, ct: BpfMap, names: dict[int, str], affinity
             out.affinities.append(inspection.Affinity(
                 proto, _ip(k.saddr), _ip(k.daddr), abi.port_of(k.dport), backend, name,
                 round((affinity_ticks.get(v.svc_id, 0) - idle) / hz, 3)))
+            continue
+        if _expired(ct, k, v, now, timeouts):
             continue
         out.flows.append(inspection.Flow(
             proto, _ip(k.saddr), abi.port_of(k.sport), _ip(k.daddr), abi.port_of(k.dport), backend,
