@@ -282,6 +282,20 @@ def test_a_stacked_client_link_holds_the_node_address_above_the_veth(stack: str)
         assert lab.arrivals(lab.client) >= 6  # TCP: SYN-ACK and more per connection; UDP: one reply each
         lab.count_arrivals(lab.client, ["10.201.0.0/16"])  # again: from zero
         assert lab.arrivals(lab.client) == 0
+
+        # The client's frames for the node's address go to the upper device's MAC (a macvlan's lower device answers
+        # ARP only for its own addresses); send_to_lower_device sends them to the veth's, and the node still answers.
+        def mac(dev: str) -> str:
+            return lab.exec(lab.node, "cat", f"/sys/class/net/{dev}/address").stdout.strip()
+
+        def neighbour() -> str:
+            return lab.exec(lab.client, "ip", "neigh", "show", "10.200.0.1").stdout
+        if stack == "macvlan":
+            assert lab.exec(lab.node, "sysctl", "-n", f"net.ipv4.conf.{lower}.arp_ignore").stdout.strip() == "1"
+            assert mac(upper) in neighbour(), (neighbour(), mac(upper))
+        lab.send_to_lower_device()
+        assert mac(lower) in neighbour() and "PERMANENT" in neighbour(), neighbour()
+        assert lab.probe("tcp", "10.201.1.2", 8080, 3)["replies"] == {"b1:8080": 3}
         assert not nonzero_checksum_errors(lab.checksum_errors())
 
 
