@@ -85,6 +85,9 @@ def test_a_macvlan_lower_device_keeps_them_beside_the_macvlan_even_without_an_ad
                             "stay on it"
     assert tc(verdicts([eth0, mv, vlan], {"mv0": ["192.0.2.10/24"]})) == {"eth0", "mv0", "eth0.100"}
     assert v["mv0"] == Verdict(True, False, "")
+    # An ipvlan's lower device alike (in L3S mode the ipvlan runs no TC ingress of its own).
+    ipvl = link("ipvl0", "ipvlan", on=eth0)
+    assert tc(verdicts([eth0, ipvl], {"ipvl0": ["192.0.2.11/24"]})) == {"eth0", "ipvl0"}
 
 
 def test_a_macvlan_whose_lower_device_is_in_another_namespace_changes_nothing_here() -> None:
