@@ -736,7 +736,7 @@ class BpfDataplane:
             self._devaddrs.start()
         # Subscribe before listing so a device created in between is not missed.
         self._watcher = netlink.LinkWatcher(self._on_link, self._reread)
-        self._reread()
+        self._read_devices()
         self._watcher.start()
         self._attach_socket_hooks()
         # Its own fds: it runs beside syncs and device events and takes none of their locks.
@@ -808,13 +808,20 @@ class BpfDataplane:
                 self._links.pop(link.index, None)
             self._sync_devices()
 
-    def _reread(self) -> None:
-        """The devices and their addresses from the kernel, then the rule for all: at start, when an address of a
-        device's own came or went (the rule reads them), and when events were lost."""
+    def _read_devices(self) -> None:
+        """The devices and their addresses from the kernel, then the rule for all (at start: a failure fails it)."""
         with self._lock:
             self._links = {lk.index: lk for lk in netlink.list_links()}
             self._addresses = netlink.own_addresses()
             self._sync_devices()
+
+    def _reread(self) -> None:
+        """_read_devices for the watcher: when an address of a device's own came or went (the rule reads them), and
+        when events were lost."""
+        try:
+            self._read_devices()
+        except OSError as e:  # the next event reads them again; the watcher thread must live on
+            log.warning("cannot list the node's devices and addresses: %s", e)
 
     def _sync_devices(self) -> None:
         """Make every device hold what the device rule says, acting only where its verdict changed (or on a device

@@ -1,5 +1,6 @@
 """The device rule: which devices of the node get pyproxy's TC programs (and XDP), as a pure function of the devices
-and their addresses, so a frame crosses one pyproxy TC ingress program (README, "The device rule").
+and their addresses, so a frame crosses one pyproxy TC ingress program wherever one serves every frame (README, "The
+device rule").
 
 A frame received on a bridge port runs the port's TC ingress and then, as the bridge's own frame, the bridge's; the
 same for a macvlan or a VLAN over its lower device and a bond over its slaves. Without `--devices`:
