@@ -83,8 +83,9 @@
  * kernel writes the whole field when a TC hook's filter returns TC_ACT_OK: tc_index becomes the low 16 bits of the
  * classid, __sk_buff.tc_classid, whatever the program wrote to tc_index itself. So the program writes tc_classid,
  * the mark is a value rather than a bit, and it lasts until the next TC hook the packet passes (the upper device's
- * ingress, or the egress of the device it leaves by), which writes it again. Measured on 6.18 (bridge port ->
- * bridge, macvlan lower -> macvlan): the value reaches the upper device's TC ingress; a write to tc_index does not. */
+ * ingress, or the egress of the device it leaves by), which writes it again. Measured on 6.18 and Debian's 6.1
+ * (bridge port -> bridge, macvlan lower -> macvlan; on 6.1 also VLAN parent -> VLAN): the value reaches the upper
+ * device's TC ingress; a write to tc_index does not. */
 #define PYPROXY_TC_TRANSLATED 0x7079   /* "py" */
 
 /* struct pyproxy_svc_value.flags */
