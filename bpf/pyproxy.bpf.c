@@ -11,6 +11,12 @@
  *    backend's address against the interface it really came in on.
  *  - SNAT (snat.h) the same way round: the source is written on TC egress (a packet entering with a node
  *    address as its source would be a martian), a reply to an SNAT port gets its client back on ingress.
+ *  - A device stacked over another (a bridge over its port, a macvlan over its lower device) runs TC ingress on
+ *    the same packet again, after the rewrite: what TC ingress translated carries a mark (abi.h,
+ *    PYPROXY_TC_TRANSLATED; XDP's, nat.h), and a pass that finds one leaves the packet alone. TC egress needs none:
+ *    a packet leaving through such a stack (the bridge, then its port) meets the second program with its tuple
+ *    already translated, which no flow's entry is keyed by, and passes untouched (seen end to end with programs on
+ *    both devices, tests/e2e/test_stacked_devices_e2e.py).
  *
  * IPv6 has programs of its own, the `6` twins below, which the IPv4 entry points tail-call when the frame is IPv6
  * (PYPROXY_MAP_JUMP6, PYPROXY_MAP_XJUMP6): the dispatch sits where the IPv4 parser has already said "not IPv4",
@@ -73,6 +79,8 @@ static __always_inline int pyproxy_tc_icmp(struct __sk_buff *skb, const struct p
 	if (pyproxy_icmp_nat((void *)(long)skb->data, (void *)(long)skb->data_end, &e,
 			     dir == PYPROXY_CT_REVERSE ? PYPROXY_NAT_DST : PYPROXY_NAT_SRC, to.addr, to.port))
 		return TC_ACT_SHOT;
+	if (dir == PYPROXY_CT_FORWARD)
+		pyproxy_tc_mark(skb);
 	return TC_ACT_OK;
 }
 
@@ -82,7 +90,7 @@ int pyproxy_tc_ingress(struct __sk_buff *skb)
 	struct pyproxy_pkt p;
 	struct pyproxy_backend be;
 
-	if (pyproxy_tc_xdp_translated(skb))
+	if (pyproxy_tc_translated(skb))
 		return TC_ACT_OK;
 	switch (pyproxy_tc_parse(skb, &p)) {
 	case PYPROXY_PARSE_OK:
@@ -99,6 +107,7 @@ int pyproxy_tc_ingress(struct __sk_buff *skb)
 		pyproxy_frag_record(&p);
 		if (pyproxy_tc_nat(skb, &p, PYPROXY_NAT_DST, be.addr, be.port))
 			return TC_ACT_SHOT;
+		pyproxy_tc_mark(skb);
 		return TC_ACT_OK;
 	case PYPROXY_REJECT:
 		return pyproxy_tc_reject(skb, &p);
@@ -214,6 +223,8 @@ static __always_inline int pyproxy_tc_icmp6(struct __sk_buff *skb, const struct 
 	if (pyproxy_icmp6_nat((void *)(long)skb->data, (void *)(long)skb->data_end, &e,
 			      dir == PYPROXY_CT_REVERSE ? PYPROXY_NAT_DST : PYPROXY_NAT_SRC, &to))
 		return TC_ACT_SHOT;
+	if (dir == PYPROXY_CT_FORWARD)
+		pyproxy_tc_mark(skb);
 	return TC_ACT_OK;
 }
 
@@ -223,7 +234,7 @@ int pyproxy_tc_ingress6(struct __sk_buff *skb)
 	struct pyproxy_pkt6 p;
 	struct pyproxy_backend6 be;
 
-	if (pyproxy_tc_xdp_translated(skb))
+	if (pyproxy_tc_translated(skb))
 		return TC_ACT_OK;
 	switch (pyproxy_tc_parse6(skb, &p)) {
 	case PYPROXY_PARSE_OK:
@@ -238,6 +249,7 @@ int pyproxy_tc_ingress6(struct __sk_buff *skb)
 		pyproxy_frag6_record(&p);
 		if (pyproxy_tc_nat6(skb, &p, PYPROXY_NAT_DST, &be.addr, be.port))
 			return TC_ACT_SHOT;
+		pyproxy_tc_mark(skb);
 		return TC_ACT_OK;
 	case PYPROXY_REJECT:
 		return pyproxy_tc_reject6(skb, &p);

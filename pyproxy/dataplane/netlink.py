@@ -39,17 +39,29 @@ class Link:
     ether: bool
     """An Ethernet-framed device: the BPF programs parse from an Ethernet header."""
     up: bool
+    master: int = 0
+    """IFLA_MASTER: the index of the bridge or bond (or other master) this device is enslaved to; 0: none."""
+    slave_kind: str = ""
+    """IFLA_INFO_SLAVE_KIND: what kind of master it is enslaved to ("bridge", "bond"), "" when none."""
+    link: int = 0
+    """IFLA_LINK, when it names a device of this namespace: the device a VLAN or macvlan is stacked on, a veth's
+    peer; 0 otherwise (none, or one in another namespace: IFLA_LINK_NETNSID)."""
 
 
 def _link_of(msg: dict) -> Link:
     info = msg.get_attr("IFLA_LINKINFO")  # type: ignore[attr-defined]
     kind = info.get_attr("IFLA_INFO_KIND") if info else ""
+    slave_kind = info.get_attr("IFLA_INFO_SLAVE_KIND") if info else ""
+    here = msg.get_attr("IFLA_LINK_NETNSID") is None  # type: ignore[attr-defined]
     return Link(
         index=msg["index"],
         name=msg.get_attr("IFLA_IFNAME"),  # type: ignore[attr-defined]
         kind=kind or "",
         ether=msg["ifi_type"] == ARPHRD_ETHER,
         up=bool(msg["flags"] & 1),
+        master=msg.get_attr("IFLA_MASTER") or 0,  # type: ignore[attr-defined]
+        slave_kind=slave_kind or "",
+        link=(msg.get_attr("IFLA_LINK") or 0) if here else 0,  # type: ignore[attr-defined]
     )
 
 
@@ -145,18 +157,24 @@ class _Watcher:
 
 
 class LinkWatcher(_Watcher):
-    """Calls `on_change(link, present)` for every link added, changed or removed, from a thread of its own."""
+    """Calls `on_change(link, present)` for every link added, changed (enslaved, released, renamed...) or removed,
+    from a thread of its own; and `reread()`, if given, once for a batch of events that adds or removes an address of
+    a device's own (not a link-local or host one: every device that comes up gets an IPv6 link-local address), or
+    when events were lost: what it follows must then be read from the kernel again."""
 
     name = "link-watch"
 
-    def __init__(self, on_change: Callable[[Link, bool], None]) -> None:
+    def __init__(self, on_change: Callable[[Link, bool], None], reread: Callable[[], None] | None = None) -> None:
         self._on_change = on_change
+        self._reread = reread
         super().__init__()
 
     def _handle(self, msgs: list[dict]) -> None:
         for m in msgs:
             event = m.get("event")
-            if event not in ("RTM_NEWLINK", "RTM_DELLINK"):
+            # The bridge's own news of its ports (AF_BRIDGE: port state, and RTM_DELLINK when one leaves the bridge,
+            # the device staying) carry no link kind: only the device's own (AF_UNSPEC) say what it is.
+            if event not in ("RTM_NEWLINK", "RTM_DELLINK") or m.get("family") == socket.AF_BRIDGE:
                 continue
             try:
                 lk = _link_of(m)
@@ -164,6 +182,13 @@ class LinkWatcher(_Watcher):
                 continue
             if lk.name and lk.name != "lo":
                 self._on_change(lk, event == "RTM_NEWLINK")
+        own = (m for m in msgs if m.get("event") in ("RTM_NEWADDR", "RTM_DELADDR"))
+        if self._reread is not None and any(m.get("scope") not in (RT_SCOPE_LINK, RT_SCOPE_HOST) for m in own):
+            self._reread()
+
+    def _lost(self) -> None:
+        if self._reread is not None:
+            self._reread()
 
 
 # -- the node's own addresses ------------------------------------------------------------------------------------
@@ -180,6 +205,7 @@ class Address:
 
 
 RT_SCOPE_HOST = 254
+RT_SCOPE_LINK = 253
 RT_TABLE_MAIN, RT_TABLE_LOCAL = 254, 255
 RTN_LOCAL = 2
 
@@ -205,6 +231,21 @@ def list_addresses(families: tuple[int, ...] = (socket.AF_INET, socket.AF_INET6)
 
 IFA_F_SECONDARY = 0x01
 RT_SCOPE_UNIVERSE = 0
+
+
+def own_addresses() -> dict[int, list[str]]:
+    """Device index -> the addresses it holds of its own, "ip/prefix", in the kernel's order: every IPv4 one and the
+    IPv6 ones that are not link-local (which the kernel gives every device that comes up) or host-scoped. Loopback's
+    are left out."""
+    out: dict[int, list[str]] = {}
+    with IPRoute() as ipr:
+        for a in ipr.get_addr():
+            ip = a.get_attr("IFA_LOCAL") or a.get_attr("IFA_ADDRESS")
+            link_local = a["family"] == socket.AF_INET6 and a["scope"] == RT_SCOPE_LINK
+            if not ip or a["scope"] == RT_SCOPE_HOST or link_local:
+                continue
+            out.setdefault(a["index"], []).append(f"{ip}/{a['prefixlen']}")
+    return out
 
 
 def primary_ipv4_by_device() -> dict[int, str]:

@@ -17,6 +17,22 @@ default routes of both families, and the node forwards IPv6 too (not with a rout
 addresses on its link, 10.200.0.3 onwards (`Lab.client_ips`), as N clients behind one link: what source-hashing
 schedulers tell apart.
 
+With `client_stack="bridge"` the node's address on the client's link sits on a bridge `br0` whose port is the veth
+`to-client` (a node whose NIC is a bridge port); with `client_stack="macvlan"` it sits on a macvlan `mv0` (bridge
+mode) over `to-client`, which holds no address itself and answers ARP only for its own addresses (arp_ignore=1), so the
+client's frames are the macvlan's (`send_to_lower_device` sends them to to-client's MAC instead, as a client that
+took the lower device's ARP answer does). `node_client_ifname` is the device holding the address either way,
+`node_client_lower_ifname` the veth under it:
+
+    client 10.200.0.2 --eth0/to-client-- [br0 10.200.0.1 | mv0 10.200.0.1] node
+
+With `pod_bridge=True` the node's backends hang off a bridge `cni0`, as pods of a bridge CNI do: each `to-bI` veth
+is a port of it, cni0 holds their gateway 10.201.0.1/16, and every backend keeps its address 10.201.I.2 (`backend_ip`),
+now in that one /16 (with `ipv6`, fd00:10:201::1/48 and fd00:10:201:I::2/48): pods reach each other bridged, port to
+port, and the node through cni0. A Backend's `node_ip` is then the gateway, its `node_ifname` its port.
+
+    node cni0 10.201.0.1/16 --to-bI/eth0-- backend I 10.201.I.2/16
+
 With `remote_backends=N` a second node joins (as an operator builds a two-node lab: node 1 runs pyproxy, pods on
 both nodes, node 2 with no route back to the external network), and with `second_client=True` a second client
 outside the cluster, on a subnet of its own (for loadBalancerSourceRanges that hold one client and not the other):
@@ -98,6 +114,18 @@ REMOTE_NODE_NAME = "lab-node-2"
 UPLINK_IP = "10.199.0.2"
 NODE_UPLINK_IP = "10.199.0.1"
 NODE_CLIENT_IFNAME = "to-client"
+CLIENT_STACKS = ("bridge", "macvlan")
+NODE_CLIENT_BRIDGE = "br0"
+"""client_stack="bridge": the bridge holding NODE_CLIENT_IP, NODE_CLIENT_IFNAME its port."""
+NODE_CLIENT_MACVLAN = "mv0"
+"""client_stack="macvlan": the macvlan (bridge mode) over NODE_CLIENT_IFNAME holding NODE_CLIENT_IP."""
+POD_BRIDGE = "cni0"
+"""pod_bridge=True: the bridge the backends' veths are ports of, holding their gateway POD_GATEWAY_IP."""
+POD_GATEWAY_IP = "10.201.0.1"
+POD_PREFIX = 16
+"""The pod bridge's subnet, 10.201.0.0/16, holds every backend_ip()."""
+POD_PREFIX6 = 48
+"""Its IPv6 twin: fd00:10:201::/48 holds every ipv6_of(backend_ip())."""
 NODE_UPLINK_IFNAME = "to-uplink"
 ROUTER_IP = "10.198.0.2"
 NODE_ROUTER_IP = "10.198.0.1"
@@ -112,6 +140,9 @@ MAX_BACKENDS = 254
 CHECKSUM_COUNTERS = ("TcpInCsumErrors", "UdpInCsumErrors", "IcmpInCsumErrors", "IpExtInCsumErrors",
                      "Udp6InCsumErrors", "Icmp6InCsumErrors")
 """TCP's counter covers both families; UDP and ICMP over IPv6 count theirs in /proc/net/snmp6."""
+
+ARRIVALS_TABLE = "lab_arrivals"
+"""The nftables table of `Lab.count_arrivals`."""
 
 _PR_SET_PDEATHSIG = 1
 _CLONE_NEWNET = 0x40000000
@@ -398,12 +429,15 @@ class Lab:
     a checksum left wrong by NAT is verified and counted by the receiver (pitfall 3), see `checksum_errors()`.
     `router="client"|"backends"` puts a router namespace between the node and that side (see the module's
     docstring), its link to the node at `router_mtu`; a Backend's `node_ip`/`node_ifname` are then the router's.
+    `client_stack="bridge"|"macvlan"` puts the node's client-facing address on a device stacked over the client's
+    veth, and `pod_bridge=True` makes the backends ports of a bridge (both in the module's docstring).
     """
 
     def __init__(self, backends: int = 3, *, prefix: str = "pyp", distro: bool = False,
                  csum_offload: bool = False, rp_filter: int = 1, router: str | None = None,
                  router_mtu: int | None = None, remote_backends: int = 0, second_client: bool = False,
-                 client_addresses: int = 0, ipv6: bool = False) -> None:
+                 client_addresses: int = 0, ipv6: bool = False, client_stack: str | None = None,
+                 pod_bridge: bool = False) -> None:
         if not 0 <= backends <= MAX_BACKENDS or not 0 <= remote_backends <= MAX_BACKENDS:
             raise ValueError(f"backends and remote_backends must be 0..{MAX_BACKENDS}")
         if router is not None and (remote_backends or second_client):
@@ -419,6 +453,17 @@ class Lab:
             raise ValueError(f"router must be one of {ROUTER_SIDES} or None")
         if router_mtu is not None and (router is None or not 576 <= router_mtu <= 65535):
             raise ValueError("router_mtu needs a router and must be 576..65535")
+        if client_stack is not None and client_stack not in CLIENT_STACKS:
+            raise ValueError(f"client_stack must be one of {CLIENT_STACKS} or None")
+        if client_stack is not None and router == "client":
+            raise ValueError("client_stack stacks the node's own client link, which router='client' replaces")
+        if pod_bridge and router == "backends":
+            raise ValueError("pod_bridge bridges the node's own backend links, which router='backends' replaces")
+        self.client_stack = client_stack
+        """The device holding the node's client-facing address: a bridge over the client's veth, a macvlan over it,
+        or (None) the veth itself."""
+        self.pod_bridge = pod_bridge
+        """The backends are ports of the bridge POD_BRIDGE, their gateway, in one subnet."""
         self.router_side = router
         """Which side of the node the router namespace is on: "client", "backends" or None (no router)."""
         self.router_mtu = router_mtu
@@ -501,15 +546,25 @@ class Lab:
 
     @property
     def node_client_ifname(self) -> str:
-        """The node's client-facing interface (where ClusterIP traffic enters the node)."""
-        return NODE_ROUTER_IFNAME if self.router_side == "client" else NODE_CLIENT_IFNAME
+        """The node's client-facing interface (where ClusterIP traffic enters the node): the device holding its
+        address on the client's link, stacked (client_stack) or not."""
+        if self.router_side == "client":
+            return NODE_ROUTER_IFNAME
+        return {"bridge": NODE_CLIENT_BRIDGE, "macvlan": NODE_CLIENT_MACVLAN}.get(self.client_stack or "",
+                                                                                  NODE_CLIENT_IFNAME)
+
+    @property
+    def node_client_lower_ifname(self) -> str:
+        """The node's end of the client's link, the NIC-like device: with client_stack, the veth under
+        `node_client_ifname` (the bridge's port, the macvlan's lower device); else `node_client_ifname` itself."""
+        return NODE_CLIENT_IFNAME if self.client_stack else self.node_client_ifname
 
     @property
     def node_ifnames(self) -> list[str]:
-        """Every interface of the node except lo."""
+        """Every interface of the node except lo, the devices stacked over others and those under them alike."""
         backend_side = ([NODE_ROUTER_IFNAME] if self.router_side == "backends"
-                        else [b.node_ifname for b in self._backends])
-        names = [self.node_client_ifname] + backend_side
+                        else [POD_BRIDGE] * self.pod_bridge + [b.node_ifname for b in self._backends])
+        names = [self.node_client_ifname] + [NODE_CLIENT_IFNAME] * bool(self.client_stack) + backend_side
         names += [NODE_CLIENT2_IFNAME] if self.second_client else []
         names += [NODE_NODE2_IFNAME] if self.node2 else []
         return (names + [NODE_UPLINK_IFNAME]) if self.uplink else names
@@ -593,28 +648,44 @@ class Lab:
             self.sysctl(ns, {"net.ipv6.conf.all.accept_dad": 0, "net.ipv6.conf.default.accept_dad": 0})
         return ns
 
-    def _link(self, node_ifname: str, peer_ns: str, node_cidr: str, peer_cidr: str, gateway: str | None, *,
-              upstream: str | None = None, mtu: int | None = None) -> None:
+    def _address(self, ns: str, dev: str, cidr: str, prefix6: int = 64) -> None:
+        """`cidr` on `dev` in `ns`, and with `ipv6` its IPv6 twin (ipv6_of) with `prefix6`."""
+        run(["ip", "-n", ns, "addr", "add", cidr, "dev", dev])
+        if self.ipv6:
+            run(["ip", "-n", ns, "addr", "add", f"{ipv6_of(cidr.split('/')[0])}/{prefix6}", "dev", dev, "nodad"])
+
+    def _node_device(self, name: str, cidr: str, *create: str, prefix6: int = 64) -> None:
+        """A device of the node made by `ip link add NAME CREATE...` (a bridge, a macvlan), addressed and up."""
+        run(["ip", "-n", self.node, "link", "add", name, *create])
+        if self.distro:
+            self.sysctl(self.node, {f"net.ipv4.conf.{name}.rp_filter": self.rp_filter})
+        self._address(self.node, name, cidr, prefix6)
+        run(["ip", "-n", self.node, "link", "set", name, "up"])
+
+    def _link(self, node_ifname: str, peer_ns: str, node_cidr: str | None, peer_cidr: str, gateway: str | None, *,
+              upstream: str | None = None, mtu: int | None = None, master: str | None = None,
+              prefix6: int = 64) -> None:
         """A veth pair node:node_ifname <-> peer_ns:eth0, addressed and up; the peer's default route goes via
         `gateway` (None: no default route). `upstream` puts the first end in that namespace (a router, node2)
-        instead of the node; `mtu` sets both ends'."""
+        instead of the node; `mtu` sets both ends'. `node_cidr` None leaves the first end unaddressed, `master`
+        makes it a port of that bridge; `prefix6` is the IPv6 addresses' prefix length."""
         up = self.node if upstream is None else upstream
         if len(node_ifname) > IFNAMSIZ:
             raise LabError(f"interface name too long: {node_ifname}")
         # Created directly inside the namespaces: no temporary name in the host namespace to collide on.
         run(["ip", "-n", up, "link", "add", node_ifname, "type", "veth", "peer", "name", PEER_IFNAME,
              "netns", peer_ns])
+        if master is not None:
+            run(["ip", "-n", up, "link", "set", node_ifname, "master", master])
         if mtu is not None:
             run(["ip", "-n", up, "link", "set", node_ifname, "mtu", str(mtu)])
             run(["ip", "-n", peer_ns, "link", "set", PEER_IFNAME, "mtu", str(mtu)])
         if self.distro and up == self.node:
             # Before the address: strict filtering from the first packet, also on devices added later.
             self.sysctl(self.node, {f"net.ipv4.conf.{node_ifname}.rp_filter": self.rp_filter})
-        run(["ip", "-n", up, "addr", "add", node_cidr, "dev", node_ifname])
-        run(["ip", "-n", peer_ns, "addr", "add", peer_cidr, "dev", PEER_IFNAME])
-        if self.ipv6:
-            for ns, dev, cidr in ((up, node_ifname, node_cidr), (peer_ns, PEER_IFNAME, peer_cidr)):
-                run(["ip", "-n", ns, "addr", "add", f"{ipv6_of(cidr.split('/')[0])}/64", "dev", dev, "nodad"])
+        if node_cidr is not None:
+            self._address(up, node_ifname, node_cidr, prefix6)
+        self._address(peer_ns, PEER_IFNAME, peer_cidr, prefix6)
         if not self.csum_offload and peer_ns != self.uplink:
             # Full checksums on the wire, so the receiver verifies (and counts) what NAT did (pitfall 3).
             self.exec(peer_ns, "ethtool", "-K", PEER_IFNAME, "tx", "off")
@@ -645,9 +716,24 @@ class Lab:
                        mtu=self.router_mtu)
             behind = "10.200.0.0/24" if self.router_side == "client" else "10.201.0.0/16"
             run(["ip", "-n", self.node, "route", "add", behind, "via", ROUTER_IP])
+        if self.client_stack or self.pod_bridge:
+            # As a kubeadm node has it (and this kernel's default): bridged frames pass iptables/nftables too.
+            self.sysctl(self.node, {"net.bridge.bridge-nf-call-iptables": 1, "net.bridge.bridge-nf-call-ip6tables": 1})
         self._add_ns("client")
-        self._link(NODE_CLIENT_IFNAME, self.client, f"{NODE_CLIENT_IP}/24", f"{CLIENT_IP}/24", NODE_CLIENT_IP,
-                   upstream=self.router if self.router_side == "client" else None)
+        if self.client_stack == "bridge":
+            self._node_device(NODE_CLIENT_BRIDGE, f"{NODE_CLIENT_IP}/24", "type", "bridge")
+        client_cidr = None if self.client_stack else f"{NODE_CLIENT_IP}/24"
+        self._link(NODE_CLIENT_IFNAME, self.client, client_cidr, f"{CLIENT_IP}/24", NODE_CLIENT_IP,
+                   upstream=self.router if self.router_side == "client" else None,
+                   master=NODE_CLIENT_BRIDGE if self.client_stack == "bridge" else None)
+        if self.client_stack == "macvlan":
+            self._node_device(NODE_CLIENT_MACVLAN, f"{NODE_CLIENT_IP}/24", "link", NODE_CLIENT_IFNAME, "type",
+                              "macvlan", "mode", "bridge")
+            # The lower device answers ARP for its own addresses only (none), so the client resolves the node's
+            # address to the macvlan's MAC and its frames are the macvlan's. With the default, 0, the lower device
+            # answers too, and a client that takes its MAC sends frames the macvlan never sees (measured: about
+            # half the labs). `Lab.send_to_lower_device` makes the client do so.
+            self.sysctl(self.node, {f"net.ipv4.conf.{NODE_CLIENT_IFNAME}.arp_ignore": 1})
         for ip in self.client_ips[1:]:
             run(["ip", "-n", self.client, "addr", "add", f"{ip}/24", "dev", PEER_IFNAME])
         if self.second_client:
@@ -661,6 +747,8 @@ class Lab:
             run(["ip", "-n", self.node, "route", "add", "default", "via", UPLINK_IP])
             if self.ipv6:
                 run(["ip", "-n", self.node, "-6", "route", "add", "default", "via", ipv6_of(UPLINK_IP)])
+        if self.pod_bridge:
+            self._node_device(POD_BRIDGE, f"{POD_GATEWAY_IP}/{POD_PREFIX}", "type", "bridge", prefix6=POD_PREFIX6)
         for _ in range(self._initial_backends):
             self._add_backend()
         if self.node2:
@@ -688,6 +776,13 @@ class Lab:
             raise LabError(f"at most {MAX_BACKENDS} backends")
         name = f"b{index}"
         ns = self._add_ns(name)
+        if self.pod_bridge:
+            backend = Backend(index=index, name=name, ns=ns, ip=backend_ip(index), node_ip=POD_GATEWAY_IP,
+                              node_ifname=f"to-{name}")
+            self._link(backend.node_ifname, ns, None, f"{backend.ip}/{POD_PREFIX}", backend.node_ip,
+                       master=POD_BRIDGE, prefix6=POD_PREFIX6)
+            self._backends.append(backend)
+            return backend
         backend = Backend(index=index, name=name, ns=ns, ip=backend_ip(index), node_ip=f"10.201.{index}.1",
                           node_ifname=f"to-{name}")
         self._link(backend.node_ifname, ns, f"{backend.node_ip}/24", f"{backend.ip}/24", backend.node_ip,
@@ -922,6 +1017,33 @@ class Lab:
         links = json.loads(self.exec(ns, "ip", "-j", *([] if self.ipv6 else ["-4"]), "addr", "show").stdout or "[]")
         return {a["local"] for link in links if link.get("ifname") != "lo" for a in link.get("addr_info", [])
                 if a.get("scope") != "link"}
+
+    def send_to_lower_device(self) -> None:
+        """With client_stack: the client's frames for the node's address go to the MAC address of the device under
+        the one holding it (a permanent neighbour entry), as when that device answered the client's ARP: a macvlan's
+        lower device then receives them as its own (a bridge takes its ports' as its own anyway)."""
+        if not self.client_stack:
+            raise LabError("send_to_lower_device needs a client_stack")
+        mac = self.exec(self.node, "cat", f"/sys/class/net/{NODE_CLIENT_IFNAME}/address").stdout.strip()
+        self.exec(self.client, "ip", "neigh", "replace", NODE_CLIENT_IP, "lladdr", mac, "dev", PEER_IFNAME, "nud",
+                  "permanent")
+
+    def count_arrivals(self, ns: str, sources: Iterable[str]) -> None:
+        """From now on, count the IPv4 packets that reach `ns` (a role or a full name) from `sources` (addresses or
+        CIDRs), before anything there looks at them (an nftables counter at prerouting, raw priority; a second call
+        starts again from zero): what `arrivals(ns)` reads. A pod's address among a client's arrivals is a reply
+        that left the node untranslated."""
+        table = f"ip {ARRIVALS_TABLE}"
+        rules = (f"add table {table}\ndelete table {table}\n"
+                 f"table {table} {{ chain pre {{ type filter hook prerouting priority raw; policy accept; "
+                 f"ip saddr {{ {', '.join(sources)} }} counter; }}; }}\n")
+        self.exec(ns, "nft", "-f", "-", input=rules)
+
+    def arrivals(self, ns: str) -> int:
+        """The packets counted since `count_arrivals(ns, ...)`."""
+        listing = json.loads(self.exec(ns, "nft", "-j", "list", "table", "ip", ARRIVALS_TABLE).stdout)
+        return sum(expr["counter"]["packets"] for item in listing["nftables"] if "rule" in item
+                   for expr in item["rule"]["expr"] if "counter" in expr)
 
     def net_counters(self, ns: str) -> dict[str, int]:
         """Every counter of /proc/net/snmp, /proc/net/netstat and /proc/net/snmp6 inside `ns`, named as nstat

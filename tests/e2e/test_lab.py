@@ -250,6 +250,78 @@ def test_two_node_lab_pods_behind_node2_and_no_way_back_to_the_client() -> None:
     _assert_gone(lab.id, namespaces, pids)
 
 
+def _link_of(lab: Lab, dev: str) -> dict:
+    return json.loads(lab.exec(lab.node, "ip", "-j", "-d", "addr", "show", "dev", dev).stdout)[0]
+
+
+def _global(link: dict) -> list[str]:
+    return [f"{a['local']}/{a['prefixlen']}" for a in link.get("addr_info", []) if a.get("scope") != "link"]
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("stack", ["bridge", "macvlan"])
+def test_a_stacked_client_link_holds_the_node_address_above_the_veth(stack: str) -> None:
+    """client_stack: the node's client-facing address on a bridge whose port is the client's veth, or on a
+    macvlan over it (the veth holding none), both named in node_ifnames; the client reaches the backends through
+    it as through a plain link, and a pod address arriving at the client is counted."""
+    with Lab(1, client_stack=stack, ipv6=True) as lab:
+        upper, lower = lab.node_client_ifname, lab.node_client_lower_ifname
+        assert (upper, lower) == ({"bridge": "br0", "macvlan": "mv0"}[stack], "to-client")
+        assert {upper, lower} <= set(lab.node_ifnames)
+        up, low = _link_of(lab, upper), _link_of(lab, lower)
+        assert _global(up) == ["10.200.0.1/24", "fd00:10:200::1/64"] and _global(low) == [], (up, low)
+        if stack == "bridge":
+            assert up["linkinfo"]["info_kind"] == "bridge" and low.get("master") == "br0", (up, low)
+        else:
+            assert up["linkinfo"]["info_kind"] == "macvlan" and up["link"] == lower, up
+            assert up["linkinfo"]["info_data"]["mode"] == "bridge", up
+        lab.start_servers(tcp=[8080], udp=[5353])
+        lab.count_arrivals(lab.client, ["10.201.0.0/16"])
+        for proto, port in (("tcp", 8080), ("udp", 5353)):
+            assert lab.probe(proto, "10.201.1.2", port, 3)["replies"] == {f"b1:{port}": 3}
+        assert lab.arrivals(lab.client) >= 6  # TCP: SYN-ACK and more per connection; UDP: one reply each
+        lab.count_arrivals(lab.client, ["10.201.0.0/16"])  # again: from zero
+        assert lab.arrivals(lab.client) == 0
+
+        # The client's frames for the node's address go to the upper device's MAC (a macvlan's lower device answers
+        # ARP only for its own addresses); send_to_lower_device sends them to the veth's, and the node still answers.
+        def mac(dev: str) -> str:
+            return lab.exec(lab.node, "cat", f"/sys/class/net/{dev}/address").stdout.strip()
+
+        def neighbour() -> str:
+            return lab.exec(lab.client, "ip", "neigh", "show", "10.200.0.1").stdout
+        if stack == "macvlan":
+            assert lab.exec(lab.node, "sysctl", "-n", f"net.ipv4.conf.{lower}.arp_ignore").stdout.strip() == "1"
+            assert mac(upper) in neighbour(), (neighbour(), mac(upper))
+        lab.send_to_lower_device()
+        assert mac(lower) in neighbour() and "PERMANENT" in neighbour(), neighbour()
+        assert lab.probe("tcp", "10.201.1.2", 8080, 3)["replies"] == {"b1:8080": 3}
+        assert not nonzero_checksum_errors(lab.checksum_errors())
+
+
+@pytest.mark.root
+def test_pod_bridge_puts_the_backends_on_one_bridge_that_holds_their_gateway() -> None:
+    """pod_bridge: every backend's veth is a port of cni0, which holds 10.201.0.1/16 (and fd00:10:201::1/48); the
+    backends keep their 10.201.I.2, in that one subnet, and reach each other bridged, with their own address."""
+    with Lab(2, pod_bridge=True, ipv6=True) as lab:
+        assert _global(_link_of(lab, "cni0")) == ["10.201.0.1/16", "fd00:10:201::1/48"]
+        assert [(b.ip, b.node_ip, b.node_ifname) for b in lab.backends] == [
+            ("10.201.1.2", "10.201.0.1", "to-b1"), ("10.201.2.2", "10.201.0.1", "to-b2")]
+        b3 = lab.add_backend()
+        for b in lab.backends:
+            port = _link_of(lab, b.node_ifname)
+            assert port.get("master") == "cni0" and _global(port) == [], port
+        assert lab.node_ifnames == ["to-client", "cni0", "to-b1", "to-b2", "to-b3"]
+        peer = json.loads(lab.exec(b3.ns, "ip", "-j", "addr", "show", "dev", "eth0").stdout)[0]
+        assert _global(peer) == ["10.201.3.2/16", "fd00:10:201:3::2/48"], peer
+        lab.start_servers(tcp=[8080], udp=[5353])
+        for proto, port in (("tcp", 8080), ("udp", 5353)):
+            assert lab.probe(proto, b3.ip, port, 3)["replies"] == {f"b3:{port}": 3}
+            result = lab.probe(proto, b3.ip, port, 3, ns="b1")
+            assert result["replies"] == {f"b3:{port}": 3} and result["seen_from"] == {"10.201.1.2": 3}, result
+        assert not nonzero_checksum_errors(lab.checksum_errors())
+
+
 @pytest.mark.root
 def test_http_helper_waits_for_a_server() -> None:
     with Lab(0) as lab:

@@ -71,6 +71,25 @@
 #define PYPROXY_JUMP6_TC_MAX     2
 #define PYPROXY_JUMP6_XDP_MAX    1
 
+/* The mark TC ingress leaves on a packet it translated (DNAT to a backend, an SNATed reply given its client back, an
+ * ICMP error given its quote), so that the same packet's next TC ingress pass takes it as done. A device stacked
+ * over another runs TC ingress on the very skb again, after the rewrite: a bridge after its port, a macvlan or a
+ * VLAN after its lower device, a bond after its slave. Unmarked, that second pass would see a packet to an endpoint
+ * that no Service flow explains and take it for a direct connection (ct.h, pyproxy_ct_untrack, removes the new
+ * flow: its replies would leave untranslated). pyproxy attaches to one device of such a stack by default (README,
+ * "The device rule"); the mark is what makes `--devices` naming several of them, or pods' veths and their bridge,
+ * safe.
+ *
+ * It is skb->tc_index, which neither routing nor netfilter reads (Cilium keeps its "skip nodeport" flags there;
+ * skb->mark also survives the stack, but CNIs, Istio and kube-proxy own its bits, and policy routing reads it). The
+ * kernel writes the whole field when a TC hook's filter returns TC_ACT_OK: tc_index becomes the low 16 bits of the
+ * classid, __sk_buff.tc_classid, whatever the program wrote to tc_index itself. So the program writes tc_classid,
+ * the mark is a value rather than a bit, and it lasts until the next TC hook the packet passes (the upper device's
+ * ingress, or the egress of the device it leaves by), which writes it again. Measured on 6.18 and Debian's 6.1
+ * (bridge port -> bridge, macvlan lower -> macvlan; on 6.1 also VLAN parent -> VLAN): the value reaches the upper
+ * device's TC ingress; a write to tc_index does not. */
+#define PYPROXY_TC_TRANSLATED 0x7079   /* "py" */
+
 /* struct pyproxy_svc_value.flags */
 #define PYPROXY_SVC_F_AFFINITY  0x1    /* ClientIP session affinity: a client keeps its backend */
 #define PYPROXY_SVC_F_DROP      0x2    /* no backend: drop, not reject (external/internalTrafficPolicy Local, no

@@ -136,4 +136,25 @@ static __always_inline int pyproxy_tc_xdp_translated(struct __sk_buff *skb)
 	return (void *)(mark + 1) <= (void *)(long)skb->data && *mark == PYPROXY_XDP_TRANSLATED;
 }
 
+/* TC ingress translated this packet: the next TC ingress pass on it, a device stacked above, leaves it alone (abi.h,
+ * PYPROXY_TC_TRANSLATED: the kernel makes tc_index of the classid when the program returns TC_ACT_OK). */
+static __always_inline void pyproxy_tc_mark(struct __sk_buff *skb)
+{
+	skb->tc_classid = PYPROXY_TC_TRANSLATED;
+}
+
+/* Whether this packet was translated already, by TC ingress on a device below this one or by XDP (the mark of
+ * either): TC ingress then returns TC_ACT_OK at once. One field read for the common packet; an XDP mark is passed
+ * on as TC's, so a device stacked above this one takes the packet as done even where the metadata would not reach
+ * it (on this kernel it does: measured through a bridge and a macvlan). */
+static __always_inline int pyproxy_tc_translated(struct __sk_buff *skb)
+{
+	if (skb->tc_index == PYPROXY_TC_TRANSLATED)
+		return 1;
+	if (!pyproxy_tc_xdp_translated(skb))
+		return 0;
+	pyproxy_tc_mark(skb);
+	return 1;
+}
+
 #endif

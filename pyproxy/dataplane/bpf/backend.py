@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 
 from pyproxy.dataplane import netlink
 from pyproxy.dataplane.base import DataplaneError, MasqueradeSettings
-from pyproxy.dataplane.bpf import abi, attach, bcc, cgroup, clock, loader, maglev, snat
+from pyproxy.dataplane.bpf import abi, attach, bcc, cgroup, clock, devices, loader, maglev, snat
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.dataplane.bpf.gc import IPV6, CtGarbageCollector, CtGcMetrics, CtGcSettings
 from pyproxy.dataplane.bpf.maps import BpfMap, PerCpuArray, PerCpuHash, create_inner_array, fd_of_map_id
@@ -65,10 +65,11 @@ class BpfSettings:
     pin_path: Path = Path("/sys/fs/bpf/pyproxy")
     """Where maps are pinned; a bpffs is mounted there when none is."""
     devices: tuple[str, ...] = ()
-    """Devices to attach to; empty means every non-loopback Ethernet device, including later ones."""
+    """Devices to attach to; empty means the device rule's (devices.py): every non-loopback Ethernet device,
+    including later ones, but one of each stack of devices (a bridge, not its ports; a bond, not its slaves)."""
     xdp_devices: tuple[str, ...] = ()
-    """Devices that also get the XDP program (native mode, generic as a fallback); a start removes pyproxy's
-    XDP program from every other device."""
+    """Devices that get the XDP program (native mode, generic as a fallback), whether or not they get TC (a bridge's
+    port does not); a start removes pyproxy's XDP program from every other device."""
     max_entries: dict[str, int] = field(default_factory=dict)
     """--bpf-map-sizes: map capacities overriding abi.h's defaults, by map name (abi.RESIZABLE's values; the flag
     takes their short names). A capacity the kernel refuses fails the start, naming the map and the memory it
@@ -682,7 +683,12 @@ class BpfDataplane:
         self._owners: tuple[Applied | None, int, dict[Backend, tuple[str, str, str]]] = (None, -1, {})
         """endpoint_owners() of an Applied at a generation: a scrape recomputes it only after a plan was applied."""
         self.attached: dict[str, int] = {}
-        """Managed device name -> ifindex."""
+        """Managed device name -> ifindex: the devices with the TC programs."""
+        self._links: dict[int, netlink.Link] = {}
+        self._addresses: dict[int, list[str]] = {}
+        """The node's devices and their own addresses, as the watcher last told: what the device rule reads."""
+        self._verdicts: dict[int, tuple[str, devices.Verdict]] = {}
+        """ifindex -> its name and the device rule's verdict, as applied."""
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -731,9 +737,8 @@ class BpfDataplane:
                                  abi.In6))
             self._devaddrs.start()
         # Subscribe before listing so a device created in between is not missed.
-        self._watcher = netlink.LinkWatcher(self._on_link)
-        for link in netlink.list_links():
-            self._on_link(link, True)
+        self._watcher = netlink.LinkWatcher(self._on_link, self._reread)
+        self._read_devices()
         self._watcher.start()
         self._attach_socket_hooks()
         # Its own fds: it runs beside syncs and device events and takes none of their locks.
@@ -795,54 +800,97 @@ class BpfDataplane:
 
     # -- devices ---------------------------------------------------------------------------------
 
-    def _wanted(self, link: netlink.Link) -> bool:
-        if self.settings.devices:
-            return link.name in self.settings.devices
-        return link.ether
-
     def _on_link(self, link: netlink.Link, present: bool) -> None:
+        """A device came, changed (enslaved, released, renamed) or went: the rule is worked out again for all, since
+        one device's change can change another's verdict (a port's bridge, a VLAN's parent)."""
         with self._lock:
-            if not present:
-                if self.attached.pop(link.name, None) is not None:
-                    log.info("device %s removed", link.name)
-                return
-            if self.attached.get(link.name) == link.index:
-                return
-            if not self._wanted(link):
-                self._detach(link, "not in --devices" if self.settings.devices else "not an Ethernet device")
-                return
+            if present:
+                self._links[link.index] = link
+            else:
+                self._links.pop(link.index, None)
+            self._sync_devices()
+
+    def _read_devices(self) -> None:
+        """The devices and their addresses from the kernel, then the rule for all (at start: a failure fails it)."""
+        with self._lock:
+            self._links = {lk.index: lk for lk in netlink.list_links()}
+            self._addresses = netlink.own_addresses()
+            self._sync_devices()
+
+    def _reread(self) -> None:
+        """_read_devices for the watcher: when an address of a device's own came or went (the rule reads them), and
+        when events were lost."""
+        try:
+            self._read_devices()
+        except OSError as e:  # the next event reads them again; the watcher thread must live on
+            log.warning("cannot list the node's devices and addresses: %s", e)
+
+    def _sync_devices(self) -> None:
+        """Make every device hold what the device rule says, acting only where its verdict changed (or on a device
+        seen for the first time, which may hold what an earlier run left)."""
+        s = self.settings
+        cidrs = [c for c in (s.masquerade.cluster_cidr, s.masquerade.cluster_cidr6) if c]
+        verdicts = devices.plan(list(self._links.values()), self._addresses, devices=s.devices,
+                                xdp_devices=s.xdp_devices, cluster_cidrs=cidrs)
+        for index in self._verdicts.keys() - verdicts.keys():
+            name = self._verdicts.pop(index)[0]
+            if self.attached.pop(name, None) is not None:
+                log.info("device %s removed", name)
+        for index, verdict in verdicts.items():
+            link = self._links[index]
+            before = self._verdicts.get(index)
+            if before == (link.name, verdict):
+                continue
+            if before is not None and before[0] != link.name:
+                self.attached.pop(before[0], None)
+                before = None  # renamed: said again under its new name
             try:
-                self._attach(link)
+                self._apply_verdict(link, verdict, before[1] if before else None)
             except OSError as e:
                 log.error("cannot attach to device %s: %s", link.name, e)
+                continue  # tried again at the next event
+            self._verdicts[index] = (link.name, verdict)
 
-    def _attach(self, link: netlink.Link) -> None:
+    def _apply_verdict(self, link: netlink.Link, v: devices.Verdict, before: devices.Verdict | None) -> None:
         assert self._obj is not None
         progs = self._obj.progs
-        attach.attach_tc(link.index, attach.INGRESS, progs[abi.PROG_TC_INGRESS])
-        attach.attach_tc(link.index, attach.EGRESS, progs[abi.PROG_TC_EGRESS])
-        if link.name in self.settings.xdp_devices:
+        why = f": {v.why}" if v.why else ""
+        if v.tc and (before is None or not before.tc):
+            attach.attach_tc(link.index, attach.INGRESS, progs[abi.PROG_TC_INGRESS])
+            attach.attach_tc(link.index, attach.EGRESS, progs[abi.PROG_TC_EGRESS])
+            self.attached[link.name] = link.index
+            log.info("attached to device %s (ifindex %d)%s", link.name, link.index, why)
+        elif not v.tc and (before is None or before.tc):
+            self.attached.pop(link.name, None)
+            removed = self._detach(link, v.why, attach.TC_HOOKS)
+            if not removed and v.why not in devices.UNSTACKED:
+                # A device of a stack: said even where nothing was there to go (the other reasons are said only
+                # when programs go: every device without programs would repeat them).
+                log.info("no tc programs on %s: %s", link.name, v.why)
+        elif before is not None and v.why != before.why:
+            log.info("device %s: %s", link.name, v.why or "an Ethernet device of its own")
+        if v.xdp and (before is None or not before.xdp):
             try:
                 attach.attach_xdp(link.index, progs[abi.PROG_XDP], "native")
                 log.info("XDP (native) on %s", link.name)
             except OSError as e:
                 log.warning("native XDP failed on %s (%s); falling back to generic XDP", link.name, e)
                 attach.attach_xdp(link.index, progs[abi.PROG_XDP], "generic")
-        else:
+        elif not v.xdp and (before is None or before.xdp):
             self._detach(link, "not in --xdp-devices", attach.XDP_HOOKS)
-        self.attached[link.name] = link.index
-        log.info("attached to device %s (ifindex %d)", link.name, link.index)
 
-    def _detach(self, link: netlink.Link, why: str, hooks: Iterable[str] | None = None) -> None:
+    def _detach(self, link: netlink.Link, why: str, hooks: Iterable[str] | None = None) -> list[str]:
         """Make `link` hold none of our programs on `hooks` (default: any), saying what went and why: a start
-        leaves exactly the programs its settings ask for, whatever an earlier run with other settings left."""
+        leaves exactly the programs its settings ask for, whatever an earlier run with other settings left.
+        Returns the hooks a program was removed from."""
         try:
             removed = attach.detach(link.index, hooks)
         except OSError as e:
             log.error("cannot detach pyproxy's programs from device %s (%s): %s", link.name, why, e)
-            return
+            return []
         if removed:
             log.info("detached %s from %s: %s", ", ".join(removed), link.name, why)
+        return removed
 
     # -- sync ------------------------------------------------------------------------------------
 
