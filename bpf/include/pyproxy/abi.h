@@ -75,7 +75,8 @@
 #define PYPROXY_JUMP6_XDP_MAX    1
 
 /* struct pyproxy_svc_value.flags */
-#define PYPROXY_SVC_F_AFFINITY  0x1    /* ClientIP session affinity: a client keeps its backend */
+#define PYPROXY_SVC_F_AFFINITY  0x1    /* ClientIP session affinity: a client keeps its backend while that is one of
+					* the frontend's slots (PYPROXY_MAP_AFFINITY) */
 #define PYPROXY_SVC_F_DROP      0x2    /* no backend: drop, not reject (external/internalTrafficPolicy Local, no
                                         * local endpoint while the cluster has some: the client waits) */
 #define PYPROXY_SVC_F_RANGES    0x4    /* new flows only from the frontend's source ranges (PYPROXY_MAP_SRCRANGES) */
