@@ -62,6 +62,25 @@ def test_a_batched_cold_start_reads_back_as_planned_and_replans_to_nothing(maps:
     assert program(maps, back, desired(500, 5)) == 0
 
 
+def test_a_restart_mends_an_affinity_map_that_lost_entries_or_kept_stale_ones(maps: Maps) -> None:
+    """The affinity map holds the slots of each frontend with ClientIP affinity (every 7th here). One that does not
+    (new with an upgrade, resized, a plan stopped halfway) is made to at start, from what the restart reads back."""
+    applied = Applied()
+    program(maps, applied, desired(50, 3))
+
+    def held() -> set[bytes]:
+        return {bytes(k) for k in maps.affinity.keys_list()}
+
+    want = {bytes(abi.AffinityKey(fe.svc_id, abi.Backend(abi.be32(b.ip), abi.be16(b.port))))
+            for fe in applied.frontends.values() if fe.affinity_sec for b in fe.backends}
+    assert len(want) == 8 * 3 and held() == want
+    lost = next(iter(maps.affinity.keys_list()))
+    del maps.affinity[lost]
+    maps.affinity[abi.AffinityKey(999, abi.Backend(abi.be32("10.0.0.1"), abi.be16(80)))] = ctypes.c_uint32(0)
+    maps.sync_affinity(maps.read_applied())
+    assert held() == want
+
+
 def test_shrinking_and_removing_in_batches_leaves_exactly_the_rest(maps: Maps) -> None:
     applied = Applied()
     program(maps, applied, desired(300, 4))

@@ -177,16 +177,19 @@ def test_client_ip_affinity_lasts_its_timeout_in_the_kernels_ticks(dp: Dataplane
     clock: a client's affinity entry 9 s old (of 10) still decides its new connection, one 11 s old does not;
     flow entries are stamped on the same timeline that `pyproxy inspect` reads idle ages from."""
     hz = clock.kernel_hz()
-    state = port_state(TCP, affinity=10)
+    state = port_state(TCP, affinity=10, scheduler="dh")
     dp.apply(state)
     assert dp.maps.services[abi.SvcKey(abi.be32(VIP), abi.be16(PORT), TCP)].affinity_ticks == 10 * hz
     key = abi.CtKey(abi.be32(CLIENT), abi.be32(VIP), 0, abi.be16(PORT), TCP, abi.CT_AFFINITY)
-    # The remembered backend is an endpoint that is not ready: no slot holds it, only affinity can choose it.
-    for age, want in ((9, {NOT_READY}), (11, set(READY))):
-        dp.maps.ct[key] = abi.CtValue(nat_addr=abi.be32(NOT_READY.ip), nat_port=abi.be16(NOT_READY.port),
+    # dh sends every new flow to the one backend the frontend's address picks; the remembered backend is another
+    # ready one, which only affinity can choose.
+    picked = dnat(dp, prog, Flow("192.168.1.99", VIP, 45000, PORT))
+    remembered = next(b for b in READY if b != picked)
+    for age, want in ((9, remembered), (11, picked)):
+        dp.maps.ct[key] = abi.CtValue(nat_addr=abi.be32(remembered.ip), nat_port=abi.be16(remembered.port),
                                       svc_id=dp.svc_id(state), last_seen=clock.ticks_now() - age * hz)
         got = dnat(dp, prog, Flow(CLIENT, VIP, 45000 + age, PORT))
-        assert got in want, f"affinity {age} s old: went to {got}"
+        assert got == want, f"affinity {age} s old: went to {got}"
     renewed = dp.maps.ct[key]
     assert Backend(abi.ip_of(renewed.nat_addr), abi.port_of(renewed.nat_port)) == got
     fwd = dp.maps.ct[abi.CtKey(abi.be32(CLIENT), abi.be32(VIP), abi.be16(45011), abi.be16(PORT), TCP, abi.CT_FORWARD)]

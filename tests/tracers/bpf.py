@@ -7,8 +7,8 @@ a frontend with source ranges drops a source none of its MAP_SRCRANGES entries h
 with the SVC_F_DROP flag (externalTrafficPolicy Local, no endpoint here) and refused without it (TC answers a reset
 or a port unreachable, reject.h), else every slot 0..backend_count-1 is a possible pick (a missing slot drops);
 with the affinity flag, a second flow from the client reuses the backend the first one recorded while that backend
-is in the backends map. An IPv6 packet reads the IPv6 twins of these maps (render.by_family), as the TC and XDP
-programs' IPv6 halves do.
+is in the frontend's affinity entries (MAP_AFFINITY: its slots). An IPv6 packet reads the IPv6 twins of these maps
+(render.by_family), as the TC and XDP programs' IPv6 halves do.
 Does not model: the kernel (map sizes, byte layouts: tests/priv does), connection tracking of established flows, the
 affinity timeout, real randomness, XDP versus TC, socket load balancing of the node's own processes.
 """
@@ -30,8 +30,8 @@ _PROTO = {"tcp": "TCP", "udp": "UDP"}
 KNOWN_FLAGS = abi.SVC_F_AFFINITY | abi.SVC_F_DROP | abi.SVC_F_RANGES | abi.SVC_F_MASQ | abi.SVC_F_NODE_VIEW
 
 Maps = dict[str, dict[tuple, tuple | None]]
-_MAPS = (abi.MAP_SERVICES, abi.MAP_SRCRANGES, abi.MAP_SLOTS, abi.MAP_BACKENDS)
-_MAPS6 = (abi.MAP_SERVICES6, abi.MAP_SRCRANGES6, abi.MAP_SLOTS6, abi.MAP_BACKENDS6)
+_MAPS = (abi.MAP_SERVICES, abi.MAP_SRCRANGES, abi.MAP_SLOTS, abi.MAP_AFFINITY)
+_MAPS6 = (abi.MAP_SERVICES6, abi.MAP_SRCRANGES6, abi.MAP_SLOTS6, abi.MAP_AFFINITY6)
 """The maps a new flow's decision reads, IPv4's and their IPv6 twins (render.by_family): an IPv6 packet is looked
 up in the IPv6 ones."""
 
@@ -70,7 +70,7 @@ class BpfTracer:
 
     def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
         names = _MAPS6 if ":" in pkt.dst else _MAPS
-        services, ranges, slots, backends = (self.maps.get(name, {}) for name in names)
+        services, ranges, slots, usable = (self.maps.get(name, {}) for name in names)
         svc = services.get((pkt.dst, pkt.port, _PROTO[pkt.proto], abi.SVC_SCOPE_PACKETS))
         if svc is None:
             yield untranslated(pkt)
@@ -91,7 +91,7 @@ class BpfTracer:
         key = ("affinity", pkt.src, pkt.dst, str(pkt.port), pkt.proto)
         if affinity:
             recorded = [fact[-2:] for fact in memory if fact[:-2] == key]
-            alive = [(ip, port) for ip, port in recorded if (ip, int(port)) in backends]
+            alive = [(ip, port) for ip, port in recorded if (svc_id, ip, int(port)) in usable]
             if alive:
                 ip, port = alive[0]
                 yield Verdict("dnat", f"{ip}:{port}", memory)

@@ -24,6 +24,10 @@ CASES = [
      (0,), abi.BackendInfo(0)),
     (abi.MAP_NAMES, (12,), ctypes.c_uint32(12), ("default/web:http",), abi.SvcName(b"default/web:http")),
     (abi.MAP_PORTS, (126,), ctypes.c_uint32(126), (1 << 63 | 1 << 16,), ctypes.c_uint64(1 << 63 | 1 << 16)),
+    (abi.MAP_AFFINITY, (70000, "10.128.1.2", 8080),
+     abi.AffinityKey(70000, abi.Backend(abi.be32("10.128.1.2"), abi.be16(8080))), (0,), ctypes.c_uint32(0)),
+    (abi.MAP_AFFINITY6, (70000, "fd00:1::2", 8080),
+     abi.Affinity6Key(70000, abi.Backend6(abi.in6("fd00:1::2"), abi.be16(8080))), (0,), ctypes.c_uint32(0)),
 ]
 
 

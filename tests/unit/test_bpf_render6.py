@@ -154,7 +154,7 @@ def test_the_map_fill_metrics_count_each_family_in_its_own_map() -> None:
     usage = {name: n for name, (n, _) in dp.map_usage().items()}
     assert usage == {abi.MAP_SERVICES: 1, abi.MAP_SLOTS: 1, abi.MAP_BACKENDS: 1, abi.MAP_EPSTATS: 1,
                      abi.MAP_STATS: 2, abi.MAP_SERVICES6: 1, abi.MAP_SLOTS6: 2, abi.MAP_BACKENDS6: 2,
-                     abi.MAP_EPSTATS6: 2}
+                     abi.MAP_EPSTATS6: 2, abi.MAP_AFFINITY: 0, abi.MAP_AFFINITY6: 0}
 
 
 def test_a_plan_for_one_service_does_not_look_at_every_applied_frontend(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,7 +2,8 @@
 
 Every plan is also run against `MapModel`, a dictionary model of the maps that after each single operation
 checks what the datapath needs at that instant (a frontend's slots 0..count-1 exist and point at known
-backends, no two frontends share a service id, every known backend's port is in the port bitmap), and at the end
+backends, with ClientIP affinity each of those backends is in its affinity entries, no two frontends share a
+service id, every known backend's port is in the port bitmap), and at the end
 that the maps hold exactly what `Applied` says once the plan is committed, and that its indexes match a fresh
 `Applied` built from the same state. The ordering tests then pin the specific orders render.py promises.
 """
@@ -75,7 +76,7 @@ class MapModel:
 
     def __init__(self, endpoint_counters: bool = False) -> None:
         self.maps: MapContents = {m: {} for m in (abi.MAP_SERVICES, abi.MAP_SLOTS, abi.MAP_TABLES, abi.MAP_BACKENDS,
-                                                  abi.MAP_NAMES, abi.MAP_EPOCH, abi.MAP_PORTS)}
+                                                  abi.MAP_NAMES, abi.MAP_EPOCH, abi.MAP_PORTS, abi.MAP_AFFINITY)}
         self.endpoint_counters = endpoint_counters
         if endpoint_counters:
             self.maps[abi.MAP_EPSTATS] = {}
@@ -83,6 +84,9 @@ class MapModel:
         self.fresh: set[int] = set()
         self.epochs_seen: set[tuple] = set()
         self.last_op: Op | None = None
+        self.losing_affinity: set[int] = set()
+        """Service ids whose affinity the running plan turns off: their slots may meanwhile hold backends their
+        affinity entries do not (the flag goes with the plan's entry write)."""
 
     def run(self, op: Op) -> None:
         self.last_op = op
@@ -136,15 +140,21 @@ class MapModel:
         services, slots, backends = (self.maps[m] for m in (abi.MAP_SERVICES, abi.MAP_SLOTS, abi.MAP_BACKENDS))
         ids = [v[0] for v in services.values()]
         assert len(ids) == len(set(ids)), f"two frontends share a service id: {services}"
-        tables = self.maps[abi.MAP_TABLES]
-        for key, (svc_id, count, *_, table_size) in services.items():
+        tables, affinity = self.maps[abi.MAP_TABLES], self.maps[abi.MAP_AFFINITY]
+        for key, (svc_id, count, flags, *_, table_size) in services.items():
+            # With affinity, a backend a new flow may pick is one the client's next flows may stay with.
+            sticky = flags & abi.SVC_F_AFFINITY and svc_id not in self.losing_affinity
             for i in range(count):
                 assert (svc_id, i) in slots, f"{key}: slot {i} of {count} missing"
                 assert slots[svc_id, i][:2] in backends, f"{key}: slot {i} points at unknown {slots[svc_id, i]}"
+                assert not sticky or (svc_id, *slots[svc_id, i][:2]) in affinity, \
+                    f"{key}: slot {i}'s {slots[svc_id, i]} not in its affinity entries"
             for i in range(table_size):
                 # A table being replaced by one of another size may miss entries: the programs choose at random.
                 entry = tables.get((svc_id, i))
                 assert entry is None or entry in backends, f"{key}: table entry {i} of {table_size} unknown"
+                assert entry is None or not sticky or (svc_id, *entry) in affinity, \
+                    f"{key}: table entry {i}'s {entry} not in its affinity entries"
         if self.endpoint_counters:
             # A backend a slot can point at is counted from its first packet: its counters came before it.
             uncounted = set(backends) - set(self.maps[abi.MAP_EPSTATS])
@@ -174,6 +184,7 @@ def contents(applied: Applied, endpoint_counters: bool = False) -> MapContents:
         abi.MAP_NAMES: {(f.svc_id,): (f.name,) for f in fes.values()},
         abi.MAP_EPOCH: {(0,): (applied.epoch,)} if applied.epoch else {},
         abi.MAP_PORTS: port_words({b.port for b in applied.backend_refs}),
+        abi.MAP_AFFINITY: {(f.svc_id, b.ip, b.port): (0,) for f in fes.values() if f.affinity_sec for b in f.backends},
     }
 
 
@@ -196,6 +207,9 @@ def check_indexes(applied: Applied) -> None:
     assert applied.frontends6 == fresh.frontends6 == len(six)
     assert applied.ids6 == fresh.ids6 == {f.svc_id for _, f in six}
     assert applied.backends6 == fresh.backends6 == sum(1 for b in applied.backend_refs if ":" in b.ip)
+    sticky = [(k, f) for k, f in applied.frontends.items() if f.affinity_sec]
+    assert applied.affinity == fresh.affinity == sum(len(f.backends) for _, f in sticky)
+    assert applied.affinity6 == fresh.affinity6 == sum(len(f.backends) for k, f in sticky if ":" in k[0])
     assert applied.max_id() == max((f.svc_id for f in applied.frontends.values()), default=-1)
     assert applied.new_ids(3) == fresh.new_ids(3)
 
@@ -213,6 +227,7 @@ class Cluster:
              scheduling: Scheduling = DEFAULT_SCHEDULING) -> Plan:
         plan = render(self.applied, {k: tuple(v) for k, v in desired.items()}, self.capacity, NO_MASQUERADE,
                       scheduling, self.endpoint_counters)
+        self.model.losing_affinity = {fe.svc_id for fe in plan.upserts.values() if not fe.affinity_sec}
         for op in plan.ops:
             self.model.run(op)
             self.model.check_servable()
@@ -359,6 +374,65 @@ def test_client_ip_affinity_is_flagged_with_its_timeout() -> None:
     assert plan.ops[entry].value == (0, 1, abi.SVC_F_AFFINITY, 10800, 0, 0)
 
 
+def sticky(*backends: Backend, not_ready: Iterable[Backend] = (), affinity: int = 10800) -> ServicePortState:
+    return port(WEB, "10.96.0.10", 80, backends, not_ready=not_ready, affinity=affinity)
+
+
+def affinity_ops(plan: Plan) -> list[tuple[str, tuple]]:
+    return [(op.verb, op.key) for op in plan.ops if op.map == abi.MAP_AFFINITY]
+
+
+def test_affinity_entries_hold_the_slots_of_frontends_with_affinity_only() -> None:
+    """MAP_AFFINITY: (service id, backend) for each slot of a frontend with ClientIP affinity, the endpoints a
+    client's affinity may keep: never a not-ready one, and nothing for a frontend without affinity."""
+    c = Cluster()
+    plan = c.sync({WEB: [sticky(A, B, not_ready=[C])], DNS: [dns(X)]})
+    web_id = c.svc_id(sticky(A))
+    assert affinity_ops(plan) == [("put", (web_id, A.ip, A.port)), ("put", (web_id, B.ip, B.port))]
+    assert c.model.maps[abi.MAP_AFFINITY] == {(web_id, A.ip, A.port): (0,), (web_id, B.ip, B.port): (0,)}
+
+
+def test_a_backend_joins_the_affinity_entries_before_a_slot_holds_it_and_leaves_after_none_does() -> None:
+    c = Cluster()
+    c.sync({WEB: [sticky(A, B)]})
+    web_id = c.svc_id(sticky(A))
+    # B becomes unready (terminating beside ready ones), C ready: B's slot is C's now.
+    plan = c.sync({WEB: [sticky(A, C, not_ready=[B])]})
+    assert affinity_ops(plan) == [("put", (web_id, C.ip, C.port)), ("del", (web_id, B.ip, B.port))]
+    (put,), (dele,) = positions(plan, "put", abi.MAP_AFFINITY), positions(plan, "del", abi.MAP_AFFINITY)
+    (entry,) = positions(plan, "put", abi.MAP_SERVICES)
+    assert put < min(positions(plan, "put", abi.MAP_SLOTS)) and dele > entry
+    # The Service goes: its affinity entries after its entry and slots.
+    plan = c.sync({WEB: []})
+    assert sorted(affinity_ops(plan)) == [("del", (web_id, A.ip, A.port)), ("del", (web_id, C.ip, C.port))]
+    assert min(positions(plan, "del", abi.MAP_AFFINITY)) > max(positions(plan, "del", abi.MAP_SLOTS))
+    assert c.applied.affinity == 0
+
+
+def test_affinity_turned_on_writes_its_entries_first_and_turned_off_deletes_them_last() -> None:
+    c = Cluster()
+    c.sync({WEB: [sticky(A, B, affinity=0)]})
+    web_id = c.svc_id(sticky(A))
+    plan = c.sync({WEB: [sticky(A, B)]})
+    (entry,) = positions(plan, "put", abi.MAP_SERVICES)
+    assert [op.key for op in plan.ops[:entry]] == [(web_id, A.ip, A.port), (web_id, B.ip, B.port)]
+    plan = c.sync({WEB: [sticky(A, B, affinity=0)]})
+    assert [(op.verb, op.map) for op in plan.ops] == [("put", abi.MAP_SERVICES)] + [("del", abi.MAP_AFFINITY)] * 2
+    # Another timeout alone changes no entry.
+    c.sync({WEB: [sticky(A, B)]})
+    assert affinity_ops(c.sync({WEB: [sticky(A, B, affinity=60)]})) == []
+
+
+def test_the_affinity_map_counts_the_new_entries_written_before_the_old_ones_go() -> None:
+    c = Cluster({abi.MAP_AFFINITY: 3})
+    c.sync({WEB: [sticky(A, B)], DNS: [dns(X, Y)]})  # 2 entries: DNS has no affinity
+    c.sync({WEB: [sticky(A, C, not_ready=[B])]})  # C comes before B goes: 3 at the peak
+    before, model = copy.deepcopy(c.applied), copy.deepcopy(c.model.maps)
+    with pytest.raises(CapacityError, match=abi.MAP_AFFINITY):
+        c.sync({WEB: [sticky(B, D, not_ready=[A, C])]})  # 4 at the peak, though 2 after
+    assert c.applied == before and c.model.maps == model
+
+
 @pytest.mark.parametrize(
     ("full_map", "size"),
     [(abi.MAP_SERVICES, 2), (abi.MAP_SLOTS, 3), (abi.MAP_BACKENDS, 3), (abi.MAP_STATS, 2)],
@@ -496,8 +570,10 @@ def test_random_partial_syncs_keep_the_maps_servable_and_the_indexes_exact(seed:
             states = []
             for number in rng.sample([80, 443, 53], rng.randint(0, 2)):
                 ready = rng.sample(pool, rng.randint(0, 5))
+                # Half the Services have ClientIP affinity: a ClusterIP taken over by another turns it on or off.
                 states.append(port(svc, f"10.96.0.{rng.randint(1, 10)}", number, ready,
-                                   not_ready=rng.sample(pool, rng.randint(0, 2)), name=str(number)))
+                                   not_ready=rng.sample(pool, rng.randint(0, 2)), name=str(number),
+                                   affinity=600 * (int(svc[4:]) % 2)))
             plan[svc] = states
         c.sync(plan)
         desired.update(plan)

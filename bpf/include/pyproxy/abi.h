@@ -35,6 +35,7 @@
                                                 * template without BTF (maps.h), which 6.1 needs */
 #define PYPROXY_MAP_EPSTATS   pyproxy_epstat_v1
 #define PYPROXY_MAP_DEVADDRS  pyproxy_dev_v1
+#define PYPROXY_MAP_AFFINITY  pyproxy_aff_v1
 #define PYPROXY_MAP_REFUSALS  pyproxy_refuse_v1   /* both families */
 /* IPv6 (README, "IPv6 in bpf mode"): the twins of the maps above whose keys or values hold an address. Frontends of
  * both families share one service id space, so the maps indexed by service id (stats, names, cursors), the epoch,
@@ -49,6 +50,7 @@
 #define PYPROXY_MAP_SOCKS6     pyproxy_sock6_v1
 #define PYPROXY_MAP_DEVADDRS6  pyproxy_dev6_v1
 #define PYPROXY_MAP_EPSTATS6   pyproxy_epstat6_v1
+#define PYPROXY_MAP_AFFINITY6  pyproxy_aff6_v1
 #define PYPROXY_MAP_JUMP6      pyproxy_jmp6_v1  /* TC programs: where the IPv4 programs send IPv6 packets */
 #define PYPROXY_MAP_XJUMP6     pyproxy_xjmp6_v1 /* the same for XDP (a program array serves one program type) */
 
@@ -63,6 +65,8 @@
 #define PYPROXY_MAX_SRCRANGES 16384    /* loadBalancerSourceRanges entries over all frontends */
 #define PYPROXY_MAX_EPSTATS   PYPROXY_MAX_BACKENDS   /* one per backend; the loader keeps it the backends map's size */
 #define PYPROXY_MAX_DEVADDRS  4096     /* node devices holding an IPv4 address (PYPROXY_MAP_DEVADDRS) */
+#define PYPROXY_MAX_AFFINITY  PYPROXY_MAX_SLOTS   /* the slots of frontends with ClientIP affinity; the loader keeps
+						 * it the slots map's size */
 
 /* Entries of PYPROXY_MAP_JUMP6 and PYPROXY_MAP_XJUMP6: the IPv6 programs, which the loader puts there after load. */
 #define PYPROXY_JUMP6_TC_INGRESS 0
@@ -91,7 +95,8 @@
 #define PYPROXY_TC_TRANSLATED 0x7079   /* "py" */
 
 /* struct pyproxy_svc_value.flags */
-#define PYPROXY_SVC_F_AFFINITY  0x1    /* ClientIP session affinity: a client keeps its backend */
+#define PYPROXY_SVC_F_AFFINITY  0x1    /* ClientIP session affinity: a client keeps its backend while that is one of
+					* the frontend's slots (PYPROXY_MAP_AFFINITY) */
 #define PYPROXY_SVC_F_DROP      0x2    /* no backend: drop, not reject (external/internalTrafficPolicy Local, no
                                         * local endpoint while the cluster has some: the client waits) */
 #define PYPROXY_SVC_F_RANGES    0x4    /* new flows only from the frontend's source ranges (PYPROXY_MAP_SRCRANGES) */
@@ -208,6 +213,13 @@ struct pyproxy_backend {
 	__be32 addr;   /* network byte order */
 	__be16 port;   /* network byte order */
 	__u16 pad;     /* zero */
+};
+
+/* Key of PYPROXY_MAP_AFFINITY: a backend in the slots of one frontend with ClientIP affinity (value: a __u32,
+ * unused). */
+struct pyproxy_affinity_key {
+	__u32 svc_id;                 /* host order */
+	struct pyproxy_backend be;    /* its pad zero */
 };
 
 /* Value of PYPROXY_MAP_SLOTS: a backend and its weight for this frontend. A struct pyproxy_backend until
@@ -399,6 +411,12 @@ struct pyproxy_backend6 {
 	struct pyproxy_in6 addr;
 	__be16 port;   /* network byte order */
 	__u16 pad;     /* zero */
+};
+
+/* Key of PYPROXY_MAP_AFFINITY6 (pyproxy_affinity_key's twin). */
+struct pyproxy_affinity6_key {
+	__u32 svc_id;                 /* host order */
+	struct pyproxy_backend6 be;   /* its pad zero */
 };
 
 /* Value of PYPROXY_MAP_SLOTS6 (key: struct pyproxy_slot_key). */

@@ -70,6 +70,9 @@
 #ifndef PYPROXY_BCC_MAX_tables
 #define PYPROXY_BCC_MAX_tables PYPROXY_MAX_SERVICES
 #endif
+#ifndef PYPROXY_BCC_MAX_affinity
+#define PYPROXY_BCC_MAX_affinity PYPROXY_MAX_AFFINITY
+#endif
 #ifndef PYPROXY_BCC_MAX_epstats
 #define PYPROXY_BCC_MAX_epstats PYPROXY_MAX_EPSTATS
 #endif
@@ -95,6 +98,9 @@
 #ifndef PYPROXY_BCC_MAX_srcranges6
 #define PYPROXY_BCC_MAX_srcranges6 PYPROXY_MAX_SRCRANGES
 #endif
+#ifndef PYPROXY_BCC_MAX_affinity6
+#define PYPROXY_BCC_MAX_affinity6 PYPROXY_MAX_AFFINITY
+#endif
 #ifndef PYPROXY_BCC_MAX_epstats6
 #define PYPROXY_BCC_MAX_epstats6 PYPROXY_MAX_EPSTATS
 #endif
@@ -109,6 +115,8 @@ PYPROXY_BCC_TABLE("hash", struct pyproxy_slot_key, struct pyproxy_slot, PYPROXY_
 		  BPF_F_NO_PREALLOC);
 PYPROXY_BCC_TABLE("hash", struct pyproxy_backend, struct pyproxy_backend_info, PYPROXY_MAP_BACKENDS,
 		  PYPROXY_BCC_MAX_backends, BPF_F_NO_PREALLOC);
+PYPROXY_BCC_TABLE("hash", struct pyproxy_affinity_key, __u32, PYPROXY_MAP_AFFINITY, PYPROXY_BCC_MAX_affinity,
+		  BPF_F_NO_PREALLOC);
 PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_ct_key, struct pyproxy_ct_value, PYPROXY_MAP_CT, PYPROXY_BCC_MAX_ct, 0);
 PYPROXY_BCC_TABLE("array", __u32, __u32, PYPROXY_MAP_EPOCH, 1, 0);
 PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_frag_key, struct pyproxy_frag_value, PYPROXY_MAP_FRAGS,
@@ -137,6 +145,8 @@ PYPROXY_BCC_TABLE("hash", struct pyproxy_slot_key, struct pyproxy_slot6, PYPROXY
 		  BPF_F_NO_PREALLOC);
 PYPROXY_BCC_TABLE("hash", struct pyproxy_backend6, struct pyproxy_backend_info, PYPROXY_MAP_BACKENDS6,
 		  PYPROXY_BCC_MAX_backends6, BPF_F_NO_PREALLOC);
+PYPROXY_BCC_TABLE("hash", struct pyproxy_affinity6_key, __u32, PYPROXY_MAP_AFFINITY6, PYPROXY_BCC_MAX_affinity6,
+		  BPF_F_NO_PREALLOC);
 PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_ct6_key, struct pyproxy_ct6_value, PYPROXY_MAP_CT6, PYPROXY_BCC_MAX_ct6,
 		  0);
 PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_frag6_key, struct pyproxy_frag_value, PYPROXY_MAP_FRAGS6,

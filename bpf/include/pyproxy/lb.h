@@ -21,7 +21,18 @@ static __always_inline int pyproxy_backend_alive(const struct pyproxy_backend *b
 	return bpf_map_lookup_elem(&PYPROXY_MAP_BACKENDS, be) != NULL;
 }
 
-/* ClientIP affinity: the backend this client used within the affinity window, if it is still alive. */
+/* Whether `be` is one of the frontend's slots: an endpoint its new flows may use (PYPROXY_MAP_AFFINITY, written for
+ * frontends with ClientIP affinity only). */
+static __always_inline int pyproxy_affinity_usable(__u32 svc_id, const struct pyproxy_backend *be)
+{
+	struct pyproxy_affinity_key k = { .svc_id = svc_id, .be = *be };
+
+	return bpf_map_lookup_elem(&PYPROXY_MAP_AFFINITY, &k) != NULL;
+}
+
+/* ClientIP affinity: the backend this client used within the affinity window, if new flows may still use it (not
+ * merely an endpoint: one that is not ready, or left this Service, is not; the caller then chooses anew and
+ * records its choice). */
 static __always_inline int pyproxy_affinity_lookup(const struct pyproxy_pkt *p,
 						   const struct pyproxy_svc_value *svc, __u64 now,
 						   struct pyproxy_backend *be)
@@ -37,7 +48,7 @@ static __always_inline int pyproxy_affinity_lookup(const struct pyproxy_pkt *p,
 	be->addr = v->nat_addr;
 	be->port = v->nat_port;
 	be->pad = 0;
-	return pyproxy_backend_alive(be);
+	return pyproxy_affinity_usable(svc->svc_id, be);
 }
 
 static __always_inline void pyproxy_affinity_record(const struct pyproxy_pkt *p,

@@ -21,7 +21,16 @@ static __always_inline void pyproxy_lb6_affinity_key(const struct pyproxy_pkt6 *
 	pyproxy_ct6_key_set(k, &p->saddr, &p->daddr, 0, p->dport, p->proto, PYPROXY_CT_AFFINITY);
 }
 
-/* ClientIP affinity: the backend this client used within the affinity window, if it is still alive. */
+/* Whether `be` is one of the IPv6 frontend's slots (pyproxy_affinity_usable's twin). */
+static __always_inline int pyproxy_lb6_affinity_usable(__u32 svc_id, const struct pyproxy_backend6 *be)
+{
+	struct pyproxy_affinity6_key k = { .svc_id = svc_id, .be = *be };
+
+	return bpf_map_lookup_elem(&PYPROXY_MAP_AFFINITY6, &k) != NULL;
+}
+
+/* ClientIP affinity: the backend this client used within the affinity window, if new flows may still use it
+ * (pyproxy_affinity_lookup's twin). */
 static __always_inline int pyproxy_lb6_affinity_lookup(const struct pyproxy_pkt6 *p,
 						       const struct pyproxy_svc_value *svc, __u64 now,
 						       struct pyproxy_backend6 *be)
@@ -36,7 +45,7 @@ static __always_inline int pyproxy_lb6_affinity_lookup(const struct pyproxy_pkt6
 	be->addr = v->nat_addr;
 	be->port = v->nat_port;
 	be->pad = 0;
-	return pyproxy_lb6_backend_alive(be);
+	return pyproxy_lb6_affinity_usable(svc->svc_id, be);
 }
 
 static __always_inline void pyproxy_lb6_affinity_record(const struct pyproxy_pkt6 *p,

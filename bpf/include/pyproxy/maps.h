@@ -45,6 +45,23 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_BACKENDS SEC(".maps");
 
+/* ClientIP affinity's usable backends: (service id, backend) -> present (value unused), for every backend in the
+ * slots of a frontend flagged PYPROXY_SVC_F_AFFINITY, and for no other frontend. A client's new flow goes to the
+ * backend its AFFINITY entry names only while the backend is here, one of the endpoints new flows may use (the
+ * ready ones, or the serving and terminating ones while none is ready), as upstream honours affinity; one that is
+ * not ready, terminating beside ready ones, or an endpoint of another Service only, is not, and the flow chooses
+ * anew. One lookup whatever the frontend's size: it takes the place of the backends map's (every endpoint of
+ * every slice). The control plane writes a backend here before any slot holds it and deletes it after none does
+ * (render.py). Not preallocated: sized as the slots map. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, PYPROXY_MAX_AFFINITY);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct pyproxy_affinity_key);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_AFFINITY SEC(".maps");
+
 /* Connection tracking: a FORWARD entry keeps a flow on its backend, a REVERSE entry gives replies
  * their frontend address back, an AFFINITY entry remembers a client's backend for ClientIP affinity; an
  * SNATed flow has a second, mirrored FORWARD/REVERSE pair holding its node address and port (abi.h, snat.h).
@@ -251,6 +268,16 @@ struct {
 	__type(value, struct pyproxy_backend_info);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_BACKENDS6 SEC(".maps");
+
+/* ClientIP affinity's usable backends of IPv6 frontends: (service id, backend) -> present. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, PYPROXY_MAX_AFFINITY);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct pyproxy_affinity6_key);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_AFFINITY6 SEC(".maps");
 
 /* Connection tracking of IPv6 flows: FORWARD, REVERSE, AFFINITY entries and SNAT pairs, as PYPROXY_MAP_CT. */
 struct {

@@ -32,6 +32,9 @@ MAP_DEVADDRS = "pyproxy_dev_v1"
 MAP_REFUSALS = "pyproxy_refuse_v1"
 """Per-CPU token bucket of refusals (reject.h), both families."""
 """Node device (ifindex) -> its primary IPv4 address, for SNAT on kernels without BPF_FIB_LOOKUP_SRC (snat.py)."""
+MAP_AFFINITY = "pyproxy_aff_v1"
+"""(service id, backend) -> present: the backends in the slots of a frontend with ClientIP affinity, the only ones a
+client's affinity keeps (maps.h; render.py writes it)."""
 # IPv6: the twins of the maps holding an address (abi.h; README, "IPv6 in bpf mode").
 MAP_SERVICES6 = "pyproxy_svc6_v1"
 MAP_SLOTS6 = "pyproxy_slot6_v1"
@@ -43,6 +46,7 @@ MAP_TABLES6 = "pyproxy_tbl6_v1"
 MAP_SOCKS6 = "pyproxy_sock6_v1"
 MAP_DEVADDRS6 = "pyproxy_dev6_v1"
 MAP_EPSTATS6 = "pyproxy_epstat6_v1"
+MAP_AFFINITY6 = "pyproxy_aff6_v1"
 MAP_JUMP6 = "pyproxy_jmp6_v1"
 """TC program array: JUMP6_TC_INGRESS, JUMP6_TC_EGRESS -> the IPv6 programs the IPv4 ones tail-call (loader fills)."""
 MAP_XJUMP6 = "pyproxy_xjmp6_v1"
@@ -56,22 +60,23 @@ ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTE
             MAP_FRAGS, MAP_PORTS, MAP_SOCKS, MAP_SRCRANGES, MAP_CURSORS, MAP_TABLES, MAP_EPSTATS, MAP_DEVADDRS,
             MAP_REFUSALS,
             MAP_SERVICES6, MAP_SLOTS6, MAP_BACKENDS6, MAP_CT6, MAP_FRAGS6, MAP_SRCRANGES6, MAP_TABLES6, MAP_SOCKS6,
-            MAP_DEVADDRS6, MAP_EPSTATS6, MAP_JUMP6, MAP_XJUMP6)
+            MAP_DEVADDRS6, MAP_EPSTATS6, MAP_JUMP6, MAP_XJUMP6, MAP_AFFINITY, MAP_AFFINITY6)
 TABLE6_NAME = "pyproxy_table6"
 """The name of each IPv6 frontend's table (PYPROXY_MAP_TABLES6' inner arrays)."""
 RESIZABLE = {
     "services": MAP_SERVICES, "slots": MAP_SLOTS, "backends": MAP_BACKENDS, "ct": MAP_CT, "stats": MAP_STATS,
     "names": MAP_NAMES, "frags": MAP_FRAGS, "socks": MAP_SOCKS, "srcranges": MAP_SRCRANGES, "cursors": MAP_CURSORS,
-    "tables": MAP_TABLES, "epstats": MAP_EPSTATS,
+    "tables": MAP_TABLES, "epstats": MAP_EPSTATS, "affinity": MAP_AFFINITY,
     "services6": MAP_SERVICES6, "slots6": MAP_SLOTS6, "backends6": MAP_BACKENDS6, "ct6": MAP_CT6,
     "frags6": MAP_FRAGS6, "socks6": MAP_SOCKS6, "srcranges6": MAP_SRCRANGES6, "tables6": MAP_TABLES6,
-    "epstats6": MAP_EPSTATS6,
+    "epstats6": MAP_EPSTATS6, "affinity6": MAP_AFFINITY6,
 }
 """The maps whose capacity a setting may change (--bpf-map-sizes), by the short name a setting uses; an IPv6 twin's
 is its IPv4 map's with a 6, and render's capacity check counts each family against its own map. Service ids
 index stats, cursors and tables too: they hold as many as services (the largest id must fit); names, stats and
 cursors serve both families. epstats holds one entry per backend: unless given its own size it takes the backends
-map's (loader.load; epstats6 the backends6 map's)."""
+map's (loader.load; epstats6 the backends6 map's); affinity at most one per slot: the slots map's unless given its
+own (affinity6 the slots6 map's)."""
 NAME_LEN = 128  # PYPROXY_NAME_LEN
 PORT_WORDS = 1024  # PYPROXY_PORT_WORDS
 CONFIG_VAR = "pyproxy_config"
@@ -254,6 +259,12 @@ class Slot(ctypes.Structure):
         ("port", ctypes.c_uint16),  # network order
         ("weight", ctypes.c_uint16),  # host order; 0 reads as 1
     ]
+
+
+class AffinityKey(ctypes.Structure):
+    """struct pyproxy_affinity_key"""
+
+    _fields_ = [("svc_id", ctypes.c_uint32), ("be", Backend)]  # host order; the backend
 
 
 class BackendInfo(ctypes.Structure):
@@ -474,6 +485,12 @@ class Slot6(ctypes.Structure):
     ]
 
 
+class Affinity6Key(ctypes.Structure):
+    """struct pyproxy_affinity6_key"""
+
+    _fields_ = [("svc_id", ctypes.c_uint32), ("be", Backend6)]  # host order; the backend
+
+
 class Ct6Key(ctypes.Structure):
     """struct pyproxy_ct6_key"""
 
@@ -550,6 +567,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "pyproxy_slot_key": SlotKey,
     "pyproxy_backend": Backend,
     "pyproxy_slot": Slot,
+    "pyproxy_affinity_key": AffinityKey,
     "pyproxy_backend_info": BackendInfo,
     "pyproxy_cursor": Cursor,
     "pyproxy_ct_key": CtKey,
@@ -571,6 +589,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "pyproxy_svc6_key": Svc6Key,
     "pyproxy_backend6": Backend6,
     "pyproxy_slot6": Slot6,
+    "pyproxy_affinity6_key": Affinity6Key,
     "pyproxy_ct6_key": Ct6Key,
     "pyproxy_ct6_value": Ct6Value,
     "pyproxy_frag6_key": Frag6Key,

@@ -36,6 +36,7 @@ from pyproxy.dataplane.bpf.render import (
     Op,
     Plan,
     Scheduling,
+    affinity_members,
     epoch_batch,
     next_epoch,
     ports_batch,
@@ -168,13 +169,14 @@ class _Family:
     network: Callable[[str], ipaddress.IPv4Network | ipaddress.IPv6Network]
     entry: type[ctypes.Structure]  # a table's entry (abi.Backend / abi.Backend6)
     table_name: str
+    affinity_key: struct.Struct  # pyproxy_affinity_key / _affinity6_key: svc_id, addr, port (network order bytes)
 
 
 _V4 = _Family(socket.inet_aton, socket.inet_ntoa, _SVC_KEY, _BACKEND, _SLOT, _SRCRANGE_KEY, ipaddress.IPv4Network,
-              abi.Backend, abi.TABLE_NAME)
+              abi.Backend, abi.TABLE_NAME, struct.Struct("=I4s2sxx"))
 _V6 = _Family(lambda ip: socket.inet_pton(socket.AF_INET6, ip), lambda b: socket.inet_ntop(socket.AF_INET6, b),
               struct.Struct("!16sHBB"), struct.Struct("!16sHxx"), struct.Struct("=16s2sH"), struct.Struct("=I4s16s"),
-              ipaddress.IPv6Network, abi.Backend6, abi.TABLE6_NAME)
+              ipaddress.IPv6Network, abi.Backend6, abi.TABLE6_NAME, struct.Struct("=I16s2sxx"))
 
 
 def _endpoints(items: Sequence[tuple], fam: _Family = _V4) -> bytes:
@@ -203,6 +205,11 @@ def _srcrange_keys(keys: Sequence[tuple], fam: _Family = _V4) -> bytes:
     return b"".join(out)
 
 
+def _affinity_keys(keys: Sequence[tuple], fam: _Family = _V4) -> bytes:
+    """(svc_id, ip, port) -> pyproxy_affinity_key (pyproxy_affinity6_key)."""
+    return b"".join([fam.affinity_key.pack(svc_id, fam.aton(ip), port.to_bytes(2, "big")) for svc_id, ip, port in keys])
+
+
 def _cidr_order(cidr: str) -> tuple[int, int, int]:
     net = ipaddress.ip_network(cidr)
     return net.version, int(net.network_address), net.prefixlen
@@ -226,10 +233,12 @@ KEY_CODECS: dict[str, Codec] = {
     abi.MAP_EPOCH: lambda keys: _u32s(map(_ip, keys)),  # (0,)
     abi.MAP_PORTS: lambda keys: _u32s(map(_ip, keys)),  # (word,)
     abi.MAP_SRCRANGES: _srcrange_keys,
+    abi.MAP_AFFINITY: _affinity_keys,
     abi.MAP_SERVICES6: lambda keys: _svc_keys(keys, _V6),
     abi.MAP_SLOTS6: lambda keys: _u32s(itertools.chain.from_iterable(keys)),  # (svc_id, slot)
     abi.MAP_BACKENDS6: lambda keys: _endpoints(keys, _V6),
     abi.MAP_SRCRANGES6: lambda keys: _srcrange_keys(keys, _V6),
+    abi.MAP_AFFINITY6: lambda keys: _affinity_keys(keys, _V6),
 }
 VALUE_CODECS: dict[str, Codec] = {
     abi.MAP_SERVICES: lambda values: b"".join(itertools.starmap(_SVC_VALUE.pack, values)),
@@ -242,6 +251,8 @@ VALUE_CODECS: dict[str, Codec] = {
     abi.MAP_SLOTS6: lambda values: _slot_values(values, _V6),
     abi.MAP_BACKENDS6: lambda values: b"".join(map(_BACKEND_INFO.pack, map(_ip, values))),  # (flags,)
     abi.MAP_SRCRANGES6: lambda values: _u32s(map(_ip, values)),
+    abi.MAP_AFFINITY: lambda values: _u32s(map(_ip, values)),  # (0,): the value is unused
+    abi.MAP_AFFINITY6: lambda values: _u32s(map(_ip, values)),
 }
 
 
@@ -336,6 +347,7 @@ class Maps:
         self.ports: BpfMap = BpfMap(fds[abi.MAP_PORTS], abi.MAP_PORTS, ctypes.c_uint32, ctypes.c_uint64)
         self.srcranges: BpfMap = BpfMap(fds[abi.MAP_SRCRANGES], abi.MAP_SRCRANGES, abi.SrcRangeKey, ctypes.c_uint32)
         self.devaddrs: BpfMap = BpfMap(fds[abi.MAP_DEVADDRS], abi.MAP_DEVADDRS, ctypes.c_uint32, ctypes.c_uint32)
+        self.affinity: BpfMap = BpfMap(fds[abi.MAP_AFFINITY], abi.MAP_AFFINITY, abi.AffinityKey, ctypes.c_uint32)
         self.stats: PerCpuArray = PerCpuArray(fds[abi.MAP_STATS], abi.MAP_STATS, abi.SvcStats)
         self.counters: PerCpuArray = PerCpuArray(fds[abi.MAP_COUNTERS], abi.MAP_COUNTERS, ctypes.c_uint64)
         self.refusals: PerCpuArray = PerCpuArray(fds[abi.MAP_REFUSALS], abi.MAP_REFUSALS, abi.RefusalBucket)
@@ -353,14 +365,15 @@ class Maps:
         self.tables6 = Tables(fds[abi.MAP_TABLES6], abi.MAP_TABLES6, _V6)
         self.socks6: BpfMap = BpfMap(fds[abi.MAP_SOCKS6], abi.MAP_SOCKS6, abi.Sock6Key, abi.Backend6)
         self.devaddrs6: BpfMap = BpfMap(fds[abi.MAP_DEVADDRS6], abi.MAP_DEVADDRS6, ctypes.c_uint32, abi.In6)
+        self.affinity6: BpfMap = BpfMap(fds[abi.MAP_AFFINITY6], abi.MAP_AFFINITY6, abi.Affinity6Key, ctypes.c_uint32)
         self.jump6: BpfMap = BpfMap(fds[abi.MAP_JUMP6], abi.MAP_JUMP6, ctypes.c_uint32, ctypes.c_uint32)
         self.xjump6: BpfMap = BpfMap(fds[abi.MAP_XJUMP6], abi.MAP_XJUMP6, ctypes.c_uint32, ctypes.c_uint32)
         self.by_name: dict[str, BpfMap] = {
             m.name: m
             for m in (self.services, self.slots, self.tables.outer, self.backends, self.ct, self.names, self.epoch,
-                      self.frags, self.socks, self.ports, self.srcranges, self.cursors, self.devaddrs,
+                      self.frags, self.socks, self.ports, self.srcranges, self.cursors, self.devaddrs, self.affinity,
                       self.services6, self.slots6, self.backends6, self.ct6, self.frags6, self.srcranges6,
-                      self.tables6.outer, self.socks6, self.devaddrs6, self.jump6, self.xjump6)
+                      self.tables6.outer, self.socks6, self.devaddrs6, self.affinity6, self.jump6, self.xjump6)
         }
 
     def _svc_values(self, values: Sequence[tuple]) -> bytes:
@@ -452,6 +465,23 @@ class Maps:
             missing, stale = sorted(wanted - held), sorted(held - wanted)
             if missing:
                 m.put_zeros(b"".join(missing), len(missing))
+            if stale:
+                m.delete_batch(b"".join(stale), len(stale))
+
+    def sync_affinity(self, applied: Applied) -> None:
+        """Make the affinity maps hold what plans keep them at (render.affinity_members: the slots of each frontend
+        with ClientIP affinity), for when they may not: a new map (an upgrade, a resize), a plan that stopped
+        halfway. Entries are added before stale ones go, as a plan orders them."""
+        wanted: tuple[set[bytes], set[bytes]] = (set(), set())
+        for key, fe in applied.frontends.items():
+            six = objects.family_of(key[0]) == objects.IPV6
+            wanted[six].update(_affinity_keys([(fe.svc_id, *b)], _V6 if six else _V4) for b in affinity_members(fe))
+        for m, keys in zip((self.affinity, self.affinity6), wanted, strict=True):
+            raw, size = m.items_raw()[0], ctypes.sizeof(m.key_type)
+            held = {raw[i:i + size] for i in range(0, len(raw), size)}
+            missing, stale = sorted(keys - held), sorted(held - keys)
+            if missing:
+                m.update_batch(b"".join(missing), _u32s([0] * len(missing)), len(missing))
             if stale:
                 m.delete_batch(b"".join(stale), len(stale))
 
@@ -727,6 +757,7 @@ class BpfDataplane:
         self.maps.bump_epoch(self.applied)
         self.maps.write_ports(self.applied)
         self.maps.sync_endpoint_stats(self.applied, s.endpoint_counters)
+        self.maps.sync_affinity(self.applied)
         if self.applied.frontends:
             log.info("kept %d frontends from the previous run", len(self.applied.frontends))
         if not self._obj.kernel_flags & abi.KERNEL_FIB_SRC:
@@ -928,6 +959,7 @@ class BpfDataplane:
             self.maps.bump_epoch(self.applied)
             self.maps.write_ports(self.applied)
             self.maps.sync_endpoint_stats(self.applied, self.settings.endpoint_counters)
+            self.maps.sync_affinity(self.applied)
             raise DataplaneError(f"programming the BPF maps failed: {e}") from e
         self.applied.commit(plan)
 
@@ -1016,7 +1048,8 @@ class BpfDataplane:
                 abi.MAP_BACKENDS: backends, abi.MAP_STATS: a.max_id() + 1,
                 abi.MAP_EPSTATS: backends if counters else 0,
                 abi.MAP_SERVICES6: a.frontends6, abi.MAP_SLOTS6: a.slots6, abi.MAP_BACKENDS6: a.backends6,
-                abi.MAP_EPSTATS6: a.backends6 if counters else 0}
+                abi.MAP_EPSTATS6: a.backends6 if counters else 0,
+                abi.MAP_AFFINITY: a.affinity - a.affinity6, abi.MAP_AFFINITY6: a.affinity6}
         return {name: (n, self._capacity[name]) for name, n in held.items() if name in self._capacity}
 
 

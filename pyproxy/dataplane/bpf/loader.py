@@ -310,10 +310,11 @@ def fill_jumps(loaded: LoadedObject) -> None:
 
 def capacities(max_entries: dict[str, int] | None) -> dict[str, int] | None:
     """The capacities asked for, with the per-endpoint counters map at the backends map's size unless it is given
-    one: it holds an entry per backend."""
-    for backends, epstats in ((abi.MAP_BACKENDS, abi.MAP_EPSTATS), (abi.MAP_BACKENDS6, abi.MAP_EPSTATS6)):
-        if max_entries and backends in max_entries and epstats not in max_entries:
-            max_entries = {**max_entries, epstats: max_entries[backends]}
+    one (it holds an entry per backend), and the affinity map at the slots map's (an entry per slot at most)."""
+    for sized, follower in ((abi.MAP_BACKENDS, abi.MAP_EPSTATS), (abi.MAP_BACKENDS6, abi.MAP_EPSTATS6),
+                            (abi.MAP_SLOTS, abi.MAP_AFFINITY), (abi.MAP_SLOTS6, abi.MAP_AFFINITY6)):
+        if max_entries and sized in max_entries and follower not in max_entries:
+            max_entries = {**max_entries, follower: max_entries[sized]}
     return max_entries
 
 

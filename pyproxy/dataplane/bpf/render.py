@@ -6,12 +6,17 @@ and returns a `Plan`: ordered map operations plus the change to `Applied` that h
 
 1. backends that become known are added before any slot can point at them (and, with per-endpoint counters, their
    zeroed entry in `MAP_EPSTATS` before them, so their first packet is counted);
-2. a frontend's slots are written before its count grows, and its count shrinks before slots go; its table
+2. a frontend's slots are written before its count grows, and its count shrinks before slots go; with ClientIP
+   affinity, its entry for a backend in `MAP_AFFINITY` (the backends a client's affinity may keep) is written before
+   any of its slots holds the backend and deleted after none does, so a backend a new flow may pick is always one
+   the client's next flows stay with (affinity turned on: its entries come before the service entry says so; off:
+   after, and the slots written meanwhile may hold backends they lack, for the affinity ends with this plan); its
+   table
    (`MAP_TABLES`: wrr, Maglev; an array per frontend) is written before its entry's table size changes: a table of
    the same size by its changed entries in place, each write atomic, so a flow meanwhile gets the old or the new
    entry's backend, both ready; one of another size as a new array ("new"), filled before it replaces the old
    (the programs choose at random while the size in the entry and the table's disagree: never a drop);
-3. a frontend's service entry is removed before its slots and table;
+3. a frontend's service entry is removed before its slots, table and affinity entries;
 4. backends no frontend knows any more go last, their `MAP_EPSTATS` entries with them (an endpoint's counts go
    when it leaves every Service; one that stays keeps them, across restarts too: the map is pinned);
 5. the endpoint-port bitmap (`MAP_PORTS`: bit `port % 64` of word `port // 64` is set while some backend in
@@ -143,7 +148,8 @@ class Applied:
     """
 
     __slots__ = ("frontends", "backend_refs", "epoch", "by_service", "slots", "slots6", "ids6", "backends6",
-                 "generation", "port_backends", "port_words", "_unreferenced", "_free", "_next_id")
+                 "affinity", "affinity6", "generation", "port_backends", "port_words", "_unreferenced", "_free",
+                 "_next_id")
 
     def __init__(
         self,
@@ -162,6 +168,10 @@ class Applied:
         """Slots in use: the sum of every frontend's ready backends."""
         self.slots6 = 0
         """Of `slots`, those of IPv6 frontends (MAP_SLOTS6's)."""
+        self.affinity = 0
+        """Entries of the affinity maps: the slots of the frontends with ClientIP affinity (`affinity_members`)."""
+        self.affinity6 = 0
+        """Of `affinity`, those of IPv6 frontends (MAP_AFFINITY6's)."""
         self.ids6: set[int] = set()
         """The service ids of the IPv6 frontends (MAP_SERVICES6's): which map a slot, table or source range of a
         plan goes to (`by_family`), without a pass over every frontend at each sync."""
@@ -270,14 +280,23 @@ class Applied:
         self._count(key, fe, -1)
 
     def _count(self, key: FrontendKey, fe: AppliedFrontend, sign: int) -> None:
-        """Count a frontend in (1) or out (-1) of the slot and per-family counts."""
+        """Count a frontend in (1) or out (-1) of the slot, affinity and per-family counts."""
         self.slots += sign * len(fe.backends)
+        members = len(affinity_members(fe))
+        self.affinity += sign * members
         if family_of(key[0]) == IPV6:
             self.slots6 += sign * len(fe.backends)
+            self.affinity6 += sign * members
             if sign > 0:
                 self.ids6.add(fe.svc_id)
             else:
                 self.ids6.discard(fe.svc_id)
+
+
+def affinity_members(fe: AppliedFrontend) -> tuple[Backend, ...]:
+    """A frontend's entries in MAP_AFFINITY (or MAP_AFFINITY6), as (service id, backend): its slots' backends when it
+    has ClientIP affinity (the endpoints its new flows may use, the only ones a client's affinity keeps), else none."""
+    return fe.backends if fe.affinity_sec else ()
 
 
 class CapacityError(RuntimeError):
@@ -433,6 +452,8 @@ def render(
     name_values: list[tuple[str]] = []
     range_puts: list[tuple[int, str]] = []
     range_deletes: list[tuple[int, str]] = []
+    affinity_puts: list[tuple[int, str, int]] = []
+    affinity_deletes: list[tuple[int, str, int]] = []
     for key, (service, st) in claims.items():
         cur_fe = current.get(key)
         affinity = st.session_affinity_seconds
@@ -503,6 +524,13 @@ def render(
             table_values.append(b)
         if old_table and not table:
             table_deletes.append((svc_id,))
+        members = affinity_members(nxt)
+        old_members = affinity_members(cur_fe) if cur_fe else ()
+        if members != old_members:
+            kept = set(old_members)
+            affinity_puts.extend((svc_id, *b) for b in members if b not in kept)
+            kept = set(members)
+            affinity_deletes.extend((svc_id, *b) for b in old_members if b not in kept)
         old_ranges = cur_fe.source_ranges if cur_fe else ()
         if old_ranges != nxt.source_ranges:
             range_puts.extend((svc_id, r) for r in nxt.source_ranges if r not in old_ranges)
@@ -527,6 +555,7 @@ def render(
         Batch("put", abi.MAP_BACKENDS, backend_puts, [_BACKEND_INFO] * len(backend_puts)),
         port_sets,
         Batch("reset", abi.MAP_STATS, resets),
+        Batch("put", abi.MAP_AFFINITY, affinity_puts, [(0,)] * len(affinity_puts)),
         Batch("put", abi.MAP_SLOTS, slot_keys, slot_values),
         Batch("new", abi.MAP_TABLES, table_news, table_sizes),
         Batch("put", abi.MAP_TABLES, table_keys, table_values),
@@ -535,10 +564,12 @@ def render(
         Batch("put", abi.MAP_SERVICES, entry_keys, entry_values),
         Batch("del", abi.MAP_SRCRANGES, range_deletes),
         Batch("del", abi.MAP_SLOTS, slot_deletes),
+        Batch("del", abi.MAP_AFFINITY, affinity_deletes),
         Batch("del", abi.MAP_TABLES, table_deletes),
         Batch("put", abi.MAP_NAMES, name_keys, name_values),
         Batch("del", abi.MAP_SERVICES, removed),
         Batch("del", abi.MAP_SLOTS, [(fe.svc_id, i) for fe in gone for i in range(len(fe.backends))]),
+        Batch("del", abi.MAP_AFFINITY, [(fe.svc_id, *b) for fe in gone for b in affinity_members(fe)]),
         Batch("del", abi.MAP_TABLES, [(fe.svc_id,) for fe in gone if fe.table]),
         Batch("del", abi.MAP_NAMES, [(fe.svc_id,) for fe in gone]),
         Batch("del", abi.MAP_SRCRANGES, [(fe.svc_id, r) for fe in gone for r in fe.source_ranges]),
@@ -565,10 +596,11 @@ def render(
 
 # The maps whose entries hold an address, by their IPv6 twins (abi.h); how a batch's entry tells its family: by the
 # address in its key (services, backends, per-endpoint counters), or by its frontend's service id (slots, tables,
-# source ranges).
+# source ranges, affinity).
 _TWINS: dict[str, str | None] = {
     abi.MAP_SERVICES: abi.MAP_SERVICES6, abi.MAP_BACKENDS: abi.MAP_BACKENDS6, abi.MAP_EPSTATS: abi.MAP_EPSTATS6,
     abi.MAP_SLOTS: abi.MAP_SLOTS6, abi.MAP_TABLES: abi.MAP_TABLES6, abi.MAP_SRCRANGES: abi.MAP_SRCRANGES6,
+    abi.MAP_AFFINITY: abi.MAP_AFFINITY6,
 }
 _BY_ADDRESS = frozenset({abi.MAP_SERVICES, abi.MAP_BACKENDS, abi.MAP_EPSTATS})
 
@@ -670,16 +702,27 @@ def _check_capacity(
     current = applied.frontends
     slots6 = applied.slots6
     slots = applied.slots - slots6
+    affinity6 = applied.affinity6
+    affinity = applied.affinity - affinity6
     added = added6 = 0
     top = applied.max_id()
     for key, fe in upserts.items():
         old = current.get(key)
         grown = max(0, len(fe.backends) - (len(old.backends) if old else 0))
+        # A frontend's new affinity entries are all written before its old ones go.
+        members = affinity_members(fe)
+        if members:
+            old_members = set(affinity_members(old)) if old else set()
+            joined = sum(1 for b in members if b not in old_members)
+        else:
+            joined = 0
         six = family_of(key[0]) == IPV6
         if six:
             slots6 += grown
+            affinity6 += joined
         else:
             slots += grown
+            affinity += joined
         if old is None:
             added += 1
             added6 += six
@@ -699,6 +742,8 @@ def _check_capacity(
         abi.MAP_SLOTS6: slots6,
         abi.MAP_BACKENDS: backends,
         abi.MAP_BACKENDS6: backends6,
+        abi.MAP_AFFINITY: affinity,
+        abi.MAP_AFFINITY6: affinity6,
     }
     if endpoint_counters:
         need[abi.MAP_EPSTATS] = backends
