@@ -91,7 +91,7 @@ unit: venv
 # tests/e2e/test_guest_kernel.py (about 40 minutes since the IPv6 fixtures) runs in `make guest-kernel-test` instead.
 # The flow-lifecycle tests' DNS-like UDP runs 48 s instead of 60 (tests/e2e/test_flow_lifecycle_e2e.py, UDP_SECONDS).
 test: install install-bcc apiserver guest-image lint
-	PYPROXY_LIFECYCLE_UDP_SECONDS=48 $(VENV)/bin/pytest -q tests --ignore=tests/e2e/test_guest_kernel.py
+	PYPROXY_LIFECYCLE_UDP_SECONDS=48 $(VENV)/bin/pytest -q --durations=25 tests --ignore=tests/e2e/test_guest_kernel.py
 
 # Issue 16's soak at full length: a client alternating Service and direct connections to one backend from 20
 # source ports, TCP and UDP, 60 s in each mode (bpf, bpf+XDP, nftables, iptables; `make test` runs 15 s).
