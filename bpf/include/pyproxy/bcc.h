@@ -226,6 +226,7 @@ struct pyproxy_bcc_map {
 		(long)__i;                                                                                  \
 	})
 #define PYPROXY_BCC_LOOPS_pyproxy_snat_try PYPROXY_SNAT_TRIES
+#define PYPROXY_BCC_LOOPS_pyproxy_snat_try_early 1
 #define PYPROXY_BCC_LOOPS_pyproxy_least_step 8
 
 #endif /* PYPROXY_BCC_TABLES */

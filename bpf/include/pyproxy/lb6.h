@@ -21,12 +21,14 @@ static __always_inline void pyproxy_lb6_affinity_key(const struct pyproxy_pkt6 *
 	pyproxy_ct6_key_set(k, &p->saddr, &p->daddr, 0, p->dport, p->proto, PYPROXY_CT_AFFINITY);
 }
 
-/* Whether `be` is one of the IPv6 frontend's slots (pyproxy_affinity_usable's twin). */
-static __always_inline int pyproxy_lb6_affinity_usable(__u32 svc_id, const struct pyproxy_backend6 *be)
+/* Whether `be` is one of the IPv6 frontend's slots (pyproxy_affinity_usable's twin); `k`: room for the key, the
+ * caller's (the IPv6 programs' stack, with bpf_loop's callback frame, is at the verifier's 512 bytes). */
+static __always_inline int pyproxy_lb6_affinity_usable(__u32 svc_id, const struct pyproxy_backend6 *be,
+						       struct pyproxy_affinity6_key *k)
 {
-	struct pyproxy_affinity6_key k = { .svc_id = svc_id, .be = *be };
-
-	return bpf_map_lookup_elem(&PYPROXY_MAP_AFFINITY6, &k) != NULL;
+	k->svc_id = svc_id;
+	k->be = *be;
+	return bpf_map_lookup_elem(&PYPROXY_MAP_AFFINITY6, k) != NULL;
 }
 
 /* ClientIP affinity: the backend this client used within the affinity window, if new flows may still use it
@@ -35,17 +37,21 @@ static __always_inline int pyproxy_lb6_affinity_lookup(const struct pyproxy_pkt6
 						       const struct pyproxy_svc_value *svc, __u64 now,
 						       struct pyproxy_backend6 *be)
 {
-	struct pyproxy_ct6_key k;
+	/* One piece of stack for both keys: the flow's, then the frontend's affinity entry. */
+	union {
+		struct pyproxy_ct6_key ct;
+		struct pyproxy_affinity6_key usable;
+	} k;
 	struct pyproxy_ct6_value *v;
 
-	pyproxy_lb6_affinity_key(p, &k);
-	v = bpf_map_lookup_elem(&PYPROXY_MAP_CT6, &k);
+	pyproxy_lb6_affinity_key(p, &k.ct);
+	v = bpf_map_lookup_elem(&PYPROXY_MAP_CT6, &k.ct);
 	if (!v || now - v->last_seen > svc->affinity_ticks)
 		return 0;
 	be->addr = v->nat_addr;
 	be->port = v->nat_port;
 	be->pad = 0;
-	return pyproxy_lb6_affinity_usable(svc->svc_id, be);
+	return pyproxy_lb6_affinity_usable(svc->svc_id, be, &k.usable);
 }
 
 static __always_inline void pyproxy_lb6_affinity_record(const struct pyproxy_pkt6 *p,

@@ -103,8 +103,13 @@ static __always_inline int pyproxy_parse_len(void *data, void *data_end, struct 
 		return PYPROXY_PARSE_SHORT;
 	ihl = ip->ihl * 4;
 	tot_len = bpf_ntohs(ip->tot_len);
-	if (!tot_len && ip->protocol == IPPROTO_TCP && len > 0xffff + sizeof(*eth))
+	/* A length of 0 is settled before it meets ihl: 6.1's verifier, comparing the two with tot_len known 0, kept
+	 * following the impossible branch (ihl at most 0 and at least 20) and refused the program further on. */
+	if (!tot_len) {
+		if (ip->protocol != IPPROTO_TCP || len <= 0xffff + sizeof(*eth))
+			return PYPROXY_PARSE_SKIP;
 		tot_len = len - sizeof(*eth);
+	}
 	if (ip->version != 4 || ihl < sizeof(*ip) || tot_len < ihl)
 		return PYPROXY_PARSE_SKIP;
 

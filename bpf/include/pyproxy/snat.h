@@ -97,8 +97,8 @@ struct pyproxy_snat_alloc {
 	struct pyproxy_ct_key rk;      /* the SNAT pair's FORWARD key, but its port */
 	struct pyproxy_ct_value rv;    /* its value */
 	__u64 now;
-	__u32 span;                    /* ports in the range */
-	__u32 found;                   /* set by the try that took rk.dport */
+	__u16 span;                    /* ports in the range: at most 64,512 (1024-65535) */
+	__u16 found;                   /* set by the try that took rk.dport */
 	__be16 own;                    /* the client's own port, tried first when it is in the range; else 0 */
 	__be16 early;                  /* a port whose pair may be taken over early (pyproxy_snat_early); 0: none */
 };
@@ -141,6 +141,16 @@ static long pyproxy_snat_try(__u32 i, void *data)
 	return 0;
 }
 
+/* The last resort, once every try missed: the port of a closed pair a try met (pyproxy_snat_early). A callback of its
+ * own, as the tries are, so its code stays out of the program's stack frame (the IPv6 programs' is at the limit). */
+static long pyproxy_snat_try_early(__u32 i, void *data)
+{
+	struct pyproxy_snat_alloc *a = data;
+
+	a->found = a->early && pyproxy_snat_take(a, a->early, 1);
+	return 1;
+}
+
 /* Records the SNAT pair of the new flow `p` (client -> frontend) that goes to `be`, from `addr` and a free port.
  * Returns non-zero when no port was free (or the table refused): the caller drops the packet, and the client's
  * retransmission tries again. Both entries of the pair hold the flow's beginning (abi.h). */
@@ -167,7 +177,8 @@ static __always_inline int pyproxy_snat_create(const struct pyproxy_pkt *p, cons
 
 	bpf_loop(PYPROXY_SNAT_TRIES, pyproxy_snat_try, &a, 0);
 	if (!a.found) {
-		if (!a.early || !pyproxy_snat_take(&a, a.early, 1))
+		bpf_loop(1, pyproxy_snat_try_early, &a, 0);
+		if (!a.found)
 			return -1;
 		pyproxy_count(PYPROXY_CNT_SNAT_EARLY_REUSE);
 	}

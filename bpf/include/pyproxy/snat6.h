@@ -61,8 +61,8 @@ struct pyproxy_snat6_alloc {
 	struct pyproxy_ct6_key rk;
 	struct pyproxy_ct6_value rv;
 	__u64 now;
-	__u32 span;
-	__u32 found;
+	__u16 span;     /* 16 bits, as found: the IPv6 programs' stack (with bpf_loop's callback frame) is at 512 bytes */
+	__u16 found;
 	__be16 own;
 	__be16 early;
 };
@@ -99,8 +99,19 @@ static long pyproxy_snat6_try(__u32 i, void *data)
 	}
 	return 0;
 }
+
+/* The last resort, once every try missed: the port of a closed pair a try met (pyproxy_snat_early). A callback of its
+ * own, as the tries are, so its code stays out of the program's stack frame (the IPv6 programs' is at the limit). */
+static long pyproxy_snat6_try_early(__u32 i, void *data)
+{
+	struct pyproxy_snat6_alloc *a = data;
+
+	a->found = a->early && pyproxy_snat6_take(a, a->early, 1);
+	return 1;
+}
 #ifdef PYPROXY_BCC
 #define PYPROXY_BCC_LOOPS_pyproxy_snat6_try PYPROXY_SNAT_TRIES
+#define PYPROXY_BCC_LOOPS_pyproxy_snat6_try_early 1
 #endif
 
 /* Records the SNAT pair of the new flow `p` that goes to `be`, from `addr` and a free port (pyproxy_snat_create's
@@ -121,7 +132,8 @@ static __always_inline int pyproxy_snat6_create(const struct pyproxy_pkt6 *p, co
 	pyproxy_ct6_key_set(&a.rk, &be->addr, addr, be->port, 0, p->proto, PYPROXY_CT_FORWARD);
 	bpf_loop(PYPROXY_SNAT_TRIES, pyproxy_snat6_try, &a, 0);
 	if (!a.found) {
-		if (!a.early || !pyproxy_snat6_take(&a, a.early, 1))
+		bpf_loop(1, pyproxy_snat6_try_early, &a, 0);
+		if (!a.found)
 			return -1;
 		pyproxy_count(PYPROXY_CNT_SNAT_EARLY_REUSE);
 	}
