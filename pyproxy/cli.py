@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from pyproxy import logs
 from pyproxy.dataplane.bpf import abi
-from pyproxy.dataplane.bpf.backend import LOADERS
+from pyproxy.dataplane.bpf.backend import LOADERS, XDP_MODES
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.model import inspection
 from pyproxy.proxier import app, kubeproxyconfig
@@ -43,6 +43,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "hostname_override": ("hostname_override",),
     "devices": ("bpf.devices",),
     "xdp_devices": ("bpf.xdp_devices",),
+    "bpf_xdp_mode": ("bpf.xdp_mode",),
     "bpf_socket_lb": ("bpf.socket_lb",),
     "cgroup_root": ("bpf.cgroup_root",),
     "bpf_snat_port_range": ("bpf.snat_ports",),
@@ -197,6 +198,10 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--devices", type=_csv,
                      help="comma-separated devices to attach to (default: every non-loopback Ethernet device)")
     run.add_argument("--xdp-devices", type=_csv, help="devices that also get the XDP program (bpf mode)")
+    run.add_argument("--bpf-xdp-mode", choices=XDP_MODES,
+                     help="bpf mode: native, the driver's XDP or an error naming why not (the device keeps TC); "
+                          "best-effort, native else generic with a warning; generic, always skb mode "
+                          f"(default: {d.bpf.xdp_mode})")
     run.add_argument("--bpf-socket-lb", action=argparse.BooleanOptionalAction,
                      help="bpf mode: the node's own processes reach Services through cgroup socket hooks "
                           f"(default: {'on' if d.bpf.socket_lb else 'off'})")

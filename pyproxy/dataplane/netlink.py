@@ -46,6 +46,8 @@ class Link:
     link: int = 0
     """IFLA_LINK, when it names a device of this namespace: the device a VLAN or macvlan is stacked on, a veth's
     peer; 0 otherwise (none, or one in another namespace: IFLA_LINK_NETNSID)."""
+    mtu: int = 0
+    """IFLA_MTU (what a driver's XDP limit is about)."""
 
 
 def _link_of(msg: dict) -> Link:
@@ -62,6 +64,7 @@ def _link_of(msg: dict) -> Link:
         master=msg.get_attr("IFLA_MASTER") or 0,  # type: ignore[attr-defined]
         slave_kind=slave_kind or "",
         link=(msg.get_attr("IFLA_LINK") or 0) if here else 0,  # type: ignore[attr-defined]
+        mtu=msg.get_attr("IFLA_MTU") or 0,  # type: ignore[attr-defined]
     )
 
 

@@ -92,8 +92,9 @@ SCHEMA: Schema = {
                   "tcpCloseWaitTimeout": DURATION, "tcpBeLiberal": BOOL, "udpTimeout": DURATION,
                   "udpStreamTimeout": DURATION},
     "configSyncPeriod": DURATION, "portRange": STR, "udpIdleTimeout": DURATION, "windowsRunAsService": BOOL,
-    "bpf": {"devices": STRINGS, "xdpDevices": STRINGS, "socketLB": BOOL, "cgroupRoot": STR, "snatPortRange": STR,
-            "scheduler": STR, "loader": STR, "maglevTableSize": INT, "mapSizes": INT_MAP, "tcpSynTimeout": DURATION,
+    "bpf": {"devices": STRINGS, "xdpDevices": STRINGS, "xdpMode": STR, "socketLB": BOOL, "cgroupRoot": STR,
+            "snatPortRange": STR, "scheduler": STR, "loader": STR, "maglevTableSize": INT, "mapSizes": INT_MAP,
+            "tcpSynTimeout": DURATION,
             "tcpSynRecvTimeout": DURATION, "tcpTimeWaitTimeout": DURATION, "tcpCloseTimeout": DURATION,
             "endpointCounters": BOOL},
 }
@@ -148,6 +149,7 @@ FLAG_FIELDS = {
     "--metrics-bind-address": "metricsBindAddress", "--ipvs-scheduler": "ipvs.scheduler",
     "--xdp-devices": "bpf.xdpDevices", "--devices": "bpf.devices", "--bpf-snat-port-range": "bpf.snatPortRange",
     "--bpf-scheduler": "bpf.scheduler", "--bpf-maglev-table-size": "bpf.maglevTableSize", "--bpf-loader": "bpf.loader",
+    "--bpf-xdp-mode": "bpf.xdpMode",
     "--conntrack-tcp-timeout-established": "conntrack.tcpEstablishedTimeout",
     "--conntrack-tcp-timeout-close-wait": "conntrack.tcpCloseWaitTimeout",
     "--conntrack-udp-timeout-stream": "conntrack.udpStreamTimeout", "--conntrack-udp-timeout": "conntrack.udpTimeout",
@@ -366,6 +368,8 @@ class _Reader:
             b.scheduler = scheduler
         if (bpf_loader := self.given("bpf.loader")) is not None:
             b.loader = bpf_loader
+        if (xdp_mode := self.given("bpf.xdpMode")) is not None:
+            b.xdp_mode = xdp_mode
         if (size := self.fields.get("bpf.maglevTableSize")) is not None:
             b.maglev_table_size = size
         if (sizes := self.fields.get("bpf.mapSizes")) is not None:
@@ -439,7 +443,8 @@ def dump(s: ProxySettings) -> str:
         "mode": s.mode,
         "nftables": {**masq, **periods},
         "nodePortAddresses": list(s.nodeport_addresses) or None,
-        "bpf": {"devices": list(s.bpf.devices), "xdpDevices": list(s.bpf.xdp_devices), "socketLB": s.bpf.socket_lb,
+        "bpf": {"devices": list(s.bpf.devices), "xdpDevices": list(s.bpf.xdp_devices),
+                "xdpMode": s.bpf.xdp_mode, "socketLB": s.bpf.socket_lb,
                 "cgroupRoot": str(s.bpf.cgroup_root or ""),
                 "snatPortRange": f"{s.bpf.snat_ports[0]}-{s.bpf.snat_ports[1]}", "scheduler": s.bpf.scheduler,
                 "loader": s.bpf.loader, "maglevTableSize": s.bpf.maglev_table_size, "mapSizes": map_sizes,

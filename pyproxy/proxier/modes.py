@@ -52,6 +52,7 @@ _NETFILTER = frozenset({"ipvs", "nftables", "iptables"})
 HONOURED_BY = (
     Honoured("--devices", lambda s: s.bpf.devices, _BPF),
     Honoured("--xdp-devices", lambda s: s.bpf.xdp_devices, _BPF),
+    Honoured("--bpf-xdp-mode", lambda s: s.bpf.xdp_mode, _BPF),
     Honoured("--bpf-socket-lb", lambda s: s.bpf.socket_lb, _BPF),
     Honoured("--cgroup-root", lambda s: s.bpf.cgroup_root, _BPF),
     Honoured("--bpf-snat-port-range", lambda s: s.bpf.snat_ports, _BPF),

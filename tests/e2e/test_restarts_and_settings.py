@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from pyproxy.lab.manifests import Port, endpoint_slice, service
+from pyproxy.lab.netns import PEER_IFNAME
 
 pytestmark = pytest.mark.root
 
@@ -59,6 +60,33 @@ def test_a_restart_without_xdp_devices_detaches_xdp_and_logs_it(make_env) -> Non
     log = last_run_log(proxy)
     assert re.search(rf"detached XDP \((native|generic)\) from {dev}: not in --xdp-devices", log), log
     env.assert_reaches("tcp", WEB_IP, 80, BOTH)  # TC alone serves it
+
+
+def test_native_xdp_a_driver_refuses_is_an_error_naming_why_and_best_effort_falls_back(make_env) -> None:
+    """A jumbo MTU (9000) on the client link: veth takes native XDP only up to about 3,500 bytes for a program
+    without multi-buffer support. --bpf-xdp-mode=native: no XDP on the device, an error naming it, its MTU and the
+    kernel's own reason, TC still serving; the default (best-effort): generic XDP, with a warning saying so."""
+    env = make_env(2)
+    env.write("web.yaml", *WEB)
+    dev = env.lab.node_client_ifname
+    env.lab.exec(env.lab.node, "ip", "link", "set", dev, "mtu", "9000")
+    env.lab.exec(env.lab.client, "ip", "link", "set", PEER_IFNAME, "mtu", "9000")
+
+    proxy = env.start(xdp_devices=[dev], args=["--bpf-xdp-mode=native"])
+    log = last_run_log(proxy)
+    assert re.search(rf"ERROR .*no XDP on {dev}: the driver refused native XDP: .*Peer MTU is too large.*MTU 9000",
+                     log), log
+    assert xdp_ids(env, dev) == [], "a native XDP program the driver refused, or a generic one not asked for"
+    env.assert_reaches("tcp", WEB_IP, 80, BOTH)
+    assert proxy.terminate() == 0
+
+    proxy = env.start(xdp_devices=[dev])
+    log = last_run_log(proxy)
+    assert re.search(rf"WARNING .*native XDP refused on {dev}: .*Peer MTU is too large.*MTU 9000.*generic XDP",
+                     log), log
+    link = json.loads(env.lab.exec(env.lab.node, "ip", "-j", "link", "show", "dev", dev).stdout)[0]
+    assert link.get("xdp", {}).get("mode") == 2, f"not generic XDP (mode 2) on {dev}: {link.get('xdp')}"
+    env.assert_reaches("tcp", WEB_IP, 80, BOTH)
 
 
 def test_a_restart_with_fewer_devices_detaches_the_others_and_logs_it(make_env) -> None:

@@ -86,10 +86,16 @@ def detach_tc(ifindex: int, direction: int) -> bool:
 
 
 def attach_xdp(ifindex: int, prog_fd: int, mode: str) -> None:
-    libbpf.check(
-        libbpf.lib().bpf_xdp_attach(ifindex, prog_fd, XDP_MODES[mode], ffi.NULL),
-        f"attach XDP ({mode}) on ifindex {ifindex}",
-    )
+    """Attach in `mode`; a refusal's OSError carries the kernel's reason where it gave one (a driver's limit:
+    "veth: Peer MTU is too large to set XDP"), which the bare errno (ERANGE, EINVAL) does not tell."""
+    lib = libbpf.lib()
+    libbpf.take_kernel_message()
+    ret = lib.bpf_xdp_attach(ifindex, prog_fd, XDP_MODES[mode], ffi.NULL)
+    if ret < 0:
+        reason = libbpf.take_kernel_message()
+        code = -ret if ret != -1 else ffi.errno
+        raise OSError(code, f"attach XDP ({mode}) on ifindex {ifindex}: {os.strerror(code)}"
+                            + (f" ({reason})" if reason else ""))
 
 
 def xdp_prog_ids(ifindex: int) -> dict[str, int]:

@@ -54,6 +54,8 @@ bpf/build beside it), bench/restarts.py's with a changed map layout."""
 LOADERS = ("libbpf", "bcc")
 """--bpf-loader: libbpf loads the prebuilt object (`make bpf`); bcc compiles bpf/ at start with BCC (bcc.py), for
 nodes where the prebuilt object does not fit. Never chosen automatically: bcc only when asked."""
+XDP_MODES = ("native", "best-effort", "generic")
+"""--bpf-xdp-mode's values (BpfSettings.xdp_mode)."""
 
 
 @dataclass
@@ -69,8 +71,14 @@ class BpfSettings:
     """Devices to attach to; empty means the device rule's (devices.py): every non-loopback Ethernet device,
     including later ones, but one of each stack of devices (a bridge, not its ports; a bond, not its slaves)."""
     xdp_devices: tuple[str, ...] = ()
-    """Devices that get the XDP program (native mode, generic as a fallback), whether or not they get TC (a bridge's
-    port does not); a start removes pyproxy's XDP program from every other device."""
+    """Devices that get the XDP program (as xdp_mode says), whether or not they get TC (a bridge's port does not);
+    a start removes pyproxy's XDP program from every other device."""
+    xdp_mode: str = "best-effort"
+    """--bpf-xdp-mode (XDP_MODES; Cilium's --bpf-lb-acceleration): native, the driver's XDP or none: a device
+    whose driver refuses it (the program takes no multi-buffer frames, so e.g. a veth above an MTU of about 3,500)
+    is an error naming the device and the kernel's reason, and keeps TC only; best-effort, native where the
+    driver takes it, else generic XDP (skb mode: no faster than TC) with a warning saying why; generic, always
+    skb mode."""
     max_entries: dict[str, int] = field(default_factory=dict)
     """--bpf-map-sizes: map capacities overriding abi.h's defaults, by map name (abi.RESIZABLE's values; the flag
     takes their short names). A capacity the kernel refuses fails the start, naming the map and the memory it
@@ -125,6 +133,8 @@ class BpfSettings:
         lo, hi = self.snat_ports
         if not 1024 <= lo <= hi <= 65535:
             out.append(f"--bpf-snat-port-range must be FIRST-LAST within 1024-65535, not {lo}-{hi}")
+        if self.xdp_mode not in XDP_MODES:
+            out.append(f"--bpf-xdp-mode must be one of {', '.join(XDP_MODES)}, not {self.xdp_mode!r}")
         if self.loader not in LOADERS:
             out.append(f"--bpf-loader must be one of {', '.join(LOADERS)}, not {self.loader!r}")
         if self.scheduler not in abi.SCHED:
@@ -901,14 +911,32 @@ class BpfDataplane:
         elif before is not None and v.why != before.why:
             log.info("device %s: %s", link.name, v.why or "an Ethernet device of its own")
         if v.xdp and (before is None or not before.xdp):
-            try:
-                attach.attach_xdp(link.index, progs[abi.PROG_XDP], "native")
-                log.info("XDP (native) on %s", link.name)
-            except OSError as e:
-                log.warning("native XDP failed on %s (%s); falling back to generic XDP", link.name, e)
-                attach.attach_xdp(link.index, progs[abi.PROG_XDP], "generic")
+            self._attach_xdp(link, progs[abi.PROG_XDP])
         elif not v.xdp and (before is None or before.xdp):
             self._detach(link, "not in --xdp-devices", attach.XDP_HOOKS)
+
+    def _attach_xdp(self, link: netlink.Link, prog_fd: int) -> None:
+        """XDP on `link` as --bpf-xdp-mode says. A refusal is said with the device's MTU and the kernel's reason:
+        the usual one is a driver's limit on the frame size XDP takes without multi-buffer support."""
+        mode = self.settings.xdp_mode
+        if mode != "generic":
+            try:
+                attach.attach_xdp(link.index, prog_fd, "native")
+                log.info("XDP (native) on %s", link.name)
+                return
+            except OSError as e:
+                why = f"{e.strerror} (MTU {link.mtu})"
+                if mode == "native":
+                    log.error("no XDP on %s: the driver refused native XDP: %s; --bpf-xdp-mode=native, so the "
+                              "device keeps TC only (best-effort would fall back to generic XDP)", link.name, why)
+                    return
+                log.warning("native XDP refused on %s: %s; falling back to generic XDP, no faster than TC "
+                            "(--bpf-xdp-mode=native makes this an error)", link.name, why)
+        try:
+            attach.attach_xdp(link.index, prog_fd, "generic")
+            log.info("XDP (generic) on %s", link.name)
+        except OSError as e:
+            log.error("no XDP on %s: %s; the device keeps TC only", link.name, e.strerror)
 
     def _detach(self, link: netlink.Link, why: str, hooks: Iterable[str] | None = None) -> list[str]:
         """Make `link` hold none of our programs on `hooks` (default: any), saying what went and why: a start

@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import sys
+import threading
 from typing import Any
 
 from cffi import FFI
@@ -105,10 +107,44 @@ ffi.cdef(
                       size_t insn_cnt, const struct bpf_prog_load_opts *opts);
     int libbpf_probe_bpf_prog_type(int prog_type, const void *opts);
     int libbpf_probe_bpf_map_type(int map_type, const void *opts);
+
+    /* libbpf_print_fn_t; its va_list declared as the pointer it is passed as (x86-64 and arm64 alike), for
+       vsnprintf of the C library. */
+    typedef int (*libbpf_print_fn_t)(int level, const char *fmt, void *args);
+    libbpf_print_fn_t libbpf_set_print(libbpf_print_fn_t fn);
+    int vsnprintf(char *str, size_t size, const char *format, void *args);
     """
 )
 
 _lib: Any = None
+_libc: Any = None
+LIBBPF_WARN, LIBBPF_INFO = 0, 1
+KERNEL_MESSAGE = "Kernel error message: "
+_kernel_message = threading.local()
+
+
+@ffi.callback("int(int, const char *, void *)")
+def _print(level: int, fmt: Any, args: Any) -> int:
+    """libbpf's printer: what libbpf's own prints (warnings and information, to stderr), but that a netlink
+    call's reason from the kernel (the extended ack: "veth: Peer MTU is too large to set XDP") is also kept
+    for the calling thread, so the OSError of that call can say why (last_kernel_message)."""
+    if level > LIBBPF_INFO:
+        return 0
+    buf = ffi.new("char[4096]")
+    _libc.vsnprintf(buf, len(buf), fmt, args)
+    text = ffi.string(buf).decode(errors="replace")
+    if KERNEL_MESSAGE in text:
+        _kernel_message.text = text.split(KERNEL_MESSAGE, 1)[1].strip()
+    sys.stderr.write(text)
+    return 0
+
+
+def take_kernel_message() -> str | None:
+    """The kernel's reason for this thread's last failed netlink call through libbpf, once (None when it gave
+    none)."""
+    text = getattr(_kernel_message, "text", None)
+    _kernel_message.text = None
+    return text
 
 
 def lib() -> Any:
@@ -116,9 +152,13 @@ def lib() -> Any:
     global _lib
     if _lib is None:
         try:
-            _lib = ffi.dlopen("libbpf.so.1")
+            lib = ffi.dlopen("libbpf.so.1")
         except OSError as e:
             raise OSError(errno.ENOENT, f"libbpf.so.1 not found (install Debian's libbpf1): {e}") from e
+        global _libc
+        _libc = ffi.dlopen(None)
+        lib.libbpf_set_print(_print)
+        _lib = lib
     return _lib
 
 
