@@ -229,6 +229,21 @@ def count_open(keys: bytes, values: bytes, deleted: Iterable[int], layout: CtLay
     return counts
 
 
+def count_snat_ports(keys: bytes, values: bytes, deleted: Iterable[int],
+                     layout: CtLayout = IPV4) -> tuple[int, int]:
+    """SNAT ports held in the CT entries read but those at the indexes `deleted`: in all, and the most held for one
+    node address, backend and protocol (what the SNAT range bounds: snat.h finds no port when it is full). Each
+    held port is one SNAT pair, counted by its FORWARD entry, keyed backend -> node address and port."""
+    gone = set(deleted)
+    per_backend: dict[tuple[bytes, bytes, bytes, int], int] = {}
+    entries = zip(layout.ct_key.iter_unpack(keys), layout.ct_open.iter_unpack(values), strict=True)
+    for i, ((saddr, daddr, sport, _, proto, direction), (_, _, flags)) in enumerate(entries):
+        if direction == abi.CT_FORWARD and flags & abi.CT_F_SNAT and i not in gone:
+            where = (daddr, saddr, sport, proto)
+            per_backend[where] = per_backend.get(where, 0) + 1
+    return sum(per_backend.values()), max(per_backend.values(), default=0)
+
+
 def recount(backends: BpfMap, counts: Mapping[bytes, int], layout: CtLayout = IPV4) -> int:
     """Writes each backend's open-flow count where the map's differs; returns how many were written."""
     keys, values = backends.items_raw()
@@ -259,9 +274,16 @@ class CtGcMetrics(Collector):
         self.duration = Histogram(f"pyproxy_bpf_{map_name}_gc_duration_seconds",
                                   f"Duration of a{'n' if what else ''} {what}connection-tracking GC pass",
                                   buckets=tuple(0.001 * 2**i for i in range(15)), registry=None)
+        snat = map_name.replace("ct", "snat")
+        self.snat_in_use = Gauge(f"pyproxy_bpf_{snat}_ports_in_use",
+                                 f"{what}SNAT ports held by flows after the last GC pass, in all", registry=None)
+        self.snat_busiest = Gauge(f"pyproxy_bpf_{snat}_ports_in_use_max",
+                                  f"{what}SNAT ports held for the busiest node address, backend and protocol after "
+                                  "the last GC pass: new flows to it find no port when it reaches the range's size",
+                                  registry=None)
 
     def collect(self) -> Iterator[Metric]:
-        for m in (self.entries, self.deleted, self.duration):
+        for m in (self.entries, self.deleted, self.duration, self.snat_in_use, self.snat_busiest):
             yield from m.collect()
 
 
@@ -334,6 +356,9 @@ class CtGarbageCollector:
                 gone.append(i)
         if self.backends is not None and not self._stop.is_set():
             recount(self.backends, count_open(keys, values, gone, self.layout), self.layout)
+        in_use, busiest = count_snat_ports(keys, values, gone, self.layout)
+        self.metrics.snat_in_use.set(in_use)
+        self.metrics.snat_busiest.set(busiest)
         deleted = len(gone)
         done = GcPass(seen=len(keys) // size, deleted=deleted, seconds=time.monotonic() - start)
         self.metrics.entries.set(done.seen)
