@@ -181,6 +181,8 @@ def dnat(
     verdict, out = dp.run(prog, frame(flow, payload, csum=csum, tcp_flags=tcp_flags, options=options))
     assert verdict == prog.ok
     be = backend_of(out)
+    # Else an untranslated packet passes the check below (it is then the frame "to" its own destination).
+    assert (be.ip, be.port) != (flow.dst, flow.dport), f"not DNATed: {flow} left as it came"
     assert out == frame(flow.to(be.ip, be.port), payload, csum=csum, tcp_flags=tcp_flags, options=options)
     assert_checksums_valid(out, csum)
     if prog.name == abi.PROG_XDP and (flow.proto == UDP or tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN):
