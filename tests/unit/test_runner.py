@@ -1,4 +1,5 @@
-"""The bounded-frequency runner, on a fake clock driven by the test."""
+"""The bounded-frequency runner on the real monotonic clock, with intervals short enough for a unit test (its
+waits are timed waits on an Event, which a fake clock could not drive)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,6 @@ import threading
 import time
 
 from pyproxy.proxier.runner import BoundedFrequencyRunner
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _run(runner: BoundedFrequencyRunner) -> threading.Thread:
