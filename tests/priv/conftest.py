@@ -77,19 +77,22 @@ def clear_maps(obj: loader.LoadedObject) -> None:
             libbpf.check(lib.bpf_map_delete_elem(fd, key), f"empty {name}")
 
 
-class BccLoads:
-    """BCC compiles bpf/ in some 15 s a load, too slow for a fresh load per test: an unpinned load, once closed, is
-    kept and handed out again to a test asking for the same settings, with its maps emptied (what a fresh load has).
-    A load asked for while another of the same settings is out gets one of its own, so loads never share maps.
-    Pinned loads are BCC's every time (their maps are the pins')."""
+class CachedLoads:
+    """A load of the programs costs the verifier's pass over them (libbpf: about a second for the object on a busy
+    2-core machine; BCC also compiles bpf/, some 15 s), which a fresh load per test would pay some 200 times: an
+    unpinned load, once closed, is kept and handed out again to a test asking for the same settings, with its maps
+    emptied (what a fresh load has). A load asked for while another of the same settings is out gets one of its
+    own, so loads never share maps. Pinned loads are fresh every time (their maps are the pins')."""
 
-    def __init__(self) -> None:
+    def __init__(self, make: Callable[..., loader.LoadedObject]) -> None:
+        self.make = make
+        """make(pin_dir, **settings): a fresh load, by the loader under test."""
         self.idle: dict[str, list[loader.LoadedObject]] = {}
         self.made: list[loader.LoadedObject] = []
 
     def __call__(self, pin_dir: Path | None, **kwargs: Any) -> loader.LoadedObject:
         if pin_dir is not None:
-            return bcc.load(pin_dir, **kwargs)
+            return self.make(pin_dir, **kwargs)
         key = repr(sorted((k, bytes(v) if isinstance(v, ctypes.Structure) else sorted(v.items())
                            if isinstance(v, dict) else v) for k, v in kwargs.items()))
         idle = self.idle.setdefault(key, [])
@@ -97,7 +100,7 @@ class BccLoads:
             kept = idle.pop()
             clear_maps(kept)
         else:
-            kept = bcc.load(None, **kwargs)
+            kept = self.make(None, **kwargs)
             self.made.append(kept)
         return loader.LoadedObject(kept.handle, dict(kept.progs), dict(kept.maps), kernel_flags=kept.kernel_flags,
                                    release=lambda _: idle.append(kept))
@@ -118,10 +121,8 @@ def bpf_loader(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="session")
 def load(bpf_loader: str, bpf_object: Path) -> Iterator[Load]:
-    if bpf_loader == "libbpf":
-        yield lambda pin_dir, **kwargs: loader.load(bpf_object, pin_dir, **kwargs)
-        return
-    loads = BccLoads()
+    loads = CachedLoads((lambda pin_dir, **kwargs: loader.load(bpf_object, pin_dir, **kwargs))
+                        if bpf_loader == "libbpf" else bcc.load)
     yield loads
     loads.close()
 
