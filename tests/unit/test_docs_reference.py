@@ -5,6 +5,7 @@ page an operator reads in minutes."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -12,7 +13,9 @@ from types import ModuleType
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
 DOCS = ROOT / "docs"
+RUN_ID = re.compile(r"\b20\d{6}T\d{6}Z\b")
 
 
 def _gen() -> ModuleType:
@@ -67,3 +70,58 @@ def test_every_flag_of_run_is_on_the_cli_page() -> None:
     run = gen._subparsers(gen.cli.parser())["run"]  # noqa: SLF001
     for action in gen._actions(run):  # noqa: SLF001
         assert f"`{action.option_strings[0]}`" in page
+
+
+def _markdown_files() -> list[Path]:
+    return [README, *sorted(DOCS.rglob("*.md"))]
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lowercased, punctuation but - and _ dropped, spaces as -."""
+    out = set()
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    for heading in re.findall(r"^#{1,6} +(.+?) *$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", "")).replace(" ", "-")
+        out.add(slug)
+    return out
+
+
+def _links(path: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+@pytest.mark.parametrize("page", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page: Path) -> None:
+    broken = []
+    for link in _links(page):
+        if re.match(r"^[a-z]+:", link):
+            continue
+        target, _, anchor = link.partition("#")
+        dest = (page.parent / target).resolve() if target else page
+        if not dest.exists():
+            broken.append(f"{link}: no file {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(f"{link}: no heading #{anchor} in {dest.relative_to(ROOT)}")
+    assert broken == [], f"{page.relative_to(ROOT)}: broken links"
+
+
+def test_the_readme_is_short() -> None:
+    assert len(README.read_text().splitlines()) <= 250
+
+
+def test_run_ids_stand_only_in_benchmark_captions() -> None:
+    """The README names one run, only in its benchmark section's captions (the table's and the plot's); of docs/,
+    only benchmarks.md names runs (dated narratives belong in bench/results/<run>.md)."""
+    text = README.read_text()
+    start = text.index("\n## Benchmarks")
+    end = text.index("\n## ", start + 1)
+    assert not RUN_ID.search(text[:start] + text[end:]), "a run id outside the README's Benchmarks section"
+    section = text[start:end]
+    captions = [line for line in section.splitlines() if RUN_ID.search(line)]
+    assert len(set(RUN_ID.findall(section))) == 1 and len(captions) <= 2
+    assert all(line.startswith(("Run ", "![")) for line in captions)
+    for page in sorted(DOCS.rglob("*.md")):
+        if page.name != "benchmarks.md":
+            assert not RUN_ID.search(page.read_text()), f"{page.relative_to(ROOT)} names a run"
