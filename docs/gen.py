@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import re
 import sys
 import textwrap
 from collections.abc import Iterable, Iterator
@@ -91,6 +92,26 @@ def table(head: Iterable[str], rows: Iterable[Iterable[object]]) -> str:
 # ---- settings: the dataclasses' per-field docstrings -----------------------------------------------------------
 
 @cache
+def _headings() -> dict[str, str]:
+    """Heading text -> the docs page holding it (the README's sections moved to docs/ under the same headings)."""
+    out: dict[str, str] = {}
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for line in page.read_text().splitlines():
+            if line.startswith("#"):
+                out.setdefault(line.lstrip("#").strip().replace("`", ""), f"docs/{page.name}")
+    return out
+
+
+def repoint(text: str) -> str:
+    """A docstring's `README, "Section"` pointer, pointed at the docs page that holds that section now."""
+    def page_of(match: re.Match[str]) -> str:
+        title = match.group(2)
+        page = next((p for h, p in _headings().items() if h.startswith(title)), None)
+        return f"{page}{match.group(1)}\"{title}\"" if page else match.group(0)
+    return re.sub(r'README(, | \()"([^"]+)"', page_of, text)
+
+
+@cache
 def field_docs(cls: type) -> dict[str, str]:
     """A dataclass's attribute docstrings (the string right after each field), by field name."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
@@ -99,7 +120,7 @@ def field_docs(cls: type) -> dict[str, str]:
     for stmt, nxt in zip(body, body[1:], strict=False):
         if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+            docs[stmt.target.id] = repoint(" ".join(nxt.value.value.split()))
     return docs
 
 
