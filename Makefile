@@ -22,12 +22,13 @@ APT_STAMP_FILES := /usr/bin/clang /usr/bin/llvm-strip /usr/include/bpf/bpf_helpe
                    /usr/bin/socat /usr/sbin/ethtool /usr/sbin/capsh /usr/bin/mmdebstrap /usr/bin/umoci \
                    /usr/sbin/runc
 
-.PHONY: help install install-bcc apt venv bpf demo test lint unit clean cleanup apiserver kube-binaries pod-image cluster-up cluster-down image image-test
+.PHONY: help install install-bcc apt venv bpf demo test lint unit docs clean cleanup apiserver kube-binaries pod-image cluster-up cluster-down image image-test
 
 help:
 	@echo "make install   apt packages, .venv with pyproxy, BPF objects"
 	@echo "make install-bcc   BCC (python3-bpfcc) and kernel headers for --bpf-loader=bcc (not part of install)"
 	@echo "make demo      namespace lab + real traffic through the BPF dataplane"
+	@echo "make docs      regenerate docs/reference/ (CLI flags, config fields, metrics) from the code"
 	@echo "make test      lint, type checks, layering, unit, BPF and end-to-end tests (root)"
 	@echo "make soak      the connection-tracking soak, 60 s per proxy mode (root)"
 	@echo "make lifecycle-test  issue 25's flow-lifecycle tests at full length: lost SYN-ACK, half-open flood,"
@@ -81,12 +82,16 @@ demo: install
 	$(VENV)/bin/pyproxy demo
 
 lint: venv
-	$(VENV)/bin/ruff check pyproxy tests $(wildcard bench)
+	$(VENV)/bin/ruff check pyproxy tests docs $(wildcard bench)
 	$(VENV)/bin/mypy pyproxy
 	$(VENV)/bin/lint-imports
 
 unit: venv
 	$(VENV)/bin/pytest -q tests/unit
+
+# docs/reference/*.md from the code (docs/gen.py); tests/unit/test_docs_reference.py fails when one is stale.
+docs: venv
+	$(VPY) docs/gen.py
 
 # What needs no root and no kernel feature, in well under 2 minutes: lint (ruff, mypy, the layering contracts) and
 # the unit tests (the flow table's tracers, the ABI mirror against abi.h). Run it before every commit.

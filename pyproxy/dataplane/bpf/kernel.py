@@ -257,5 +257,5 @@ def describe_missing(missing: tuple[Feature, ...]) -> str:
     oldest = max((f.since for f in REQUIRED), key=lambda v: tuple(int(x) for x in v.split(".")))
     parts = "; ".join(f"{f.name} (Linux {f.since}: {f.why})" for f in missing)
     return (f"this kernel ({release()}) lacks what pyproxy's BPF dataplane needs: {parts}. The BPF mode needs Linux "
-            f"{oldest} or later (tested on 6.1 and 6.18; README, \"Kernel requirements\"); the iptables, nftables and "
-            f"IPVS modes do not need these")
+            f"{oldest} or later (tested on 6.1 and 6.18; docs/bpf-datapath.md, \"Kernel requirements\"); the "
+            f"iptables, nftables and IPVS modes do not need these")
