@@ -110,6 +110,33 @@ class CachedLoads:
             obj.close()
 
 
+LOADER_MODULES = {"test_bcc.py", "test_maps.py"}
+"""Fixtures that differ by loader (BCC's own pins, build and errors; each loader making and adopting the maps): every
+case of theirs runs under both."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # BCC compiles the very sources libbpf's object is built from (bcc.h maps the map definitions and the constants),
+    # so the rest of the fixtures run under BCC as a parity set: each test function once, its first case (whatever
+    # load settings it asks for), every case under libbpf. PYPROXY_BCC_ALL=1 runs every case under both, for a change
+    # to bcc.h or bcc.py.
+    if os.environ.get("PYPROXY_BCC_ALL"):
+        return
+    seen: set[tuple[str, str]] = set()
+    keep, drop = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or callspec.params.get("bpf_loader") != "bcc" or item.path.name in LOADER_MODULES:
+            keep.append(item)
+            continue
+        function = (item.path.name, getattr(item, "originalname", item.name))
+        (drop if function in seen else keep).append(item)
+        seen.add(function)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture(scope="session", params=["libbpf", "bcc"])
 def bpf_loader(request: pytest.FixtureRequest) -> str:
     """--bpf-loader: each test that loads the programs runs with both; BCC's skipped, saying why, where it is
