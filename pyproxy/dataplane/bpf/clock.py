@@ -17,7 +17,7 @@ import functools
 import os
 import time
 
-from pyproxy.dataplane.bpf.loader import BpfUnavailable
+from pyproxy.dataplane.bpf.errors import BpfUnavailable
 
 KERNEL_HZ_VALUES = (100, 250, 300, 1000)
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pyproxy.dataplane.bpf import abi, kernel, libbpf
+from pyproxy.dataplane.bpf import abi, clock, conntrack, kernel, libbpf
+from pyproxy.dataplane.bpf.errors import BpfUnavailable
 from pyproxy.dataplane.bpf.libbpf import ffi
 
 log = logging.getLogger(__name__)
@@ -27,10 +28,6 @@ BPF_FS_ROOT = Path("/sys/fs/bpf")
 TEST_KERNEL_FLAGS = "PYPROXY_TEST_KERNEL_FLAGS"
 """Tests only (tests/e2e/test_flowcases.py): struct pyproxy_config.kernel (abi.KERNEL_*) instead of what the kernel
 offers, so a newer kernel runs the ways of older ones (never more than it offers: the programs would fail)."""
-
-
-class BpfUnavailable(RuntimeError):
-    """The kernel, the object file or our privileges cannot run the BPF dataplane; says which."""
 
 
 class _ProgInfo(ctypes.Structure):
@@ -286,8 +283,6 @@ def constants(ct_timeouts: abi.CtTimeoutTicks | None, snat_ports: tuple[int, int
     timeouts default to conntrack.CtTimeouts() at this kernel's HZ. `cluster_cidr` and `cluster_cidr6` are
     --cluster-cidr's IPv4 and IPv6 CIDRs (MasqueradeSettings), each for its own family's flows."""
     if ct_timeouts is None:
-        from pyproxy.dataplane.bpf import clock, conntrack  # clock imports this module
-
         ct_timeouts = conntrack.CtTimeouts().ticks(clock.kernel_hz())
     return abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(cluster_cidr),
                       endpoint_counters=int(endpoint_counters), kernel=kernel_flags,
