@@ -225,3 +225,34 @@ def test_programs_python_attaches_exist(btf: Btf) -> None:
     assert {abi.PROG_TC_INGRESS, abi.PROG_TC_EGRESS, abi.PROG_XDP} <= funcs
     assert {prog for jumps in abi.JUMPS6.values() for prog in jumps.values()} <= funcs
     assert all(f.startswith(abi.PROG_PREFIX) for f in funcs), "cleanup recognises programs by this prefix"
+
+
+ABI_H = Path(__file__).resolve().parents[2] / "bpf" / "include" / "pyproxy" / "abi.h"
+MIRRORED = ("CT_F_", "CT_ST_", "SVC_F_", "SVC_SCOPE_", "KERNEL_", "CT_FORWARD", "CT_REVERSE", "CT_AFFINITY")
+"""The #define families of abi.h whose every member Python must know: the flags and states it writes or reads."""
+
+
+def abi_defines(tool: Callable[[str], str]) -> dict[str, int]:
+    """abi.h's integer #defines (PYPROXY_ prefix dropped) as the preprocessor has them, one referring to another
+    resolved: BTF holds structs and enums, not macros, so the flags are checked against the header itself."""
+    argv = [tool("clang"), "-dM", "-E", "-I", str(ABI_H.parents[1]), "-I", "/usr/include/x86_64-linux-gnu", str(ABI_H)]
+    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    raw = dict(re.findall(r"^#define PYPROXY_(\w+) (\S+)$", out, re.M))
+    values: dict[str, int] = {}
+    for name, text in raw.items():
+        while text.startswith("PYPROXY_") and text[8:] in raw:
+            text = raw[text[8:]]
+        if re.fullmatch(r"(0x[0-9a-fA-F]+|\d+)[uUlL]*", text):
+            values[name] = int(text.rstrip("uUlL"), 0)
+    return values
+
+
+def test_abi_h_flags_and_states_match_python(tool: Callable[[str], str]) -> None:
+    """A flag value that differs (or one Python lacks) makes the control plane write bits the programs read as
+    something else, or read an entry's state wrongly (inspect, the collector): silent misbehaviour, not an error."""
+    defines = abi_defines(tool)
+    wrong = [f"{name}: abi.h {value:#x}, abi.py {getattr(abi, name):#x}" for name, value in sorted(defines.items())
+             if isinstance(getattr(abi, name, None), int) and getattr(abi, name) != value]
+    missing = [name for name in sorted(defines) if name.startswith(MIRRORED) and not hasattr(abi, name)]
+    assert not wrong and not missing, f"differ: {wrong}; not in abi.py: {missing}"
+    assert len([n for n in defines if n.startswith(MIRRORED)]) >= 20, "abi.h's flags not found: the parse broke"
