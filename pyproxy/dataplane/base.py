@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Set
+from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import Protocol
+
+from prometheus_client.registry import Collector
 
 from pyproxy.model.state import DesiredState
 
@@ -74,13 +76,27 @@ class ModeUnavailable(RuntimeError):
 
 
 class Dataplane(Protocol):
-    """A backend may also say which IP families it renders, `ip_families` (model.state.IPV4_ONLY or
-    BOTH_FAMILIES): the proxier gives it the desired state without the other family's frontends
-    (model.state.FamilyFilter), with one log line per sync that left some out. Without the attribute it renders
-    IPv4 only."""
+    """What the proxier needs of a backend, every one of which has each of these (no attribute is optional)."""
 
     mode: str
     """The --proxy-mode this backend implements ("bpf", "nftables"…)."""
+
+    # Read-only for the proxier (properties, so a backend may hold a narrower type).
+    @property
+    def ip_families(self) -> frozenset[int]:
+        """The IP families it renders (model.state.IPV4_ONLY or BOTH_FAMILIES), known once `start` returned: the
+        proxier gives it the desired state without the other family's frontends (model.state.FamilyFilter), with one
+        log line per sync that left some out."""
+
+    @property
+    def unserved(self) -> Mapping[str, str]:
+        """Services it holds no rules for though they are desired, by key, with why (bpf: a full map); the proxier
+        reports each once (a log line and an Event). Empty for the backends that serve everything they are given."""
+
+    @property
+    def collector(self) -> Collector | None:
+        """Its own metrics (bpf: the maps and the connection-tracking collector; the netfilter modes: conntrack
+        clean-ups), which the proxier registers beside its own; None: none."""
 
     def start(self) -> None:
         """Take over the kernel state (adopting what a previous run left), ready to apply. Raises

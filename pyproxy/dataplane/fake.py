@@ -3,7 +3,8 @@ satisfies the same `Dataplane` protocol as the real backends."""
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Mapping, Set
+from types import MappingProxyType
 
 from pyproxy.dataplane.base import DataplaneError
 from pyproxy.model.state import BOTH_FAMILIES, DesiredState
@@ -12,6 +13,8 @@ from pyproxy.model.state import BOTH_FAMILIES, DesiredState
 class FakeDataplane:
     mode = "fake"
     ip_families = BOTH_FAMILIES
+    unserved: Mapping[str, str] = MappingProxyType({})
+    collector = None
 
     def __init__(self) -> None:
         self.applies: list[tuple[DesiredState, frozenset[str] | None]] = []

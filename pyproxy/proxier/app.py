@@ -59,8 +59,8 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
     except modes.NoModeAvailable as e:
         raise StartupError(str(e)) from e
     metrics = ProxyMetrics(dataplane.mode)
-    if (collector := getattr(dataplane, "collector", None)) is not None:
-        metrics.registry.register(collector)  # the dataplane's own metrics (bpf: connection-tracking GC)
+    if dataplane.collector is not None:
+        metrics.registry.register(dataplane.collector)  # the dataplane's own metrics (bpf: connection-tracking GC)
     health = ProxyHealth(settings.sync_period)
     service_health = ServiceHealthServers(health, on_nodeport_addresses=bool(settings.nodeport_addresses))
     node = node_name(settings)

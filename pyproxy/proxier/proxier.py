@@ -16,14 +16,14 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from pyproxy import logs
 from pyproxy.dataplane.base import Dataplane
 from pyproxy.model.desired import update_desired_state
 from pyproxy.model.node import NodeInputs
 from pyproxy.model.objects import EndpointSlice, Node, Service
-from pyproxy.model.state import BOTH_FAMILIES, IPV4_ONLY, DesiredState, FamilyFilter, health_check
+from pyproxy.model.state import BOTH_FAMILIES, DesiredState, FamilyFilter, health_check
 from pyproxy.model.tracker import ClusterState
 from pyproxy.proxier.healthcheck import ServiceHealthServers
 from pyproxy.proxier.metrics import ProxyMetrics
@@ -68,8 +68,8 @@ class Proxier:
         self.desired = DesiredState()
         self.served = self.desired
         """What the dataplane was given: `desired` but the frontends of the IP families it cannot render (a
-        dataplane names those it can in `ip_families`; one that does not renders IPv4 only)."""
-        families = getattr(dataplane, "ip_families", IPV4_ONLY)
+        dataplane names those it can in `ip_families`)."""
+        families = dataplane.ip_families
         self._families = None if families >= BOTH_FAMILIES else FamilyFilter(families)
         self.metrics = metrics
         # Read when scraped rather than set at every change: listing 10,000 Services records 20,000 changes.
@@ -219,7 +219,7 @@ class Proxier:
         return True
 
     def _report_unserved(self) -> None:
-        unserved: Mapping[str, str] = getattr(self.dataplane, "unserved", {})
+        unserved = self.dataplane.unserved
         for key in unserved.keys() - self._reported:
             if self.on_unserved is not None:
                 self.on_unserved(key, unserved[key])

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Set
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from pyproxy.dataplane import netfilter as nf
 from pyproxy.dataplane.base import DataplaneError, ModeUnavailable
@@ -45,6 +46,7 @@ class IptablesSettings:
 
 class IptablesDataplane:
     mode = "iptables"
+    unserved: Mapping[str, str] = MappingProxyType({})  # it serves every Service it is given
 
     def __init__(self, settings: IptablesSettings) -> None:
         self.settings = settings

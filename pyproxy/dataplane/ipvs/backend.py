@@ -56,6 +56,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 from pyroute2 import IPVS
 from pyroute2.netlink.exceptions import NetlinkError
@@ -265,6 +266,7 @@ def is_mode_rule(table: str, chain: str, body: str) -> bool:
 
 class IpvsDataplane:
     mode = "ipvs"
+    unserved: Mapping[str, str] = MappingProxyType({})  # it serves every Service it is given
 
     def __init__(self, settings: IpvsSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings

@@ -25,6 +25,7 @@ import shutil
 import time
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 from pyproxy.dataplane import netfilter as nf
 from pyproxy.dataplane.base import DataplaneError, ModeUnavailable
@@ -94,6 +95,7 @@ def _frontend_count(state: TableState) -> int:
 
 class NftablesDataplane:
     mode = "nftables"
+    unserved: Mapping[str, str] = MappingProxyType({})  # it serves every Service it is given
 
     def __init__(self, settings: NftablesSettings) -> None:
         self.settings = settings

@@ -20,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import resource
-from collections.abc import Set
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 from pyroute2.netlink.exceptions import NetlinkError
 
@@ -88,6 +89,8 @@ def _ipv6_problem() -> str | None:
 
 class UserspaceDataplane:
     mode = "userspace"
+    unserved: Mapping[str, str] = MappingProxyType({})  # it serves every Service it is given
+    collector = None  # no metrics of its own
 
     def __init__(self, settings: UserspaceSettings) -> None:
         self.settings = settings
