@@ -615,3 +615,30 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "pyproxy_srcrange6_key": SrcRange6Key,
 }
 
+
+class CarryOver:
+    """A CT map whose layout changed, and how its entries become the new map's (loader.carry_over): a restarted
+    pyproxy copies a previous release's flows across rather than dropping every connection it tracked."""
+
+    def __init__(self, old: str, new: str, key: type[ctypes.Structure], old_value: type[ctypes.Structure],
+                 value: type[ctypes.Structure]) -> None:
+        self.old, self.new, self.key, self.old_value, self.value = old, new, key, old_value, value
+
+    def convert(self, old: bytes) -> bytes:
+        """One entry's value in the new layout: the fields both layouts have, and the flow marked as knowing no
+        sequence (CT_F_SEQ_UNKNOWN: any RST closes it, as the old programs let it)."""
+        src = self.old_value.from_buffer_copy(old)
+        dst = self.value()
+        names = {f[0] for f in self.value._fields_} - {"pad"}
+        for name, *_ in self.old_value._fields_:
+            if name in names:
+                setattr(dst, name, getattr(src, name))
+        dst.flags |= CT_F_SEQ_UNKNOWN
+        return bytes(dst)
+
+
+CT_CARRY_OVER = (
+    CarryOver("pyproxy_ct_v2", MAP_CT, CtKey, CtValueV2, CtValue),
+    CarryOver("pyproxy_ct6_v1", MAP_CT6, Ct6Key, Ct6ValueV1, Ct6Value),
+)
+"""The layouts before the sequence field (abi.h: pyproxy_ct_v3, pyproxy_ct6_v2), carried over at start."""
