@@ -97,6 +97,56 @@ def _held_flows_survive_a_restart(make_env, mode: str, xdp: bool, args: list[str
     env.assert_no_checksum_errors()
 
 
+def _release_before(workdir: Path, change: str, path: str) -> tuple[str, ...]:
+    """The release just before the commit that brought `change` into `path` (git's pickaxe), as an upgrade meets it:
+    its package and programs (built here) in `workdir`, and the command prefix that runs them (see newer_release).
+    Skips without the history (a shallow clone)."""
+    git = ["git", "-C", str(REPO)]
+    found = subprocess.run([*git, "log", "-1", "--format=%H", f"-S{change}", "--", path], capture_output=True,
+                           text=True)
+    if found.returncode != 0 or not found.stdout.strip():
+        pytest.skip(f"no git history of {path} here (shallow clone?)")
+    tree = workdir / "older-release"
+    tree.mkdir()
+    archive = subprocess.run([*git, "archive", f"{found.stdout.strip()}~1", "pyproxy", "bpf", "Makefile"],
+                             capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    subprocess.run(["make", "-s", "bpf/build/pyproxy.bpf.o"], cwd=tree, check=True, timeout=300)
+    return ("env", "-C", str(tree), f"PYTHONPATH={tree}", f"PYPROXY_BPF_OBJECT={tree / 'bpf/build/pyproxy.bpf.o'}")
+
+
+@pytest.mark.parametrize("xdp", [False, True], ids=["bpf", "bpf-xdp"])
+def test_an_upgrade_across_the_ct_layout_change_keeps_held_flows(make_env, xdp: bool) -> None:
+    """From the release whose flow map was pyproxy_ct_v2 (before the RST window) to this one, pyproxy_ct_v3: the
+    held flows, their SNAT pairs included, are carried over into the new map (loader.carry_over), reach the same
+    backend from the same source, and the old map's pin is gone."""
+    env = make_env(backends=2)
+    older = _release_before(env.lab.workdir, 'MAP_CT = "pyproxy_ct_v3"', "pyproxy/dataplane/bpf/abi.py")
+    env.write("np.yaml", service("held", VIP, [HTTP, DNS], type="NodePort"),
+              endpoint_slice("held", {B1: True, B2: True}, [HTTP, DNS]))
+    xdp_devices = [env.lab.node_client_ifname] if xdp else None
+    env.start(wrapper=older, xdp_devices=xdp_devices)
+    pins = Path(env.lab.pin_path)
+    assert (pins / "pyproxy_ct_v2").exists() and not (pins / abi.MAP_CT).exists(), "not the older layout"
+    holder = env.lab.popen(env.lab.client, sys.executable, "-c", HOLDER, json.dumps(TARGETS), stdin=-1, stdout=-1,
+                           text=True)
+    assert holder.stdout is not None and holder.stdin is not None
+    before = json.loads(holder.stdout.readline())
+    assert not [r for r in before if r.startswith("error")], before
+
+    assert env.running.terminate() == 0
+    env.start(xdp_devices=xdp_devices)
+    assert (pins / abi.MAP_CT).exists() and not (pins / "pyproxy_ct_v2").exists()
+    assert "carried" in env.running.log_text() and "cannot carry" not in env.running.log_text()
+
+    holder.stdin.write("\n")
+    holder.stdin.flush()
+    after = json.loads(holder.stdout.readline())
+    holder.wait(timeout=10)
+    assert after == before, "after the upgrade, each held flow must reach the same backend from the same source"
+    env.assert_no_checksum_errors()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Issue 12: restarts and an upgrade whose map layout changed, under load (bench/restarts.py measures it at 200 new
 # connections/s over 10 restarts; this is its lighter check, counts only).
