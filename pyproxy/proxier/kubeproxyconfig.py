@@ -168,7 +168,7 @@ CT_FIELDS = {
 }
 
 
-# bpf.mapSizes names the maps as --bpf-map-sizes does (abi.RESIZABLE: "ct" for pyproxy_ct_v2), so a file
+# bpf.mapSizes names the maps as --bpf-map-sizes does (abi.RESIZABLE: "ct" for pyproxy_ct_v3), so a file
 # outlives a change of a map's layout.
 MAP_NAMES = abi.RESIZABLE
 

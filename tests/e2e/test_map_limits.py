@@ -152,4 +152,4 @@ def test_a_size_the_kernel_cannot_allocate_fails_the_start_naming_the_map(make_e
     proxy.start()
     assert proxy.proc is not None
     assert proxy.proc.wait(timeout=60) == 1, proxy.log_tail()
-    assert re.search(r"pyproxy_ct_v2: 4,000,000,000 entries, about \d+\.\d GiB", proxy.log_text()), proxy.log_tail()
+    assert re.search(r"pyproxy_ct_v3: 4,000,000,000 entries, about \d+\.\d GiB", proxy.log_text()), proxy.log_tail()

@@ -13,7 +13,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,12 +74,16 @@ def test_a_switch_of_bpf_loader_keeps_held_flows(make_env, first: list[str], the
     _held_flows_survive_a_restart(make_env, "bpf", False, first, then)
 
 
-def _held_flows_survive_a_restart(make_env, mode: str, xdp: bool, args: list[str], then: list[str]) -> None:
+def _held_flows_survive_a_restart(make_env, mode: str, xdp: bool, args: list[str], then: list[str], *,
+                                  older: Callable[[Any], tuple[str, ...]] | None = None,
+                                  restarted: Callable[[Any], None] | None = None) -> None:
+    """`older(env)`: the wrapper of the release to start first (an upgrade); `restarted(env)`: checks once the
+    second start is up, before the held flows exchange again."""
     env = make_env(backends=2)
     env.write("np.yaml", service("held", VIP, [HTTP, DNS], type="NodePort"),
               endpoint_slice("held", {B1: True, B2: True}, [HTTP, DNS]))
     start = {"mode": mode, "args": args, "xdp_devices": [env.lab.node_client_ifname] if xdp else None}
-    env.start(**start)
+    env.start(**start, wrapper=older(env) if older else ())
     holder = env.lab.popen(env.lab.client, sys.executable, "-c", HOLDER, json.dumps(TARGETS), stdin=-1, stdout=-1,
                            text=True)
     assert holder.stdout is not None and holder.stdin is not None
@@ -88,6 +94,8 @@ def _held_flows_survive_a_restart(make_env, mode: str, xdp: bool, args: list[str
 
     assert env.running.terminate() == 0
     env.start(**{**start, "args": then})
+    if restarted:
+        restarted(env)
 
     holder.stdin.write("\n")
     holder.stdin.flush()
@@ -95,6 +103,42 @@ def _held_flows_survive_a_restart(make_env, mode: str, xdp: bool, args: list[str
     holder.wait(timeout=10)
     assert after == before, "after the restart, each held flow must reach the same backend from the same source"
     env.assert_no_checksum_errors()
+
+
+def _release_before(workdir: Path, change: str, path: str) -> tuple[str, ...]:
+    """The release just before the commit that brought `change` into `path` (git's pickaxe), as an upgrade meets it:
+    its package and programs (built here) in `workdir`, and the command prefix that runs them (see newer_release).
+    Skips without the history (a shallow clone)."""
+    git = ["git", "-C", str(REPO)]
+    found = subprocess.run([*git, "log", "-1", "--format=%H", f"-S{change}", "--", path], capture_output=True,
+                           text=True)
+    if found.returncode != 0 or not found.stdout.strip():
+        pytest.skip(f"no git history of {path} here (shallow clone?)")
+    tree = workdir / "older-release"
+    tree.mkdir()
+    archive = subprocess.run([*git, "archive", f"{found.stdout.strip()}~1", "pyproxy", "bpf", "Makefile"],
+                             capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    subprocess.run(["make", "-s", "bpf/build/pyproxy.bpf.o"], cwd=tree, check=True, timeout=300)
+    return ("env", "-C", str(tree), f"PYTHONPATH={tree}", f"PYPROXY_BPF_OBJECT={tree / 'bpf/build/pyproxy.bpf.o'}")
+
+
+@pytest.mark.parametrize("xdp", [False, True], ids=["bpf", "bpf-xdp"])
+def test_an_upgrade_across_the_ct_layout_change_keeps_held_flows(make_env, xdp: bool) -> None:
+    """From the release whose flow map was pyproxy_ct_v2 (before the RST window) to this one, pyproxy_ct_v3: the
+    held flows, their SNAT pairs included, are carried over into the new map (loader.carry_over), reach the same
+    backend from the same source, and the old map's pin is gone."""
+
+    def older(env: Any) -> tuple[str, ...]:
+        return _release_before(env.lab.workdir, 'MAP_CT = "pyproxy_ct_v3"', "pyproxy/dataplane/bpf/abi.py")
+
+    def restarted(env: Any) -> None:
+        pins = Path(env.lab.pin_path)
+        assert (pins / abi.MAP_CT).exists() and not (pins / "pyproxy_ct_v2").exists()
+        log = env.running.log_text()
+        assert "carried" in log and "pyproxy_ct_v2 over into pyproxy_ct_v3" in log and "cannot carry" not in log
+
+    _held_flows_survive_a_restart(make_env, "bpf", xdp, [], [], older=older, restarted=restarted)
 
 
 # ---------------------------------------------------------------------------------------------------------------

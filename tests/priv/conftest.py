@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import pytest
 from harness import CAPACITY, Dataplane
 
-from pyproxy.dataplane.bpf import bcc, libbpf, loader, maps
+from pyproxy.dataplane.bpf import abi, bcc, libbpf, loader, maps
 from pyproxy.dataplane.bpf.libbpf import ffi
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,6 +47,19 @@ def bpf_object() -> Path:
     if built.returncode != 0:
         pytest.fail(f"make bpf failed:\n{built.stdout}{built.stderr}")
     return BPF_OBJECT
+
+
+@pytest.fixture
+def pins() -> Iterator[Path]:
+    """A pin path of this test's own, on a bpffs, removed afterwards."""
+    path = Path(f"/run/pyproxy-test-fixture-pins-{os.getpid()}")
+    loader.ensure_bpffs(path)
+    yield path
+    for pin in path.glob(f"{abi.MAP_PREFIX}*"):
+        pin.unlink()
+    if loader.is_mountpoint(path):
+        loader.unmount(path)
+    path.rmdir()
 
 
 class Load(Protocol):

@@ -175,15 +175,17 @@ def dnat(
     csum: L4Csum = L4Csum.FULL,
     tcp_flags: int = TCP_SYN,
     options: bytes = b"",
+    **tcp: int,
 ) -> Backend:
     """Send one client packet to the frontend; assert it left as the very frame the client would have sent
-    to the chosen backend (source, payload and all else untouched), with checksums a receiver accepts."""
-    verdict, out = dp.run(prog, frame(flow, payload, csum=csum, tcp_flags=tcp_flags, options=options))
+    to the chosen backend (source, payload and all else untouched), with checksums a receiver accepts. `tcp`: seq,
+    ack, window of its TCP header (packets.frame)."""
+    verdict, out = dp.run(prog, frame(flow, payload, csum=csum, tcp_flags=tcp_flags, options=options, **tcp))
     assert verdict == prog.ok
     be = backend_of(out)
     # Else an untranslated packet passes the check below (it is then the frame "to" its own destination).
     assert (be.ip, be.port) != (flow.dst, flow.dport), f"not DNATed: {flow} left as it came"
-    assert out == frame(flow.to(be.ip, be.port), payload, csum=csum, tcp_flags=tcp_flags, options=options)
+    assert out == frame(flow.to(be.ip, be.port), payload, csum=csum, tcp_flags=tcp_flags, options=options, **tcp)
     assert_checksums_valid(out, csum)
     if prog.name == abi.PROG_XDP and (flow.proto == UDP or tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN):
         # TC ingress runs next on the same packet and must not take it for a direct connection (nat.h).

@@ -99,19 +99,6 @@ def test_struct_layout_matches_bccs_compile(bcc_layout: dict[str, list[int]], na
     assert bcc_layout[name] == want, f"struct {name}: BCC's [size, offset, size, ...] against abi.py's"
 
 
-@pytest.fixture
-def pins() -> Iterator[Path]:
-    """A pin path of this test's own, on a bpffs, removed afterwards."""
-    path = Path(f"/run/pyproxy-test-bcc-pins-{os.getpid()}")
-    loader.ensure_bpffs(path)
-    yield path
-    for pin in path.glob(f"{abi.MAP_PREFIX}*"):
-        pin.unlink()
-    if loader.is_mountpoint(path):
-        loader.unmount(path)
-    path.rmdir()
-
-
 def test_a_switch_of_loader_keeps_the_pinned_maps_and_their_entries(bpf_object: Path, pins: Path) -> None:
     """libbpf, then BCC, then libbpf again on one pin path: the same kernel maps each time (a restart with the other
     loader keeps every connection), an entry written under one loader read under the next."""

@@ -79,16 +79,17 @@ def states(dp: Dataplane, flow: Flow, be: Backend) -> tuple[tuple[int, int], tup
     return (fwd.state, fwd.flags), (rev.state, rev.flags)
 
 
-def reply(dp: Dataplane, flow: Flow, be: Backend, payload: bytes = b"", tcp_flags: int = TCP_ACK) -> bytes:
-    """The backend answers client flow `flow` through TC egress; returns what the client receives."""
+def reply(dp: Dataplane, flow: Flow, be: Backend, payload: bytes = b"", tcp_flags: int = TCP_ACK, **tcp: int) -> bytes:
+    """The backend answers client flow `flow` through TC egress; returns what the client receives (`tcp`: seq, ack of
+    its TCP header)."""
     verdict, out = dp.run(TC_EGRESS, frame(Flow(be.ip, flow.src, be.port, flow.sport, flow.proto), payload,
-                                           tcp_flags=tcp_flags))
+                                           tcp_flags=tcp_flags, **tcp))
     assert verdict == TC_EGRESS.ok
     return out
 
 
-def send(dp: Dataplane, prog: Prog, flow: Flow, tcp_flags: int = TCP_ACK) -> Backend:
-    return dnat(dp, prog, flow, tcp_flags=tcp_flags)
+def send(dp: Dataplane, prog: Prog, flow: Flow, tcp_flags: int = TCP_ACK, payload: bytes = b"", **tcp: int) -> Backend:
+    return dnat(dp, prog, flow, payload, tcp_flags=tcp_flags, **tcp)
 
 
 def ports_map(dp: Dataplane) -> BpfMap:
@@ -148,6 +149,120 @@ def test_a_reset_closes_the_flow(dp: Dataplane) -> None:
     send(dp, TC_INGRESS, flow, TCP_SYN)
     reply(dp, flow, BE, tcp_flags=TCP_RST | TCP_ACK)
     assert states(dp, flow, BE) == ((abi.CT_ST_CLOSED, 0), (abi.CT_ST_CLOSED, 0))
+
+
+# -- the RST window (ct.h) ---------------------------------------------------------------------------------------
+
+C_ISN, B_ISN = 1_000_000, 0xFFFF_FC00  # the backend's sequence wraps past 2^32 within the connection
+REQUEST, RESPONSE = b"GET / HTTP/1.1\r\n\r\n", b"HTTP/1.1 200 OK\r\n\r\n" + b"z" * 1381
+WINDOW = 1 << 18  # PYPROXY_CT_SEQ_WINDOW
+U32 = 0xFFFF_FFFF
+
+
+def talking(dp: Dataplane, prog: Prog, flow: Flow) -> tuple[Backend, int, int]:
+    """A connection through the frontend past its handshake, with data both ways (the backend's reply 1,400 bytes, its
+    sequence wrapping). Returns its backend and the end of each side's sequence: the client's, the backend's."""
+    be = send(dp, prog, flow, TCP_SYN, seq=C_ISN)
+    reply(dp, flow, be, tcp_flags=TCP_SYN | TCP_ACK, seq=B_ISN, ack=C_ISN + 1)
+    send(dp, prog, flow, seq=C_ISN + 1, ack=B_ISN + 1)
+    send(dp, prog, flow, TCP_ACK, REQUEST, seq=C_ISN + 1, ack=B_ISN + 1)
+    c_end = C_ISN + 1 + len(REQUEST)
+    reply(dp, flow, be, RESPONSE, seq=B_ISN + 1, ack=c_end)
+    b_end = (B_ISN + 1 + len(RESPONSE)) & U32
+    assert b_end < B_ISN, "the backend's sequence wrapped"
+    send(dp, prog, flow, seq=c_end, ack=b_end)
+    est = (abi.CT_ST_ESTABLISHED, 0)
+    assert states(dp, flow, be) == (est, est)
+    return be, c_end, b_end
+
+
+def _kept(v: abi.CtValue | None) -> tuple[int, ...]:
+    """What a packet that changes nothing leaves as it was: all but last_seen."""
+    assert v is not None
+    return v.nat_addr, v.nat_port, v.state, v.flags, v.svc_id, v.epoch, v.seq_end
+
+
+OUT_OF_WINDOW = [pytest.param(WINDOW + 1, id="just-ahead"), pytest.param(-WINDOW - 1, id="just-behind"),
+                 pytest.param(1 << 31, id="opposite")]
+
+
+@pytest.mark.parametrize("off", OUT_OF_WINDOW)
+@pytest.mark.parametrize("prog", INGRESS)
+def test_an_out_of_window_reset_leaves_an_established_flow_as_it_was(dp: Dataplane, prog: Prog, off: int) -> None:
+    """The defect: any RST closed a flow, so an injected one dropped a 24 h flow to the closed timeout (10 s). A RST
+    from either side outside its sender's window is passed on (the endpoint ignores or challenges it), counted, and
+    changes nothing; one within it closes the flow."""
+    dp.apply(port_state(TCP, backends=ONE))
+    flow = Flow(CLIENT, VIP, 41100, PORT)
+    be, c_end, b_end = talking(dp, prog, flow)
+    before = entries(dp, flow, be)
+    send(dp, prog, flow, TCP_RST, seq=(c_end + off) & U32)  # the client's, as an attacker would forge it
+    assert decode(reply(dp, flow, be, tcp_flags=TCP_RST, seq=(b_end + off) & U32)).flow == flow.reply()
+    est = (abi.CT_ST_ESTABLISHED, 0)
+    assert states(dp, flow, be) == (est, est), "an out-of-window RST closed the flow"
+    assert [_kept(v) for v in entries(dp, flow, be)] == [_kept(v) for v in before], "the RST changed the entries"
+    assert dp.counter("ct_rst_ignored") == 2
+    # The backend's own RST, at its sequence, closes the flow.
+    reply(dp, flow, be, tcp_flags=TCP_RST | TCP_ACK, seq=b_end, ack=c_end)
+    assert states(dp, flow, be) == ((abi.CT_ST_CLOSED, 0), (abi.CT_ST_CLOSED, 0))
+    assert dp.counter("ct_rst_ignored") == 2
+
+
+@pytest.mark.parametrize("prog", INGRESS)
+def test_a_reset_within_the_window_closes_the_flow(dp: Dataplane, prog: Prog) -> None:
+    """A RST answering from a socket that is gone carries the peer's ACK, behind its sender's furthest segment."""
+    dp.apply(port_state(TCP, backends=ONE))
+    flow = Flow(CLIENT, VIP, 41101, PORT)
+    be, c_end, _ = talking(dp, prog, flow)
+    send(dp, prog, flow, TCP_RST, seq=c_end - len(REQUEST))
+    assert states(dp, flow, be) == ((abi.CT_ST_CLOSED, 0), (abi.CT_ST_CLOSED, 0))
+    assert dp.counter("ct_rst_ignored") == 0
+
+
+def test_a_reset_in_new_is_a_refusal_and_closes_the_flow(dp: Dataplane) -> None:
+    """The backend refuses the SYN: its RST's sequence is 0, nowhere near anything it sent (it sent nothing)."""
+    dp.apply(port_state(TCP, backends=ONE))
+    flow = Flow(CLIENT, VIP, 41102, PORT)
+    send(dp, TC_INGRESS, flow, TCP_SYN, seq=C_ISN)
+    reply(dp, flow, BE, tcp_flags=TCP_RST | TCP_ACK, seq=0, ack=C_ISN + 1)
+    assert states(dp, flow, BE) == ((abi.CT_ST_CLOSED, 0), (abi.CT_ST_CLOSED, 0))
+    assert dp.counter("ct_rst_ignored") == 0
+
+
+def test_data_far_ahead_does_not_move_the_window(dp: Dataplane) -> None:
+    """A forged segment far ahead of the sender's, then a RST there, must not close the flow in two packets; the
+    sender's own next segments move the window on."""
+    dp.apply(port_state(TCP, backends=ONE))
+    flow = Flow(CLIENT, VIP, 41103, PORT)
+    be, c_end, b_end = talking(dp, prog := TC_INGRESS, flow)
+    far = (c_end + 3 * WINDOW) & U32
+    send(dp, prog, flow, TCP_ACK, b"x" * 100, seq=far, ack=b_end)
+    send(dp, prog, flow, TCP_RST, seq=far + 100)
+    assert states(dp, flow, be)[0][0] == abi.CT_ST_ESTABLISHED and dp.counter("ct_rst_ignored") == 1
+    # The client's real data, window after window: each segment starts within the window and moves it on.
+    seq = c_end
+    for _ in range(4):
+        send(dp, prog, flow, TCP_ACK, b"y" * 1000, seq=seq, ack=b_end)
+        seq += 1000
+    assert entries(dp, flow, be)[0].seq_end == seq
+    send(dp, prog, flow, TCP_RST, seq=seq)
+    assert states(dp, flow, be)[0][0] == abi.CT_ST_CLOSED
+
+
+def test_a_flow_carried_over_from_the_old_layout_takes_any_reset(dp: Dataplane) -> None:
+    """An entry of pyproxy_ct_v2 knows no sequence (loader.carry_over marks both entries): any RST closes it, as the
+    programs of that layout let it."""
+    dp.apply(port_state(TCP, backends=ONE))
+    flow = Flow(CLIENT, VIP, 41104, PORT)
+    be, c_end, _ = talking(dp, TC_INGRESS, flow)
+    for k in (key(flow, abi.CT_FORWARD), key(Flow(be.ip, flow.src, be.port, flow.sport), abi.CT_REVERSE)):
+        v = dp.maps.ct[k]
+        v.flags |= abi.CT_F_SEQ_UNKNOWN
+        v.seq_end = 0
+        dp.maps.ct[k] = v
+    send(dp, TC_INGRESS, flow, TCP_RST, seq=(c_end + (1 << 31)) & U32)
+    assert states(dp, flow, be)[0][0] == abi.CT_ST_CLOSED
+    assert dp.counter("ct_rst_ignored") == 0
 
 
 @pytest.mark.parametrize("prog", INGRESS)

@@ -355,6 +355,47 @@ def test_nodeport_snat_and_the_reply_finds_its_way_back(dp6: Dataplane, node6: t
     assert decode6(through(TC_INGRESS, frame6(client, tcp_flags=TCP_ACK))).flow == out.flow
 
 
+def ct6_states(dp: Dataplane) -> list[tuple[int, int, int]]:
+    """Every IPv6 flow entry's direction, state and flags, in key order."""
+    return sorted((k.dir, v.state, v.flags) for k, v in ((k, dp.maps.ct6[k]) for k in dp.maps.ct6))
+
+
+@pytest.mark.parametrize("prog", INGRESS)
+def test_an_out_of_window_reset_leaves_an_snated_ipv6_flow_as_it_was(dp6: Dataplane, node6: tuple[NetnsThread, int],
+                                                                     prog: Prog) -> None:
+    """ct.h's RST window, IPv6 (test_ct.py has IPv4's cases): a NodePort flow through SNAT, data both ways, then a
+    forged RST from each side outside its sender's window: passed on, counted, the flow and its SNAT pair as they
+    were; the backend's own RST closes both pairs."""
+    thread, ifindex = node6
+    frontend6(dp6, TCP, vip=NODE6, port=NODE_PORT, flags=abi.SVC_F_MASQ)
+    client = Flow(CLIENT6, NODE6, 43100, NODE_PORT, TCP)
+    c_isn, b_isn, far = 7_000_000, 0xFFFF_FF00, 1 << 31
+
+    def through(p: Prog, data: bytes) -> Flow:
+        verdict, out = thread.call(dp6.run, p, data, ifindex)
+        assert verdict == p.ok
+        verdict, out = dp6.run(TC_EGRESS, out)
+        assert verdict == TC_EGRESS.ok
+        return decode6(out).flow
+
+    out = through(prog, frame6(client, seq=c_isn))
+    back = out.reply()  # the backend's packets, to the node's address and SNAT port
+    assert through(TC_INGRESS, frame6(back, tcp_flags=TCP_SYN | TCP_ACK, seq=b_isn, ack=c_isn + 1)) == client.reply()
+    through(prog, frame6(client, b"request", tcp_flags=TCP_ACK, seq=c_isn + 1, ack=b_isn + 1))
+    through(TC_INGRESS, frame6(back, b"x" * 1000, tcp_flags=TCP_ACK, seq=b_isn + 1, ack=c_isn + 8))
+    c_end, b_end = c_isn + 8, (b_isn + 1001) & 0xFFFF_FFFF
+    through(prog, frame6(client, tcp_flags=TCP_ACK, seq=c_end, ack=b_end))
+    established = ct6_states(dp6)
+    assert len(established) == 4 and {st for _, st, _ in established} == {abi.CT_ST_ESTABLISHED}
+
+    assert through(prog, frame6(client, tcp_flags=TCP_RST, seq=c_end + far)) == out, "not passed on to the backend"
+    assert through(TC_INGRESS, frame6(back, tcp_flags=TCP_RST, seq=(b_end + far) & 0xFFFF_FFFF)) == client.reply()
+    assert ct6_states(dp6) == established, "an out-of-window RST changed the flow or its SNAT pair"
+    assert dp6.counter("ct_rst_ignored") == 4, "each RST counted once per pair it passed (Service flow, SNAT pair)"
+    through(TC_INGRESS, frame6(back, tcp_flags=TCP_RST | TCP_ACK, seq=b_end, ack=c_end))
+    assert {st for _, st, _ in ct6_states(dp6)} == {abi.CT_ST_CLOSED}
+
+
 # -- ICMPv6 errors about translated flows -----------------------------------------------------------------------
 
 ROUTER6 = "fd00:2::fe"

@@ -86,10 +86,11 @@ def nodeport(backends: tuple[Backend, ...] = READY, proto: int = TCP, masquerade
     )
 
 
-def through(dp: Dataplane, prog: Prog, flow: Flow, node: Node, tcp_flags: int) -> Flow:
+def through(dp: Dataplane, prog: Prog, flow: Flow, node: Node, tcp_flags: int, payload: bytes = b"",
+            **tcp: int) -> Flow:
     """A packet of `flow` through `prog` (ingress) then TC egress: the flow as it leaves the node, checksums
-    verified as its receiver would."""
-    verdict, out = node.run(dp, prog, frame(flow, tcp_flags=tcp_flags))
+    verified as its receiver would (`tcp`: seq, ack of its TCP header)."""
+    verdict, out = node.run(dp, prog, frame(flow, payload, tcp_flags=tcp_flags, **tcp))
     assert verdict == prog.ok
     verdict, out = dp.run(TC_EGRESS, out)
     assert verdict == TC_EGRESS.ok
@@ -131,6 +132,36 @@ def test_local_policy_keeps_the_clients_address(dp: Dataplane, netns: Node, prog
     out = forward(dp, prog, Flow(CLIENT, NODE_IP, 40001, NODE_PORT), netns)
     assert (out.src, out.sport) == (CLIENT, 40001)
     assert dp.counter("snat") == 0 and len(dp.maps.ct) == 2
+
+
+@pytest.mark.parametrize("prog", INGRESS)
+def test_an_out_of_window_reset_keeps_the_flow_and_its_snat_port(dp: Dataplane, netns: Node, prog: Prog) -> None:
+    """The defect's worst half: a forged RST freed the flow's SNAT port. Out of its sender's window it changes
+    neither pair (nor the port the flow holds); the backend's own RST closes both."""
+    dp.apply(nodeport(backends=READY[:1]))
+    client = Flow(CLIENT, NODE_IP, 40100, NODE_PORT)
+    c_isn, b_isn, far = 5_000, 9_000_000, 1 << 31
+    out = through(dp, prog, client, netns, 0x02, seq=c_isn)
+    back = out.reply()
+    assert through(dp, TC_INGRESS, back, netns, 0x12, seq=b_isn, ack=c_isn + 1) == client.reply()
+    through(dp, prog, client, netns, TCP_ACK, b"request", seq=c_isn + 1, ack=b_isn + 1)
+    through(dp, TC_INGRESS, back, netns, TCP_ACK, b"y" * 1200, seq=b_isn + 1, ack=c_isn + 8)
+    c_end, b_end = c_isn + 8, b_isn + 1201
+    through(dp, prog, client, netns, TCP_ACK, seq=c_end, ack=b_end)
+
+    def flows() -> list[tuple[bytes, int, int]]:
+        return sorted((bytes(k), v.state, v.flags) for k, v in ((k, dp.maps.ct[k]) for k in dp.maps.ct))
+
+    established = flows()
+    assert len(established) == 4 and {st for _, st, _ in established} == {abi.CT_ST_ESTABLISHED}
+    assert through(dp, TC_INGRESS, back, netns, TCP_RST, seq=b_end + far) == client.reply(), "not passed on"
+    assert through(dp, prog, client, netns, TCP_RST | TCP_ACK, seq=(c_end - far) % 2**32) == out, "not passed on"
+    assert flows() == established, "an out-of-window RST changed the flow or its SNAT pair"
+    assert dp.counter("ct_rst_ignored") == 4  # each RST met the Service flow and the SNAT pair
+    # The flow still holds its port: its next packet leaves from it.
+    assert through(dp, prog, client, netns, TCP_ACK, seq=c_end, ack=b_end) == out
+    through(dp, TC_INGRESS, back, netns, TCP_RST | TCP_ACK, seq=b_end, ack=c_end)
+    assert {st for _, st, _ in flows()} == {abi.CT_ST_CLOSED}
 
 
 def test_a_pod_load_balanced_onto_itself_is_masqueraded(dp: Dataplane, netns: Node) -> None:

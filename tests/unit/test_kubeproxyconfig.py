@@ -192,8 +192,8 @@ def test_fields_without_effect_here_are_accepted_with_a_warning(body: str, warni
     ("clusterCIDR: fd00::/129", "kp.yaml: clusterCIDR must be an IPv4 CIDR such as 10.244.0.0/16 and/or an IPv6 one, "
                                  "comma-separated, not 'fd00::/129'"),
     ("bpf: {snatPortRange: many}", "kp.yaml: bpf.snatPortRange: must be FIRST-LAST"),
-    ("bpf: {mapSizes: {pyproxy_ct_v2: 10}}", "kp.yaml: bpf.mapSizes: no map pyproxy_ct_v2: the maps are services,"),
-    ("bpf: {mapSizes: {ct: 0}}", "kp.yaml: the capacity of map pyproxy_ct_v2 must be 1.."),
+    ("bpf: {mapSizes: {pyproxy_ct_v3: 10}}", "kp.yaml: bpf.mapSizes: no map pyproxy_ct_v3: the maps are services,"),
+    ("bpf: {mapSizes: {ct: 0}}", "kp.yaml: the capacity of map pyproxy_ct_v3 must be 1.."),
 ])
 def test_what_pyproxy_cannot_honour_is_refused_naming_field_and_file(body: str, message: str) -> None:
     problems = refused(body + "\n")

@@ -66,7 +66,7 @@ def test_the_defaults_are_valid() -> None:
     ({"ipvs__scheduler": ""}, "--ipvs-scheduler must name a scheduler"),
     ({"ipvs__graceful_termination_seconds": -1.0}, "IPVS graceful termination period must not be negative"),
     ({"bpf__devices": ("eth0",), "bpf__xdp_devices": ("eth1",)}, "--xdp-devices names eth1, which --devices"),
-    ({"bpf__max_entries": {"pyproxy_ct_v2": 0}}, "the capacity of map pyproxy_ct_v2 must be"),
+    ({"bpf__max_entries": {"pyproxy_ct_v3": 0}}, "the capacity of map pyproxy_ct_v3 must be"),
     ({"bpf__ct_timeouts": CtTimeouts(tcp_established=5e6)}, "tcp_established is too long"),
     ({"bpf__snat_ports": (61000, 70000)}, "--bpf-snat-port-range must be FIRST-LAST within 1024-65535"),
     ({"bpf__snat_ports": (62000, 61000)}, "--bpf-snat-port-range must be FIRST-LAST within 1024-65535"),

@@ -17,10 +17,11 @@
 #define PYPROXY_MAP_SERVICES  pyproxy_svc_v2   /* v2: affinity in ticks, not seconds */
 #define PYPROXY_MAP_SLOTS     pyproxy_slot_v1
 #define PYPROXY_MAP_BACKENDS  pyproxy_be_v1
-#define PYPROXY_MAP_CT        pyproxy_ct_v2    /* v2: last_seen in ticks, not ns */
+#define PYPROXY_MAP_CT        pyproxy_ct_v3    /* v2: last_seen in ticks, not ns; v3: the sender's sequence (ct.h,
+                                                * the RST window), entries of v2 carried over at start */
 #define PYPROXY_MAP_STATS     pyproxy_stat_v1
-#define PYPROXY_MAP_COUNTERS  pyproxy_cnt_v4   /* v2: connection-tracking, ICMP and fragment counters; v3: SNAT;
-                                                * v4: SNAT ports reused early */
+#define PYPROXY_MAP_COUNTERS  pyproxy_cnt_v5   /* v2: connection-tracking, ICMP and fragment counters; v3: SNAT;
+                                                * v4: SNAT ports reused early; v5: out-of-window RSTs */
 #define PYPROXY_MAP_NAMES     pyproxy_name_v1
 #define PYPROXY_MAP_EPOCH     pyproxy_epoch_v1
 #ifndef PYPROXY_MAP_FRAGS             /* -DPYPROXY_MAP_FRAGS=pyproxy_frag_v9: bench/restarts.py's stand-in for a newer
@@ -43,7 +44,7 @@
 #define PYPROXY_MAP_SERVICES6  pyproxy_svc6_v1
 #define PYPROXY_MAP_SLOTS6     pyproxy_slot6_v1
 #define PYPROXY_MAP_BACKENDS6  pyproxy_be6_v1
-#define PYPROXY_MAP_CT6        pyproxy_ct6_v1
+#define PYPROXY_MAP_CT6        pyproxy_ct6_v2   /* v2: the sender's sequence, as pyproxy_ct_v3 */
 #define PYPROXY_MAP_FRAGS6     pyproxy_frag6_v1
 #define PYPROXY_MAP_SRCRANGES6 pyproxy_range6_v1
 #define PYPROXY_MAP_TABLES6    pyproxy_tbl6_v1
@@ -154,6 +155,10 @@
 #define PYPROXY_CT_F_MASQ    0x4       /* a Service flow's FORWARD entry: the flow has an SNAT pair */
 #define PYPROXY_CT_F_SNAT    0x8       /* an entry of an SNAT pair */
 #define PYPROXY_CT_F_COUNTED 0x10      /* a Service flow counted in its backend's active flows (lc, sed, nq) */
+/* Neither entry knows its sender's sequence (pyproxy_ct_value.seq_end): a flow carried over from a map of the layout
+ * before it (pyproxy_ct_v2, pyproxy_ct6_v1; loader.py sets it on both entries), on which any RST closes the flow as
+ * it did before the RST window. Both entries of a flow carry it alike, like every flag; no program sets it. */
+#define PYPROXY_CT_F_SEQ_UNKNOWN 0x20
 
 /* Indices of PYPROXY_MAP_COUNTERS (per-CPU __u64 each). */
 enum pyproxy_counter {
@@ -180,6 +185,9 @@ enum pyproxy_counter {
 	PYPROXY_CNT_SNAT_EARLY_REUSE,  /* an SNAT port was handed out while its last flow was in TIME_WAIT: no other
 					* port tried was free (the backend may refuse the first SYN: a 1 s retry) */
 	PYPROXY_CNT_REFUSAL_LIMITED,   /* dropped, not refused: this CPU's refusals (RST, ICMP) were over their rate */
+	PYPROXY_CNT_CT_RST_IGNORED,    /* a RST outside its sender's sequence window left its flow as it was (ct.h) and
+					* was passed on to the endpoint, whose stack ignores or challenges it; once per
+					* pair of entries it met (an SNATed flow's RST meets two) */
 	PYPROXY_CNT_MAX,
 };
 
@@ -265,6 +273,12 @@ struct pyproxy_ct_value {
 	 * of the tick its flow began, which UDP's stream rule reads (ct.h; 0 in older entries: long begun). */
 	__u32 epoch;
 	__u64 last_seen;   /* host order; jiffies (bpf_jiffies64) of its last packet */
+	/* host order. TCP: the end (seq + payload + SYN + FIN) of the furthest segment this entry's sender sent, which a
+	 * RST from that sender must lie near to close the flow (ct.h, "The RST window"). Learnt from the sender's
+	 * packets while the flow is NEW (its first one), moved on by later ones; meaningless under
+	 * PYPROXY_CT_F_SEQ_UNKNOWN. */
+	__u32 seq_end;
+	__u32 pad;         /* zero */
 };
 
 /* Idle timeouts of connection-tracking entries, in ticks, by state. A constant of the loaded programs
@@ -445,7 +459,8 @@ struct pyproxy_ct6_value {
 	__u8 flags;        /* PYPROXY_CT_F_* */
 	__u32 svc_id;      /* host order */
 	__u32 epoch;       /* host order; FORWARD: the backends epoch the backend was last confirmed at */
-	__u32 pad;         /* zero */
+	__u32 seq_end;     /* host order; as pyproxy_ct_value's. It took the place of a zero pad, yet the map is
+			    * versioned (v2): a v1 entry's zero would read as a known sequence (loader.py converts) */
 	__u64 last_seen;   /* host order; jiffies */
 };
 

@@ -9,7 +9,7 @@
  *  1. PYPROXY_BCC_TABLES: only the table declarations below. BCC creates each map, or opens its pin when it is
  *     there (BPF_TABLE_PINNED's "type:path" section), and pins the ones it created. The loader then checks every
  *     map's shape against what the declaration asked (a pin of another shape is replaced, as libbpf's loader does).
- *  2. The programs, with each map's fd from step 1 passed as -Dpyproxy_ct_v2=... (map name -> PYPROXY_BCC_MAP(fd)):
+ *  2. The programs, with each map's fd from step 1 passed as -Dpyproxy_ct_v3=... (map name -> PYPROXY_BCC_MAP(fd)):
  *     &PYPROXY_MAP_CT is then bpf_pseudo_fd(1, fd), the very instruction BCC's rewriter would have made.
  *
  * The declarations mirror maps.h's one for one (type, key, value, capacity, flags); tests/priv/test_bcc.py

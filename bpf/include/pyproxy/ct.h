@@ -7,7 +7,7 @@
  * As in the kernel's conntrack and Cilium's, the state picks an idle timeout (pyproxy_config.ct). TCP:
  *
  *   NEW --SYN-ACK--> SYN_RECV --client's ACK--> ESTABLISHED --FIN--> CLOSING --other FIN--> TIME_WAIT
- *   RST from any state --> CLOSED
+ *   RST from any state --> CLOSED (past NEW: only a RST within its sender's sequence window, below)
  *
  * A flow is not established by its backend's answer alone: until the client's next packet it is half open and
  * expires in the SYN-received timeout (60 s), so a flood of SYNs that never complete holds nothing for a day. A
@@ -19,6 +19,30 @@
  *   SYN_RECV --a packet more than udp_stream_after (2 s) after the flow began--> ESTABLISHED (a stream, 120 s)
  *
  * so a DNS query and its answer hold an SNAT port 30 s, not the stream timeout.
+ *
+ * The RST window. A RST closes a flow only when it lies where its sender's segments are: each entry keeps the end
+ * of the furthest segment its sender sent (seq_end: seq + payload + SYN + FIN), and a RST from that sender
+ * (the entry's own direction, so no second lookup) closes the flow only if its seq is within
+ * PYPROXY_CT_SEQ_WINDOW of it either way. Any other RST leaves the flow as it was, state, timeout and SNAT pair, is
+ * counted (ct_rst_ignored) and passed on translated: the endpoint's own stack ignores it, or answers with a
+ * challenge ACK (RFC 5961), to which a real peer answers with a RST at the very sequence. An injected RST must
+ * so guess a 2^19-wide window in 2^32 where before any one did (the defect: a 24 h flow dropped to 10 s, its SNAT
+ * port freed). Why this rule and this width:
+ *  - Linux accepts a RST only at rcv_nxt (RFC 5961) and nf_conntrack closes on one at the receiver's highest ACK
+ *    or its sender's last end. That needs the peer's ACKs and a state per direction; the CT value has room for
+ *    one 32-bit field, and the sender's own end sits in the entry the RST already hit. A legitimate RST lies at
+ *    that end (an abort: seq = snd_nxt) or at most a window of unacknowledged data behind it (an answer from a
+ *    socket that is gone: seq = the peer's ACK), and data lost before the node puts it ahead: 256 KiB either way
+ *    covers a receive window of Linux's defaults and a burst of ~180 lost full-size segments.
+ *  - A segment moves seq_end only if it starts within the same window and ends past it (retransmissions move
+ *    nothing): else one spoofed data packet far ahead, then a RST there, would close the flow in two packets.
+ *    A loss burst wider than the window seen by the node leaves seq_end behind for good: that flow's RSTs are
+ *    then ignored and it ends as it did before RSTs closed flows, by FIN or its idle timeout.
+ *  - RSTs in NEW are accepted (a refusal of the SYN, or the client giving up: its sequence is the SYN's); the
+ *    backend's entry learns its sequence while the flow is NEW (its SYN-ACK), so the check starts at SYN_RECV.
+ *  - Flows carried over from the layout before seq_end (PYPROXY_CT_F_SEQ_UNKNOWN) take any RST, as before.
+ *  - The cost: a data segment stores seq_end into the entry its lookup just read (the same 32 bytes as
+ *    last_seen); a pure ACK, whose end does not move, stores nothing, nor does any UDP packet.
  *
  * An entry is live while it, or its peer entry (the other direction of the same flow), saw a packet within
  * its timeout; anything else is treated as absent: never followed, never used for reverse NAT. The entries
@@ -185,6 +209,16 @@ static __always_inline int pyproxy_ct_live(const struct pyproxy_ct_key *k, const
 	return peer && !pyproxy_ct_expired(peer, k->proto, now);
 }
 
+/* How far from its sender's furthest segment end a RST may lie and still close a flow, and a segment start and still
+ * move that end on (the RST window, above): 256 KiB either way. */
+#define PYPROXY_CT_SEQ_WINDOW (1u << 18)
+
+/* Whether sequence number `seq` lies within PYPROXY_CT_SEQ_WINDOW of `ref`, either way (mod 2^32). */
+static __always_inline int pyproxy_ct_seq_near(__u32 seq, __u32 ref)
+{
+	return seq - ref + PYPROXY_CT_SEQ_WINDOW <= 2 * PYPROXY_CT_SEQ_WINDOW;
+}
+
 /* The state after a packet in direction `dir` with TCP flags `tcp_flags` (0 for UDP). UDP's move from SYN_RECV to
  * ESTABLISHED depends on the flow's age, not on the packet: the callers' (pyproxy_ct_seen). */
 static __always_inline void pyproxy_ct_next(__u8 dir, __u8 tcp_flags, __u8 *state, __u8 *flags)
@@ -238,15 +272,31 @@ static __always_inline void pyproxy_ct_uncount(const struct pyproxy_ct_key *k, c
 	pyproxy_active_add(&be, -1);
 }
 
-/* The address-independent half of a packet seen on an entry (both families): refreshes `*last_seen` and works out
- * the flow's next state and flags from the entry's (`dir`: the packet's direction as the client sees it). Returns
- * whether they change. */
-static __always_inline int pyproxy_ct_advance(__u64 *last_seen, __u8 cur_state, __u8 cur_flags, __u8 dir,
-					      __u8 tcp_flags, __u64 now, __u8 *state, __u8 *flags)
+/* The address-independent half of a packet seen on an entry (both families): refreshes `*last_seen`, keeps
+ * `*seq_end` (the RST window, above; `seq` and `end`: the segment's, pyproxy_tcp_end), and works out the flow's next
+ * state and flags from the entry's (`dir`: the packet's direction as the client sees it). Returns whether they
+ * change: never for a RST outside the window. */
+static __always_inline int pyproxy_ct_advance(__u64 *last_seen, __u32 *seq_end, __u8 cur_state, __u8 cur_flags,
+					      __u8 dir, __u8 tcp_flags, __u32 seq, __u32 end, __u64 now, __u8 *state,
+					      __u8 *flags)
 {
 	/* Written once per tick, not per packet: a flow's packets on several CPUs then share the cache line. */
 	if (*last_seen != now)
 		*last_seen = now;
+	if (cur_state == PYPROXY_CT_ST_NEW) {
+		/* The sender's first segments (the backend's SYN-ACK for its entry; a retransmitted SYN for the
+		 * client's) set its sequence, whatever it was: no RST is checked in NEW. */
+		if (*seq_end != end)
+			*seq_end = end;
+	} else if (tcp_flags & PYPROXY_TCP_RST) {
+		if (!(cur_flags & PYPROXY_CT_F_SEQ_UNKNOWN) && !pyproxy_ct_seq_near(seq, *seq_end)) {
+			pyproxy_count(PYPROXY_CNT_CT_RST_IGNORED);
+			return 0;
+		}
+	} else if ((__s32)(end - *seq_end) > 0 && pyproxy_ct_seq_near(seq, *seq_end)) {
+		/* Data: the one store of the common packet, into the entry's own line (a pure ACK or UDP has none). */
+		*seq_end = end;
+	}
 	/* The common packet changes nothing: no FIN or RST on a flow past its handshake. */
 	if (!(tcp_flags & (PYPROXY_TCP_FIN | PYPROXY_TCP_RST)) && cur_state != PYPROXY_CT_ST_NEW &&
 	    cur_state != PYPROXY_CT_ST_SYN_RECV)
@@ -269,12 +319,13 @@ static __always_inline int pyproxy_ct_holds_born(__u8 dir, __u8 flags)
  * connection), so both directions expire alike. A replied UDP flow pays the peer lookup on each packet of its
  * first seconds, for its age (pyproxy_ct_stream_due). */
 static __always_inline void pyproxy_ct_seen(const struct pyproxy_ct_key *k, struct pyproxy_ct_value *v,
-					    __u8 tcp_flags, __u64 now)
+					    const struct pyproxy_pkt *p, __u64 now)
 {
 	__u8 state, flags;
 	struct pyproxy_ct_value *peer = NULL;
 
-	if (!pyproxy_ct_advance(&v->last_seen, v->state, v->flags, pyproxy_ct_orig_dir(k, v), tcp_flags, now, &state,
+	if (!pyproxy_ct_advance(&v->last_seen, &v->seq_end, v->state, v->flags, pyproxy_ct_orig_dir(k, v), p->tcp_flags,
+				pyproxy_pkt_seq(&p->tcp_seq), pyproxy_pkt_end(&p->tcp_seq, p->l4_len, &p->tcp_hlen, p->tcp_flags), now, &state,
 				&flags)) {
 		if (v->state != PYPROXY_CT_ST_SYN_RECV || k->proto != IPPROTO_UDP)
 			return;
@@ -321,7 +372,7 @@ static __always_inline int pyproxy_ct_translate(const struct pyproxy_pkt *p, __u
 	to->addr = ct->nat_addr;
 	to->port = ct->nat_port;
 	to->pad = 0;
-	pyproxy_ct_seen(&k, ct, p->tcp_flags, now);
+	pyproxy_ct_seen(&k, ct, p, now);
 	return 1;
 }
 
@@ -399,6 +450,8 @@ static __always_inline int pyproxy_ct_create(const struct pyproxy_pkt *p, const 
 	fv.svc_id = svc_id;
 	fv.epoch = epoch;
 	fv.last_seen = now;
+	/* The client's SYN (the RST window); the backend's entry learns its own from the SYN-ACK. */
+	fv.seq_end = pyproxy_pkt_end(&p->tcp_seq, p->l4_len, &p->tcp_hlen, p->tcp_flags);
 
 	pyproxy_ct_peer_key(&fwd, &fv, &rev);
 	rv.nat_addr = p->daddr;

@@ -112,12 +112,13 @@ static __always_inline void pyproxy_ct6_uncount(const struct pyproxy_ct6_key *k,
 
 /* A packet of a live flow passed in the direction of entry `v` (pyproxy_ct_seen's twin). */
 static __always_inline void pyproxy_ct6_seen(const struct pyproxy_ct6_key *k, struct pyproxy_ct6_value *v,
-					     __u8 tcp_flags, __u64 now)
+					     const struct pyproxy_pkt6 *p, __u64 now)
 {
 	__u8 state, flags;
 	struct pyproxy_ct6_value *peer = NULL;
 
-	if (!pyproxy_ct_advance(&v->last_seen, v->state, v->flags, pyproxy_ct6_orig_dir(k, v), tcp_flags, now, &state,
+	if (!pyproxy_ct_advance(&v->last_seen, &v->seq_end, v->state, v->flags, pyproxy_ct6_orig_dir(k, v), p->tcp_flags,
+				pyproxy_pkt_seq(&p->tcp_seq), pyproxy_pkt_end(&p->tcp_seq, p->l4_len, &p->tcp_hlen, p->tcp_flags), now, &state,
 				&flags)) {
 		if (v->state != PYPROXY_CT_ST_SYN_RECV || k->proto != IPPROTO_UDP)
 			return;
@@ -163,7 +164,7 @@ static __always_inline int pyproxy_ct6_translate(const struct pyproxy_pkt6 *p, _
 	to->addr = ct->nat_addr;
 	to->port = ct->nat_port;
 	to->pad = 0;
-	pyproxy_ct6_seen(&k, ct, p->tcp_flags, now);
+	pyproxy_ct6_seen(&k, ct, p, now);
 	return 1;
 }
 
@@ -233,6 +234,8 @@ static __always_inline int pyproxy_ct6_create(const struct pyproxy_pkt6 *p, cons
 	v.last_seen = now;
 	if (bpf_map_update_elem(&PYPROXY_MAP_CT6, &k, &v, BPF_ANY))
 		return -1;
+	/* The client's SYN (ct.h, the RST window); the reverse entry learns its own. */
+	v.seq_end = pyproxy_pkt_end(&p->tcp_seq, p->l4_len, &p->tcp_hlen, p->tcp_flags);
 
 	pyproxy_ct6_key_of(p, PYPROXY_CT_FORWARD, &k);
 	v.nat_addr = be->addr;

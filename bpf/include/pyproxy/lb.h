@@ -188,7 +188,7 @@ static __always_inline int pyproxy_lb_forward(void *ctx, __u32 ifindex, const st
 			/* A SYN on a closing or closed flow: the client opened a new connection on the same ports. */
 			pyproxy_count(PYPROXY_CNT_CT_REOPENED);
 		} else if (pyproxy_ct_follow(ct, svc, epoch, be)) {
-			pyproxy_ct_seen(&k, ct, p->tcp_flags, now);
+			pyproxy_ct_seen(&k, ct, p, now);
 			pyproxy_count(PYPROXY_CNT_ESTABLISHED);
 			pyproxy_count_svc(svc->svc_id, pkt_len);
 			pyproxy_count_endpoint(be, pkt_len);

@@ -293,7 +293,7 @@ static __always_inline int pyproxy_lb6_forward(void *ctx, __u32 ifindex, const s
 		} else if (pyproxy_is_syn6(p) && pyproxy_ct_reopens(ct->state)) {
 			pyproxy_count(PYPROXY_CNT_CT_REOPENED);
 		} else if (pyproxy_lb6_ct_follow(ct, svc, epoch, be)) {
-			pyproxy_ct6_seen(&k, ct, p->tcp_flags, now);
+			pyproxy_ct6_seen(&k, ct, p, now);
 			pyproxy_count(PYPROXY_CNT_ESTABLISHED);
 			pyproxy_count_svc(svc->svc_id, pkt_len);
 			pyproxy_count_endpoint6(be, pkt_len);

@@ -35,11 +35,13 @@ struct pyproxy_pkt {
 	__u8 proto;
 	__u8 tcp_flags;    /* PYPROXY_TCP_*; 0 for UDP */
 	__u8 frag;         /* enum pyproxy_frag */
+	__u8 tcp_hlen;     /* TCP: its header's length (data offset x 4; 0 for UDP), for pyproxy_tcp_end */
 	__be16 ip_id;      /* the IPv4 identification, for fragments */
 	__u32 l3_off;      /* offset of the IPv4 header */
 	__u32 l4_off;      /* offset of the TCP/UDP (or ICMP) header */
 	__u32 l4_len;      /* TCP/UDP header + payload, from the IPv4 total length */
 	__u32 csum_off;    /* offset of the TCP/UDP checksum field */
+	__u32 tcp_seq;     /* host order; TCP: the segment's sequence number (0 for UDP) */
 };
 
 enum pyproxy_parse_result {
@@ -55,10 +57,33 @@ static __always_inline int pyproxy_is_syn(const struct pyproxy_pkt *p)
 	return (p->tcp_flags & (PYPROXY_TCP_SYN | PYPROXY_TCP_ACK)) == PYPROXY_TCP_SYN;
 }
 
+/* The end of the sequence space a TCP segment of `l4_len` bytes (header `hlen` included) covers: seq + payload + SYN
+ * + FIN; 0 for UDP (hlen 0), whose entries so never store one. A header longer than the segment makes an end behind
+ * seq, which moves nothing (ct.h). */
+static __always_inline __u32 pyproxy_tcp_end(__u32 seq, __u32 l4_len, __u8 hlen, __u8 tcp_flags)
+{
+	if (!hlen)
+		return 0;
+	return seq + l4_len - hlen + ((tcp_flags & PYPROXY_TCP_SYN) >> 1) + (tcp_flags & PYPROXY_TCP_FIN);
+}
+
+/* A packet's sequence number, read from its struct pyproxy_pkt or pyproxy_pkt6 where it is used: the programs' stack
+ * has no room for a copy kept across their calls (the IPv6 ones' is full), so the read is not cached. */
+static __always_inline __u32 pyproxy_pkt_seq(const __u32 *seq)
+{
+	return *(const volatile __u32 *)seq;
+}
+
+static __always_inline __u32 pyproxy_pkt_end(const __u32 *seq, __u32 l4_len, const __u8 *hlen, __u8 tcp_flags)
+{
+	return pyproxy_tcp_end(pyproxy_pkt_seq(seq), l4_len, *(const volatile __u8 *)hlen, tcp_flags);
+}
+
 /* The TCP or UDP header at `off` (`l4_len` bytes with its payload), both families: its ports, flags and checksum
  * offset. */
 static __always_inline int pyproxy_parse_l4(void *data, void *data_end, __u32 off, __u32 l4_len, __u8 proto,
-					    __be16 *sport, __be16 *dport, __u8 *tcp_flags, __u32 *csum_off)
+					    __be16 *sport, __be16 *dport, __u8 *tcp_flags, __u32 *csum_off, __u32 *seq,
+					    __u8 *hlen)
 {
 	if (proto == IPPROTO_TCP) {
 		struct tcphdr *th = data + off;
@@ -71,6 +96,9 @@ static __always_inline int pyproxy_parse_l4(void *data, void *data_end, __u32 of
 		*dport = th->dest;
 		*tcp_flags = ((__u8 *)th)[13];
 		*csum_off = off + __builtin_offsetof(struct tcphdr, check);
+		/* Where the segment sits in its sender's sequence space, for the RST window (ct.h). */
+		*seq = bpf_ntohl(th->seq);
+		*hlen = th->doff * 4;
 	} else {
 		struct udphdr *uh = data + off;
 
@@ -124,6 +152,8 @@ static __always_inline int pyproxy_parse_len(void *data, void *data_end, struct 
 	p->sport = 0;
 	p->dport = 0;
 	p->csum_off = 0;
+	p->tcp_seq = 0;
+	p->tcp_hlen = 0;
 	if (ip->protocol == IPPROTO_ICMP)
 		return ip->frag_off & bpf_htons(PYPROXY_IP_MF | PYPROXY_IP_OFFSET) ? PYPROXY_PARSE_SKIP : PYPROXY_PARSE_ICMP;
 	if (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP)
@@ -138,7 +168,7 @@ static __always_inline int pyproxy_parse_len(void *data, void *data_end, struct 
 		return PYPROXY_PARSE_SKIP;
 
 	return pyproxy_parse_l4(data, data_end, p->l4_off, p->l4_len, p->proto, &p->sport, &p->dport, &p->tcp_flags,
-				&p->csum_off);
+				&p->csum_off, &p->tcp_seq, &p->tcp_hlen);
 }
 
 static __always_inline int pyproxy_parse(void *data, void *data_end, struct pyproxy_pkt *p)

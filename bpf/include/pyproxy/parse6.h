@@ -48,12 +48,13 @@ struct pyproxy_pkt6 {
 	__u8 proto;        /* the upper-layer protocol */
 	__u8 tcp_flags;    /* PYPROXY_TCP_*; 0 for UDP */
 	__u8 frag;         /* enum pyproxy_frag */
-	__u8 pad;
+	__u8 tcp_hlen;     /* as struct pyproxy_pkt's (took the place of a pad: the IPv6 programs' stack is full) */
 	__be32 frag_id;    /* the fragment header's identification, for fragments */
 	__u32 l3_off;      /* offset of the IPv6 header */
 	__u32 l4_off;      /* offset of the upper-layer header (after every extension header) */
 	__u32 l4_len;      /* upper-layer header + payload, from the payload length */
 	__u32 csum_off;    /* offset of the TCP/UDP checksum field */
+	__u32 tcp_seq;     /* host order; as struct pyproxy_pkt's */
 };
 
 static __always_inline int pyproxy_is_syn6(const struct pyproxy_pkt6 *p)
@@ -104,9 +105,10 @@ static __always_inline int pyproxy_parse6(void *data, void *data_end, struct pyp
 	p->sport = 0;
 	p->dport = 0;
 	p->csum_off = 0;
+	p->tcp_seq = 0;
 	p->frag = PYPROXY_FRAG_NONE;
 	p->frag_id = 0;
-	p->pad = 0;
+	p->tcp_hlen = 0;
 	nexthdr = ip6->nexthdr;
 	off = sizeof(*eth) + sizeof(*ip6);
 	end = off + bpf_ntohs(ip6->payload_len);   /* one past the payload: no header may reach beyond it */
@@ -159,7 +161,7 @@ static __always_inline int pyproxy_parse6(void *data, void *data_end, struct pyp
 		return PYPROXY_PARSE_SKIP;
 
 	return pyproxy_parse_l4(data, data_end, off, p->l4_len, nexthdr, &p->sport, &p->dport, &p->tcp_flags,
-				&p->csum_off);
+				&p->csum_off, &p->tcp_seq, &p->tcp_hlen);
 }
 
 #endif

@@ -16,9 +16,9 @@ import struct
 MAP_SERVICES = "pyproxy_svc_v2"
 MAP_SLOTS = "pyproxy_slot_v1"
 MAP_BACKENDS = "pyproxy_be_v1"
-MAP_CT = "pyproxy_ct_v2"
+MAP_CT = "pyproxy_ct_v3"
 MAP_STATS = "pyproxy_stat_v1"
-MAP_COUNTERS = "pyproxy_cnt_v4"
+MAP_COUNTERS = "pyproxy_cnt_v5"
 MAP_NAMES = "pyproxy_name_v1"
 MAP_EPOCH = "pyproxy_epoch_v1"
 MAP_FRAGS = "pyproxy_frag_v1"
@@ -39,7 +39,7 @@ client's affinity keeps (maps.h; render.py writes it)."""
 MAP_SERVICES6 = "pyproxy_svc6_v1"
 MAP_SLOTS6 = "pyproxy_slot6_v1"
 MAP_BACKENDS6 = "pyproxy_be6_v1"
-MAP_CT6 = "pyproxy_ct6_v1"
+MAP_CT6 = "pyproxy_ct6_v2"
 MAP_FRAGS6 = "pyproxy_frag6_v1"
 MAP_SRCRANGES6 = "pyproxy_range6_v1"
 MAP_TABLES6 = "pyproxy_tbl6_v1"
@@ -149,6 +149,7 @@ CT_F_FIN_REV = 0x2
 CT_F_MASQ = 0x4  # a Service flow's FORWARD entry: the flow has an SNAT pair
 CT_F_SNAT = 0x8  # an entry of an SNAT pair (abi.h)
 CT_F_COUNTED = 0x10  # a Service flow counted in its backend's active flows (lc, sed, nq)
+CT_F_SEQ_UNKNOWN = 0x20  # a flow carried over from the layout before seq_end: any RST closes it (abi.h)
 
 # enum pyproxy_counter, in order.
 COUNTERS = (
@@ -174,6 +175,7 @@ COUNTERS = (
     "revsnat",
     "snat_early_reuse",
     "refusal_limited",
+    "ct_rst_ignored",
 )
 
 IPPROTO = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP}
@@ -309,7 +311,17 @@ class CtValue(ctypes.Structure):
         # other entry: the low 32 bits of the tick its flow began (abi.h)
         ("epoch", ctypes.c_uint32),
         ("last_seen", ctypes.c_uint64),  # host order; jiffies (bpf_jiffies64, clock.py)
+        # host order; TCP: the end of the furthest segment the entry's sender sent (ct.h, the RST window)
+        ("seq_end", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
     ]
+
+
+class CtValueV2(ctypes.Structure):
+    """struct pyproxy_ct_value of pyproxy_ct_v2, the layout before seq_end: what an upgrade carries over
+    (CT_CARRY_OVER)."""
+
+    _fields_ = CtValue._fields_[:-2]  # all but seq_end and pad
 
 
 class CtTimeoutTicks(ctypes.Structure):
@@ -515,9 +527,15 @@ class Ct6Value(ctypes.Structure):
         ("flags", ctypes.c_uint8),  # CT_F_*
         ("svc_id", ctypes.c_uint32),  # host order
         ("epoch", ctypes.c_uint32),  # host order
-        ("pad", ctypes.c_uint32),
+        ("seq_end", ctypes.c_uint32),  # host order; as CtValue's (took the place of a zero pad)
         ("last_seen", ctypes.c_uint64),  # host order; jiffies
     ]
+
+
+class Ct6ValueV1(ctypes.Structure):
+    """struct pyproxy_ct6_value of pyproxy_ct6_v1: its seq_end was a zero pad (CT_CARRY_OVER)."""
+
+    _fields_ = [*Ct6Value._fields_[:-2], ("pad", ctypes.c_uint32), Ct6Value._fields_[-1]]  # seq_end was a pad
 
 
 class Frag6Key(ctypes.Structure):
@@ -596,3 +614,31 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "pyproxy_sock6_key": Sock6Key,
     "pyproxy_srcrange6_key": SrcRange6Key,
 }
+
+
+class CarryOver:
+    """A CT map whose layout changed, and how its entries become the new map's (loader.carry_over): a restarted
+    pyproxy copies a previous release's flows across rather than dropping every connection it tracked."""
+
+    def __init__(self, old: str, new: str, key: type[ctypes.Structure], old_value: type[ctypes.Structure],
+                 value: type[ctypes.Structure]) -> None:
+        self.old, self.new, self.key, self.old_value, self.value = old, new, key, old_value, value
+
+    def convert(self, old: bytes) -> bytes:
+        """One entry's value in the new layout: the fields both layouts have, and the flow marked as knowing no
+        sequence (CT_F_SEQ_UNKNOWN: any RST closes it, as the old programs let it)."""
+        src = self.old_value.from_buffer_copy(old)
+        dst = self.value()
+        names = {f[0] for f in self.value._fields_} - {"pad"}
+        for name, *_ in self.old_value._fields_:
+            if name in names:
+                setattr(dst, name, getattr(src, name))
+        dst.flags |= CT_F_SEQ_UNKNOWN
+        return bytes(dst)
+
+
+CT_CARRY_OVER = (
+    CarryOver("pyproxy_ct_v2", MAP_CT, CtKey, CtValueV2, CtValue),
+    CarryOver("pyproxy_ct6_v1", MAP_CT6, Ct6Key, Ct6ValueV1, Ct6Value),
+)
+"""The layouts before the sequence field (abi.h: pyproxy_ct_v3, pyproxy_ct6_v2), carried over at start."""

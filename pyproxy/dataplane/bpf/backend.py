@@ -782,6 +782,8 @@ class BpfDataplane:
         self._read_devices()
         self._watcher.start()
         self._attach_socket_hooks()
+        # The new programs are attached: the flows the old ones recorded meanwhile are copied too, the old pins go.
+        loader.retire_old_layouts(s.pin_path, self._obj.maps)
         # Its own fds: it runs beside syncs and device events and takes none of their locks.
         self._gc = CtGarbageCollector(
             BpfMap(os.dup(self._obj.maps[abi.MAP_CT]), abi.MAP_CT, abi.CtKey, abi.CtValue),

@@ -299,7 +299,8 @@ def load(
         tables = maps.tables()
         loaded.maps = {name: fd for name, (fd, _) in tables.items() if name not in (abi.TABLE_NAME, abi.TABLE6_NAME)}
         if pin_dir is not None:
-            loader.unpin_other_layouts(pin_dir, set(loaded.maps))
+            loader.carry_over(pin_dir, loaded.maps)
+            loader.unpin_other_layouts(pin_dir, set(loaded.maps), keep=loader.CARRIED_OVER)
         flags = [*_cflags(), f"-DPYPROXY_BCC_CONFIG={_config_initializer(config)}"]
         flags += [f"-D{name}=PYPROXY_BCC_MAP({fd})" for name, fd in loaded.maps.items()]
         progs = Module(BPF_DIR / "pyproxy.bpf.c", flags, str(BPF_DIR / "pyproxy.bpf.c"))

@@ -63,9 +63,9 @@ DELETE_CHUNK = 4096
 # The CT map's key and value, field by field as in abi.h (tests/unit/test_bpf_gc.py checks them against the
 # ctypes structs). Addresses and ports stay bytes: they are only compared and paired, never printed.
 CT_KEY = struct.Struct("=4s4s2s2sBBxx")  # saddr, daddr, sport, dport, proto, dir
-CT_VALUE = struct.Struct("=4s2sBBIIQ")  # nat_addr, nat_port, state, flags, svc_id, epoch, last_seen
-_CT_AGE = struct.Struct("=6sB9xQ")  # what a pass reads of a CT value: nat (addr and port), state, last_seen
-_CT_OPEN = struct.Struct("=6sBB16x")  # what a recount reads of a CT value: nat (addr and port), state, flags
+CT_VALUE = struct.Struct("=4s2sBBIIQ8x")  # nat_addr, nat_port, state, flags, svc_id, epoch, last_seen (seq_end, pad)
+_CT_AGE = struct.Struct("=6sB9xQ8x")  # what a pass reads of a CT value: nat (addr and port), state, last_seen
+_CT_OPEN = struct.Struct("=6sBB24x")  # what a recount reads of a CT value: nat (addr and port), state, flags
 _BACKEND_KEY = struct.Struct("=6s2x")  # pyproxy_backend: addr and port as the CT value's nat holds them
 _BACKEND_INFO = struct.Struct("=Ii")  # pyproxy_backend_info: flags, active
 SVC_KEY = struct.Struct("=4s2sBx")  # vip, port, proto: as an affinity key's daddr, dport, proto

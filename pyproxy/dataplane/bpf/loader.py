@@ -21,6 +21,7 @@ from typing import Any
 from pyproxy.dataplane.bpf import abi, clock, conntrack, kernel, libbpf
 from pyproxy.dataplane.bpf.errors import BpfUnavailable
 from pyproxy.dataplane.bpf.libbpf import ffi
+from pyproxy.dataplane.bpf.maps import lookup_batch
 
 log = logging.getLogger(__name__)
 
@@ -219,13 +220,97 @@ def _adopt(m: Any, name: str, adopt: dict[str, int] | None) -> None:
         log.warning("attached programs use map %s of another shape: not reusing it", name)
 
 
-def unpin_other_layouts(pin_dir: Path, ours: set[str]) -> None:
+def unpin_other_layouts(pin_dir: Path, ours: set[str], keep: frozenset[str] = frozenset()) -> None:
     """Remove the pins of pyproxy maps this object does not have: an older layout's (pyproxy_ct_v1 once
-    pyproxy_ct_v2 exists), which nothing will read again and which would otherwise hold their memory."""
+    pyproxy_ct_v2 exists), which nothing will read again and which would otherwise hold their memory. `keep`: pins
+    left for retire_old_layouts (the CT maps carried over, which the old programs still write until the new ones are
+    attached)."""
     for pin in pin_dir.glob(f"{abi.MAP_PREFIX}*"):
-        if pin.name not in ours:
+        if pin.name not in ours and pin.name not in keep:
             pin.unlink()
             log.info("removed %s: a map of another layout version, replaced by this one", pin)
+
+
+CARRIED_OVER = frozenset(c.old for c in abi.CT_CARRY_OVER)
+"""The old CT maps' pins that load() leaves in place for retire_old_layouts."""
+
+
+def _carry_one(c: abi.CarryOver, pin: Path, new_fd: int) -> int:
+    """Copy the entries of the old-layout map pinned at `pin` into the map `new_fd`, converted; entries the new map
+    has already (the new programs' own, or a first pass's) are left as they are. Returns how many were copied."""
+    lib = libbpf.lib()
+    fd = lib.bpf_obj_get(str(pin).encode())
+    if fd < 0:
+        raise OSError(ffi.errno, f"cannot open it: {os.strerror(ffi.errno)}")
+    try:
+        info = map_info(fd)
+        want = (ctypes.sizeof(c.key), ctypes.sizeof(c.old_value))
+        if (info.key_size, info.value_size) != want:
+            raise ValueError(f"its entries are {info.key_size}+{info.value_size} bytes, not the {want[0]}+{want[1]} "
+                             f"of {c.old}")
+        keys, values = lookup_batch(fd, c.old, *want) or _lookup_each(fd, c.old, *want)
+        copied = 0
+        for i in range(len(keys) // want[0]):
+            key, value = keys[i * want[0]:(i + 1) * want[0]], c.convert(values[i * want[1]:(i + 1) * want[1]])
+            ret = lib.bpf_map_update_elem(new_fd, ffi.from_buffer(key), ffi.from_buffer(value), libbpf.BPF_NOEXIST)
+            if ret == 0:
+                copied += 1
+            elif (-ret if ret != -1 else ffi.errno) != errno.EEXIST:
+                libbpf.check(ret, f"update of map {c.new}")
+        return copied
+    finally:
+        os.close(fd)
+
+
+def _lookup_each(fd: int, name: str, key_size: int, value_size: int) -> tuple[bytes, bytes]:
+    """Every key and value of a map one lookup at a time (kernels or map types without the batch call)."""
+    lib, keys, values = libbpf.lib(), [], []
+    cur, nxt, val = ffi.NULL, ffi.new("char[]", key_size), ffi.new("char[]", value_size)
+    while lib.bpf_map_get_next_key(fd, cur, nxt) == 0:
+        key = bytes(ffi.buffer(nxt))
+        if lib.bpf_map_lookup_elem(fd, nxt, val) == 0:
+            keys.append(key)
+            values.append(bytes(ffi.buffer(val)))
+        cur = ffi.new("char[]", key)
+    return b"".join(keys), b"".join(values)
+
+
+def carry_over(pin_dir: Path | None, maps: dict[str, int]) -> dict[str, int]:
+    """Copy the flows of a previous release's CT maps (abi.CT_CARRY_OVER: pinned under `pin_dir` in the layout before
+    the sequence field) into this load's, so an upgrade keeps established connections: run by load(), before the new
+    programs are attached, and again by retire_old_layouts() after, for the flows the old programs began in between.
+    A map that cannot be read costs its flows (they start again as new ones, which may reset them), never the
+    start: one error line says so. Returns old map name -> entries copied."""
+    done: dict[str, int] = {}
+    if pin_dir is None:
+        return done
+    for c in abi.CT_CARRY_OVER:
+        pin = pin_dir / c.old
+        if c.new not in maps or not pin.exists():
+            continue
+        try:
+            done[c.old] = n = _carry_one(c, pin, maps[c.new])
+        except (OSError, ValueError) as e:
+            log.error("cannot carry the flows of %s over into %s (%s): the connections it tracked are not kept",
+                      pin, c.new, e)
+            continue
+        if n:
+            log.info("carried %d flow entries of %s over into %s (any RST closes them, as before)", n, pin, c.new)
+    return done
+
+
+def retire_old_layouts(pin_dir: Path | None, maps: dict[str, int]) -> dict[str, int]:
+    """Once the new programs are attached: carry over what the old programs recorded since load(), then remove the
+    old CT maps' pins (the old programs' own references go when they are replaced). Returns carry_over's counts."""
+    if pin_dir is None:
+        return {}
+    done = carry_over(pin_dir, maps)
+    for name in CARRIED_OVER:
+        pin = pin_dir / name
+        if pin.exists():
+            pin.unlink()
+            log.info("removed %s: its flows are carried over into the map of the new layout", pin)
+    return done
 
 
 def _set_rodata(m: Any, config: abi.Config) -> None:
@@ -387,7 +472,8 @@ def load(
             if not lib.bpf_map__is_internal(m):
                 loaded.maps[ffi.string(lib.bpf_map__name(m)).decode()] = lib.bpf_map__fd(m)
         if pin_dir is not None:
-            unpin_other_layouts(pin_dir, set(loaded.maps))
+            carry_over(pin_dir, loaded.maps)
+            unpin_other_layouts(pin_dir, set(loaded.maps), keep=CARRIED_OVER)
         p = ffi.NULL
         while True:
             p = lib.bpf_object__next_program(obj, p)
