@@ -290,6 +290,26 @@ def test_a_rebalanced_flow_frees_its_snat_pair(dp: Dataplane, netns: Node) -> No
     assert verdict == TC_INGRESS.ok and decode(out).flow == first.reply()
 
 
+@pytest.mark.parametrize("prog", INGRESS)
+def test_an_established_snated_flow_keeps_its_snat_pair_in_inspect_and_frees_it_when_rebalanced(
+        dp: Dataplane, netns: Node, prog: Prog) -> None:
+    """The defect: the backend's SYN-ACK wrote its entry's flags over the client's entry, which lost the mark of its
+    SNAT pair (CT_F_MASQ): inspect showed an established flow without the address it leaves from, and a rebalance
+    left the old SNAT pair (and its port) behind until it expired."""
+    gone, kept = READY[0], READY[1]
+    dp.apply(nodeport(backends=(gone,)))
+    client = Flow(CLIENT, NODE_IP, 42100, NODE_PORT)
+    out = forward(dp, prog, client, netns)
+    backward(dp, prog, out.reply(), netns)
+    forward(dp, prog, client, netns, tcp_flags=TCP_ACK)
+    flows = [line for line in inspect.report(dp.maps).splitlines() if line.startswith("TCP ")]
+    assert len(flows) == 1 and f"{gone} from {NODE_SIDE}:{out.sport}" in flows[0], flows
+    dp.apply(nodeport(backends=(kept,)))
+    again = forward(dp, prog, client, netns, tcp_flags=TCP_ACK)
+    assert again.dst == kept.ip
+    assert len(dp.maps.ct) == 4, "the old flow's SNAT pair was left behind"
+
+
 def _closed_snated_flow(dp: Dataplane, prog: Prog, client: Flow, node: Node) -> Flow:
     """A connection through an SNATed frontend, opened and closed (FINs both ways): how it left the node."""
     out = forward(dp, prog, client, node)

@@ -146,6 +146,10 @@
 /* struct pyproxy_ct_value.flags: the FINs seen, so the second one closes the flow. */
 #define PYPROXY_CT_F_FIN_FWD 0x1       /* client -> frontend */
 #define PYPROXY_CT_F_FIN_REV 0x2       /* backend -> client */
+/* The flags of the flow rather than of one entry: a packet that changes them writes them to both entries (ct.h);
+ * the others say what an entry is (MASQ on a Service flow's FORWARD entry only, SNAT on an SNAT pair's, COUNTED
+ * on the entry counted) and stay as the entry was made. */
+#define PYPROXY_CT_F_FLOW    (PYPROXY_CT_F_FIN_FWD | PYPROXY_CT_F_FIN_REV)
 /* The flow's source is translated too (masquerade, snat.h). A Service flow so translated has a second pair of
  * entries, the SNAT pair, mirrored: its REVERSE entry is keyed as the client's packets leave toward the backend
  * (client -> backend; holds the node's address and port to put in the source) and its FORWARD entry as the

@@ -347,7 +347,7 @@ static __always_inline void pyproxy_ct_seen(const struct pyproxy_ct_key *k, stru
 		peer = pyproxy_ct_peer(k, v);
 	if (peer) {
 		peer->state = state;
-		peer->flags = flags;
+		peer->flags = (peer->flags & ~PYPROXY_CT_F_FLOW) | (flags & PYPROXY_CT_F_FLOW);
 	}
 }
 

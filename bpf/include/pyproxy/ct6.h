@@ -140,7 +140,7 @@ static __always_inline void pyproxy_ct6_seen(const struct pyproxy_ct6_key *k, st
 		peer = pyproxy_ct6_peer(k, v);
 	if (peer) {
 		peer->state = state;
-		peer->flags = flags;
+		peer->flags = (peer->flags & ~PYPROXY_CT_F_FLOW) | (flags & PYPROXY_CT_F_FLOW);
 	}
 }
 
