@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from cluster.cluster import Cluster, bridge_into_netns, stop_process
+from emulation import bound
 from prometheus_client.parser import text_string_to_metric_families
 
 from pyproxy.lab import Lab, ProbeResult, Pyproxy, describe, nonzero_checksum_errors, write_manifest
@@ -147,7 +148,7 @@ class Env:
                              devices=devices, extra_args=args, mode=mode, wrapper=wrapper)
         self.proxy.start()
         # BCC compiles the programs at start (some 20 s here, more beside other tests).
-        self.proxy.wait_healthy(120.0 if "--bpf-loader=bcc" in args else 20.0)
+        self.proxy.wait_healthy(120.0 if "--bpf-loader=bcc" in args else bound(20.0))
         return self.proxy
 
     def start_api(self, cluster: Cluster, *, node: str = "lab-node", args: Sequence[str] = ()) -> Pyproxy:
@@ -285,7 +286,7 @@ def make_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callabl
         env = Env(lab, source, tmp_path / f"pyproxy{len(envs)}.log")
         envs.append(env)
         lab.start()
-        lab.start_servers(tcp=[8080, 9090], udp=[5353])
+        lab.start_servers(tcp=[8080, 9090], udp=[5353], timeout=bound(10.0))
         return env
 
     yield make
