@@ -99,7 +99,7 @@ test: install install-bcc apiserver lint
 
 # IPVS mode end to end in a qemu guest (this kernel has no IPVS), and bpf mode's flow table there on 6.1 with real
 # packets (tests/e2e/test_ipvs_guest.py); the VLAN and bond uplinks of the stacked-devices test (this kernel has no
-# 8021q or bonding driver; tests/e2e/test_stacked_devices_guest.py, a guest of its own, about 10 minutes): run it
+# 8021q or bonding driver; tests/e2e/test_stacked_devices_guest.py, a guest of its own, 12-14 minutes): run it
 # before landing a change to the IPVS backend, the BPF programs or the device rule.
 .PHONY: guest-test
 guest-test: install guest-image
