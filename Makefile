@@ -40,7 +40,7 @@ help:
 	@echo "make cluster-down  stop that cluster and forget its etcd data"
 	@echo "make image     the container image, an OCI layout in deploy/build/ (no registry: Debian + PyPI)"
 	@echo "make image-test    build it, run it in a namespace lab with runc, and check deploy/ on a real API server"
-	@echo "make guest-test    IPVS mode and bpf mode's flow table on Debian's 6.1 kernel in a qemu guest (~25 min; not in make test)"
+	@echo "make guest-test    IPVS mode, bpf mode's flow table, VLAN and bond uplinks on Debian's 6.1 kernel in a qemu guest (~35 min; not in make test)"
 	@echo "make guest-kernel-test  the BPF fixtures on Debian's 6.1 kernel in a qemu guest (~40 min; not in make test)"
 	@echo "make lab-up    the Vagrant lab: PYPROXY_NODES (2) VMs, a real control plane and kubelets (root, minutes)"
 	@echo "make lab-status    its VMs, nodes and pods; make lab-smoke: an echo pod per node behind a Service"
@@ -107,7 +107,7 @@ check: lint unit
 # (PYPROXY_SKIP_GUARD). The qemu guests' tests have targets of their own: `make guest-test` (IPVS mode, bpf mode's
 # flow table and the VLAN and bond uplinks on Debian's 6.1 kernel) and `make guest-kernel-test` (the BPF fixtures on
 # 6.1). The flow-lifecycle tests' DNS-like UDP runs 48 s instead of 60 (tests/e2e/test_flow_lifecycle_e2e.py).
-GUEST_TESTS := tests/e2e/test_guest_kernel.py tests/e2e/test_ipvs_guest.py
+GUEST_TESTS := tests/e2e/test_guest_kernel.py tests/e2e/test_ipvs_guest.py tests/e2e/test_stacked_devices_guest.py
 TEST_TIMEOUT ?= 900
 TEST_MINUTES ?= 80
 TIER = PYPROXY_SKIP_GUARD=1 $(VENV)/bin/pytest -q --timeout=$(TEST_TIMEOUT) --durations=10
@@ -129,10 +129,12 @@ test-e2e: install apiserver
 	PYPROXY_LIFECYCLE_UDP_SECONDS=48 $(TIER) tests/e2e $(addprefix --ignore=,$(GUEST_TESTS))
 
 # IPVS mode end to end in a qemu guest (this kernel has no IPVS), and bpf mode's flow table there on 6.1 with real
-# packets (tests/e2e/test_ipvs_guest.py): run it before landing a change to the IPVS backend or the BPF programs.
+# packets (tests/e2e/test_ipvs_guest.py); the VLAN and bond uplinks of the stacked-devices test (this kernel has no
+# 8021q or bonding driver; tests/e2e/test_stacked_devices_guest.py, a guest of its own, 12-14 minutes): run it
+# before landing a change to the IPVS backend, the BPF programs or the device rule.
 .PHONY: guest-test
 guest-test: install guest-image
-	$(VENV)/bin/pytest -q tests/e2e/test_ipvs_guest.py
+	$(VENV)/bin/pytest -q tests/e2e/test_ipvs_guest.py tests/e2e/test_stacked_devices_guest.py
 
 # Issue 16's soak at full length: a client alternating Service and direct connections to one backend from 20
 # source ports, TCP and UDP, 60 s in each mode (bpf, bpf+XDP, nftables, iptables; `make test` runs 15 s).

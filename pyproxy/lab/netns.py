@@ -21,10 +21,15 @@ With `client_stack="bridge"` the node's address on the client's link sits on a b
 `to-client` (a node whose NIC is a bridge port); with `client_stack="macvlan"` it sits on a macvlan `mv0` (bridge
 mode) over `to-client`, which holds no address itself and answers ARP only for its own addresses (arp_ignore=1), so the
 client's frames are the macvlan's (`send_to_lower_device` sends them to to-client's MAC instead, as a client that
-took the lower device's ARP answer does). `node_client_ifname` is the device holding the address either way,
-`node_client_lower_ifname` the veth under it:
+took the lower device's ARP answer does). With `client_stack="vlan"` it sits on the VLAN `to-client.100` over
+`to-client`, which holds no address (a node whose NIC carries only tagged traffic), and the client's address is on
+its own `eth0.100` (`client_ifname`): every frame on the link is tagged. With `client_stack="bond"` it sits on
+`bond0` (active-backup, miimon 100) whose one slave is `to-client`. The VLAN and bond drivers are loaded when the
+kernel has them as modules (`missing_stack_driver` says why a kernel cannot build a stack). `node_client_ifname`
+is the device holding the address in every case, `node_client_lower_ifname` the veth under it:
 
-    client 10.200.0.2 --eth0/to-client-- [br0 10.200.0.1 | mv0 10.200.0.1] node
+    client 10.200.0.2 --eth0/to-client-- [br0 | mv0 | to-client.100 | bond0 10.200.0.1] node
+    client eth0.100 10.200.0.2 --eth0/to-client-- to-client.100 10.200.0.1 node         (client_stack="vlan")
 
 With `pod_bridge=True` the node's backends hang off a bridge `cni0`, as pods of a bridge CNI do: each `to-bI` veth
 is a port of it, cni0 holds their gateway 10.201.0.1/16, and every backend keeps its address 10.201.I.2 (`backend_ip`),
@@ -114,11 +119,25 @@ REMOTE_NODE_NAME = "lab-node-2"
 UPLINK_IP = "10.199.0.2"
 NODE_UPLINK_IP = "10.199.0.1"
 NODE_CLIENT_IFNAME = "to-client"
-CLIENT_STACKS = ("bridge", "macvlan")
+CLIENT_STACKS = ("bridge", "macvlan", "vlan", "bond")
 NODE_CLIENT_BRIDGE = "br0"
 """client_stack="bridge": the bridge holding NODE_CLIENT_IP, NODE_CLIENT_IFNAME its port."""
 NODE_CLIENT_MACVLAN = "mv0"
 """client_stack="macvlan": the macvlan (bridge mode) over NODE_CLIENT_IFNAME holding NODE_CLIENT_IP."""
+CLIENT_VLAN_ID = 100
+NODE_CLIENT_VLAN = f"{NODE_CLIENT_IFNAME}.{CLIENT_VLAN_ID}"
+"""client_stack="vlan": the VLAN over NODE_CLIENT_IFNAME (which holds no address) holding NODE_CLIENT_IP."""
+NODE_CLIENT_BOND = "bond0"
+"""client_stack="bond": the bond holding NODE_CLIENT_IP, NODE_CLIENT_IFNAME its one slave. Active-backup: the mode
+that asks nothing of the switch (balance-xor and 802.3ad expect the other end to aggregate the links too), the
+usual one for a server's uplink to plain switches; with one slave every frame arrives on the active slave and is
+the bond's."""
+STACK_DRIVERS = {"vlan": "8021q", "bond": "bonding"}
+"""The kernel module each client_stack needs beyond veth (bridge and macvlan are everywhere this lab runs)."""
+_DRIVER_PRESENT = {"8021q": Path("/proc/net/vlan"), "bonding": Path("/sys/class/net/bonding_masters")}
+"""What exists once the driver is in the kernel (built in or loaded), in the caller's network namespace."""
+# bonding's max_bonds=0: no bond0 of the module's own in the initial namespace (the lab's is in the node's).
+_MODPROBE_ARGS = {"bonding": ("max_bonds=0",)}
 POD_BRIDGE = "cni0"
 """pod_bridge=True: the bridge the backends' veths are ports of, holding their gateway POD_GATEWAY_IP."""
 POD_GATEWAY_IP = "10.201.0.1"
@@ -208,6 +227,19 @@ def remote_backend_ip(index: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- commands
+
+
+def missing_stack_driver(stack: str) -> str | None:
+    """Why this kernel cannot build `client_stack=stack` (None when it can): the stack's driver (STACK_DRIVERS) is
+    built in or loaded, or is loaded here (modprobe) when the kernel has it as a module."""
+    module = STACK_DRIVERS.get(stack)
+    if module is None or _DRIVER_PRESENT[module].exists():
+        return None
+    if shutil.which("modprobe") is not None:
+        run(["modprobe", "-q", module, *_MODPROBE_ARGS.get(module, ())], check=False)
+    if _DRIVER_PRESENT[module].exists():
+        return None
+    return f"kernel {os.uname().release} has no {module} driver (client_stack={stack!r}) and modprobe cannot load it"
 
 
 def python_env() -> dict[str, str]:
@@ -429,8 +461,8 @@ class Lab:
     a checksum left wrong by NAT is verified and counted by the receiver (pitfall 3), see `checksum_errors()`.
     `router="client"|"backends"` puts a router namespace between the node and that side (see the module's
     docstring), its link to the node at `router_mtu`; a Backend's `node_ip`/`node_ifname` are then the router's.
-    `client_stack="bridge"|"macvlan"` puts the node's client-facing address on a device stacked over the client's
-    veth, and `pod_bridge=True` makes the backends ports of a bridge (both in the module's docstring).
+    `client_stack="bridge"|"macvlan"|"vlan"|"bond"` puts the node's client-facing address on a device stacked over
+    the client's veth, and `pod_bridge=True` makes the backends ports of a bridge (both in the module's docstring).
     """
 
     def __init__(self, backends: int = 3, *, prefix: str = "pyp", distro: bool = False,
@@ -457,11 +489,13 @@ class Lab:
             raise ValueError(f"client_stack must be one of {CLIENT_STACKS} or None")
         if client_stack is not None and router == "client":
             raise ValueError("client_stack stacks the node's own client link, which router='client' replaces")
+        if client_stack == "vlan" and client_addresses:
+            raise ValueError("client_addresses are not built on the client's VLAN")
         if pod_bridge and router == "backends":
             raise ValueError("pod_bridge bridges the node's own backend links, which router='backends' replaces")
         self.client_stack = client_stack
-        """The device holding the node's client-facing address: a bridge over the client's veth, a macvlan over it,
-        or (None) the veth itself."""
+        """The device holding the node's client-facing address: a bridge over the client's veth, a macvlan, a VLAN
+        or a bond over it, or (None) the veth itself."""
         self.pod_bridge = pod_bridge
         """The backends are ports of the bridge POD_BRIDGE, their gateway, in one subnet."""
         self.router_side = router
@@ -550,13 +584,19 @@ class Lab:
         address on the client's link, stacked (client_stack) or not."""
         if self.router_side == "client":
             return NODE_ROUTER_IFNAME
-        return {"bridge": NODE_CLIENT_BRIDGE, "macvlan": NODE_CLIENT_MACVLAN}.get(self.client_stack or "",
-                                                                                  NODE_CLIENT_IFNAME)
+        return {"bridge": NODE_CLIENT_BRIDGE, "macvlan": NODE_CLIENT_MACVLAN, "vlan": NODE_CLIENT_VLAN,
+                "bond": NODE_CLIENT_BOND}.get(self.client_stack or "", NODE_CLIENT_IFNAME)
+
+    @property
+    def client_ifname(self) -> str:
+        """The client's device holding its address: eth0, or with client_stack="vlan" the VLAN over it."""
+        return f"{PEER_IFNAME}.{CLIENT_VLAN_ID}" if self.client_stack == "vlan" else PEER_IFNAME
 
     @property
     def node_client_lower_ifname(self) -> str:
         """The node's end of the client's link, the NIC-like device: with client_stack, the veth under
-        `node_client_ifname` (the bridge's port, the macvlan's lower device); else `node_client_ifname` itself."""
+        `node_client_ifname` (the bridge's port, the macvlan's or the VLAN's lower device, the bond's slave); else
+        `node_client_ifname` itself."""
         return NODE_CLIENT_IFNAME if self.client_stack else self.node_client_ifname
 
     @property
@@ -606,6 +646,8 @@ class Lab:
     def start(self) -> Lab:
         if self._started:
             raise LabError("lab already started")
+        if self.client_stack is not None and (missing := missing_stack_driver(self.client_stack)):
+            raise LabError(missing)
         self._started = True
         try:
             self._claim_id()
@@ -664,11 +706,12 @@ class Lab:
 
     def _link(self, node_ifname: str, peer_ns: str, node_cidr: str | None, peer_cidr: str, gateway: str | None, *,
               upstream: str | None = None, mtu: int | None = None, master: str | None = None,
-              prefix6: int = 64) -> None:
+              prefix6: int = 64, peer_vlan: int | None = None) -> None:
         """A veth pair node:node_ifname <-> peer_ns:eth0, addressed and up; the peer's default route goes via
         `gateway` (None: no default route). `upstream` puts the first end in that namespace (a router, node2)
         instead of the node; `mtu` sets both ends'. `node_cidr` None leaves the first end unaddressed, `master`
-        makes it a port of that bridge; `prefix6` is the IPv6 addresses' prefix length."""
+        makes it a port of that bridge (or a slave of that bond); `prefix6` is the IPv6 addresses' prefix length.
+        `peer_vlan` puts the peer's address on a VLAN of that id over its eth0 (eth0.ID), eth0 holding none."""
         up = self.node if upstream is None else upstream
         if len(node_ifname) > IFNAMSIZ:
             raise LabError(f"interface name too long: {node_ifname}")
@@ -685,12 +728,19 @@ class Lab:
             self.sysctl(self.node, {f"net.ipv4.conf.{node_ifname}.rp_filter": self.rp_filter})
         if node_cidr is not None:
             self._address(up, node_ifname, node_cidr, prefix6)
-        self._address(peer_ns, PEER_IFNAME, peer_cidr, prefix6)
-        if not self.csum_offload and peer_ns != self.uplink:
-            # Full checksums on the wire, so the receiver verifies (and counts) what NAT did (pitfall 3).
-            self.exec(peer_ns, "ethtool", "-K", PEER_IFNAME, "tx", "off")
+        peer_devs = [PEER_IFNAME]
+        if peer_vlan is not None:
+            peer_devs.append(f"{PEER_IFNAME}.{peer_vlan}")
+            run(["ip", "-n", peer_ns, "link", "add", "link", PEER_IFNAME, "name", peer_devs[-1], "type", "vlan",
+                 "id", str(peer_vlan)])
+        self._address(peer_ns, peer_devs[-1], peer_cidr, prefix6)
+        for dev in peer_devs:
+            if not self.csum_offload and peer_ns != self.uplink:
+                # Full checksums on the wire, so the receiver verifies (and counts) what NAT did (pitfall 3).
+                self.exec(peer_ns, "ethtool", "-K", dev, "tx", "off")
         run(["ip", "-n", up, "link", "set", node_ifname, "up"])
-        run(["ip", "-n", peer_ns, "link", "set", PEER_IFNAME, "up"])
+        for dev in peer_devs:
+            run(["ip", "-n", peer_ns, "link", "set", dev, "up"])
         if gateway is not None:
             run(["ip", "-n", peer_ns, "route", "add", "default", "via", gateway])
             if self.ipv6:
@@ -716,16 +766,23 @@ class Lab:
                        mtu=self.router_mtu)
             behind = "10.200.0.0/24" if self.router_side == "client" else "10.201.0.0/16"
             run(["ip", "-n", self.node, "route", "add", behind, "via", ROUTER_IP])
-        if self.client_stack or self.pod_bridge:
+        if self.client_stack in ("bridge", "macvlan") or self.pod_bridge:
             # As a kubeadm node has it (and this kernel's default): bridged frames pass iptables/nftables too.
             self.sysctl(self.node, {"net.bridge.bridge-nf-call-iptables": 1, "net.bridge.bridge-nf-call-ip6tables": 1})
         self._add_ns("client")
         if self.client_stack == "bridge":
             self._node_device(NODE_CLIENT_BRIDGE, f"{NODE_CLIENT_IP}/24", "type", "bridge")
+        if self.client_stack == "bond":
+            self._node_device(NODE_CLIENT_BOND, f"{NODE_CLIENT_IP}/24", "type", "bond", "mode", "active-backup",
+                              "miimon", "100")
         client_cidr = None if self.client_stack else f"{NODE_CLIENT_IP}/24"
         self._link(NODE_CLIENT_IFNAME, self.client, client_cidr, f"{CLIENT_IP}/24", NODE_CLIENT_IP,
                    upstream=self.router if self.router_side == "client" else None,
-                   master=NODE_CLIENT_BRIDGE if self.client_stack == "bridge" else None)
+                   master={"bridge": NODE_CLIENT_BRIDGE, "bond": NODE_CLIENT_BOND}.get(self.client_stack or ""),
+                   peer_vlan=CLIENT_VLAN_ID if self.client_stack == "vlan" else None)
+        if self.client_stack == "vlan":
+            self._node_device(NODE_CLIENT_VLAN, f"{NODE_CLIENT_IP}/24", "link", NODE_CLIENT_IFNAME, "type", "vlan",
+                              "id", str(CLIENT_VLAN_ID))
         if self.client_stack == "macvlan":
             self._node_device(NODE_CLIENT_MACVLAN, f"{NODE_CLIENT_IP}/24", "link", NODE_CLIENT_IFNAME, "type",
                               "macvlan", "mode", "bridge")
@@ -1025,8 +1082,8 @@ class Lab:
         if not self.client_stack:
             raise LabError("send_to_lower_device needs a client_stack")
         mac = self.exec(self.node, "cat", f"/sys/class/net/{NODE_CLIENT_IFNAME}/address").stdout.strip()
-        self.exec(self.client, "ip", "neigh", "replace", NODE_CLIENT_IP, "lladdr", mac, "dev", PEER_IFNAME, "nud",
-                  "permanent")
+        self.exec(self.client, "ip", "neigh", "replace", NODE_CLIENT_IP, "lladdr", mac, "dev", self.client_ifname,
+                  "nud", "permanent")
 
     def count_arrivals(self, ns: str, sources: Iterable[str]) -> None:
         """From now on, count the IPv4 packets that reach `ns` (a role or a full name) from `sources` (addresses or

@@ -21,10 +21,12 @@ from typing import Any
 
 import pytest
 from cluster.cluster import Cluster, bridge_into_netns, stop_process
+from emulation import bound
 from prometheus_client.parser import text_string_to_metric_families
 
 from pyproxy.lab import Lab, ProbeResult, Pyproxy, describe, nonzero_checksum_errors, write_manifest
 from pyproxy.lab.manifests import documents
+from pyproxy.lab.netns import missing_stack_driver
 
 GUEST_DIR = Path(__file__).resolve().parents[1] / "guest"
 GUEST_PYTEST = "python -m pytest -q -p no:cacheprovider -ra"
@@ -68,6 +70,38 @@ def guest_pytest() -> GuestPytest:
         assert not unexpected and (skips or " skipped" not in lines[-1]), "\n".join(unexpected) or lines[-1]
 
     return go
+
+
+DESELECTED = pytest.StashKey[dict[str, list[str]]]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `stack_driver(STACK)` (a lab client_stack whose driver this kernel lacks: VLAN and bond here, no
+    8021q or bonding) are deselected, not skipped: they cannot run on this kernel and say nothing about it, and
+    `make guest-test` runs them in the qemu guest, whose kernel has the drivers. The reason is printed at the end."""
+    missing: dict[str, str | None] = {}
+    keep, drop = [], []
+    for item in items:
+        marker = item.get_closest_marker("stack_driver")
+        if marker is not None:
+            stack = marker.args[0]
+            if stack not in missing:
+                missing[stack] = missing_stack_driver(stack)
+            if missing[stack]:
+                drop.append(item)
+                config.stash.setdefault(DESELECTED, {}).setdefault(str(missing[stack]), []).append(item.nodeid)
+                continue
+        keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    for reason, nodeids in config.stash.get(DESELECTED, {}).items():
+        terminalreporter.write_line(f"deselected {len(nodeids)} test{'s' * (len(nodeids) > 1)}: {reason}; "
+                                    "`make guest-test` runs them in the qemu guest "
+                                    "(tests/e2e/test_stacked_devices_guest.py)", yellow=True)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -114,7 +148,7 @@ class Env:
                              devices=devices, extra_args=args, mode=mode, wrapper=wrapper)
         self.proxy.start()
         # BCC compiles the programs at start (some 20 s here, more beside other tests).
-        self.proxy.wait_healthy(120.0 if "--bpf-loader=bcc" in args else 20.0)
+        self.proxy.wait_healthy(120.0 if "--bpf-loader=bcc" in args else bound(20.0))
         return self.proxy
 
     def start_api(self, cluster: Cluster, *, node: str = "lab-node", args: Sequence[str] = ()) -> Pyproxy:
@@ -252,7 +286,7 @@ def make_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callabl
         env = Env(lab, source, tmp_path / f"pyproxy{len(envs)}.log")
         envs.append(env)
         lab.start()
-        lab.start_servers(tcp=[8080, 9090], udp=[5353])
+        lab.start_servers(tcp=[8080, 9090], udp=[5353], timeout=bound(10.0))
         return env
 
     yield make

@@ -259,22 +259,36 @@ def _global(link: dict) -> list[str]:
 
 
 @pytest.mark.root
-@pytest.mark.parametrize("stack", ["bridge", "macvlan"])
+@pytest.mark.parametrize("stack", ["bridge", "macvlan",
+                                   *(pytest.param(s, marks=pytest.mark.stack_driver(s)) for s in ("vlan", "bond"))])
 def test_a_stacked_client_link_holds_the_node_address_above_the_veth(stack: str) -> None:
-    """client_stack: the node's client-facing address on a bridge whose port is the client's veth, or on a
-    macvlan over it (the veth holding none), both named in node_ifnames; the client reaches the backends through
-    it as through a plain link, and a pod address arriving at the client is counted."""
+    """client_stack: the node's client-facing address on a bridge whose port is the client's veth, on a macvlan or
+    a VLAN over it, or on a bond whose slave it is (the veth holding none), both named in node_ifnames; with a VLAN
+    the client's address is on a VLAN of its own too. The client reaches the backends through it as through a plain
+    link, and a pod address arriving at the client is counted. (VLAN and bond where the kernel has their drivers:
+    the qemu guest, tests/e2e/test_stacked_devices_guest.py.)"""
     with Lab(1, client_stack=stack, ipv6=True) as lab:
         upper, lower = lab.node_client_ifname, lab.node_client_lower_ifname
-        assert (upper, lower) == ({"bridge": "br0", "macvlan": "mv0"}[stack], "to-client")
+        uppers = {"bridge": "br0", "macvlan": "mv0", "vlan": "to-client.100", "bond": "bond0"}
+        assert (upper, lower) == (uppers[stack], "to-client")
         assert {upper, lower} <= set(lab.node_ifnames)
         up, low = _link_of(lab, upper), _link_of(lab, lower)
         assert _global(up) == ["10.200.0.1/24", "fd00:10:200::1/64"] and _global(low) == [], (up, low)
-        if stack == "bridge":
-            assert up["linkinfo"]["info_kind"] == "bridge" and low.get("master") == "br0", (up, low)
+        if stack in ("bridge", "bond"):
+            assert up["linkinfo"]["info_kind"] == stack and low.get("master") == upper, (up, low)
         else:
-            assert up["linkinfo"]["info_kind"] == "macvlan" and up["link"] == lower, up
+            assert up["linkinfo"]["info_kind"] == stack and up["link"] == lower, up
+        if stack == "macvlan":
             assert up["linkinfo"]["info_data"]["mode"] == "bridge", up
+        if stack == "bond":
+            assert up["linkinfo"]["info_data"]["mode"] == "active-backup", up
+        if stack == "vlan":
+            assert up["linkinfo"]["info_data"]["id"] == 100, up
+            client = {link["ifname"]: link for link in
+                      json.loads(lab.exec(lab.client, "ip", "-j", "-d", "addr", "show").stdout)}
+            tagged = client[lab.client_ifname]
+            assert lab.client_ifname == "eth0.100" and tagged["linkinfo"]["info_kind"] == "vlan", tagged
+            assert _global(tagged) == ["10.200.0.2/24", "fd00:10:200::2/64"] and _global(client["eth0"]) == [], client
         lab.start_servers(tcp=[8080], udp=[5353])
         lab.count_arrivals(lab.client, ["10.201.0.0/16"])
         for proto, port in (("tcp", 8080), ("udp", 5353)):

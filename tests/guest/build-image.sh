@@ -7,7 +7,8 @@
 #   vmlinuz      the standard linux-image-6.1.0-*-amd64 (not -cloud: that one has no 9p)
 #   initrd.img   a busybox stage 1: loads virtio/ext4 modules, mounts the root image, switch_root
 #   rootfs.img   ext4 made by mmdebstrap: python3, iproute2, ipvsadm (assertions only), iptables, ipset,
-#                conntrack, kmod, procps, socat, ethtool, nftables, libbpf1, bpftool, the kernel's modules (a subset),
+#                conntrack, kmod, procps, socat, ethtool, nftables, libbpf1, bpftool, the kernel's modules (a subset:
+#                virtio, filesystems, net/ with 8021q, top-level drivers/net with macvlan, and bonding),
 #                and a venv in /opt/pyproxy-venv with pyproxy's runtime and test dependencies
 # The repository is NOT in the image: tests/guest/run.py shares the working tree read-only over 9p, so the
 # guest always runs the current code. The image is rebuilt only when a file is missing or this script changed
@@ -100,9 +101,10 @@ for d in $MODULE_DIRS; do
         cp -a "$KMOD/$d" "$ROOT/lib/modules/$KVER/$d"
     fi
 done
-# Only the top-level drivers/net modules (dummy, veth, virtio_net, ...), not the vendor NIC subfolders.
+# Only the top-level drivers/net modules (dummy, veth, virtio_net, macvlan, ...), not the vendor NIC subfolders; and
+# bonding, in a subfolder of its own, for the lab's bond uplink (8021q, for its VLAN uplink, is under kernel/net).
 mkdir -p "$ROOT/lib/modules/$KVER/kernel/drivers/net"
-cp -a "$KMOD"/kernel/drivers/net/*.ko "$ROOT/lib/modules/$KVER/kernel/drivers/net/"
+cp -a "$KMOD"/kernel/drivers/net/*.ko "$KMOD"/kernel/drivers/net/bonding "$ROOT/lib/modules/$KVER/kernel/drivers/net/"
 cp -a "$KMOD"/modules.builtin "$KMOD"/modules.builtin.modinfo "$KMOD"/modules.order "$ROOT/lib/modules/$KVER/"
 depmod -b "$ROOT" "$KVER"
 
