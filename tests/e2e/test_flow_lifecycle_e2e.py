@@ -15,7 +15,9 @@ SNATed to a node address (externalTrafficPolicy Cluster). The clients are tests/
 - DNS-like UDP: single exchanges from fresh source ports, paced, to a UDP NodePort whose endpoint is behind node2:
   at least 99.9 % answered (the flows of single exchanges must not hold their SNAT ports as long as streams do).
 
-PYPROXY_LIFECYCLE_MODES (default bpf,bpf-xdp,nftables) picks the modes. PYPROXY_LIFECYCLE_UDP_SECONDS and
+PYPROXY_LIFECYCLE_MODES (default bpf,bpf-xdp,nftables) picks the modes; PYPROXY_LIFECYCLE_STACK puts the node's
+client-facing address on a stacked device (the lab's client_stack: bridge or macvlan here, vlan or bond where the
+kernel has their drivers; default none, the plain veth), as `make lifecycle-test` runs each in turn. PYPROXY_LIFECYCLE_UDP_SECONDS and
 PYPROXY_LIFECYCLE_UDP_RATE (60 s, 100 a second: the issue's) size the UDP test; `make test` runs it for 48 s (see
 UDP_SECONDS), `make lifecycle-test` runs this file at full length.
 """
@@ -65,6 +67,8 @@ class Mode:
 
 ALL_MODES = (Mode("bpf", "bpf", False), Mode("bpf-xdp", "bpf", True), Mode("nftables", "nftables", False))
 MODES = [m for m in ALL_MODES if m.id in os.environ.get("PYPROXY_LIFECYCLE_MODES", "bpf,bpf-xdp,nftables").split(",")]
+STACK = os.environ.get("PYPROXY_LIFECYCLE_STACK") or None
+"""The lab's client_stack for every test here (None: the plain veth uplink)."""
 SNAT_PORTS = DEFAULT_SNAT_PORTS[1] - DEFAULT_SNAT_PORTS[0] + 1
 """The source ports bpf mode's SNAT gives out per node address, backend and protocol (4,536 by default)."""
 
@@ -74,12 +78,12 @@ def start_side_by_side(make_env: Callable[..., Any], prepare: Callable[[Any], No
     twonode.MANIFESTS (started one after the other: only the main thread may start processes, see Lab.popen)."""
     envs = {}
     for m in MODES:
-        env = make_env(LOCAL_PODS, remote_backends=REMOTE_PODS, second_client=True, distro=True)
+        env = make_env(LOCAL_PODS, remote_backends=REMOTE_PODS, second_client=True, distro=True, client_stack=STACK)
         env.write("cluster.yaml", MANIFESTS)
         if prepare is not None:
             prepare(env)
         env.start(mode=m.mode, args=[f"--hostname-override={NODE_NAME}"],
-                  xdp_devices=[env.lab.node_client_ifname, NODE_CLIENT2_IFNAME] if m.xdp else None)
+                  xdp_devices=[env.lab.node_client_lower_ifname, NODE_CLIENT2_IFNAME] if m.xdp else None)
         envs[m.id] = env
     return envs
 
