@@ -9,7 +9,7 @@ import textwrap
 
 import test_sock
 from harness import ROOT, Dataplane
-from test_sock import World, world  # noqa: F401 (the fixture)
+from test_sock import World, node_netns, world  # noqa: F401 (the fixtures)
 
 from pyproxy.dataplane.bpf import abi, cgroup
 from pyproxy.model.objects import Protocol

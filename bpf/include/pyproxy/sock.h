@@ -1,13 +1,19 @@
 /* SPDX-License-Identifier: (GPL-2.0 OR Apache-2.0) */
 /*
- * Socket load balancing: the node's own processes (kubelet probes, host-network pods, a shell on the node)
- * reach frontends without any per-packet NAT. cgroup hooks at connect() and at each unconnected UDP send
- * choose the backend once and point the socket at it; their packets then leave as ordinary traffic to the
- * backend, which TC does not touch. For the application the socket still talks to the frontend: getpeername()
- * and the source of received datagrams are rewritten back (PYPROXY_MAP_SOCKS). The same frontends, backends
- * and ClientIP affinity as the packet path (lb.h), but that an externalTrafficPolicy Local frontend serves the
- * node from every endpoint (its PYPROXY_SVC_SCOPE_NODE entry); the node counts as one client for affinity
- * (source 0).
+ * Socket load balancing: processes below the hooked cgroup (the node's own: kubelet probes, host-network pods, a
+ * shell on the node; and on a real node every pod, whose containers live below the root cgroup) reach frontends
+ * without any per-packet NAT. cgroup hooks at connect() and at each unconnected UDP send choose the backend once
+ * and point the socket at it; their packets then leave as ordinary traffic to the backend, which TC does not touch.
+ * For the application the socket still talks to the frontend: getpeername() and the source of received datagrams
+ * are rewritten back (PYPROXY_MAP_SOCKS). The same frontends, backends and ClientIP affinity as the packet path
+ * (lb.h), but that an externalTrafficPolicy Local frontend serves the node and its pods from every endpoint (its
+ * PYPROXY_SVC_SCOPE_NODE entry, upstream's short circuit).
+ *
+ * Who the client is (pyproxy_sock_client): the caller's network namespace. The node's own namespace is one client,
+ * source 0, as it always was; a pod (any other namespace) is its own client, keyed by its namespace cookie, so
+ * ClientIP affinity and sh tell pods apart as upstream does by their addresses. A pod's call is translated here
+ * only where the frontend says the result is the packet path's (PYPROXY_SVC_F_SOCK_PODS, decided by the model) and
+ * --bpf-socket-lb-hostns-only is off; else it goes on untouched and TC on the pod's veth translates its packets.
  */
 #ifndef PYPROXY_SOCK_H
 #define PYPROXY_SOCK_H
@@ -35,6 +41,30 @@ static __always_inline int pyproxy_sock_refuse(const struct pyproxy_svc_value *s
 	return PYPROXY_SOCK_REFUSE;
 }
 
+/* The client key of a pod for affinity and sh: its network namespace cookie in 0.0.0.0/8, which no packet's source
+ * holds, so an entry never meets a TC flow's; 0 stays the node's. Two pods share a key only 2^24 - 1 namespaces
+ * apart. */
+static __always_inline __be32 pyproxy_sock_pod_key(__u64 netns)
+{
+	return bpf_htonl((__u32)(netns % 0xffffffULL) + 1);
+}
+
+/* Whether the hooks may translate the caller's call to a frontend of these flags: the node's own namespace always
+ * (*key 0); a pod's (*key its pod key) only where the frontend allows it and --bpf-socket-lb-hostns-only is off. */
+static __always_inline int pyproxy_sock_client(struct bpf_sock_addr *ctx, __u16 flags, __be32 *key)
+{
+	__u64 netns = bpf_get_netns_cookie(ctx);
+
+	if (netns == pyproxy_config.host_netns) {
+		*key = 0;
+		return 1;
+	}
+	if (pyproxy_config.sock_hostns_only || !(flags & PYPROXY_SVC_F_SOCK_PODS))
+		return 0;
+	*key = pyproxy_sock_pod_key(netns);
+	return 1;
+}
+
 /* What pyproxy_sock_choose made of a connect() or send. */
 enum pyproxy_sock_choice {
 	PYPROXY_SOCK_NOT_OURS = 0,   /* not a frontend: the call goes on untouched */
@@ -42,7 +72,7 @@ enum pyproxy_sock_choice {
 	PYPROXY_SOCK_REFUSED,        /* the call fails (bpf_set_retval said how) */
 };
 
-/* The backend for a node socket's connect() or send to the IPv4 frontend daddr:dport (its IPv4 hook's, or an IPv6
+/* The backend for a socket's connect() or send to the IPv4 frontend daddr:dport (its IPv4 hook's, or an IPv6
  * socket's IPv4-mapped destination); *cookie gets the socket's cookie when it is one. */
 static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32 daddr, __be16 dport, __u8 proto,
 					       __u64 *cookie, struct pyproxy_backend *be)
@@ -53,7 +83,9 @@ static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32
 
 	if (!svc)
 		return PYPROXY_SOCK_NOT_OURS;
-	/* externalTrafficPolicy Local: the node's processes reach every endpoint, not only this node's. */
+	/* externalTrafficPolicy Local: the node's processes and pods reach every endpoint, not only this node's. */
+	if (!pyproxy_sock_client(ctx, svc->flags, &p.saddr))
+		return PYPROXY_SOCK_NOT_OURS;
 	if (svc->flags & PYPROXY_SVC_F_NODE_VIEW) {
 		struct pyproxy_svc_value *node = pyproxy_frontend_in(&p, PYPROXY_SVC_SCOPE_NODE);
 
@@ -66,8 +98,8 @@ static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32
 	}
 	now = pyproxy_now();
 	*cookie = bpf_get_socket_cookie(ctx);
-	/* A socket has no source port yet at connect(): Maglev hashes the socket instead, so the node's sockets
-	 * spread over the backends (sh and dh see the node as one client, as affinity does). */
+	/* A socket has no source port yet at connect(): Maglev hashes the socket instead, so one client's sockets
+	 * spread over the backends (sh sees each pod, and the node, as one client, as affinity does). */
 	if (svc->sched == PYPROXY_SCHED_MAGLEV)
 		p.sport = (__be16)*cookie;
 	if (!((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_affinity_lookup(&p, svc, now, be))) {
@@ -181,7 +213,7 @@ static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8
 	if (pyproxy_in6_v4mapped(&p.daddr))
 		return pyproxy_sock6_forward_mapped(ctx, &p.daddr, p.dport, proto);
 	svc = pyproxy_lb6_frontend_of(&p);
-	if (!svc)
+	if (!svc || !pyproxy_sock_client(ctx, svc->flags, &p.saddr.w[3]))
 		return PYPROXY_SOCK_OK;
 	if (svc->flags & PYPROXY_SVC_F_NODE_VIEW) {
 		struct pyproxy_svc_value *node = pyproxy_lb6_frontend_in(&p.daddr, p.dport, proto, PYPROXY_SVC_SCOPE_NODE);
