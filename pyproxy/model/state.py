@@ -132,6 +132,11 @@ class ServicePortState:
     quiesced: tuple[Backend, ...] = ()
     """The endpoints this frontend's new flows would use but for their weight 0, sorted: the ipvs mode keeps them as
     real servers of weight 0 (IPVS's quiesced server), whose established connections go on."""
+    node_denied: bool = False
+    """LoadBalancer frontends with `source_ranges` none of which holds the node's primary address of the family: the
+    node's own new connections are dropped, as upstream's firewall chain drops them by the address they leave from.
+    A dataplane that sees the node's packets (netfilter's OUTPUT) checks their source itself; bpf's socket hooks,
+    which see a socket before it has an address, go by this."""
 
     def masquerades(self, masquerade_all: bool) -> bool:
         """Whether every new flow to this frontend is SNATed to a node address: `masquerade`, or --masquerade-all

@@ -20,7 +20,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, cgroup, libbpf, loader
 from pyproxy.lab.netns import NetnsThread, ensure_bpffs, ensure_cgroup2
 from pyproxy.model.objects import Protocol
-from pyproxy.model.state import Backend, Frontend, ServicePortState
+from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 pytestmark = ROOT
 
@@ -80,23 +80,37 @@ class World:
     dp: Dataplane
     pods: list[str] = field(default_factory=list)
 
-    def run_in(self, code: str, netns: str | None = None) -> subprocess.Popen[str]:
-        """`python -c code` in the test's namespace (or `netns`) and cgroup (joined before exec, so from its first
-        syscall)."""
+    def run_in(self, code: str, netns: str | None = None, args: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+        """`python -c code args...` in the test's namespace (or `netns`) and cgroup (joined before exec, so from its
+        first syscall)."""
         procs = self.cgroup / "cgroup.procs"
 
         def join() -> None:
             procs.write_text(str(os.getpid()))
 
-        return subprocess.Popen(["ip", "netns", "exec", netns or self.netns, sys.executable, "-c", code],
+        return subprocess.Popen(["ip", "netns", "exec", netns or self.netns, sys.executable, "-c", code, *args],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=join)
 
     def pod(self) -> str:
-        """A new network namespace (loopback up), a pod's: its processes run in the cgroup by `run_in`."""
-        ns = f"{self.netns}-{self.cgroup.name[-6:]}-p{len(self.pods)}"
+        """A new network namespace, a pod's: its processes run in the cgroup by `run_in`. Its eth0 has POD_NET's n-th
+        /24 (.2) and a default route to the node's end (.1): it reaches NODE_SERVER, an address of the node's."""
+        n = len(self.pods) + 1
+        ns, dev = f"{self.netns}-{self.cgroup.name[-6:]}-p{n}", f"p{self.cgroup.name[-6:]}{n}"
         _add_netns(ns)
         self.pods.append(ns)
+        for argv in (["ip", "-n", self.netns, "link", "add", dev, "type", "veth", "peer", "name", "eth0", "netns", ns],
+                     ["ip", "-n", self.netns, "addr", "add", f"{POD_NET}.{n}.1/24", "dev", dev],
+                     ["ip", "-n", self.netns, "link", "set", dev, "up"],
+                     ["ip", "-n", ns, "addr", "add", f"{POD_NET}.{n}.2/24", "dev", "eth0"],
+                     ["ip", "-n", ns, "link", "set", "eth0", "up"],
+                     ["ip", "-n", ns, "route", "add", "default", "via", f"{POD_NET}.{n}.1"]):
+            subprocess.run(argv, check=True)
         return ns
+
+
+POD_NET = "10.99"
+NODE_SERVER = "10.98.0.1"
+"""An address of the node's namespace (on its loopback) that every pod reaches through its veth."""
 
 
 def _state(vip: str, port: int, proto: Protocol, backends: tuple[Backend, ...], **kwargs: Any) -> ServicePortState:
@@ -122,6 +136,7 @@ def node_netns() -> Iterator[tuple[str, int]]:
     set of constants, the cookie among them: 15 s each)."""
     ns = f"pyp-sock-{secrets.token_hex(3)}"
     _add_netns(ns)
+    subprocess.run(["ip", "-n", ns, "addr", "add", f"{NODE_SERVER}/32", "dev", "lo"], check=True)
     thread = NetnsThread(ns)
     try:
         yield ns, thread.call(loader.netns_cookie)
@@ -215,7 +230,7 @@ def test_a_process_outside_the_cgroup_is_not_affected(world: World) -> None:
     cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
     out = subprocess.run(["ip", "netns", "exec", world.netns, sys.executable, "-c", CONNECT_VIP], capture_output=True,
                          text=True, timeout=20).stdout.strip()
-    assert out in ("OSError", "TimeoutError"), out  # no route to the ClusterIP: nothing rewrote the connect
+    assert out in UNTOUCHED, out  # no route to the ClusterIP: nothing rewrote the connect
     assert dp.counter("sock_lb") == 0
 
 
@@ -250,18 +265,23 @@ def test_a_start_on_another_cgroup_moves_the_hooks(world: World) -> None:
         other.rmdir()
 
 
-# A pod's (or the node's) client of 6 connected UDP sockets to VIP:53, whose 4 endpoints 127.0.0.1:15001-15004 are
-# servers of the same process, in its own namespace: each reply names the endpoint that answered.
+# A pod's (or the node's) client of 6 connected UDP sockets to VIP:53, whose 4 endpoints NODE_SERVER:15001-15004
+# answer with their port (SERVE_FOUR, in the node's namespace).
 CLIENTS = 8
-ENDPOINTS = tuple(Backend("127.0.0.1", 15001 + i) for i in range(4))
-ASK_SIX = textwrap.dedent("""
-    import json, socket, threading
+ENDPOINTS = tuple(Backend(NODE_SERVER, 15001 + i) for i in range(4))
+SERVE_FOUR = textwrap.dedent("""
+    import socket, sys, threading
     def serve(u, port):
         while True:
             data, peer = u.recvfrom(100); u.sendto(str(port).encode(), peer)
     for port in range(15001, 15005):
-        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind(("127.0.0.1", port))
+        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind((sys.argv[1], port))   # replies from it
         threading.Thread(target=serve, args=(u, port), daemon=True).start()
+    print("ready", flush=True)
+    threading.Event().wait()
+""")
+ASK_SIX = textwrap.dedent("""
+    import json, socket
     got = []
     for _ in range(6):
         c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); c.settimeout(2)
@@ -278,6 +298,17 @@ def ask_six(world: World, netns: str | None = None) -> list[int]:
     return list(json.loads(out))
 
 
+@contextlib.contextmanager
+def serving_four(world: World) -> Iterator[None]:
+    server = world.run_in(SERVE_FOUR, args=(NODE_SERVER,))
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        yield
+    finally:
+        server.kill()
+        server.wait()
+
+
 @pytest.mark.parametrize("policy", [{"session_affinity_seconds": 10800}, {"scheduler": "sh"}],
                          ids=["affinity", "sh"])
 def test_every_pod_is_a_client_of_its_own_and_the_node_is_one(world: World, policy: dict[str, Any]) -> None:
@@ -287,24 +318,30 @@ def test_every_pod_is_a_client_of_its_own_and_the_node_is_one(world: World, poli
     dp = world.dp
     dp.apply(_state(VIP, 53, Protocol.UDP, ENDPOINTS, **policy), service="default/web")
     cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
-    pods = [ask_six(world, world.pod()) for _ in range(CLIENTS)]
+    with serving_four(world):
+        pods = [ask_six(world, world.pod()) for _ in range(CLIENTS)]
+        node = ask_six(world) + ask_six(world)
     assert all(len(set(got)) == 1 for got in pods), pods
     assert len({got[0] for got in pods}) > 1, pods   # affinity: random first choices; sh: hashes of 8 keys
-    node = ask_six(world) + ask_six(world)
     assert len(set(node)) == 1, node
     assert dp.counter("sock_lb") == 6 * (CLIENTS + 2)
 
 
 def test_a_pod_is_left_to_tc_where_the_frontend_says_the_socket_would_differ(world: World) -> None:
     """A frontend without SVC_F_SOCK_PODS (--masquerade-all here: TC would SNAT the pod's flow): a pod's connect()
-    goes on to the Service address untouched (the pod has no route: ENETUNREACH), the node's is translated."""
+    goes on to the Service address untouched (toward the node, which has no route for it), the node's is
+    translated."""
     dp = world.dp
     dp.apply(_state(VIP, 80, Protocol.TCP, (TCP_BACKEND,)), service="default/web",
              masq=MasqueradeSettings(masquerade_all=True))
     assert not dp.maps.services[abi.SvcKey(abi.be32(VIP), abi.be16(80), 6)].flags & abi.SVC_F_SOCK_PODS
     cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
-    assert connect_vip(world, world.pod()) == "OSError" and dp.counter("sock_lb") == 0
+    assert connect_vip(world, world.pod()) in UNTOUCHED and dp.counter("sock_lb") == 0
     assert connect_vip(world) == "ConnectionRefusedError" and dp.counter("sock_lb") == 1   # 127.0.0.1:18080
+
+
+UNTOUCHED = ("OSError", "TimeoutError")
+"""What a connect() to VIP:80 that no hook translated gets: no route for it, or no answer at the node."""
 
 
 def connect_vip(world: World, netns: str | None = None) -> str:
@@ -320,5 +357,52 @@ def test_hostns_only_leaves_every_pod_to_tc(load: Load, node_netns: tuple[str, i
         dp = world.dp
         dp.apply(_state(VIP, 80, Protocol.TCP, (TCP_BACKEND,)), service="default/web")
         cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
-        assert connect_vip(world, world.pod()) == "OSError" and dp.counter("sock_lb") == 0
+        assert connect_vip(world, world.pod()) in UNTOUCHED and dp.counter("sock_lb") == 0
         assert connect_vip(world) == "ConnectionRefusedError" and dp.counter("sock_lb") == 1
+
+
+HAIRPIN = textwrap.dedent("""
+    import json, socket
+    t = socket.socket(); t.bind(("0.0.0.0", 8080)); t.listen(4)
+    c = socket.socket(); c.settimeout(1)
+    try:
+        c.connect(("10.96.77.1", 80)); print(json.dumps(["connected", c.getsockname()[0]]))
+    except OSError as e:
+        print(json.dumps([type(e).__name__, c.getsockname()[0]]))
+""")
+
+
+def test_a_pods_connection_to_itself_is_left_to_tc(world: World) -> None:
+    """Hairpin: the pod's chosen endpoint is the pod itself (the frontend's only one). TC masquerades such a flow; at
+    the socket the pod would reach itself from its own address: its connect() goes on untouched (toward the node,
+    which has no route for the ClusterIP here), bound to its own address. Another pod's is translated."""
+    dp = world.dp
+    pod, other = world.pod(), world.pod()
+    dp.apply(_state(VIP, 80, Protocol.TCP, (Backend(f"{POD_NET}.1.2", 8080),)), service="default/web")
+    cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
+    proc = world.run_in(HAIRPIN, pod)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert json.loads(out) in ([e, f"{POD_NET}.1.2"] for e in UNTOUCHED), out
+    assert dp.counter("sock_lb") == 0
+    # (Translated toward the first pod, which no longer listens, through a node that does not forward here.)
+    proc = world.run_in(HAIRPIN, other)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert dp.counter("sock_lb") == 1, out
+
+
+def test_the_node_is_denied_a_load_balancer_ip_whose_source_ranges_leave_it_out(world: World) -> None:
+    """A load-balancer frontend whose source ranges leave out the node's primary address (node_denied): the node's
+    connect() fails at once with ETIMEDOUT, as its dropped SYN would end; a pod's goes on untouched, for TC, which
+    checks the pod's address against the ranges."""
+    dp = world.dp
+    lb = _state(VIP, 80, Protocol.TCP, (TCP_BACKEND,), kind=FrontendKind.LOAD_BALANCER,
+                external_backends=(TCP_BACKEND,), source_ranges=("198.51.100.0/24",), node_denied=True)
+    dp.apply(lb, service="default/web")
+    cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
+    assert connect_vip(world) == "TimeoutError"
+    assert dp.counter("source_denied") == 1 and dp.counter("sock_lb") == 0   # refused by the hook, not waited out
+    assert connect_vip(world, world.pod()) in UNTOUCHED and dp.counter("sock_lb") == 0
+    dp.apply(replace(lb, node_denied=False), service="default/web")
+    assert connect_vip(world) == "ConnectionRefusedError" and dp.counter("sock_lb") == 1   # 127.0.0.1:18080

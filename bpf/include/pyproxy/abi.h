@@ -107,6 +107,8 @@
 #define PYPROXY_SVC_F_SOCK_PODS 0x40   /* a pod's connect() or send may be translated at the socket (sock.h): the
 					* model found the result is what the packet path gives that pod (no SNAT, no
 					* source ranges). Clear: a pod's call is left untouched, for TC on its veth */
+#define PYPROXY_SVC_F_NODE_DENIED 0x80 /* the node's own connections are dropped: its source ranges leave out the
+					* node's primary address (ServicePortState.node_denied) */
 
 /* struct pyproxy_svc_value.sched: how a new flow's backend is chosen (sched.h; README, "Schedulers"). Zero is
  * random, so entries written before schedulers existed (a zero pad) keep today's choice. */

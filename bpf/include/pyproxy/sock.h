@@ -49,20 +49,61 @@ static __always_inline __be32 pyproxy_sock_pod_key(__u64 netns)
 	return bpf_htonl((__u32)(netns % 0xffffffULL) + 1);
 }
 
-/* Whether the hooks may translate the caller's call to a frontend of these flags: the node's own namespace always
- * (*key 0); a pod's (*key its pod key) only where the frontend allows it and --bpf-socket-lb-hostns-only is off. */
+/* What pyproxy_sock_client says of a call. */
+enum pyproxy_sock_client_is {
+	PYPROXY_SOCK_FOR_TC = 0,     /* a pod's call the hooks leave untouched */
+	PYPROXY_SOCK_CLIENT,         /* translate it: *key is the client */
+	PYPROXY_SOCK_DENIED,         /* the node's call, refused: its source ranges leave the node out */
+};
+
+/* Whether the hooks may translate the caller's call to a frontend of these flags: the node's own namespace (*key 0)
+ * unless the frontend's source ranges leave it out (which the node's packets would meet on the packet path, as
+ * upstream's); a pod's (*key its pod key) only where the frontend allows it and --bpf-socket-lb-hostns-only is off. */
 static __always_inline int pyproxy_sock_client(struct bpf_sock_addr *ctx, __u16 flags, __be32 *key)
 {
 	__u64 netns = bpf_get_netns_cookie(ctx);
 
 	if (netns == pyproxy_config.host_netns) {
 		*key = 0;
-		return 1;
+		if (flags & PYPROXY_SVC_F_NODE_DENIED) {
+			/* Dropped on the packet path: the connect fails as a dropped SYN ends, though at once. */
+			pyproxy_count(PYPROXY_CNT_SOURCE_DENIED);
+			bpf_set_retval(-ETIMEDOUT);
+			return PYPROXY_SOCK_DENIED;
+		}
+		return PYPROXY_SOCK_CLIENT;
 	}
 	if (pyproxy_config.sock_hostns_only || !(flags & PYPROXY_SVC_F_SOCK_PODS))
-		return 0;
+		return PYPROXY_SOCK_FOR_TC;
 	*key = pyproxy_sock_pod_key(netns);
-	return 1;
+	return PYPROXY_SOCK_CLIENT;
+}
+
+/* Hairpin: whether a pod's connect() to a frontend would reach the pod itself, its backend an address of the pod's
+ * own namespace. TC masquerades such a flow (lb.h) so that the pod does not get a packet from its own address; here
+ * the pod would reach itself from its own address. So it is left to TC. A bind to the address is the test (it
+ * succeeds only for a local one; with port 0 it takes no port): after one that succeeds the socket is bound to the
+ * pod's own address, the source its route to itself gives; one that fails changes nothing. `in6`: an IPv6 socket,
+ * `a` its backend (IPv4-mapped for an IPv4 one). Not asked for sendmsg() (bpf_bind is a connect hook's), nor
+ * right for a pod with ip_nonlocal_bind or IP_FREEBIND (any bind succeeds: its connect goes to TC, from that address). */
+static __always_inline int pyproxy_sock_hairpin(struct bpf_sock_addr *ctx, const struct pyproxy_in6 *a, int in6)
+{
+	/* Written field by field: an initializer of constants would be a copy of one in .rodata, which holds the
+	 * programs' constants only (loader.py checks its size). */
+	if (in6) {
+		struct sockaddr_in6 sa6;
+
+		__builtin_memset(&sa6, 0, sizeof(sa6));
+		sa6.sin6_family = AF_INET6;
+		__builtin_memcpy(&sa6.sin6_addr, a, sizeof(*a));
+		return bpf_bind(ctx, (struct sockaddr *)&sa6, sizeof(sa6)) == 0;
+	}
+	struct sockaddr_in sa;
+
+	__builtin_memset(&sa, 0, sizeof(sa));
+	sa.sin_family = AF_INET;
+	sa.sin_addr.s_addr = a->w[3];
+	return bpf_bind(ctx, (struct sockaddr *)&sa, sizeof(sa)) == 0;
 }
 
 /* What pyproxy_sock_choose made of a connect() or send. */
@@ -75,7 +116,7 @@ enum pyproxy_sock_choice {
 /* The backend for a socket's connect() or send to the IPv4 frontend daddr:dport (its IPv4 hook's, or an IPv6
  * socket's IPv4-mapped destination); *cookie gets the socket's cookie when it is one. */
 static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32 daddr, __be16 dport, __u8 proto,
-					       __u64 *cookie, struct pyproxy_backend *be)
+					       int connect, __u64 *cookie, struct pyproxy_backend *be)
 {
 	struct pyproxy_pkt p = { .daddr = daddr, .dport = dport, .proto = proto };
 	struct pyproxy_svc_value *svc = pyproxy_frontend_of(&p);
@@ -84,8 +125,12 @@ static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32
 	if (!svc)
 		return PYPROXY_SOCK_NOT_OURS;
 	/* externalTrafficPolicy Local: the node's processes and pods reach every endpoint, not only this node's. */
-	if (!pyproxy_sock_client(ctx, svc->flags, &p.saddr))
+	switch (pyproxy_sock_client(ctx, svc->flags, &p.saddr)) {
+	case PYPROXY_SOCK_FOR_TC:
 		return PYPROXY_SOCK_NOT_OURS;
+	case PYPROXY_SOCK_DENIED:
+		return PYPROXY_SOCK_REFUSED;
+	}
 	if (svc->flags & PYPROXY_SVC_F_NODE_VIEW) {
 		struct pyproxy_svc_value *node = pyproxy_frontend_in(&p, PYPROXY_SVC_SCOPE_NODE);
 
@@ -109,22 +154,29 @@ static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32
 			return PYPROXY_SOCK_REFUSED;
 		}
 	}
+	/* Recorded first: a pod's affinity to itself keeps each connection of it on TC, whose own affinity holds. */
 	if (svc->flags & PYPROXY_SVC_F_AFFINITY)
 		pyproxy_affinity_record(&p, be, svc->svc_id, now);
+	if (connect && p.saddr) {
+		struct pyproxy_in6 a = { .w = { 0, 0, bpf_htonl(0xffff), be->addr } };
+
+		if (pyproxy_sock_hairpin(ctx, &a, ctx->user_family == AF_INET6))
+			return PYPROXY_SOCK_NOT_OURS;
+	}
 	pyproxy_count(PYPROXY_CNT_SOCK_LB);
 	pyproxy_count_svc(svc->svc_id, 0);
 	pyproxy_count_endpoint(be, 0);
 	return PYPROXY_SOCK_CHOSEN;
 }
 
-/* A node socket's connect() or sendmsg() to ctx's address: points it at a backend when that address is a
+/* A socket's connect() (`connect`) or sendmsg() to ctx's address: points it at a backend when that address is a
  * frontend. */
-static __always_inline int pyproxy_sock_forward(struct bpf_sock_addr *ctx, __u8 proto)
+static __always_inline int pyproxy_sock_forward(struct bpf_sock_addr *ctx, __u8 proto, int connect)
 {
 	struct pyproxy_backend be, fe = { .addr = ctx->user_ip4, .port = (__be16)ctx->user_port };
 	struct pyproxy_sock_key k = {};
 
-	switch (pyproxy_sock_choose(ctx, fe.addr, fe.port, proto, &k.cookie, &be)) {
+	switch (pyproxy_sock_choose(ctx, fe.addr, fe.port, proto, connect, &k.cookie, &be)) {
 	case PYPROXY_SOCK_NOT_OURS:
 		return PYPROXY_SOCK_OK;
 	case PYPROXY_SOCK_REFUSED:
@@ -182,13 +234,13 @@ static __always_inline int pyproxy_in6_v4mapped(const struct pyproxy_in6 *a)
 /* An IPv6 socket's connect() or send to an IPv4-mapped address: the IPv4 frontends decide; the socket is pointed at
  * the IPv4-mapped backend, and PYPROXY_MAP_SOCKS6 remembers the IPv4-mapped frontend for its peer name. */
 static __always_inline int pyproxy_sock6_forward_mapped(struct bpf_sock_addr *ctx, const struct pyproxy_in6 *daddr,
-							__be16 dport, __u8 proto)
+							__be16 dport, __u8 proto, int connect)
 {
 	struct pyproxy_backend be;
 	struct pyproxy_backend6 fe = { .addr = *daddr, .port = dport };
 	struct pyproxy_sock6_key k = { .addr = *daddr };
 
-	switch (pyproxy_sock_choose(ctx, daddr->w[3], dport, proto, &k.cookie, &be)) {
+	switch (pyproxy_sock_choose(ctx, daddr->w[3], dport, proto, connect, &k.cookie, &be)) {
 	case PYPROXY_SOCK_NOT_OURS:
 		return PYPROXY_SOCK_OK;
 	case PYPROXY_SOCK_REFUSED:
@@ -201,7 +253,7 @@ static __always_inline int pyproxy_sock6_forward_mapped(struct bpf_sock_addr *ct
 	return PYPROXY_SOCK_OK;
 }
 
-static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8 proto)
+static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8 proto, int connect)
 {
 	struct pyproxy_pkt6 p = { .dport = (__be16)ctx->user_port, .proto = proto };
 	struct pyproxy_svc_value *svc;
@@ -211,10 +263,16 @@ static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8
 
 	pyproxy_sock6_addr(ctx, &p.daddr);
 	if (pyproxy_in6_v4mapped(&p.daddr))
-		return pyproxy_sock6_forward_mapped(ctx, &p.daddr, p.dport, proto);
+		return pyproxy_sock6_forward_mapped(ctx, &p.daddr, p.dport, proto, connect);
 	svc = pyproxy_lb6_frontend_of(&p);
-	if (!svc || !pyproxy_sock_client(ctx, svc->flags, &p.saddr.w[3]))
+	if (!svc)
 		return PYPROXY_SOCK_OK;
+	switch (pyproxy_sock_client(ctx, svc->flags, &p.saddr.w[3])) {
+	case PYPROXY_SOCK_FOR_TC:
+		return PYPROXY_SOCK_OK;
+	case PYPROXY_SOCK_DENIED:
+		return PYPROXY_SOCK_REFUSE;
+	}
 	if (svc->flags & PYPROXY_SVC_F_NODE_VIEW) {
 		struct pyproxy_svc_value *node = pyproxy_lb6_frontend_in(&p.daddr, p.dport, proto, PYPROXY_SVC_SCOPE_NODE);
 
@@ -236,6 +294,8 @@ static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8
 	}
 	if (svc->flags & PYPROXY_SVC_F_AFFINITY)
 		pyproxy_lb6_affinity_record(&p, &be, svc->svc_id, now);
+	if (connect && p.saddr.w[3] && pyproxy_sock_hairpin(ctx, &be.addr, 1))
+		return PYPROXY_SOCK_OK;
 	k.addr = be.addr;
 	k.port = be.port;
 	fe.addr = p.daddr;

@@ -119,6 +119,7 @@ SVC_F_MASQ = 0x8  # PYPROXY_SVC_F_MASQ
 SVC_F_NODE_VIEW = 0x10  # PYPROXY_SVC_F_NODE_VIEW
 SVC_F_MASQ_OUTSIDE = 0x20  # PYPROXY_SVC_F_MASQ_OUTSIDE
 SVC_F_SOCK_PODS = 0x40  # PYPROXY_SVC_F_SOCK_PODS
+SVC_F_NODE_DENIED = 0x80  # PYPROXY_SVC_F_NODE_DENIED
 # struct pyproxy_svc_value.sched (PYPROXY_SCHED_*), by the name a Service or --bpf-scheduler gives.
 SCHED = {"random": 0, "rr": 1, "wrr": 2, "lc": 3, "sed": 4, "nq": 5, "sh": 6, "dh": 7, "maglev": 8}
 SCHED_NAME = {v: k for k, v in SCHED.items()}

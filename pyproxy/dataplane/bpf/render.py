@@ -64,8 +64,8 @@ class AppliedFrontend:
     known: tuple[Backend, ...]
     affinity_sec: int
     flags: int = 0
-    """abi.SVC_F_DROP, SVC_F_RANGES, SVC_F_MASQ, SVC_F_NODE_VIEW and SVC_F_SOCK_PODS as the services map holds them
-    (affinity is `affinity_sec`)."""
+    """abi.SVC_F_DROP, SVC_F_RANGES, SVC_F_MASQ, SVC_F_NODE_VIEW, SVC_F_SOCK_PODS and SVC_F_NODE_DENIED as the
+    services map holds them (affinity is `affinity_sec`)."""
     source_ranges: tuple[str, ...] = ()
     """The CIDRs of its entries in MAP_SRCRANGES (loadBalancerSourceRanges)."""
     sched: int = 0
@@ -473,6 +473,8 @@ def render(
             flags |= abi.SVC_F_NODE_VIEW
         if st.pods_at_socket(masq.masquerade_all):
             flags |= abi.SVC_F_SOCK_PODS
+        if st.node_denied:
+            flags |= abi.SVC_F_NODE_DENIED
         known = st.known_backends
         if known != backends and not set(backends).issubset(known):
             known = tuple(sorted(set(known) | set(backends)))
