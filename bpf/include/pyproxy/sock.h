@@ -12,8 +12,10 @@
  * Who the client is (pyproxy_sock_client): the caller's network namespace. The node's own namespace is one client,
  * source 0, as it always was; a pod (any other namespace) is its own client, keyed by its namespace cookie, so
  * ClientIP affinity and sh tell pods apart as upstream does by their addresses. A pod's call is translated here
- * only where the frontend says the result is the packet path's (PYPROXY_SVC_F_SOCK_PODS, decided by the model) and
- * --bpf-socket-lb-hostns-only is off; else it goes on untouched and TC on the pod's veth translates its packets.
+ * only where the frontend says the result is the packet path's (PYPROXY_SVC_F_SOCK_PODS, decided by the model),
+ * its connect() does not reach the pod itself (pyproxy_sock_hairpin) and --bpf-socket-lb-hostns-only is off; else
+ * it goes on untouched and TC on the pod's veth translates its packets. The node's own calls have no packet path to
+ * fall back on: a frontend whose source ranges leave the node out refuses them (PYPROXY_SVC_F_NODE_DENIED).
  */
 #ifndef PYPROXY_SOCK_H
 #define PYPROXY_SOCK_H
@@ -85,7 +87,8 @@ static __always_inline int pyproxy_sock_client(struct bpf_sock_addr *ctx, __u16 
  * succeeds only for a local one; with port 0 it takes no port): after one that succeeds the socket is bound to the
  * pod's own address, the source its route to itself gives; one that fails changes nothing. `in6`: an IPv6 socket,
  * `a` its backend (IPv4-mapped for an IPv4 one). Not asked for sendmsg() (bpf_bind is a connect hook's), nor
- * right for a pod with ip_nonlocal_bind or IP_FREEBIND (any bind succeeds: its connect goes to TC, from that address). */
+ * right for a pod with ip_nonlocal_bind or IP_FREEBIND (any bind succeeds: its connect goes to TC, from that address),
+ * nor asked of a socket bound before its connect() (the bind fails: it is translated). */
 static __always_inline int pyproxy_sock_hairpin(struct bpf_sock_addr *ctx, const struct pyproxy_in6 *a, int in6)
 {
 	/* Written field by field: an initializer of constants would be a copy of one in .rodata, which holds the
