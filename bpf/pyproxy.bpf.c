@@ -313,19 +313,20 @@ int pyproxy_xdp_ingress6(struct xdp_md *ctx)
 	}
 }
 
-/* Socket load balancing for the node's own processes (sock.h), attached at the root of the cgroup tree. */
+/* Socket load balancing for the processes below the cgroup they are attached to, by default the root of the cgroup
+ * tree: the node's own and its pods' (sock.h). */
 SEC("cgroup/connect4")
 int pyproxy_connect4(struct bpf_sock_addr *ctx)
 {
 	if (ctx->protocol != IPPROTO_TCP && ctx->protocol != IPPROTO_UDP)
 		return PYPROXY_SOCK_OK;
-	return pyproxy_sock_forward(ctx, ctx->protocol);
+	return pyproxy_sock_forward(ctx, ctx->protocol, 1);
 }
 
 SEC("cgroup/sendmsg4")
 int pyproxy_sendmsg4(struct bpf_sock_addr *ctx)
 {
-	return pyproxy_sock_forward(ctx, IPPROTO_UDP);
+	return pyproxy_sock_forward(ctx, IPPROTO_UDP, 0);
 }
 
 SEC("cgroup/recvmsg4")
@@ -345,13 +346,13 @@ int pyproxy_connect6(struct bpf_sock_addr *ctx)
 {
 	if (ctx->protocol != IPPROTO_TCP && ctx->protocol != IPPROTO_UDP)
 		return PYPROXY_SOCK_OK;
-	return pyproxy_sock6_forward(ctx, ctx->protocol);
+	return pyproxy_sock6_forward(ctx, ctx->protocol, 1);
 }
 
 SEC("cgroup/sendmsg6")
 int pyproxy_sendmsg6(struct bpf_sock_addr *ctx)
 {
-	return pyproxy_sock6_forward(ctx, IPPROTO_UDP);
+	return pyproxy_sock6_forward(ctx, IPPROTO_UDP, 0);
 }
 
 SEC("cgroup/recvmsg6")

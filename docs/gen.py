@@ -56,6 +56,7 @@ FIELD_FLAGS = {
     "iptables.masqueradeAll": "--masquerade-all",
     "nftables.masqueradeAll": "--masquerade-all",
     "bpf.socketLB": "--bpf-socket-lb",
+    "bpf.socketLBHostNamespaceOnly": "--bpf-socket-lb-hostns-only",
     "bpf.cgroupRoot": "--cgroup-root",
     "bpf.mapSizes": "--bpf-map-sizes",
     "bpf.endpointCounters": "--bpf-endpoint-counters",

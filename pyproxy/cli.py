@@ -45,6 +45,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "xdp_devices": ("bpf.xdp_devices",),
     "bpf_xdp_mode": ("bpf.xdp_mode",),
     "bpf_socket_lb": ("bpf.socket_lb",),
+    "bpf_socket_lb_hostns_only": ("bpf.socket_lb_hostns_only",),
     "cgroup_root": ("bpf.cgroup_root",),
     "bpf_snat_port_range": ("bpf.snat_ports",),
     "bpf_scheduler": ("bpf.scheduler",),
@@ -205,6 +206,10 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--bpf-socket-lb", action=argparse.BooleanOptionalAction,
                      help="bpf mode: the node's own processes reach Services through cgroup socket hooks "
                           f"(default: {'on' if d.bpf.socket_lb else 'off'})")
+    run.add_argument("--bpf-socket-lb-hostns-only", action=argparse.BooleanOptionalAction,
+                     help="bpf mode: the socket hooks translate the node's own network namespace only; pods' "
+                          "connections keep their Service address and are translated by TC (default: "
+                          f"{'on' if d.bpf.socket_lb_hostns_only else 'off'})")
     run.add_argument("--cgroup-root", type=Path,
                      help="bpf mode: the cgroup v2 directory the socket hooks go on (default: the root of the "
                           "node's cgroup v2 hierarchy)")

@@ -274,6 +274,11 @@ EXTERNAL_CASES = (
              NO_ANSWER),
     FlowCase("a load-balancer IP whose source ranges hold the client", "tcp", LB_OPEN_IP, 80,
              answered_by("b1:8080", "b2:8080")),
+    # The node and its pods meet the same ranges by their own addresses (none in them here).
+    FlowCase("a load-balancer IP whose source ranges leave the node out: no answer", "tcp", LB_OPEN_IP, 80,
+             NO_ANSWER, src="node"),
+    FlowCase("a load-balancer IP whose source ranges leave a pod out: no answer", "tcp", LB_OPEN_IP, 80,
+             NO_ANSWER, src="b3"),
     FlowCase("a NodePort on the node's address reaches the endpoints", "tcp", NODE_IP, 30080,
              answered_by("b1:8080", "b2:8080")),
     FlowCase("a NodePort on the node's address reaches the endpoints, udp", "udp", NODE_IP, 30053,

@@ -463,13 +463,14 @@ class Lab:
     docstring), its link to the node at `router_mtu`; a Backend's `node_ip`/`node_ifname` are then the router's.
     `client_stack="bridge"|"macvlan"|"vlan"|"bond"` puts the node's client-facing address on a device stacked over
     the client's veth, and `pod_bridge=True` makes the backends ports of a bridge (both in the module's docstring).
+    `pods_in_cgroup=True` runs the node's pods' commands in the lab's cgroup, as a node has them (`exec`).
     """
 
     def __init__(self, backends: int = 3, *, prefix: str = "pyp", distro: bool = False,
                  csum_offload: bool = False, rp_filter: int = 1, router: str | None = None,
                  router_mtu: int | None = None, remote_backends: int = 0, second_client: bool = False,
                  client_addresses: int = 0, ipv6: bool = False, client_stack: str | None = None,
-                 pod_bridge: bool = False) -> None:
+                 pod_bridge: bool = False, pods_in_cgroup: bool = False) -> None:
         if not 0 <= backends <= MAX_BACKENDS or not 0 <= remote_backends <= MAX_BACKENDS:
             raise ValueError(f"backends and remote_backends must be 0..{MAX_BACKENDS}")
         if router is not None and (remote_backends or second_client):
@@ -498,6 +499,11 @@ class Lab:
         or a bond over it, or (None) the veth itself."""
         self.pod_bridge = pod_bridge
         """The backends are ports of the bridge POD_BRIDGE, their gateway, in one subnet."""
+        self.pods_in_cgroup = pods_in_cgroup
+        """The node's pods' commands (`exec` in a backend's namespace) run in the lab's cgroup, beside the node's
+        own, as every pod's containers run below a real node's root cgroup: pyproxy's socket hooks see them. Off,
+        only the node's commands do, and a pod's traffic always takes the packet path (its veth's TC). Outside
+        clients and other nodes' pods are never in it."""
         self.router_side = router
         """Which side of the node the router namespace is on: "client", "backends" or None (no router)."""
         self.router_mtu = router_mtu
@@ -915,10 +921,16 @@ class Lab:
              input: str | None = None) -> subprocess.CompletedProcess[str]:
         """`ip netns exec NS argv...` to completion (bounded by `timeout`); LabError on failure if `check`.
         In the node's namespace the command also runs in the lab's cgroup, as the node's own processes:
-        where pyproxy's socket hooks act (--cgroup-root)."""
+        where pyproxy's socket hooks act (--cgroup-root); with `pods_in_cgroup`, in a pod's of this node too."""
         ns = self._resolve(ns)
         return run(["ip", "netns", "exec", ns, *argv], check=check, timeout=timeout, input=input, env=python_env(),
-                   cgroup=self.cgroup if ns == self.node else None)
+                   cgroup=self.cgroup if self.in_cgroup(ns) else None)
+
+    def in_cgroup(self, ns: str) -> bool:
+        """Whether `exec` runs a command of `ns` (a name or a role) in the lab's cgroup: the node's, and with
+        `pods_in_cgroup` its pods'."""
+        ns = self._resolve(ns)
+        return ns == self.node or (self.pods_in_cgroup and any(b.ns == ns for b in self._backends))
 
     def popen(self, ns: str, *argv: str, **kwargs: Any) -> subprocess.Popen[Any]:
         """Start `ip netns exec NS argv...` in the background; the lab terminates it at teardown at the

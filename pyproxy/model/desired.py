@@ -151,18 +151,20 @@ def _quiesced(backends: tuple[Backend, ...], quiet: frozenset[str]) -> tuple[Bac
     return tuple(b for b in backends if b.ip in quiet) if quiet else ()
 
 
-def _source_ranges(svc: Service, node: NodeInputs, family: int) -> tuple[str, ...]:
+def _source_ranges(svc: Service, node: NodeInputs, family: int) -> tuple[tuple[str, ...], bool]:
     """The source ranges of the Service's load-balancer frontends of `family` (see ServicePortState.source_ranges):
-    the ranges of that family only, as upstream's per-family proxiers (none of it: any source)."""
+    the ranges of that family only, as upstream's per-family proxiers (none of it: any source); and whether they
+    leave the node out (ServicePortState.node_denied)."""
     ranges = tuple(r for r in svc.load_balancer_source_ranges if family_of(r) == family)
     if not ranges or not _ANY_SOURCE.isdisjoint(ranges):
-        return ()
+        return (), False
     primary = node.primary_ip if family == IPV4 else node.primary_ipv6
     if primary and any(ipaddress.ip_address(primary) in ipaddress.ip_network(r) for r in ranges):
         host = 32 if family == IPV4 else 128
         ranges += tuple(f"{ip}/{host}" for ip in svc.load_balancer_ips
                         if family_of(ip) == family and f"{ip}/{host}" not in ranges)
-    return ranges
+        return ranges, False
+    return ranges, bool(primary)
 
 
 def _external_frontends(svc: Service, port: ServicePort, node: NodeInputs, family: int
@@ -200,8 +202,8 @@ def compute_service_state(
     states: list[ServicePortState] = []
     for cluster_ip in svc.cluster_ips:  # at most one per family (the conversion checks it)
         family = family_of(cluster_ip)
-        ranges = _source_ranges(svc, node, family) if svc.type == "LoadBalancer" else ()
-        states += _family_states(svc, cluster_ip, family, slices, node, ranges, affinity, cluster_policy,
+        ranges, node_denied = _source_ranges(svc, node, family) if svc.type == "LoadBalancer" else ((), False)
+        states += _family_states(svc, cluster_ip, family, slices, node, ranges, node_denied, affinity, cluster_policy,
                                  internal_local, health, scheduler, weights, quiet, zone)
     if len(states) > 1 and len({st.frontend for st in states}) < len(states):
         # One frontend claimed twice by the Service itself: the first kind stays (sorted() is stable).
@@ -214,7 +216,8 @@ def compute_service_state(
 
 
 def _family_states(svc: Service, cluster_ip: str, family: int, slices: tuple[EndpointSlice, ...], node: NodeInputs,
-                   ranges: tuple[str, ...], affinity: int, cluster_policy: bool, internal_local: bool,
+                   ranges: tuple[str, ...], node_denied: bool, affinity: int, cluster_policy: bool,
+                   internal_local: bool,
                    health: int | None, scheduler: str, weights: tuple[tuple[str, int], ...], quiet: frozenset[str],
                    zone: str | None) -> list[ServicePortState]:
     """The frontends of one family of a Service (`cluster_ip` its ClusterIP of that family), with that family's
@@ -247,7 +250,8 @@ def _family_states(svc: Service, cluster_ip: str, family: int, slices: tuple[End
             quiesced = _quiesced(b.usable if cluster_policy or not b.local else b.local, quiet)
             states += [ServicePortState(key, port.name, fe, usable, known, affinity, kind, outside, cluster_policy,
                                         ranges if kind is FrontendKind.LOAD_BALANCER else (), health, ready, False,
-                                        scheduler, weights, quiesced)
+                                        scheduler, weights, quiesced,
+                                        node_denied and kind is FrontendKind.LOAD_BALANCER)
                        for kind, fe in external]
     return states
 

@@ -132,6 +132,26 @@ class ServicePortState:
     quiesced: tuple[Backend, ...] = ()
     """The endpoints this frontend's new flows would use but for their weight 0, sorted: the ipvs mode keeps them as
     real servers of weight 0 (IPVS's quiesced server), whose established connections go on."""
+    node_denied: bool = False
+    """LoadBalancer frontends with `source_ranges` none of which holds the node's primary address of the family: the
+    node's own new connections are dropped, as upstream's firewall chain drops them by the address they leave from.
+    A dataplane that sees the node's packets (netfilter's OUTPUT) checks their source itself; bpf's socket hooks,
+    which see a socket before it has an address, go by this."""
+
+    def masquerades(self, masquerade_all: bool) -> bool:
+        """Whether every new flow to this frontend is SNATed to a node address: `masquerade`, or --masquerade-all
+        (`masquerade_all`) for a ClusterIP frontend (an external one with externalTrafficPolicy Local keeps its
+        clients' addresses, as upstream)."""
+        return self.masquerade or (masquerade_all and not self.kind.external)
+
+    def pods_at_socket(self, masquerade_all: bool) -> bool:
+        """Whether a pod's connection to this frontend may be translated at its socket (bpf's cgroup hooks, which
+        see every pod below the node's cgroup) instead of by the packet path on its veth: only where both give the
+        pod the same. Not where the pod's flow is SNATed (`masquerades`: the backend would see the pod's address),
+        nor where source ranges apply (the socket does not know the pod's address to check). externalTrafficPolicy
+        Local frontends are translated at the socket from every endpoint, upstream's short circuit for pods.
+        --cluster-cidr's rule masquerades sources outside the cluster CIDR, which a pod is not."""
+        return not self.masquerades(masquerade_all) and not self.source_ranges
 
     def weight(self, backend: Backend) -> int:
         """The weight of one of the backends (1 unless the Service's annotation names its address)."""

@@ -92,9 +92,9 @@ SCHEMA: Schema = {
                   "tcpCloseWaitTimeout": DURATION, "tcpBeLiberal": BOOL, "udpTimeout": DURATION,
                   "udpStreamTimeout": DURATION},
     "configSyncPeriod": DURATION, "portRange": STR, "udpIdleTimeout": DURATION, "windowsRunAsService": BOOL,
-    "bpf": {"devices": STRINGS, "xdpDevices": STRINGS, "xdpMode": STR, "socketLB": BOOL, "cgroupRoot": STR,
-            "snatPortRange": STR, "scheduler": STR, "loader": STR, "maglevTableSize": INT, "mapSizes": INT_MAP,
-            "tcpSynTimeout": DURATION,
+    "bpf": {"devices": STRINGS, "xdpDevices": STRINGS, "xdpMode": STR, "socketLB": BOOL,
+            "socketLBHostNamespaceOnly": BOOL, "cgroupRoot": STR, "snatPortRange": STR, "scheduler": STR,
+            "loader": STR, "maglevTableSize": INT, "mapSizes": INT_MAP, "tcpSynTimeout": DURATION,
             "tcpSynRecvTimeout": DURATION, "tcpTimeWaitTimeout": DURATION, "tcpCloseTimeout": DURATION,
             "endpointCounters": BOOL},
 }
@@ -355,6 +355,8 @@ class _Reader:
                 setattr(b, attr, tuple(value))
         if (socket_lb := self.fields.get("bpf.socketLB")) is not None:
             b.socket_lb = socket_lb
+        if (hostns_only := self.fields.get("bpf.socketLBHostNamespaceOnly")) is not None:
+            b.socket_lb_hostns_only = hostns_only
         if (counters := self.fields.get("bpf.endpointCounters")) is not None:
             b.endpoint_counters = counters
         if (root := self.given("bpf.cgroupRoot")) is not None:
@@ -445,6 +447,7 @@ def dump(s: ProxySettings) -> str:
         "nodePortAddresses": list(s.nodeport_addresses) or None,
         "bpf": {"devices": list(s.bpf.devices), "xdpDevices": list(s.bpf.xdp_devices),
                 "xdpMode": s.bpf.xdp_mode, "socketLB": s.bpf.socket_lb,
+                "socketLBHostNamespaceOnly": s.bpf.socket_lb_hostns_only,
                 "cgroupRoot": str(s.bpf.cgroup_root or ""),
                 "snatPortRange": f"{s.bpf.snat_ports[0]}-{s.bpf.snat_ports[1]}", "scheduler": s.bpf.scheduler,
                 "loader": s.bpf.loader, "maglevTableSize": s.bpf.maglev_table_size, "mapSizes": map_sizes,

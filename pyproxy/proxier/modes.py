@@ -54,6 +54,7 @@ HONOURED_BY = (
     Honoured("--xdp-devices", lambda s: s.bpf.xdp_devices, _BPF),
     Honoured("--bpf-xdp-mode", lambda s: s.bpf.xdp_mode, _BPF),
     Honoured("--bpf-socket-lb", lambda s: s.bpf.socket_lb, _BPF),
+    Honoured("--bpf-socket-lb-hostns-only", lambda s: s.bpf.socket_lb_hostns_only, _BPF),
     Honoured("--cgroup-root", lambda s: s.bpf.cgroup_root, _BPF),
     Honoured("--bpf-snat-port-range", lambda s: s.bpf.snat_ports, _BPF),
     Honoured("--bpf-scheduler", lambda s: s.bpf.scheduler, _BPF),

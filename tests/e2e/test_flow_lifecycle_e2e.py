@@ -17,9 +17,9 @@ SNATed to a node address (externalTrafficPolicy Cluster). The clients are tests/
 
 PYPROXY_LIFECYCLE_MODES (default bpf,bpf-xdp,nftables) picks the modes; PYPROXY_LIFECYCLE_STACK puts the node's
 client-facing address on a stacked device (the lab's client_stack: bridge or macvlan here, vlan or bond where the
-kernel has their drivers; default none, the plain veth), as `make lifecycle-test` runs each in turn. PYPROXY_LIFECYCLE_UDP_SECONDS and
-PYPROXY_LIFECYCLE_UDP_RATE (60 s, 100 a second: the issue's) size the UDP test; `make test` runs it for 48 s (see
-UDP_SECONDS), `make lifecycle-test` runs this file at full length.
+kernel has their drivers; default none, the plain veth), as `make lifecycle-test` runs each in turn.
+PYPROXY_LIFECYCLE_UDP_SECONDS and PYPROXY_LIFECYCLE_UDP_RATE (60 s, 100 a second: the issue's) size the UDP test;
+`make test` runs it for 48 s (see UDP_SECONDS), `make lifecycle-test` runs this file at full length.
 """
 
 from __future__ import annotations

@@ -12,7 +12,10 @@ from pyproxy.lab.netns import nonzero_checksum_errors
 pytestmark = pytest.mark.root
 
 MODES = [
+    # The node's pods inside the hooked cgroup (the lab's pods_in_cgroup, as on a node): their flows to frontends the
+    # model lets the socket path translate go by their sockets; with --bpf-socket-lb-hostns-only all by TC.
     pytest.param("bpf", [], {}, id="bpf"),
+    pytest.param("bpf", ["--bpf-socket-lb-hostns-only"], {}, id="bpf-hostns-only"),
     # The same programs compiled at start by BCC (make install-bcc).
     pytest.param("bpf", ["--bpf-loader=bcc"], {}, id="bpf-bcc",
                  marks=pytest.mark.skipif(bcc.missing() is not None, reason=f"--bpf-loader=bcc: {bcc.missing()}")),
@@ -40,7 +43,8 @@ def test_every_mode_agrees_on_the_flow_table(make_env, monkeypatch: pytest.Monke
     # A node like a real one (default route via an uplink, strict rp_filter, FORWARD drops INVALID): upstream's
     # netfilter modes reject flows to Services without endpoints in the filter table, after routing, which a
     # node without a route for the ClusterIP would never reach.
-    env = make_env(3, distro=True)
+    # Its pods' processes inside the cgroup pyproxy's socket hooks go on, as below a real node's root cgroup.
+    env = make_env(3, distro=True, pods_in_cgroup=True)
     env.write("cluster.yaml", MANIFESTS)
     # The node's name, which the table's externalTrafficPolicy Local slices name as their endpoints' nodeName.
     env.start(mode=mode, args=[f"--hostname-override={NODE_NAME}", *args])
@@ -57,7 +61,7 @@ def test_the_modes_that_render_ipv6_agree_on_the_ipv6_flow_table(make_env, mode:
                                                                  environ: dict[str, str]) -> None:
     # The same node, every link with an IPv6 /64 beside its IPv4 one: the client and the pods send from their
     # IPv6 addresses, NodePorts are served on the node's.
-    env = make_env(3, distro=True, ipv6=True)
+    env = make_env(3, distro=True, ipv6=True, pods_in_cgroup=True)
     env.write("cluster.yaml", MANIFESTS)
     env.start(mode=mode, args=[f"--hostname-override={NODE_NAME}", *args])
     wrong = mismatches(env.lab, mode, IPV6_CASES, timeout=TIMEOUTS.get(mode, 1.0))

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.root
 # (id, --proxy-mode, more flags, XDP on the client-facing devices): bpf also with XDP, as the bpf e2e tests run it.
 MODES = [
     ("bpf", "bpf", [], False),
+    ("bpf-hostns-only", "bpf", ["--bpf-socket-lb-hostns-only"], False),
     ("bpf-xdp", "bpf", [], True),
     ("nftables", "nftables", [], False),
     ("iptables-legacy", "iptables", ["--iptables-backend=legacy"], False),
@@ -39,8 +40,9 @@ def _param(name: str, mode: str, args: list[str], xdp: bool) -> object:
 
 @pytest.mark.parametrize("mode, args, xdp", [_param(*m) for m in MODES])
 def test_two_nodes_and_outside_clients(make_env, mode: str, args: list[str], xdp: bool) -> None:
-    # A node like a real one: strict rp_filter, FORWARD drops INVALID, a default route (via node2, see Lab).
-    env = make_env(LOCAL_PODS, remote_backends=REMOTE_PODS, second_client=True, distro=True)
+    # A node like a real one: strict rp_filter, FORWARD drops INVALID, a default route (via node2, see Lab); its
+    # pods' processes inside the cgroup pyproxy's socket hooks go on (the other node's pods are not).
+    env = make_env(LOCAL_PODS, remote_backends=REMOTE_PODS, second_client=True, distro=True, pods_in_cgroup=True)
     env.write("cluster.yaml", MANIFESTS)
     lab = env.lab
     xdp_devices = [lab.node_client_ifname, NODE_CLIENT2_IFNAME] if xdp else None

@@ -2,7 +2,10 @@
 
 Each test makes its own cgroup (under the machine's cgroup v2 hierarchy), network namespace and pin directory,
 attaches the hooks to that cgroup only, and runs a client process inside both; a backend server listens in the
-same namespace. Nothing outside the test's cgroup sees the hooks. All are removed even when the test fails.
+same namespace. That namespace is the node's own for the programs (loaded with its cookie as the host's), as
+pyproxy's own namespace is on a node; `World.pod` adds namespaces of pods whose processes run in the same cgroup,
+as every pod's do below a real node's root cgroup. Nothing outside the test's cgroup sees the hooks. All are
+removed even when the test fails.
 """
 
 from __future__ import annotations
@@ -17,17 +20,19 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import Load
 from harness import CAPACITY, ROOT, Dataplane
 
-from pyproxy.dataplane.bpf import abi, cgroup, libbpf
-from pyproxy.lab.netns import ensure_bpffs, ensure_cgroup2
+from pyproxy.dataplane.base import MasqueradeSettings
+from pyproxy.dataplane.bpf import abi, cgroup, libbpf, loader
+from pyproxy.lab.netns import NetnsThread, ensure_bpffs, ensure_cgroup2
 from pyproxy.model.objects import Protocol
-from pyproxy.model.state import Backend, Frontend, ServicePortState
+from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 pytestmark = ROOT
 
@@ -73,43 +78,96 @@ class World:
     cgroup: Path
     pins: Path
     dp: Dataplane
+    pods: list[str] = field(default_factory=list)
 
-    def run_in(self, code: str) -> subprocess.Popen[str]:
-        """`python -c code` in the test's namespace and cgroup (joined before exec, so from its first syscall)."""
+    def run_in(self, code: str, netns: str | None = None, args: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+        """`python -c code args...` in the test's namespace (or `netns`) and cgroup (joined before exec, so from its
+        first syscall)."""
         procs = self.cgroup / "cgroup.procs"
 
         def join() -> None:
             procs.write_text(str(os.getpid()))
 
-        return subprocess.Popen(["ip", "netns", "exec", self.netns, sys.executable, "-c", code],
+        return subprocess.Popen(["ip", "netns", "exec", netns or self.netns, sys.executable, "-c", code, *args],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=join)
 
+    def pod(self) -> str:
+        """A new network namespace, a pod's: its processes run in the cgroup by `run_in`. Its eth0 has POD_NET's n-th
+        /24 (.2) and a default route to the node's end (.1): it reaches NODE_SERVER, an address of the node's."""
+        n = len(self.pods) + 1
+        ns, dev = f"{self.netns}-{self.cgroup.name[-6:]}-p{n}", f"p{self.cgroup.name[-6:]}{n}"
+        _add_netns(ns)
+        self.pods.append(ns)
+        for argv in (["ip", "-n", self.netns, "link", "add", dev, "type", "veth", "peer", "name", "eth0", "netns", ns],
+                     ["ip", "-n", self.netns, "addr", "add", f"{POD_NET}.{n}.1/24", "dev", dev],
+                     ["ip", "-n", self.netns, "link", "set", dev, "up"],
+                     ["ip", "-n", ns, "addr", "add", f"{POD_NET}.{n}.2/24", "dev", "eth0"],
+                     ["ip", "-n", ns, "link", "set", "eth0", "up"],
+                     ["ip", "-n", ns, "route", "add", "default", "via", f"{POD_NET}.{n}.1"]):
+            subprocess.run(argv, check=True)
+        return ns
 
-def _state(vip: str, port: int, proto: Protocol, backends: tuple[Backend, ...]) -> ServicePortState:
+
+POD_NET = "10.99"
+NODE_SERVER = "10.98.0.1"
+"""An address of the node's namespace (on its loopback) that every pod reaches through its veth."""
+
+
+def _state(vip: str, port: int, proto: Protocol, backends: tuple[Backend, ...], **kwargs: Any) -> ServicePortState:
     return ServicePortState(service=f"default/{vip}", port_name=f"p{port}", frontend=Frontend(vip, port, proto),
-                            backends=backends, known_backends=backends)
+                            backends=backends, known_backends=backends, **kwargs)
 
 
-@pytest.fixture
-def world(load: Load) -> Iterator[World]:
+def _add_netns(ns: str) -> None:
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+
+
+def _del_netns(ns: str) -> None:
+    for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+@pytest.fixture(scope="module")
+def node_netns() -> Iterator[tuple[str, int]]:
+    """The node's network namespace and its cookie, one for the module's tests (a load of BCC's is kept for one
+    set of constants, the cookie among them: 15 s each)."""
+    ns = f"pyp-sock-{secrets.token_hex(3)}"
+    _add_netns(ns)
+    subprocess.run(["ip", "-n", ns, "addr", "add", f"{NODE_SERVER}/32", "dev", "lo"], check=True)
+    thread = NetnsThread(ns)
+    try:
+        yield ns, thread.call(loader.netns_cookie)
+    finally:
+        thread.close()
+        _del_netns(ns)
+
+
+@contextlib.contextmanager
+def make_world(load: Load, node: tuple[str, int], **load_args: Any) -> Iterator[World]:
+    """A World in the node's namespace `node`, its programs loaded with `load_args` (and the per-endpoint counters
+    on: the hooks count a connection per endpoint as per frontend)."""
     tag = secrets.token_hex(3)
     # A cgroup and a pin directory of this test's own, on the hierarchies the labs mount outside /sys.
-    cg, pins, ns = ensure_cgroup2() / f"sock-test-{tag}", ensure_bpffs() / f"sock-test-{tag}", f"pyp-sock-{tag}"
+    cg, pins = ensure_cgroup2() / f"sock-test-{tag}", ensure_bpffs() / f"sock-test-{tag}"
     cg.mkdir()
     pins.mkdir()
-    # With the per-endpoint counters on: the hooks count a connection per endpoint as per frontend.
-    dp = Dataplane(load(None, max_entries=CAPACITY, endpoint_counters=True), endpoint_counters=True)
+    ns, host = node
+    dp = Dataplane(load(None, max_entries=CAPACITY, endpoint_counters=True, host_netns=host, **load_args),
+                   endpoint_counters=True)
+    world = World(ns, cg, pins, dp)
     try:
-        subprocess.run(["ip", "netns", "add", ns], check=True)
-        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
-        yield World(ns, cg, pins, dp)
+        yield world
     finally:
         cgroup.detach(pins)
         dp.close()
         for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
-        subprocess.run(["ip", "netns", "del", ns], check=False)
+        for pod in world.pods:
+            _del_netns(pod)
         pins.rmdir()
         for _ in range(100):
             try:
@@ -117,6 +175,12 @@ def world(load: Load) -> Iterator[World]:
                 break
             except OSError:
                 time.sleep(0.05)
+
+
+@pytest.fixture
+def world(load: Load, node_netns: tuple[str, int]) -> Iterator[World]:
+    with make_world(load, node_netns) as w:
+        yield w
 
 
 def serve_and_ask(world: World, server_code: str, client_code: str) -> dict[str, object]:
@@ -150,15 +214,23 @@ def test_a_node_process_reaches_frontends_through_the_socket_hooks(world: World)
     assert dp.endpoint_stats() == {TCP_BACKEND: (1, 0), UDP_BACKEND: (2, 0)}
 
 
+CONNECT_VIP = textwrap.dedent("""
+    import socket
+    try:
+        socket.create_connection(("10.96.77.1", 80), timeout=1)
+    except OSError as e:
+        print(type(e).__name__)
+""")
+"""What a connect() to VIP:80 fails with."""
+
+
 def test_a_process_outside_the_cgroup_is_not_affected(world: World) -> None:
     dp = world.dp
     dp.apply(_state(VIP, 80, Protocol.TCP, (TCP_BACKEND,)), service="default/web")
     cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
-    code = "import socket\ntry:\n    socket.create_connection(('10.96.77.1', 80), timeout=1)\nexcept OSError as e:\n" \
-           "    print(type(e).__name__)"
-    out = subprocess.run(["ip", "netns", "exec", world.netns, sys.executable, "-c", code], capture_output=True,
+    out = subprocess.run(["ip", "netns", "exec", world.netns, sys.executable, "-c", CONNECT_VIP], capture_output=True,
                          text=True, timeout=20).stdout.strip()
-    assert out in ("OSError", "TimeoutError"), out  # no route to the ClusterIP: nothing rewrote the connect
+    assert out in UNTOUCHED, out  # no route to the ClusterIP: nothing rewrote the connect
     assert dp.counter("sock_lb") == 0
 
 
@@ -191,3 +263,146 @@ def test_a_start_on_another_cgroup_moves_the_hooks(world: World) -> None:
         cgroup.detach(world.pins)
     finally:
         other.rmdir()
+
+
+# A pod's (or the node's) client of 6 connected UDP sockets to VIP:53, whose 4 endpoints NODE_SERVER:15001-15004
+# answer with their port (SERVE_FOUR, in the node's namespace).
+CLIENTS = 8
+ENDPOINTS = tuple(Backend(NODE_SERVER, 15001 + i) for i in range(4))
+SERVE_FOUR = textwrap.dedent("""
+    import socket, sys, threading
+    def serve(u, port):
+        while True:
+            data, peer = u.recvfrom(100); u.sendto(str(port).encode(), peer)
+    for port in range(15001, 15005):
+        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind((sys.argv[1], port))   # replies from it
+        threading.Thread(target=serve, args=(u, port), daemon=True).start()
+    print("ready", flush=True)
+    threading.Event().wait()
+""")
+ASK_SIX = textwrap.dedent("""
+    import json, socket
+    got = []
+    for _ in range(6):
+        c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); c.settimeout(2)
+        c.connect(("10.96.77.1", 53)); c.send(b"q"); got.append(int(c.recv(100)))
+        c.close()
+    print(json.dumps(got))
+""")
+
+
+def ask_six(world: World, netns: str | None = None) -> list[int]:
+    proc = world.run_in(ASK_SIX, netns)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    return list(json.loads(out))
+
+
+@contextlib.contextmanager
+def serving_four(world: World) -> Iterator[None]:
+    server = world.run_in(SERVE_FOUR, args=(NODE_SERVER,))
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        yield
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.mark.parametrize("policy", [{"session_affinity_seconds": 10800}, {"scheduler": "sh"}],
+                         ids=["affinity", "sh"])
+def test_every_pod_is_a_client_of_its_own_and_the_node_is_one(world: World, policy: dict[str, Any]) -> None:
+    """ClientIP affinity and sh key a pod's sockets by its network namespace: 8 pods spread over 4 endpoints,
+    each keeping its own, as upstream's by pod address (before: every pod one client, all on one endpoint). The
+    node's processes stay one client together."""
+    dp = world.dp
+    dp.apply(_state(VIP, 53, Protocol.UDP, ENDPOINTS, **policy), service="default/web")
+    cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
+    with serving_four(world):
+        pods = [ask_six(world, world.pod()) for _ in range(CLIENTS)]
+        node = ask_six(world) + ask_six(world)
+    assert all(len(set(got)) == 1 for got in pods), pods
+    assert len({got[0] for got in pods}) > 1, pods   # affinity: random first choices; sh: hashes of 8 keys
+    assert len(set(node)) == 1, node
+    assert dp.counter("sock_lb") == 6 * (CLIENTS + 2)
+
+
+def test_a_pod_is_left_to_tc_where_the_frontend_says_the_socket_would_differ(world: World) -> None:
+    """A frontend without SVC_F_SOCK_PODS (--masquerade-all here: TC would SNAT the pod's flow): a pod's connect()
+    goes on to the Service address untouched (toward the node, which has no route for it), the node's is
+    translated."""
+    dp = world.dp
+    dp.apply(_state(VIP, 80, Protocol.TCP, (TCP_BACKEND,)), service="default/web",
+             masq=MasqueradeSettings(masquerade_all=True))
+    assert not dp.maps.services[abi.SvcKey(abi.be32(VIP), abi.be16(80), 6)].flags & abi.SVC_F_SOCK_PODS
+    cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
+    assert connect_vip(world, world.pod()) in UNTOUCHED and dp.counter("sock_lb") == 0
+    assert connect_vip(world) == "ConnectionRefusedError" and dp.counter("sock_lb") == 1   # 127.0.0.1:18080
+
+
+UNTOUCHED = ("OSError", "TimeoutError")
+"""What a connect() to VIP:80 that no hook translated gets: no route for it, or no answer at the node."""
+
+
+def connect_vip(world: World, netns: str | None = None) -> str:
+    proc = world.run_in(CONNECT_VIP, netns)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    return out.strip()
+
+
+def test_hostns_only_leaves_every_pod_to_tc(load: Load, node_netns: tuple[str, int]) -> None:
+    """--bpf-socket-lb-hostns-only: a pod's connect() keeps the Service address (for TC), the node's is translated."""
+    with make_world(load, node_netns, socket_lb_hostns_only=True) as world:
+        dp = world.dp
+        dp.apply(_state(VIP, 80, Protocol.TCP, (TCP_BACKEND,)), service="default/web")
+        cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
+        assert connect_vip(world, world.pod()) in UNTOUCHED and dp.counter("sock_lb") == 0
+        assert connect_vip(world) == "ConnectionRefusedError" and dp.counter("sock_lb") == 1
+
+
+HAIRPIN = textwrap.dedent("""
+    import json, socket
+    t = socket.socket(); t.bind(("0.0.0.0", 8080)); t.listen(4)
+    c = socket.socket(); c.settimeout(1)
+    try:
+        c.connect(("10.96.77.1", 80)); print(json.dumps(["connected", c.getsockname()[0]]))
+    except OSError as e:
+        print(json.dumps([type(e).__name__, c.getsockname()[0]]))
+""")
+
+
+def test_a_pods_connection_to_itself_is_left_to_tc(world: World) -> None:
+    """Hairpin: the pod's chosen endpoint is the pod itself (the frontend's only one). TC masquerades such a flow; at
+    the socket the pod would reach itself from its own address: its connect() goes on untouched (toward the node,
+    which has no route for the ClusterIP here), bound to its own address. Another pod's is translated."""
+    dp = world.dp
+    pod, other = world.pod(), world.pod()
+    dp.apply(_state(VIP, 80, Protocol.TCP, (Backend(f"{POD_NET}.1.2", 8080),)), service="default/web")
+    cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
+    proc = world.run_in(HAIRPIN, pod)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert json.loads(out) in ([e, f"{POD_NET}.1.2"] for e in UNTOUCHED), out
+    assert dp.counter("sock_lb") == 0
+    # (Translated toward the first pod, which no longer listens, through a node that does not forward here.)
+    proc = world.run_in(HAIRPIN, other)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert dp.counter("sock_lb") == 1, out
+
+
+def test_the_node_is_denied_a_load_balancer_ip_whose_source_ranges_leave_it_out(world: World) -> None:
+    """A load-balancer frontend whose source ranges leave out the node's primary address (node_denied): the node's
+    connect() fails at once with ETIMEDOUT, as its dropped SYN would end; a pod's goes on untouched, for TC, which
+    checks the pod's address against the ranges."""
+    dp = world.dp
+    lb = _state(VIP, 80, Protocol.TCP, (TCP_BACKEND,), kind=FrontendKind.LOAD_BALANCER,
+                external_backends=(TCP_BACKEND,), source_ranges=("198.51.100.0/24",), node_denied=True)
+    dp.apply(lb, service="default/web")
+    cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
+    assert connect_vip(world) == "TimeoutError"
+    assert dp.counter("source_denied") == 1 and dp.counter("sock_lb") == 0   # refused by the hook, not waited out
+    assert connect_vip(world, world.pod()) in UNTOUCHED and dp.counter("sock_lb") == 0
+    dp.apply(replace(lb, node_denied=False), service="default/web")
+    assert connect_vip(world) == "ConnectionRefusedError" and dp.counter("sock_lb") == 1   # 127.0.0.1:18080

@@ -8,8 +8,9 @@ import ctypes
 import textwrap
 
 import test_sock
+from conftest import Load
 from harness import ROOT, Dataplane
-from test_sock import World, world  # noqa: F401 (the fixture)
+from test_sock import World, make_world, node_netns, world  # noqa: F401 (the fixtures)
 
 from pyproxy.dataplane.bpf import abi, cgroup
 from pyproxy.model.objects import Protocol
@@ -40,9 +41,9 @@ CLIENT = textwrap.dedent("""
 
 
 def frontend6(dp: Dataplane, vip: str, port: int, proto: int, backends: tuple[tuple[str, int], ...],
-              svc_id: int) -> None:
+              svc_id: int, flags: int = 0) -> None:
     dp.maps.services6[abi.Svc6Key(abi.in6(vip), abi.be16(port), proto, abi.SVC_SCOPE_PACKETS)] = abi.SvcValue(
-        svc_id=svc_id, backend_count=len(backends))
+        svc_id=svc_id, backend_count=len(backends), flags=flags)
     for i, (ip, p) in enumerate(backends):
         dp.maps.slots6[abi.SlotKey(svc_id, i)] = abi.Slot6(abi.in6(ip), abi.be16(p), 0)
         dp.maps.backends6[abi.Backend6(abi.in6(ip), abi.be16(p))] = abi.BackendInfo(0, 0)
@@ -86,3 +87,39 @@ def test_an_ipv6_socket_reaches_an_ipv4_frontend_by_its_mapped_address(world: Wo
     assert got["tcp_reply"] == "tcp-backend" and got["tcp_peer"] == [mapped, 80]
     assert got["udp_reply"] == "udp:q" and got["udp_source"] == [mapped, 53]
     assert dp.counter("sock_lb") == 2
+
+
+SEND6 = textwrap.dedent("""
+    import socket
+    u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    try:
+        u.sendto(b"q", ("fd00:96::77", 53)); print("sent")
+    except OSError as e:
+        print(type(e).__name__)
+""")
+
+
+def send6(w: World, netns: str | None = None) -> str:
+    proc = w.run_in(SEND6, netns)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    return out.strip()
+
+
+def test_a_pods_ipv6_send_is_translated_where_the_frontend_allows_it_and_not_with_hostns_only(
+        load: Load, node_netns: tuple[str, int]) -> None:  # noqa: F811
+    """The IPv6 twin of test_sock's pod paths: a pod's sendto() to an IPv6 frontend is translated at its socket with
+    SVC_F_SOCK_PODS (to ::1 of its own namespace), left alone without it (no route: ENETUNREACH) and with
+    --bpf-socket-lb-hostns-only; the node's is translated every time."""
+    for hostns_only in (False, True):
+        with make_world(load, node_netns, socket_lb_hostns_only=hostns_only) as w:
+            dp = w.dp
+            frontend6(dp, VIP6, 53, 17, (UDP_BACKEND,), 1, flags=abi.SVC_F_SOCK_PODS)
+            cgroup.attach(dp.obj.progs, w.cgroup, w.pins)
+            pod = w.pod()
+            assert send6(w, pod) == ("OSError" if hostns_only else "sent")
+            assert dp.counter("sock_lb") == (0 if hostns_only else 1), hostns_only
+            frontend6(dp, VIP6, 53, 17, (UDP_BACKEND,), 1)
+            assert send6(w, pod) == "OSError"
+            assert dp.counter("sock_lb") == (0 if hostns_only else 1), "no SVC_F_SOCK_PODS: left alone"
+            assert send6(w) == "sent" and dp.counter("sock_lb") == (1 if hostns_only else 2), "the node's"

@@ -27,7 +27,11 @@ CAPACITY = {abi.MAP_SERVICES: 65536, abi.MAP_SLOTS: 1 << 20, abi.MAP_BACKENDS: 6
 _PROTO = {"tcp": "TCP", "udp": "UDP"}
 # SVC_F_MASQ changes the source the backend sees, not who answers.
 # SVC_F_NODE_VIEW, which entry the node's own sockets use (not traced: no node-origin case is).
-KNOWN_FLAGS = abi.SVC_F_AFFINITY | abi.SVC_F_DROP | abi.SVC_F_RANGES | abi.SVC_F_MASQ | abi.SVC_F_NODE_VIEW
+# SVC_F_SOCK_PODS, whether a pod's socket may be translated at connect() (not traced: pods' flows are traced on the
+# packet path, where --bpf-socket-lb-hostns-only sends them, and the flag says the socket gives the same).
+# SVC_F_NODE_DENIED, the node's own sockets refused (not traced, as SVC_F_NODE_VIEW).
+KNOWN_FLAGS = (abi.SVC_F_AFFINITY | abi.SVC_F_DROP | abi.SVC_F_RANGES | abi.SVC_F_MASQ | abi.SVC_F_NODE_VIEW
+               | abi.SVC_F_SOCK_PODS | abi.SVC_F_NODE_DENIED)
 
 Maps = dict[str, dict[tuple, tuple | None]]
 _MAPS = (abi.MAP_SERVICES, abi.MAP_SRCRANGES, abi.MAP_SLOTS, abi.MAP_AFFINITY)

@@ -116,3 +116,17 @@ def test_ipv6_weights_quiesce_ipv6_endpoints() -> None:
     svc = web(("fd00::10",), weights=(("fd00:244::5", 0),))
     (st,) = compute_service_state(svc, [V6], NODE)
     assert (st.backends, st.quiesced) == ((Backend("fd00:244::7", 8080),), (Backend("fd00:244::5", 8080),))
+
+
+def test_source_ranges_that_leave_the_node_out_deny_the_nodes_own_connections() -> None:
+    """ServicePortState.node_denied, per family: the node's primary address of the family outside every range (bpf's
+    socket hooks refuse the node's connect then, as the packet path drops its packets by their source)."""
+    svc = web(("10.96.0.10", "fd00::10"), "LoadBalancer", load_balancer_ips=("203.0.113.10", "2001:db8::11"),
+              load_balancer_source_ranges=("10.0.0.0/8", "2001:db8:1::/48"))
+    node = NodeInputs(name="node-a", primary_ip="10.0.0.5", primary_ipv6="2001:db8:2::5")
+    denied = {str(st.frontend): st.node_denied for st in compute_service_state(svc, [V4, V6], node)}
+    assert denied["203.0.113.10:80/TCP"] is False and denied["2001:db8::11:80/TCP"] is True
+    assert not any(st.node_denied for st in compute_service_state(svc, [V4, V6], node)
+                   if st.kind is not FrontendKind.LOAD_BALANCER)
+    # No primary address known: nothing to deny by.
+    assert not any(st.node_denied for st in compute_service_state(svc, [V4, V6], NodeInputs(name="node-a")))

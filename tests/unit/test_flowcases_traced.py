@@ -157,7 +157,8 @@ def test_iptables_tracer_sees_a_lost_firewall_local_policy_and_local_drop(first:
 
     # KUBE-FW lets every source on: the client outside loadBalancerSourceRanges is answered.
     assert wrong_after(re.sub(r"-s \S+ (-j KUBE-EXT-)", r"\1", text)) == [
-        "a load-balancer IP whose source ranges leave the client out: no answer"]
+        "a load-balancer IP whose source ranges leave the client out: no answer",
+        "a load-balancer IP whose source ranges leave a pod out: no answer"]
     # externalTrafficPolicy Local's KUBE-EXT sent to KUBE-SVC: the other node's endpoint answers too.
     assert wrong_after(re.sub(r"^(-A KUBE-EXT-\S+) -j KUBE-SVL-", r"\1 -j KUBE-SVC-", text, flags=re.M)) == [
         "externalTrafficPolicy Local: only this node's endpoint",
@@ -192,7 +193,8 @@ def test_ipvs_tracer_sees_a_missing_firewall_and_a_lost_local_policy(first: list
     wrong = mismatches(ipvs.IpvsTracer([ops], _without_lines(ipvs.rules_text(), "KUBE-SOURCE-RANGES-FIREWALL -j DROP")),
                        "ipvs")
     assert [w.split(" (")[0] for w in wrong] == [
-        "a load-balancer IP whose source ranges leave the client out: no answer"], wrong
+        "a load-balancer IP whose source ranges leave the client out: no answer",
+        "a load-balancer IP whose source ranges leave a pod out: no answer"], wrong
     wrong = mismatches(ipvs.IpvsTracer([ops], _without_lines(ipvs.rules_text(), "KUBE-NO-LOCAL-ENDPOINTS")), "ipvs")
     assert [w.split(" (")[0] for w in wrong] == [
         "externalTrafficPolicy Local, no endpoint on this node: no answer"], wrong
@@ -228,7 +230,8 @@ def test_nftables_tracer_sees_a_missing_firewall_and_a_lost_local_policy(first: 
     [script] = nftables.scripts(first)
     wrong = mismatches(nftables.NftablesTracer([re.sub(r"ip saddr != \{[^}]*\} drop; ", "", script)]), "nftables")
     assert [w.split(" (")[0] for w in wrong] == [
-        "a load-balancer IP whose source ranges leave the client out: no answer"], wrong
+        "a load-balancer IP whose source ranges leave the client out: no answer",
+        "a load-balancer IP whose source ranges leave a pod out: no answer"], wrong
     # externalTrafficPolicy Local's external chain sent to the service chain: the other node's endpoint answers too.
     unlocal = re.sub(r"goto (local-\S+); \}", lambda m: "goto service-" + m[1].removeprefix("local-") + "; }", script)
     assert unlocal != script
@@ -255,6 +258,7 @@ def test_userspace_tracer_sees_a_lost_filter_and_a_lost_local_policy(first: list
     unfiltered = dataclasses.replace(plan, open={f: None for f in plan.open})
     assert wrong_after(unfiltered) == [
         "a load-balancer IP whose source ranges leave the client out: no answer",
+        "a load-balancer IP whose source ranges leave a pod out: no answer",
         "externalTrafficPolicy Local, no endpoint on this node: no answer",
         "internalTrafficPolicy Local, no endpoint on this node: a pod's flow is dropped"]
     # externalTrafficPolicy Local's routes without their own endpoints: the other node's endpoint answers too.

@@ -112,6 +112,7 @@ def test_zero_values_are_the_defaults() -> None:
     ("bpf: {devices: [eth0, eth1]}", "bpf.devices", ("eth0", "eth1")),
     ("bpf: {devices: [eth0], xdpDevices: [eth0]}", "bpf.xdp_devices", ("eth0",)),
     ("bpf: {socketLB: false}", "bpf.socket_lb", False),
+    ("bpf: {socketLBHostNamespaceOnly: true}", "bpf.socket_lb_hostns_only", True),
     ("bpf: {endpointCounters: true}", "bpf.endpoint_counters", True),
     ("bpf: {endpointCounters: false}", "bpf.endpoint_counters", False),
     ("bpf: {cgroupRoot: /sys/fs/cgroup/kubepods}", "bpf.cgroup_root", Path("/sys/fs/cgroup/kubepods")),

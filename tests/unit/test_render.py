@@ -255,7 +255,8 @@ def test_new_service_writes_backends_then_slots_then_its_entry() -> None:
     assert len(backends) == 4 and len(slots) == 3  # not-ready D is known, never in a slot
     assert max(backends) < min(slots) and max(slots) < entry
     assert reset < entry  # counting starts from zero, never wiped after the first packet
-    assert plan.ops[entry] == Op("put", abi.MAP_SERVICES, ("10.96.0.10", 80, "TCP", 0), (0, 3, 0, 0, 0, 0))
+    assert plan.ops[entry] == Op("put", abi.MAP_SERVICES, ("10.96.0.10", 80, "TCP", 0),
+                                   (0, 3, abi.SVC_F_SOCK_PODS, 0, 0, 0))
 
 
 def test_shrinking_deletes_slots_after_the_count_shrinks() -> None:
@@ -271,7 +272,7 @@ def test_shrinking_deletes_slots_after_the_count_shrinks() -> None:
         ("del", abi.MAP_BACKENDS, (C.ip, C.port)),
         ("put", abi.MAP_EPOCH, (0,)),
     ]
-    assert plan.ops[0].value == (svc_id, 1, 0, 0, 0, 0)
+    assert plan.ops[0].value == (svc_id, 1, abi.SVC_F_SOCK_PODS, 0, 0, 0)
     assert plan.ops[-1].value == (1,) and c.applied.epoch == 1
 
 
@@ -371,7 +372,7 @@ def test_client_ip_affinity_is_flagged_with_its_timeout() -> None:
     c = Cluster()
     plan = c.sync({WEB: [port(WEB, "10.96.0.10", 80, [A], affinity=10800)]})
     (entry,) = positions(plan, "put", abi.MAP_SERVICES)
-    assert plan.ops[entry].value == (0, 1, abi.SVC_F_AFFINITY, 10800, 0, 0)
+    assert plan.ops[entry].value == (0, 1, abi.SVC_F_AFFINITY | abi.SVC_F_SOCK_PODS, 10800, 0, 0)
 
 
 def sticky(*backends: Backend, not_ready: Iterable[Backend] = (), affinity: int = 10800) -> ServicePortState:
@@ -594,8 +595,10 @@ def test_a_local_policy_frontend_gives_the_node_every_endpoint_in_an_entry_of_it
     services, slots = c.model.maps[abi.MAP_SERVICES], c.model.maps[abi.MAP_SLOTS]
     outside = services["192.168.1.5", 30080, "TCP", abi.SVC_SCOPE_PACKETS]
     node = services["192.168.1.5", 30080, "TCP", abi.SVC_SCOPE_NODE]
-    assert outside[1:3] == (1, abi.SVC_F_NODE_VIEW) and slots[outside[0], 0] == (A.ip, A.port, 1)
-    assert node[1:3] == (2, 0) and {slots[node[0], i] for i in range(2)} == {(A.ip, A.port, 1), (B.ip, B.port, 1)}
+    assert outside[1:3] == (1, abi.SVC_F_NODE_VIEW | abi.SVC_F_SOCK_PODS)
+    assert slots[outside[0], 0] == (A.ip, A.port, 1)
+    assert node[1:3] == (2, abi.SVC_F_SOCK_PODS)
+    assert {slots[node[0], i] for i in range(2)} == {(A.ip, A.port, 1), (B.ip, B.port, 1)}
     c.sync({WEB: [replace(local, external_backends=(A, B), masquerade=True)]})
     assert list(c.model.maps[abi.MAP_SERVICES].values()) == [(outside[0], 2, abi.SVC_F_MASQ, 0, 0, 0)]
 

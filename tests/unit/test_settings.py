@@ -246,3 +246,9 @@ def test_the_table_names_real_flags_and_every_mode_setting() -> None:
                   if paths[0].split(".")[0] in ("bpf", "masquerade", "iptables", "ipvs", "nftables", "userspace")}
     every_mode = {"--bpf-pin-path", "--cluster-cidr", "--masquerade-all"}
     assert mode_flags - every_mode | {ct.flag for ct in cli.CT_FLAGS} == listed
+
+
+def test_socket_lb_hostns_only_is_a_flag_and_off_by_default() -> None:
+    assert settings("--bpf-socket-lb-hostns-only").bpf.socket_lb_hostns_only is True
+    assert settings("--no-bpf-socket-lb-hostns-only").bpf.socket_lb_hostns_only is False
+    assert settings().bpf.socket_lb_hostns_only is False

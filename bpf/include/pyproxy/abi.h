@@ -105,6 +105,11 @@
 #define PYPROXY_SVC_F_NODE_VIEW 0x10   /* the node's own sockets use the entry of scope PYPROXY_SVC_SCOPE_NODE */
 #define PYPROXY_SVC_F_MASQ_OUTSIDE 0x20 /* new flows from outside the cluster CIDR (pyproxy_config.cluster) are
 					 * SNATed: a ClusterIP with --cluster-cidr, as upstream */
+#define PYPROXY_SVC_F_SOCK_PODS 0x40   /* a pod's connect() or send may be translated at the socket (sock.h): the
+					* model found the result is what the packet path gives that pod (no SNAT, no
+					* source ranges). Clear: a pod's call is left untouched, for TC on its veth */
+#define PYPROXY_SVC_F_NODE_DENIED 0x80 /* the node's own connections are dropped: its source ranges leave out the
+					* node's primary address (ServicePortState.node_denied) */
 
 /* struct pyproxy_svc_value.sched: how a new flow's backend is chosen (sched.h; README, "Schedulers"). Zero is
  * random, so entries written before schedulers existed (a zero pad) keep today's choice. */
@@ -363,6 +368,10 @@ struct pyproxy_config {
 	__u32 pad;     /* zero */
 	struct pyproxy_cidr6 cluster6;   /* appended: .rodata is each load's own, no map keeps the old layout */
 	struct pyproxy_refusal_rate refusal;
+	/* 1: the socket hooks translate the node's own network namespace only (--bpf-socket-lb-hostns-only): every
+	 * pod's calls are left to TC. */
+	__u32 sock_hostns_only;
+	__u64 host_netns;   /* host order; the node's network namespace cookie (SO_NETNS_COOKIE of the loader) */
 };
 
 /* Value of PYPROXY_MAP_CURSORS: a frontend's round-robin position (rr, wrr). */

@@ -399,6 +399,8 @@ const volatile struct pyproxy_config pyproxy_config = {
 	.endpoint_counters = 0,
 	.kernel = PYPROXY_KERNEL_FIB_SRC,
 	.refusal = { .ns_per_refusal = 1000000, .burst = 50 },
+	.sock_hostns_only = 0,
+	.host_netns = 0,
 };
 
 #endif /* PYPROXY_BCC */

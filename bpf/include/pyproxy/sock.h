@@ -1,13 +1,21 @@
 /* SPDX-License-Identifier: (GPL-2.0 OR Apache-2.0) */
 /*
- * Socket load balancing: the node's own processes (kubelet probes, host-network pods, a shell on the node)
- * reach frontends without any per-packet NAT. cgroup hooks at connect() and at each unconnected UDP send
- * choose the backend once and point the socket at it; their packets then leave as ordinary traffic to the
- * backend, which TC does not touch. For the application the socket still talks to the frontend: getpeername()
- * and the source of received datagrams are rewritten back (PYPROXY_MAP_SOCKS). The same frontends, backends
- * and ClientIP affinity as the packet path (lb.h), but that an externalTrafficPolicy Local frontend serves the
- * node from every endpoint (its PYPROXY_SVC_SCOPE_NODE entry); the node counts as one client for affinity
- * (source 0).
+ * Socket load balancing: processes below the hooked cgroup (the node's own: kubelet probes, host-network pods, a
+ * shell on the node; and on a real node every pod, whose containers live below the root cgroup) reach frontends
+ * without any per-packet NAT. cgroup hooks at connect() and at each unconnected UDP send choose the backend once
+ * and point the socket at it; their packets then leave as ordinary traffic to the backend, which TC does not touch.
+ * For the application the socket still talks to the frontend: getpeername() and the source of received datagrams
+ * are rewritten back (PYPROXY_MAP_SOCKS). The same frontends, backends and ClientIP affinity as the packet path
+ * (lb.h), but that an externalTrafficPolicy Local frontend serves the node and its pods from every endpoint (its
+ * PYPROXY_SVC_SCOPE_NODE entry, upstream's short circuit).
+ *
+ * Who the client is (pyproxy_sock_client): the caller's network namespace. The node's own namespace is one client,
+ * source 0, as it always was; a pod (any other namespace) is its own client, keyed by its namespace cookie, so
+ * ClientIP affinity and sh tell pods apart as upstream does by their addresses. A pod's call is translated here
+ * only where the frontend says the result is the packet path's (PYPROXY_SVC_F_SOCK_PODS, decided by the model),
+ * its connect() does not reach the pod itself (pyproxy_sock_hairpin) and --bpf-socket-lb-hostns-only is off; else
+ * it goes on untouched and TC on the pod's veth translates its packets. The node's own calls have no packet path to
+ * fall back on: a frontend whose source ranges leave the node out refuses them (PYPROXY_SVC_F_NODE_DENIED).
  */
 #ifndef PYPROXY_SOCK_H
 #define PYPROXY_SOCK_H
@@ -35,6 +43,72 @@ static __always_inline int pyproxy_sock_refuse(const struct pyproxy_svc_value *s
 	return PYPROXY_SOCK_REFUSE;
 }
 
+/* The client key of a pod for affinity and sh: its network namespace cookie in 0.0.0.0/8, which no packet's source
+ * holds, so an entry never meets a TC flow's; 0 stays the node's. Two pods share a key only 2^24 - 1 namespaces
+ * apart. */
+static __always_inline __be32 pyproxy_sock_pod_key(__u64 netns)
+{
+	return bpf_htonl((__u32)(netns % 0xffffffULL) + 1);
+}
+
+/* What pyproxy_sock_client says of a call. */
+enum pyproxy_sock_client_is {
+	PYPROXY_SOCK_FOR_TC = 0,     /* a pod's call the hooks leave untouched */
+	PYPROXY_SOCK_CLIENT,         /* translate it: *key is the client */
+	PYPROXY_SOCK_DENIED,         /* the node's call, refused: its source ranges leave the node out */
+};
+
+/* Whether the hooks may translate the caller's call to a frontend of these flags: the node's own namespace (*key 0)
+ * unless the frontend's source ranges leave it out (which the node's packets would meet on the packet path, as
+ * upstream's); a pod's (*key its pod key) only where the frontend allows it and --bpf-socket-lb-hostns-only is off. */
+static __always_inline int pyproxy_sock_client(struct bpf_sock_addr *ctx, __u16 flags, __be32 *key)
+{
+	__u64 netns = bpf_get_netns_cookie(ctx);
+
+	if (netns == pyproxy_config.host_netns) {
+		*key = 0;
+		if (flags & PYPROXY_SVC_F_NODE_DENIED) {
+			/* Dropped on the packet path: the connect fails as a dropped SYN ends, though at once. */
+			pyproxy_count(PYPROXY_CNT_SOURCE_DENIED);
+			bpf_set_retval(-ETIMEDOUT);
+			return PYPROXY_SOCK_DENIED;
+		}
+		return PYPROXY_SOCK_CLIENT;
+	}
+	if (pyproxy_config.sock_hostns_only || !(flags & PYPROXY_SVC_F_SOCK_PODS))
+		return PYPROXY_SOCK_FOR_TC;
+	*key = pyproxy_sock_pod_key(netns);
+	return PYPROXY_SOCK_CLIENT;
+}
+
+/* Hairpin: whether a pod's connect() to a frontend would reach the pod itself, its backend an address of the pod's
+ * own namespace. TC masquerades such a flow (lb.h) so that the pod does not get a packet from its own address; here
+ * the pod would reach itself from its own address. So it is left to TC. A bind to the address is the test (it
+ * succeeds only for a local one; with port 0 it takes no port): after one that succeeds the socket is bound to the
+ * pod's own address, the source its route to itself gives; one that fails changes nothing. `in6`: an IPv6 socket,
+ * `a` its backend (IPv4-mapped for an IPv4 one). Not asked for sendmsg() (bpf_bind is a connect hook's), nor
+ * right for a pod with ip_nonlocal_bind or IP_FREEBIND (any bind succeeds: its connect goes to TC, from that address),
+ * nor asked of a socket bound before its connect() (the bind fails: it is translated). */
+static __always_inline int pyproxy_sock_hairpin(struct bpf_sock_addr *ctx, const struct pyproxy_in6 *a, int in6)
+{
+	/* Written field by field: an initializer of constants would be a copy of one in .rodata, which holds the
+	 * programs' constants only (loader.py checks its size). */
+	if (in6) {
+		struct sockaddr_in6 sa6;
+
+		__builtin_memset(&sa6, 0, sizeof(sa6));
+		sa6.sin6_family = AF_INET6;
+		__builtin_memcpy(&sa6.sin6_addr, a, sizeof(*a));
+		return bpf_bind(ctx, (struct sockaddr *)&sa6, sizeof(sa6)) == 0;
+	}
+	struct sockaddr_in sa;
+
+	__builtin_memset(&sa, 0, sizeof(sa));
+	sa.sin_family = AF_INET;
+	sa.sin_addr.s_addr = a->w[3];
+	return bpf_bind(ctx, (struct sockaddr *)&sa, sizeof(sa)) == 0;
+}
+
 /* What pyproxy_sock_choose made of a connect() or send. */
 enum pyproxy_sock_choice {
 	PYPROXY_SOCK_NOT_OURS = 0,   /* not a frontend: the call goes on untouched */
@@ -42,10 +116,10 @@ enum pyproxy_sock_choice {
 	PYPROXY_SOCK_REFUSED,        /* the call fails (bpf_set_retval said how) */
 };
 
-/* The backend for a node socket's connect() or send to the IPv4 frontend daddr:dport (its IPv4 hook's, or an IPv6
+/* The backend for a socket's connect() or send to the IPv4 frontend daddr:dport (its IPv4 hook's, or an IPv6
  * socket's IPv4-mapped destination); *cookie gets the socket's cookie when it is one. */
 static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32 daddr, __be16 dport, __u8 proto,
-					       __u64 *cookie, struct pyproxy_backend *be)
+					       int connect, __u64 *cookie, struct pyproxy_backend *be)
 {
 	struct pyproxy_pkt p = { .daddr = daddr, .dport = dport, .proto = proto };
 	struct pyproxy_svc_value *svc = pyproxy_frontend_of(&p);
@@ -53,7 +127,13 @@ static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32
 
 	if (!svc)
 		return PYPROXY_SOCK_NOT_OURS;
-	/* externalTrafficPolicy Local: the node's processes reach every endpoint, not only this node's. */
+	/* externalTrafficPolicy Local: the node's processes and pods reach every endpoint, not only this node's. */
+	switch (pyproxy_sock_client(ctx, svc->flags, &p.saddr)) {
+	case PYPROXY_SOCK_FOR_TC:
+		return PYPROXY_SOCK_NOT_OURS;
+	case PYPROXY_SOCK_DENIED:
+		return PYPROXY_SOCK_REFUSED;
+	}
 	if (svc->flags & PYPROXY_SVC_F_NODE_VIEW) {
 		struct pyproxy_svc_value *node = pyproxy_frontend_in(&p, PYPROXY_SVC_SCOPE_NODE);
 
@@ -66,8 +146,8 @@ static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32
 	}
 	now = pyproxy_now();
 	*cookie = bpf_get_socket_cookie(ctx);
-	/* A socket has no source port yet at connect(): Maglev hashes the socket instead, so the node's sockets
-	 * spread over the backends (sh and dh see the node as one client, as affinity does). */
+	/* A socket has no source port yet at connect(): Maglev hashes the socket instead, so one client's sockets
+	 * spread over the backends (sh sees each pod, and the node, as one client, as affinity does). */
 	if (svc->sched == PYPROXY_SCHED_MAGLEV)
 		p.sport = (__be16)*cookie;
 	if (!((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_affinity_lookup(&p, svc, now, be))) {
@@ -77,22 +157,29 @@ static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32
 			return PYPROXY_SOCK_REFUSED;
 		}
 	}
+	/* Recorded first: a pod's affinity to itself keeps each connection of it on TC, whose own affinity holds. */
 	if (svc->flags & PYPROXY_SVC_F_AFFINITY)
 		pyproxy_affinity_record(&p, be, svc->svc_id, now);
+	if (connect && p.saddr) {
+		struct pyproxy_in6 a = { .w = { 0, 0, bpf_htonl(0xffff), be->addr } };
+
+		if (pyproxy_sock_hairpin(ctx, &a, ctx->user_family == AF_INET6))
+			return PYPROXY_SOCK_NOT_OURS;
+	}
 	pyproxy_count(PYPROXY_CNT_SOCK_LB);
 	pyproxy_count_svc(svc->svc_id, 0);
 	pyproxy_count_endpoint(be, 0);
 	return PYPROXY_SOCK_CHOSEN;
 }
 
-/* A node socket's connect() or sendmsg() to ctx's address: points it at a backend when that address is a
+/* A socket's connect() (`connect`) or sendmsg() to ctx's address: points it at a backend when that address is a
  * frontend. */
-static __always_inline int pyproxy_sock_forward(struct bpf_sock_addr *ctx, __u8 proto)
+static __always_inline int pyproxy_sock_forward(struct bpf_sock_addr *ctx, __u8 proto, int connect)
 {
 	struct pyproxy_backend be, fe = { .addr = ctx->user_ip4, .port = (__be16)ctx->user_port };
 	struct pyproxy_sock_key k = {};
 
-	switch (pyproxy_sock_choose(ctx, fe.addr, fe.port, proto, &k.cookie, &be)) {
+	switch (pyproxy_sock_choose(ctx, fe.addr, fe.port, proto, connect, &k.cookie, &be)) {
 	case PYPROXY_SOCK_NOT_OURS:
 		return PYPROXY_SOCK_OK;
 	case PYPROXY_SOCK_REFUSED:
@@ -150,13 +237,13 @@ static __always_inline int pyproxy_in6_v4mapped(const struct pyproxy_in6 *a)
 /* An IPv6 socket's connect() or send to an IPv4-mapped address: the IPv4 frontends decide; the socket is pointed at
  * the IPv4-mapped backend, and PYPROXY_MAP_SOCKS6 remembers the IPv4-mapped frontend for its peer name. */
 static __always_inline int pyproxy_sock6_forward_mapped(struct bpf_sock_addr *ctx, const struct pyproxy_in6 *daddr,
-							__be16 dport, __u8 proto)
+							__be16 dport, __u8 proto, int connect)
 {
 	struct pyproxy_backend be;
 	struct pyproxy_backend6 fe = { .addr = *daddr, .port = dport };
 	struct pyproxy_sock6_key k = { .addr = *daddr };
 
-	switch (pyproxy_sock_choose(ctx, daddr->w[3], dport, proto, &k.cookie, &be)) {
+	switch (pyproxy_sock_choose(ctx, daddr->w[3], dport, proto, connect, &k.cookie, &be)) {
 	case PYPROXY_SOCK_NOT_OURS:
 		return PYPROXY_SOCK_OK;
 	case PYPROXY_SOCK_REFUSED:
@@ -169,7 +256,7 @@ static __always_inline int pyproxy_sock6_forward_mapped(struct bpf_sock_addr *ct
 	return PYPROXY_SOCK_OK;
 }
 
-static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8 proto)
+static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8 proto, int connect)
 {
 	struct pyproxy_pkt6 p = { .dport = (__be16)ctx->user_port, .proto = proto };
 	struct pyproxy_svc_value *svc;
@@ -179,10 +266,16 @@ static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8
 
 	pyproxy_sock6_addr(ctx, &p.daddr);
 	if (pyproxy_in6_v4mapped(&p.daddr))
-		return pyproxy_sock6_forward_mapped(ctx, &p.daddr, p.dport, proto);
+		return pyproxy_sock6_forward_mapped(ctx, &p.daddr, p.dport, proto, connect);
 	svc = pyproxy_lb6_frontend_of(&p);
 	if (!svc)
 		return PYPROXY_SOCK_OK;
+	switch (pyproxy_sock_client(ctx, svc->flags, &p.saddr.w[3])) {
+	case PYPROXY_SOCK_FOR_TC:
+		return PYPROXY_SOCK_OK;
+	case PYPROXY_SOCK_DENIED:
+		return PYPROXY_SOCK_REFUSE;
+	}
 	if (svc->flags & PYPROXY_SVC_F_NODE_VIEW) {
 		struct pyproxy_svc_value *node = pyproxy_lb6_frontend_in(&p.daddr, p.dport, proto, PYPROXY_SVC_SCOPE_NODE);
 
@@ -204,6 +297,8 @@ static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8
 	}
 	if (svc->flags & PYPROXY_SVC_F_AFFINITY)
 		pyproxy_lb6_affinity_record(&p, &be, svc->svc_id, now);
+	if (connect && p.saddr.w[3] && pyproxy_sock_hairpin(ctx, &be.addr, 1))
+		return PYPROXY_SOCK_OK;
 	k.addr = be.addr;
 	k.port = be.port;
 	fe.addr = p.daddr;

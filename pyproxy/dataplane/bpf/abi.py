@@ -118,6 +118,8 @@ SVC_F_RANGES = 0x4  # PYPROXY_SVC_F_RANGES
 SVC_F_MASQ = 0x8  # PYPROXY_SVC_F_MASQ
 SVC_F_NODE_VIEW = 0x10  # PYPROXY_SVC_F_NODE_VIEW
 SVC_F_MASQ_OUTSIDE = 0x20  # PYPROXY_SVC_F_MASQ_OUTSIDE
+SVC_F_SOCK_PODS = 0x40  # PYPROXY_SVC_F_SOCK_PODS
+SVC_F_NODE_DENIED = 0x80  # PYPROXY_SVC_F_NODE_DENIED
 # struct pyproxy_svc_value.sched (PYPROXY_SCHED_*), by the name a Service or --bpf-scheduler gives.
 SCHED = {"random": 0, "rr": 1, "wrr": 2, "lc": 3, "sed": 4, "nq": 5, "sh": 6, "dh": 7, "maglev": 8}
 SCHED_NAME = {v: k for k, v in SCHED.items()}
@@ -411,6 +413,8 @@ class Config(ctypes.Structure):
         ("pad", ctypes.c_uint32),
         ("cluster6", Cidr6),  # the cluster CIDR's IPv6 half
         ("refusal", RefusalRate),
+        ("sock_hostns_only", ctypes.c_uint32),  # 1: the socket hooks translate the node's own netns only
+        ("host_netns", ctypes.c_uint64),  # the node's network namespace cookie
     ]
 
 

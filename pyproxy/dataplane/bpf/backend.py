@@ -89,8 +89,14 @@ class BpfSettings:
     ct_gc: CtGcSettings = field(default_factory=CtGcSettings)
     """How often the connection-tracking map's expired entries are deleted (an interval that adapts, gc.py)."""
     socket_lb: bool = True
-    """Socket load balancing for the node's own processes: cgroup hooks at connect() and UDP send/receive
-    point their sockets at a backend (bpf/include/pyproxy/sock.h). Off: node processes do not reach Services."""
+    """Socket load balancing for the processes below `cgroup_root` (the node's own and, on a real node, its pods'):
+    cgroup hooks at connect() and UDP send/receive point their sockets at a backend (bpf/include/pyproxy/sock.h).
+    Off: node processes do not reach Services (pods still do, by TC on their veths)."""
+    socket_lb_hostns_only: bool = False
+    """--bpf-socket-lb-hostns-only (config: bpf.socketLBHostNamespaceOnly; Cilium's socketLB.hostNamespaceOnly):
+    the socket hooks translate the node's own network namespace only; every pod's connections keep their Service
+    address at the socket (for service meshes and VMs that need the original destination) and are translated by TC
+    on the pod's veth. Off: a pod's connection is translated at the socket wherever that gives what TC would."""
     cgroup_root: Path | None = None
     """The cgroup v2 directory the socket hooks go on; they act on every process in it and below. None: the root
     of the node's cgroup v2 hierarchy, mounted at /run/pyproxy/cgroup2 when the node has none."""
@@ -751,11 +757,13 @@ class BpfDataplane:
             if s.loader == "bcc":
                 self._obj = bcc.load(s.pin_path, s.max_entries, adopt, timeouts, s.snat_ports,
                                      s.masquerade.cluster_cidr, s.endpoint_counters,
-                                     cluster_cidr6=s.masquerade.cluster_cidr6)
+                                     cluster_cidr6=s.masquerade.cluster_cidr6,
+                                     socket_lb_hostns_only=s.socket_lb_hostns_only)
             else:
                 self._obj = loader.load(s.object_path, s.pin_path, s.max_entries, adopt, timeouts, s.snat_ports,
                                         s.masquerade.cluster_cidr, s.endpoint_counters,
-                                        cluster_cidr6=s.masquerade.cluster_cidr6)
+                                        cluster_cidr6=s.masquerade.cluster_cidr6,
+                                        socket_lb_hostns_only=s.socket_lb_hostns_only)
             log.info("BPF programs loaded by %s", s.loader)
         finally:
             for fd in adopt.values():

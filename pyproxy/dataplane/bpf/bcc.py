@@ -282,6 +282,8 @@ def load(
     endpoint_counters: bool = False,
     kernel_flags: int | None = None,
     cluster_cidr6: str | None = None,
+    socket_lb_hostns_only: bool = False,
+    host_netns: int | None = None,
 ) -> loader.LoadedObject:
     """What loader.load does, with BCC compiling bpf/ here. Maps come from their pins under `pin_dir`, from
     `adopt` (pinned there first), or new (and pinned); pin_dir None: new, unpinned maps."""
@@ -289,7 +291,8 @@ def load(
     if problem:
         raise BccUnavailable(problem)
     config = loader.constants(ct_timeouts, snat_ports, cluster_cidr, endpoint_counters,
-                              loader.kernel_features(kernel_flags), cluster_cidr6)
+                              loader.kernel_features(kernel_flags), cluster_cidr6, socket_lb_hostns_only,
+                              host_netns)
     max_entries = loader.capacities(max_entries)
     obj = BccObject()
     loaded = loader.LoadedObject(obj, release=BccObject.close, kernel_flags=config.kernel)

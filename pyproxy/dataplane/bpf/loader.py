@@ -13,6 +13,8 @@ import ctypes
 import errno
 import logging
 import os
+import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,8 @@ log = logging.getLogger(__name__)
 
 BPF_FS_ROOT = Path("/sys/fs/bpf")
 TEST_KERNEL_FLAGS = "PYPROXY_TEST_KERNEL_FLAGS"
+SO_NETNS_COOKIE = getattr(socket, "SO_NETNS_COOKIE", 71)
+"""<asm-generic/socket.h>; Python names it from 3.13 on."""
 """Tests only (tests/e2e/test_flowcases.py): struct pyproxy_config.kernel (abi.KERNEL_*) instead of what the kernel
 offers, so a newer kernel runs the ways of older ones (never more than it offers: the programs would fail)."""
 
@@ -362,17 +366,29 @@ def kernel_features(kernel_flags: int | None = None) -> int:
     return offered.flags if kernel_flags is None else kernel_flags
 
 
+def netns_cookie() -> int:
+    """The cookie of this process's network namespace (SO_NETNS_COOKIE, Linux 5.14), which bpf_get_netns_cookie()
+    returns for a socket of it: the node's own namespace, for the socket hooks (sock.h)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        return int.from_bytes(s.getsockopt(socket.SOL_SOCKET, SO_NETNS_COOKIE, 8), sys.byteorder)
+
+
 def constants(ct_timeouts: abi.CtTimeoutTicks | None, snat_ports: tuple[int, int], cluster_cidr: str | None,
-              endpoint_counters: bool = False, kernel_flags: int = 0, cluster_cidr6: str | None = None) -> abi.Config:
+              endpoint_counters: bool = False, kernel_flags: int = 0, cluster_cidr6: str | None = None,
+              socket_lb_hostns_only: bool = False, host_netns: int | None = None) -> abi.Config:
     """The programs' constants (struct pyproxy_config) from the settings and `kernel_flags` (kernel_features());
     timeouts default to conntrack.CtTimeouts() at this kernel's HZ. `cluster_cidr` and `cluster_cidr6` are
-    --cluster-cidr's IPv4 and IPv6 CIDRs (MasqueradeSettings), each for its own family's flows."""
+    --cluster-cidr's IPv4 and IPv6 CIDRs (MasqueradeSettings), each for its own family's flows;
+    `socket_lb_hostns_only` is --bpf-socket-lb-hostns-only. The node's network namespace is this process's unless
+    `host_netns` names another's cookie (tests: a namespace of their own as the node's)."""
     if ct_timeouts is None:
         ct_timeouts = conntrack.CtTimeouts().ticks(clock.kernel_hz())
     return abi.Config(ct=ct_timeouts, snat=abi.SnatPorts(*snat_ports), cluster=abi.Cidr.of(cluster_cidr),
                       endpoint_counters=int(endpoint_counters), kernel=kernel_flags,
                       cluster6=abi.Cidr6.of(cluster_cidr6),
-                      refusal=abi.RefusalRate(10**9 // abi.REFUSALS_PER_SECOND, abi.REFUSAL_BURST))
+                      refusal=abi.RefusalRate(10**9 // abi.REFUSALS_PER_SECOND, abi.REFUSAL_BURST),
+                      sock_hostns_only=int(socket_lb_hostns_only),
+                      host_netns=netns_cookie() if host_netns is None else host_netns)
 
 
 def fill_jumps(loaded: LoadedObject) -> None:
@@ -409,17 +425,20 @@ def load(
     endpoint_counters: bool = False,
     kernel_flags: int | None = None,
     cluster_cidr6: str | None = None,
+    socket_lb_hostns_only: bool = False,
+    host_netns: int | None = None,
 ) -> LoadedObject:
     """Open and load the object. Maps come, in this order of preference, from their pin under `pin_dir`,
     from `adopt` (name -> fd of a previous run's map), or new (and then pinned). A pinned or adopted map of
     another shape (e.g. a changed capacity) is not reused: a warning says so and a new one replaces it.
     `ct_timeouts` (default: conntrack.CtTimeouts() at this kernel's HZ), `snat_ports` (the first and last
     source port SNAT gives out), `cluster_cidr` and `cluster_cidr6` (--cluster-cidr's IPv4 and IPv6 CIDRs) and
-    `endpoint_counters` (--bpf-endpoint-counters) become the programs' constants, and so does what this kernel
-    offers (kernel.py; `kernel_flags`, abi.KERNEL_*, overrides the probe: tests run the older kernels' ways here).
+    `endpoint_counters` (--bpf-endpoint-counters), `socket_lb_hostns_only` and `host_netns` (constants()) become
+    the programs' constants, and so does what this kernel offers (kernel.py; `kernel_flags`, abi.KERNEL_*,
+    overrides the probe: tests run the older kernels' ways here).
     A kernel without what the programs need fails here, naming what it lacks."""
     config = constants(ct_timeouts, snat_ports, cluster_cidr, endpoint_counters, kernel_features(kernel_flags),
-                       cluster_cidr6)
+                       cluster_cidr6, socket_lb_hostns_only, host_netns)
     max_entries = capacities(max_entries)
     lib = libbpf.lib()
     if not obj_path.exists():

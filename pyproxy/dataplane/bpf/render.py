@@ -64,8 +64,8 @@ class AppliedFrontend:
     known: tuple[Backend, ...]
     affinity_sec: int
     flags: int = 0
-    """abi.SVC_F_DROP, SVC_F_RANGES, SVC_F_MASQ and SVC_F_NODE_VIEW as the services map holds them (affinity is
-    `affinity_sec`)."""
+    """abi.SVC_F_DROP, SVC_F_RANGES, SVC_F_MASQ, SVC_F_NODE_VIEW, SVC_F_SOCK_PODS and SVC_F_NODE_DENIED as the
+    services map holds them (affinity is `affinity_sec`)."""
     source_ranges: tuple[str, ...] = ()
     """The CIDRs of its entries in MAP_SRCRANGES (loadBalancerSourceRanges)."""
     sched: int = 0
@@ -465,12 +465,16 @@ def render(
         # outside), internalTrafficPolicy Local without one (the model's `drop`, from every source).
         if (st.kind.external and not backends and st.backends) or st.drop:
             flags |= abi.SVC_F_DROP
-        if st.masquerade or (masq.masquerade_all and not st.kind.external):
+        if st.masquerades(masq.masquerade_all):
             flags |= abi.SVC_F_MASQ
         elif masq.cluster_cidr_of(st.family) and not st.kind.external:
             flags |= abi.SVC_F_MASQ_OUTSIDE
         if _has_node_view(st):
             flags |= abi.SVC_F_NODE_VIEW
+        if st.pods_at_socket(masq.masquerade_all):
+            flags |= abi.SVC_F_SOCK_PODS
+        if st.node_denied:
+            flags |= abi.SVC_F_NODE_DENIED
         known = st.known_backends
         if known != backends and not set(backends).issubset(known):
             known = tuple(sorted(set(known) | set(backends)))
