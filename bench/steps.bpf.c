@@ -90,7 +90,7 @@ int step6_decision(struct xdp_md *ctx)
 
 	if (!step_parse(ctx, &p))
 		return XDP_DROP;
-	return pyproxy_lb_forward(ctx, ctx->ingress_ifindex, &p, ctx->data_end - ctx->data, &be) == PYPROXY_DNAT ? XDP_PASS : XDP_DROP;
+	return pyproxy_lb_forward(ctx, ctx->ingress_ifindex, &p, ctx->data_end - ctx->data, 0, &be) == PYPROXY_DNAT ? XDP_PASS : XDP_DROP;
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

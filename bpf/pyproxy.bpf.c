@@ -102,7 +102,7 @@ int pyproxy_tc_ingress(struct __sk_buff *skb)
 			bpf_tail_call(skb, &PYPROXY_MAP_JUMP6, PYPROXY_JUMP6_TC_INGRESS);
 		return TC_ACT_OK;
 	}
-	switch (pyproxy_lb_forward(skb, skb->ingress_ifindex, &p, skb->len, &be)) {
+	switch (pyproxy_lb_forward(skb, skb->ingress_ifindex, &p, skb->len, 1, &be)) {
 	case PYPROXY_DNAT:
 		pyproxy_frag_record(&p);
 		if (pyproxy_tc_nat(skb, &p, PYPROXY_NAT_DST, be.addr, be.port))
@@ -166,7 +166,7 @@ int pyproxy_xdp_ingress(struct xdp_md *ctx)
 	/* Decided before the load balancer runs: TC ingress then makes the whole decision for this packet. */
 	if (pyproxy_xdp_csum_ambiguous(ctx, &p))
 		return XDP_PASS;
-	switch (pyproxy_lb_forward(ctx, ctx->ingress_ifindex, &p, ctx->data_end - ctx->data, &be)) {
+	switch (pyproxy_lb_forward(ctx, ctx->ingress_ifindex, &p, ctx->data_end - ctx->data, 0, &be)) {
 	case PYPROXY_DNAT:
 		/* Only a SYN or a datagram could look like a direct connection to TC (pyproxy_ct_untrack); a
 		 * segment of an established flow needs no mark. No room for it: TC translates instead, following
@@ -244,7 +244,7 @@ int pyproxy_tc_ingress6(struct __sk_buff *skb)
 	default:
 		return TC_ACT_OK;
 	}
-	switch (pyproxy_lb6_forward(skb, skb->ingress_ifindex, &p, skb->len, &be)) {
+	switch (pyproxy_lb6_forward(skb, skb->ingress_ifindex, &p, skb->len, 1, &be)) {
 	case PYPROXY_DNAT:
 		pyproxy_frag6_record(&p);
 		if (pyproxy_tc_nat6(skb, &p, PYPROXY_NAT_DST, &be.addr, be.port))
@@ -295,7 +295,7 @@ int pyproxy_xdp_ingress6(struct xdp_md *ctx)
 		return XDP_PASS;
 	if (pyproxy_xdp_csum_ambiguous6(ctx, &p))
 		return XDP_PASS;
-	switch (pyproxy_lb6_forward(ctx, ctx->ingress_ifindex, &p, ctx->data_end - ctx->data, &be)) {
+	switch (pyproxy_lb6_forward(ctx, ctx->ingress_ifindex, &p, ctx->data_end - ctx->data, 0, &be)) {
 	case PYPROXY_DNAT:
 		if ((p.proto == IPPROTO_UDP || pyproxy_is_syn6(&p)) && pyproxy_xdp_reserve_mark(ctx))
 			return XDP_PASS;

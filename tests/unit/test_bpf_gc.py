@@ -157,6 +157,18 @@ def test_affinity_entries_go_when_idle_past_their_services_timeout_or_their_fron
     assert recent not in services.garbage(affinity)
 
 
+def test_a_hairpin_choice_no_packet_took_goes_once_past_the_shortest_timeout() -> None:
+    t = Table()
+
+    def hairpin(idle: int) -> int:
+        return t.add((addr(BACKEND), addr(VIP), port(0), port(80), TCP, abi.CT_HAIRPIN),
+                     (addr(BACKEND), port(8080), 0, 0, 1, 0, NOW - idle))
+
+    fresh, at_margin, stale = hairpin(0), hairpin(T.shortest + MARGIN), hairpin(T.shortest + MARGIN + 1)
+    assert t.garbage() == {stale}
+    assert not t.garbage() & {fresh, at_margin}
+
+
 def test_entries_of_an_unknown_kind_are_left_alone() -> None:
     t = Table()
     t.add((addr(CLIENT), addr(VIP), port(1), port(80), TCP, 7), (addr(BACKEND), port(8080), 0, 0, 1, 1, 0))

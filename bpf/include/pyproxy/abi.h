@@ -133,6 +133,9 @@
 #define PYPROXY_CT_FORWARD  0          /* client -> frontend, value holds the backend */
 #define PYPROXY_CT_REVERSE  1          /* backend -> client, value holds the frontend to restore */
 #define PYPROXY_CT_AFFINITY 2          /* client -> frontend with ports zeroed: ClientIP affinity */
+#define PYPROXY_CT_HAIRPIN  3          /* pod -> frontend with ports zeroed: the socket hook chose the pod itself for
+					* a connect() it leaves to TC (sock.h); TC takes that choice once, within
+					* pyproxy_ct_timeouts.shortest (lb.h) */
 
 /* struct pyproxy_ct_value.state: where a flow is in its life, which picks its idle timeout (ct.h draws the
  * machine). Both entries of a flow (FORWARD and REVERSE) carry it; a packet that changes it writes both. Zero is

@@ -65,6 +65,45 @@ static __always_inline void pyproxy_affinity_record(const struct pyproxy_pkt *p,
 	bpf_map_update_elem(&PYPROXY_MAP_CT, &k, &v, BPF_ANY);
 }
 
+/* Hairpin (sock.h): a pod's connect() whose chosen backend is the pod itself goes on untranslated to TC, which
+ * masquerades it. The hook's choice travels with it: TC choosing again would bring a pod of n endpoints to itself
+ * 1 time in n², not n. Keyed by the pod's address (the backend's, which the socket was bound to) and the frontend. */
+static __always_inline void pyproxy_hairpin_claim(__be32 daddr, __be16 dport, __u8 proto,
+						  const struct pyproxy_backend *be, __u32 svc_id, __u64 now)
+{
+	struct pyproxy_ct_key k = {
+		.saddr = be->addr, .daddr = daddr, .dport = dport, .proto = proto, .dir = PYPROXY_CT_HAIRPIN,
+	};
+	struct pyproxy_ct_value v = {
+		.nat_addr = be->addr, .nat_port = be->port, .svc_id = svc_id, .last_seen = now,
+	};
+
+	bpf_map_update_elem(&PYPROXY_MAP_CT, &k, &v, BPF_ANY);
+}
+
+/* A hairpin choice is taken once (its entry, `k` in `ct`, goes), and only fresh: a connect() sends its first packet
+ * at once, so an older one is a connect() that never did. */
+static __always_inline int pyproxy_hairpin_take(void *ct, const void *k, __u64 claimed, __u64 now)
+{
+	bpf_map_delete_elem(ct, k);
+	return now - claimed <= pyproxy_config.ct.shortest;
+}
+
+/* The hook's hairpin choice for a new flow: whether there was a fresh one whose backend is still an endpoint (*be).
+ * `k`: room for the key, the caller's. */
+static __always_inline int pyproxy_hairpin_claimed(const struct pyproxy_pkt *p, __u64 now, struct pyproxy_ct_key *k,
+						   struct pyproxy_backend *be)
+{
+	struct pyproxy_ct_value *v;
+
+	pyproxy_ct_key_set(k, p->saddr, p->daddr, 0, p->dport, p->proto, PYPROXY_CT_HAIRPIN);
+	v = bpf_map_lookup_elem(&PYPROXY_MAP_CT, k);
+	if (!v)
+		return 0;
+	*be = (struct pyproxy_backend){ .addr = v->nat_addr, .port = v->nat_port };
+	return pyproxy_hairpin_take(&PYPROXY_MAP_CT, k, v->last_seen, now) && pyproxy_backend_alive(be);
+}
+
 /* loadBalancerSourceRanges: whether a new flow from `saddr` may use the frontend. */
 static __always_inline int pyproxy_source_allowed(const struct pyproxy_svc_value *svc, __be32 saddr)
 {
@@ -149,9 +188,11 @@ static __always_inline int pyproxy_lb_masquerade(void *ctx, __u32 ifindex, const
  * established flow: two (frontend, flow) and an array read (the epoch); a third (backend still an endpoint)
  * once per flow after backends were removed, and one on each state change (pyproxy_ct_seen). A later fragment
  * (p->frag) only follows its flow: it never starts one. A backend's reply to an SNATed flow comes back as
- * PYPROXY_DNAT too, with *be its client. */
+ * PYPROXY_DNAT too, with *be its client. `pods`: whether this node's pods' packets may come here (TC, on their
+ * veths; not XDP on the uplinks), which may follow a socket hook's hairpin choice (a constant: XDP, near the
+ * verifier's limits under BCC, has none of that code). */
 static __always_inline int pyproxy_lb_forward(void *ctx, __u32 ifindex, const struct pyproxy_pkt *p, __u64 pkt_len,
-					      struct pyproxy_backend *be)
+					      int pods, struct pyproxy_backend *be)
 {
 	struct pyproxy_svc_value *svc;
 	struct pyproxy_ct_value *ct;
@@ -217,7 +258,8 @@ static __always_inline int pyproxy_lb_forward(void *ctx, __u32 ifindex, const st
 		pyproxy_count(PYPROXY_CNT_NO_BACKEND);
 		return PYPROXY_REJECT;
 	}
-	if (!((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_affinity_lookup(p, svc, now, be))) {
+	if (!(pods && (svc->flags & PYPROXY_SVC_F_SOCK_PODS) && pyproxy_hairpin_claimed(p, now, &k, be)) &&
+	    !((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_affinity_lookup(p, svc, now, be))) {
 		if (!pyproxy_pick_backend(p, svc, be)) {
 			pyproxy_count(PYPROXY_CNT_SLOT_MISS);
 			return PYPROXY_DROP;

@@ -66,6 +66,33 @@ static __always_inline void pyproxy_lb6_affinity_record(const struct pyproxy_pkt
 	bpf_map_update_elem(&PYPROXY_MAP_CT6, &k, &v, BPF_ANY);
 }
 
+/* pyproxy_hairpin_claim's twin. */
+static __always_inline void pyproxy_lb6_hairpin_claim(const struct pyproxy_in6 *daddr, __be16 dport, __u8 proto,
+						      const struct pyproxy_backend6 *be, __u32 svc_id, __u64 now)
+{
+	struct pyproxy_ct6_key k;
+	struct pyproxy_ct6_value v = {
+		.nat_addr = be->addr, .nat_port = be->port, .svc_id = svc_id, .last_seen = now,
+	};
+
+	pyproxy_ct6_key_set(&k, &be->addr, daddr, 0, dport, proto, PYPROXY_CT_HAIRPIN);
+	bpf_map_update_elem(&PYPROXY_MAP_CT6, &k, &v, BPF_ANY);
+}
+
+/* pyproxy_hairpin_claimed's twin. */
+static __always_inline int pyproxy_lb6_hairpin_claimed(const struct pyproxy_pkt6 *p, __u64 now,
+						       struct pyproxy_ct6_key *k, struct pyproxy_backend6 *be)
+{
+	struct pyproxy_ct6_value *v;
+
+	pyproxy_ct6_key_set(k, &p->saddr, &p->daddr, 0, p->dport, p->proto, PYPROXY_CT_HAIRPIN);
+	v = bpf_map_lookup_elem(&PYPROXY_MAP_CT6, k);
+	if (!v)
+		return 0;
+	*be = (struct pyproxy_backend6){ .addr = v->nat_addr, .port = v->nat_port };
+	return pyproxy_hairpin_take(&PYPROXY_MAP_CT6, k, v->last_seen, now) && pyproxy_lb6_backend_alive(be);
+}
+
 static __always_inline int pyproxy_lb6_source_allowed(const struct pyproxy_svc_value *svc,
 						      const struct pyproxy_in6 *saddr)
 {
@@ -260,7 +287,7 @@ static __always_inline int pyproxy_lb6_masquerade(void *ctx, __u32 ifindex, cons
 
 /* The forward decision for an IPv6 packet entering the node (pyproxy_lb_forward's twin). */
 static __always_inline int pyproxy_lb6_forward(void *ctx, __u32 ifindex, const struct pyproxy_pkt6 *p,
-					       __u64 pkt_len, struct pyproxy_backend6 *be)
+					       __u64 pkt_len, int pods, struct pyproxy_backend6 *be)
 {
 	struct pyproxy_svc_value *svc;
 	struct pyproxy_ct6_value *ct;
@@ -320,7 +347,8 @@ static __always_inline int pyproxy_lb6_forward(void *ctx, __u32 ifindex, const s
 		pyproxy_count(PYPROXY_CNT_NO_BACKEND);
 		return PYPROXY_REJECT;
 	}
-	if (!((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_lb6_affinity_lookup(p, svc, now, be))) {
+	if (!(pods && (svc->flags & PYPROXY_SVC_F_SOCK_PODS) && pyproxy_lb6_hairpin_claimed(p, now, &k, be)) &&
+	    !((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_lb6_affinity_lookup(p, svc, now, be))) {
 		if (!pyproxy_lb6_pick_backend(p, svc, be)) {
 			pyproxy_count(PYPROXY_CNT_SLOT_MISS);
 			return PYPROXY_DROP;

@@ -83,12 +83,13 @@ static __always_inline int pyproxy_sock_client(struct bpf_sock_addr *ctx, __u16 
 
 /* Hairpin: whether a pod's connect() to a frontend would reach the pod itself, its backend an address of the pod's
  * own namespace. TC masquerades such a flow (lb.h) so that the pod does not get a packet from its own address; here
- * the pod would reach itself from its own address. So it is left to TC. A bind to the address is the test (it
- * succeeds only for a local one; with port 0 it takes no port): after one that succeeds the socket is bound to the
- * pod's own address, the source its route to itself gives; one that fails changes nothing. `in6`: an IPv6 socket,
- * `a` its backend (IPv4-mapped for an IPv4 one). Not asked for sendmsg() (bpf_bind is a connect hook's), nor
- * right for a pod with ip_nonlocal_bind or IP_FREEBIND (any bind succeeds: its connect goes to TC, from that address),
- * nor asked of a socket bound before its connect() (the bind fails: it is translated). */
+ * the pod would reach itself from its own address. So it is left to TC, with the choice (pyproxy_hairpin_claim).
+ * A bind to the address is the test (it succeeds only for a local one; with port 0 it takes no port): after one
+ * that succeeds the socket is bound to the pod's own address, the source its route to itself gives; one that fails
+ * changes nothing. `in6`: an IPv6 socket, `a` its backend (IPv4-mapped for an IPv4 one). Not asked for sendmsg()
+ * (bpf_bind is a connect hook's), nor right for a pod with ip_nonlocal_bind or IP_FREEBIND (any bind succeeds: its
+ * connect goes to TC, from that address), nor asked of a socket bound before its connect() (the bind fails: it is
+ * translated). */
 static __always_inline int pyproxy_sock_hairpin(struct bpf_sock_addr *ctx, const struct pyproxy_in6 *a, int in6)
 {
 	/* Written field by field: an initializer of constants would be a copy of one in .rodata, which holds the
@@ -163,8 +164,10 @@ static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32
 	if (connect && p.saddr) {
 		struct pyproxy_in6 a = { .w = { 0, 0, bpf_htonl(0xffff), be->addr } };
 
-		if (pyproxy_sock_hairpin(ctx, &a, ctx->user_family == AF_INET6))
+		if (pyproxy_sock_hairpin(ctx, &a, ctx->user_family == AF_INET6)) {
+			pyproxy_hairpin_claim(daddr, dport, proto, be, svc->svc_id, now);
 			return PYPROXY_SOCK_NOT_OURS;
+		}
 	}
 	pyproxy_count(PYPROXY_CNT_SOCK_LB);
 	pyproxy_count_svc(svc->svc_id, 0);
@@ -297,8 +300,10 @@ static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8
 	}
 	if (svc->flags & PYPROXY_SVC_F_AFFINITY)
 		pyproxy_lb6_affinity_record(&p, &be, svc->svc_id, now);
-	if (connect && p.saddr.w[3] && pyproxy_sock_hairpin(ctx, &be.addr, 1))
+	if (connect && p.saddr.w[3] && pyproxy_sock_hairpin(ctx, &be.addr, 1)) {
+		pyproxy_lb6_hairpin_claim(&p.daddr, p.dport, proto, &be, svc->svc_id, now);
 		return PYPROXY_SOCK_OK;
+	}
 	k.addr = be.addr;
 	k.port = be.port;
 	fe.addr = p.daddr;

@@ -9,7 +9,9 @@ the garbage, and deletes each of it that is still as it read it (a compare, then
   constants) plus `MARGIN_SECONDS`, unless the other entry of its flow is not (the programs keep a flow while
   either direction saw a packet within its timeout: a one-way stream refreshes one entry only);
 - an AFFINITY entry idle longer than its Service's affinity timeout (the services map's `affinity_ticks`, the
-  frontend found by the entry's daddr/dport/proto) plus the margin, or whose frontend is gone or has no affinity.
+  frontend found by the entry's daddr/dport/proto) plus the margin, or whose frontend is gone or has no affinity;
+- a HAIRPIN entry (a socket hook's choice its pod's first packet takes, lb.h) idle longer than the shortest
+  timeout plus the margin: its connect() never sent a packet.
 
 Nothing is deleted that the programs would still use, so a restart (the map is pinned) keeps every live flow.
 
@@ -192,6 +194,8 @@ def find_garbage(
             ticks = affinity.get((daddr, dport, proto))
             if ticks is None or now - last_seen > ticks + margin:
                 garbage.append(i)
+        elif direction == abi.CT_HAIRPIN and now - last_seen > timeouts.shortest + margin:
+            garbage.append(i)
         # else: not a kind this version knows, left alone
     if not expired:
         return garbage

@@ -199,7 +199,7 @@ def _add_flows(out: inspection.View, ct: BpfMap, names: dict[int, str], affinity
     """The live flows and affinities of one family's CT map (PYPROXY_MAP_CT, PYPROXY_MAP_CT6): a flow past its
     timeouts is absent to the programs, and not shown, though the collector has not deleted it yet."""
     for k in ct.keys_list():
-        if k.dir == abi.CT_REVERSE:
+        if k.dir == abi.CT_REVERSE or k.dir == abi.CT_HAIRPIN:   # HAIRPIN: a choice its flow takes at once
             continue
         v = ct.get(k)
         # An SNAT pair's FORWARD entry is the reply side of a flow listed under its client (abi.h).
