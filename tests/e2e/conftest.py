@@ -47,18 +47,19 @@ GuestPytest = Callable[..., None]
 
 @pytest.fixture(scope="session")
 def guest_pytest() -> GuestPytest:
-    """guest_pytest(selection, timeout, allowed_skips=()) runs `pytest SELECTION` inside the qemu guest booting
+    """guest_pytest(selection, timeout, allowed_skips=(), env=None) runs `pytest SELECTION` inside the qemu guest booting
     Debian's kernel (tests/guest: the image built when missing or stale, this checkout shared read-only) and asserts
     it passed with nothing skipped but for a reason in `allowed_skips` (substrings): any other skip means a test
     did not really run on that kernel. The guest's output is printed (pytest shows it for a failure, or always
-    with -s); bounded by `timeout` seconds of guest run."""
+    with -s); bounded by `timeout` seconds of guest run; `env`: variables the guest's pytest gets."""
     run = _guest_runner()
 
-    def go(selection: str, timeout: float, allowed_skips: Sequence[str] = ()) -> None:
+    def go(selection: str, timeout: float, allowed_skips: Sequence[str] = (),
+           env: dict[str, str] | None = None) -> None:
         image = run.build_image()
         # PYPROXY_TEST_EMULATED: tests whose time bounds are the host's relax them (tests/priv/test_gc.py).
         result = run.run_in_guest(f"{GUEST_PYTEST} {shlex.join(shlex.split(selection))}", timeout=timeout, echo=None,
-                                  image=image, env={"PYPROXY_TEST_EMULATED": "1"})
+                                  image=image, env={"PYPROXY_TEST_EMULATED": "1", **(env or {})})
         print(f"===== guest output ({result.seconds:g}s, exit {result.returncode}) =====\n{result.output}")
         if result.returncode in (124, 125):
             print(f"===== guest console =====\n{result.console[-20000:]}")
