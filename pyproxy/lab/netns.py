@@ -214,6 +214,12 @@ def backend_ip(index: int) -> str:
     return f"10.201.{index}.2"
 
 
+def conf_key(ifname: str, setting: str) -> str:
+    """sysctl's key of an IPv4 setting of one device, '/'-separated: a VLAN device's name holds a dot
+    (to-client.100), which the dotted form would read as a separator."""
+    return f"net/ipv4/conf/{ifname}/{setting}"
+
+
 def ipv6_of(ipv4: str) -> str:
     """The lab's IPv6 address beside an IPv4 one: 10.A.B.C -> fd00:10:A:B::C (each link's /24 a /64), in
     canonical form, so a case names both families of a role alike (10.200.0.2 -> fd00:10:200::2)."""
@@ -706,7 +712,7 @@ class Lab:
         """A device of the node made by `ip link add NAME CREATE...` (a bridge, a macvlan), addressed and up."""
         run(["ip", "-n", self.node, "link", "add", name, *create])
         if self.distro:
-            self.sysctl(self.node, {f"net.ipv4.conf.{name}.rp_filter": self.rp_filter})
+            self.sysctl(self.node, {conf_key(name, "rp_filter"): self.rp_filter})
         self._address(self.node, name, cidr, prefix6)
         run(["ip", "-n", self.node, "link", "set", name, "up"])
 
@@ -731,7 +737,7 @@ class Lab:
             run(["ip", "-n", peer_ns, "link", "set", PEER_IFNAME, "mtu", str(mtu)])
         if self.distro and up == self.node:
             # Before the address: strict filtering from the first packet, also on devices added later.
-            self.sysctl(self.node, {f"net.ipv4.conf.{node_ifname}.rp_filter": self.rp_filter})
+            self.sysctl(self.node, {conf_key(node_ifname, "rp_filter"): self.rp_filter})
         if node_cidr is not None:
             self._address(up, node_ifname, node_cidr, prefix6)
         peer_devs = [PEER_IFNAME]
@@ -796,7 +802,7 @@ class Lab:
             # address to the macvlan's MAC and its frames are the macvlan's. With the default, 0, the lower device
             # answers too, and a client that takes its MAC sends frames the macvlan never sees (measured: about
             # half the labs). `Lab.send_to_lower_device` makes the client do so.
-            self.sysctl(self.node, {f"net.ipv4.conf.{NODE_CLIENT_IFNAME}.arp_ignore": 1})
+            self.sysctl(self.node, {conf_key(NODE_CLIENT_IFNAME, "arp_ignore"): 1})
         for ip in self.client_ips[1:]:
             run(["ip", "-n", self.client, "addr", "add", f"{ip}/24", "dev", PEER_IFNAME])
         if self.second_client:
