@@ -47,11 +47,11 @@ GuestPytest = Callable[..., None]
 
 @pytest.fixture(scope="session")
 def guest_pytest() -> GuestPytest:
-    """guest_pytest(selection, timeout, allowed_skips=(), env=None) runs `pytest SELECTION` inside the qemu guest booting
-    Debian's kernel (tests/guest: the image built when missing or stale, this checkout shared read-only) and asserts
-    it passed with nothing skipped but for a reason in `allowed_skips` (substrings): any other skip means a test
-    did not really run on that kernel. The guest's output is printed (pytest shows it for a failure, or always
-    with -s); bounded by `timeout` seconds of guest run; `env`: variables the guest's pytest gets."""
+    """guest_pytest(selection, timeout, allowed_skips=(), env=None) runs `pytest SELECTION` inside the qemu guest
+    booting Debian's kernel (tests/guest: the image built when missing or stale, this checkout shared read-only)
+    and asserts it passed with nothing skipped but for a reason in `allowed_skips` (substrings): any other skip
+    means a test did not really run on that kernel. The guest's output is printed (pytest shows it for a failure,
+    or always with -s); bounded by `timeout` seconds of guest run; `env`: variables the guest's pytest gets."""
     run = _guest_runner()
 
     def go(selection: str, timeout: float, allowed_skips: Sequence[str] = (),
