@@ -332,13 +332,13 @@ int pyproxy_sendmsg4(struct bpf_sock_addr *ctx)
 SEC("cgroup/recvmsg4")
 int pyproxy_recvmsg4(struct bpf_sock_addr *ctx)
 {
-	return pyproxy_sock_reverse(ctx);
+	return pyproxy_sock_reverse(ctx, 1);
 }
 
 SEC("cgroup/getpeername4")
 int pyproxy_getpeer4(struct bpf_sock_addr *ctx)
 {
-	return pyproxy_sock_reverse(ctx);
+	return pyproxy_sock_reverse(ctx, 0);
 }
 
 SEC("cgroup/connect6")
@@ -358,13 +358,13 @@ int pyproxy_sendmsg6(struct bpf_sock_addr *ctx)
 SEC("cgroup/recvmsg6")
 int pyproxy_recvmsg6(struct bpf_sock_addr *ctx)
 {
-	return pyproxy_sock6_reverse(ctx);
+	return pyproxy_sock6_reverse(ctx, 1);
 }
 
 SEC("cgroup/getpeername6")
 int pyproxy_getpeer6(struct bpf_sock_addr *ctx)
 {
-	return pyproxy_sock6_reverse(ctx);
+	return pyproxy_sock6_reverse(ctx, 0);
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

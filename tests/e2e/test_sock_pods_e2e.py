@@ -10,8 +10,10 @@ scheduler annotation says: sh is upstream's IPVS scheduler, which this kernel la
 
 from __future__ import annotations
 
+import json
+
 import pytest
-from scenarios import WEB_PORTS
+from scenarios import DNS_PORTS, WEB_PORTS
 
 from pyproxy.lab import describe
 from pyproxy.lab.manifests import endpoint_slice, service
@@ -86,3 +88,39 @@ def test_a_pod_reaches_itself_as_often_as_its_other_endpoint(make_env, mode: str
     print(f"{mode}: {itself} of {HAIRPIN_CONNECTIONS} connections reached the pod itself: {result['replies']}")
     # Fair: 100 expected (sd 7); choosing twice: 50 (sd 6). 75 is 3.5 sd from either.
     assert itself > 75, f"{itself} of {HAIRPIN_CONNECTIONS} reached the pod itself: {result['replies']}"
+
+
+UNCONNECTED_VIP, DATAGRAMS = "10.96.0.44", 60
+SENDTO = """
+import json, socket, sys
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.settimeout(2)
+got = []
+for _ in range(int(sys.argv[2])):
+    u.sendto(b"GET\\n", (sys.argv[1], 53))
+    data, src = u.recvfrom(2048)
+    got.append([data.decode().split()[0], list(src)])
+print(json.dumps(got))
+"""
+"""One unconnected UDP socket's sendto()s to VIP:53, as a DNS, QUIC or statsd client makes them: each answer's
+first word (who answered) and its source."""
+
+
+@pytest.mark.parametrize("mode", ["bpf", "nftables"])
+def test_one_unconnected_udp_socket_talks_to_one_endpoint(make_env, mode: str) -> None:
+    """Issue 26's fourth row: one unconnected UDP socket sends 60 datagrams (sendto) to a Service of 3 endpoints,
+    from a pod of the node and from the node itself: all 60 reach one endpoint, as conntrack keeps one flow per
+    5-tuple in upstream's modes, and every answer comes from the Service's address."""
+    # distro: a node with a default route, which a node process's datagram to a ClusterIP takes in nftables mode.
+    env = make_env(4, distro=True, pods_in_cgroup=True)
+    endpoints, pod = env.lab.backends[:3], env.lab.backends[3]
+    env.write("dns.yaml", service("dns", UNCONNECTED_VIP, DNS_PORTS),
+              endpoint_slice("dns", {b.ip: True for b in endpoints}, DNS_PORTS))
+    env.start(mode=mode)
+    env.assert_reaches("udp", UNCONNECTED_VIP, 53, {f"{b.name}:5353" for b in endpoints})
+    for client in (pod.ns, env.lab.node):
+        out = env.lab.python(client, "-c", SENDTO, UNCONNECTED_VIP, str(DATAGRAMS), timeout=60).stdout
+        got = json.loads(out)
+        answered = {who for who, _ in got}
+        print(f"{mode} {client}: {DATAGRAMS} datagrams of one socket answered by {sorted(answered)}")
+        assert len(got) == DATAGRAMS and len(answered) == 1, f"{client}: {got}"
+        assert all(src == [UNCONNECTED_VIP, 53] for _, src in got), f"{client}: answers' sources {got}"

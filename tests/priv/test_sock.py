@@ -80,16 +80,18 @@ class World:
     dp: Dataplane
     pods: list[str] = field(default_factory=list)
 
-    def run_in(self, code: str, netns: str | None = None, args: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+    def run_in(self, code: str, netns: str | None = None, args: tuple[str, ...] = (),
+               stdin: bool = False) -> subprocess.Popen[str]:
         """`python -c code args...` in the test's namespace (or `netns`) and cgroup (joined before exec, so from its
-        first syscall)."""
+        first syscall); `stdin`: a pipe to it."""
         procs = self.cgroup / "cgroup.procs"
 
         def join() -> None:
             procs.write_text(str(os.getpid()))
 
         return subprocess.Popen(["ip", "netns", "exec", netns or self.netns, sys.executable, "-c", code, *args],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=join)
+                                stdin=subprocess.PIPE if stdin else None, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, preexec_fn=join)
 
     def pod(self) -> str:
         """A new network namespace, a pod's: its processes run in the cgroup by `run_in`. Its eth0 has POD_NET's n-th
@@ -325,6 +327,58 @@ def test_every_pod_is_a_client_of_its_own_and_the_node_is_one(world: World, poli
     assert len({got[0] for got in pods}) > 1, pods   # affinity: random first choices; sh: hashes of 8 keys
     assert len(set(node)) == 1, node
     assert dp.counter("sock_lb") == 6 * (CLIENTS + 2)
+
+
+SEND_UNCONNECTED = textwrap.dedent("""
+    import json, socket, sys
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2)]
+    def round():
+        got = []
+        for u in socks:
+            u.settimeout(2)
+            ports, sources = [], set()
+            for _ in range(30):
+                u.sendto(b"q", ("10.96.77.1", 53))
+                data, src = u.recvfrom(100); ports.append(int(data)); sources.add(src)
+            got.append({"ports": ports, "sources": sorted(sources)})
+        return got
+    print(json.dumps(round()), flush=True)
+    sys.stdin.readline()
+    print(json.dumps(round()), flush=True)
+""")
+"""Two unconnected UDP sockets, 30 sendto()s each to VIP:53 (the endpoint's port in each answer, and the answers'
+sources), a line of JSON; once told (a line on stdin), the same again."""
+
+
+@pytest.mark.parametrize("client", ["node", "pod"])
+def test_an_unconnected_udp_socket_keeps_one_endpoint_until_it_leaves(world: World, client: str) -> None:
+    """An unconnected UDP socket's datagrams to a frontend go to one endpoint, as conntrack keeps one flow per
+    5-tuple on the packet path (before: a new choice per datagram, all 4 endpoints in 30); when that endpoint leaves
+    the Service, the socket's next datagrams go to another one, and stay there."""
+    dp = world.dp
+    dp.apply(_state(VIP, 53, Protocol.UDP, ENDPOINTS), service="default/web")
+    cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
+    with serving_four(world):
+        proc = world.run_in(SEND_UNCONNECTED, world.pod() if client == "pod" else None, stdin=True)
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            first = json.loads(proc.stdout.readline() or "null")
+            assert first is not None, proc.stderr.read() if proc.stderr else ""
+            chosen = {sock["ports"][0] for sock in first}
+            dp.apply(_state(VIP, 53, Protocol.UDP, tuple(e for e in ENDPOINTS if e.port not in chosen)),
+                     service="default/web")
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            second = json.loads(proc.stdout.readline() or "null")
+            assert second is not None, proc.stderr.read() if proc.stderr else ""
+        finally:
+            proc.kill()
+            proc.wait()
+    for sock in first + second:
+        assert len(set(sock["ports"])) == 1, f"a socket's datagrams spread: {first} then {second}"
+        assert sock["sources"] == [[VIP, 53]], sock["sources"]
+    assert not chosen & {sock["ports"][0] for sock in second}, f"stayed on a removed endpoint: {first} {second}"
+    assert dp.counter("sock_lb") == 4 * 30
 
 
 def test_a_pod_is_left_to_tc_where_the_frontend_says_the_socket_would_differ(world: World) -> None:

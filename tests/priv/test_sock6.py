@@ -123,3 +123,25 @@ def test_a_pods_ipv6_send_is_translated_where_the_frontend_allows_it_and_not_wit
             assert send6(w, pod) == "OSError"
             assert dp.counter("sock_lb") == (0 if hostns_only else 1), "no SVC_F_SOCK_PODS: left alone"
             assert send6(w) == "sent" and dp.counter("sock_lb") == (1 if hostns_only else 2), "the node's"
+
+
+SERVE_FOUR6 = test_sock.SERVE_FOUR.replace("socket.AF_INET,", "socket.AF_INET6,").replace("sys.argv[1]", '"::1"')
+SEND_THIRTY6 = textwrap.dedent("""
+    import json, socket
+    u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); u.settimeout(2)
+    ports = []
+    for _ in range(30):
+        u.sendto(b"q", ("fd00:96::77", 53)); ports.append(int(u.recvfrom(100)[0]))
+    print(json.dumps({"ports": ports}))
+""")
+
+
+def test_an_unconnected_ipv6_udp_socket_keeps_one_endpoint(world: World) -> None:  # noqa: F811
+    """test_sock's unconnected UDP flow on an IPv6 frontend: 30 sendto()s of one socket, one endpoint of 4."""
+    dp = world.dp
+    frontend6(dp, VIP6, 53, 17, tuple(("::1", 15001 + i) for i in range(4)), 1)
+    cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
+    ports = test_sock.serve_and_ask(world, SERVE_FOUR6, SEND_THIRTY6)["ports"]
+    assert isinstance(ports, list) and len(ports) == 30, ports
+    assert len(set(ports)) == 1, f"one socket's datagrams spread: {ports}"
+    assert len(dp.maps.sockflows6) == 1

@@ -30,6 +30,7 @@
 #endif
 #define PYPROXY_MAP_PORTS     pyproxy_port_v1
 #define PYPROXY_MAP_SOCKS     pyproxy_sock_v1
+#define PYPROXY_MAP_SOCKFLOWS pyproxy_sflow_v1
 #define PYPROXY_MAP_SRCRANGES pyproxy_range_v1
 #define PYPROXY_MAP_CURSORS   pyproxy_rr_v1
 #define PYPROXY_MAP_TABLES    pyproxy_tbl_v3   /* v2: an array per frontend (map in map); v3: its inner
@@ -49,6 +50,7 @@
 #define PYPROXY_MAP_SRCRANGES6 pyproxy_range6_v1
 #define PYPROXY_MAP_TABLES6    pyproxy_tbl6_v1
 #define PYPROXY_MAP_SOCKS6     pyproxy_sock6_v1
+#define PYPROXY_MAP_SOCKFLOWS6 pyproxy_sflow6_v1
 #define PYPROXY_MAP_DEVADDRS6  pyproxy_dev6_v1
 #define PYPROXY_MAP_EPSTATS6   pyproxy_epstat6_v1
 #define PYPROXY_MAP_AFFINITY6  pyproxy_aff6_v1
@@ -409,6 +411,15 @@ struct pyproxy_sock_key {
 /* Its value is a struct pyproxy_backend holding the frontend (ClusterIP and port) the socket asked for, which
  * getpeername() and received datagrams' source addresses show. */
 
+/* PYPROXY_MAP_SOCKFLOWS is keyed by a struct pyproxy_sock_key too, holding the frontend an unconnected UDP socket
+ * sends to (sendmsg); its value is the flow that socket has to that frontend. */
+struct pyproxy_sockflow_value {
+	struct pyproxy_backend be;   /* the backend its datagrams go to */
+	__u32 svc_id;      /* host order; the frontend's when chosen */
+	__u32 epoch;       /* host order; the backends epoch the backend was last confirmed at */
+	__u64 last_seen;   /* host order; jiffies of the last datagram either way */
+};
+
 /* Key of PYPROXY_MAP_SRCRANGES (an LPM trie): one source range of one frontend. Looked up with all 64 bits (the
  * frontend's id, then the flow's source): an entry matches the id whole and the source by its prefix. */
 struct pyproxy_srcrange_key {
@@ -496,6 +507,16 @@ struct pyproxy_sock6_key {
 	__be16 port;   /* network byte order */
 	__u16 pad;     /* zero */
 	__u32 pad2;    /* zero */
+};
+
+/* Value of PYPROXY_MAP_SOCKFLOWS6 (key: a struct pyproxy_sock6_key holding the frontend): pyproxy_sockflow_value's
+ * twin. */
+struct pyproxy_sockflow6_value {
+	struct pyproxy_backend6 be;
+	__u32 svc_id;      /* host order */
+	__u32 epoch;       /* host order */
+	__u32 pad;         /* zero */
+	__u64 last_seen;   /* host order; jiffies */
 };
 
 /* Key of PYPROXY_MAP_SRCRANGES6 (an LPM trie): 32 + the range's prefix length, the frontend's id, the range. */

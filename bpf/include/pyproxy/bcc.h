@@ -61,6 +61,9 @@
 #ifndef PYPROXY_BCC_MAX_socks
 #define PYPROXY_BCC_MAX_socks PYPROXY_MAX_SOCKS
 #endif
+#ifndef PYPROXY_BCC_MAX_sockflows
+#define PYPROXY_BCC_MAX_sockflows PYPROXY_MAX_SOCKS
+#endif
 #ifndef PYPROXY_BCC_MAX_srcranges
 #define PYPROXY_BCC_MAX_srcranges PYPROXY_MAX_SRCRANGES
 #endif
@@ -95,6 +98,9 @@
 #ifndef PYPROXY_BCC_MAX_socks6
 #define PYPROXY_BCC_MAX_socks6 PYPROXY_MAX_SOCKS
 #endif
+#ifndef PYPROXY_BCC_MAX_sockflows6
+#define PYPROXY_BCC_MAX_sockflows6 PYPROXY_MAX_SOCKS
+#endif
 #ifndef PYPROXY_BCC_MAX_srcranges6
 #define PYPROXY_BCC_MAX_srcranges6 PYPROXY_MAX_SRCRANGES
 #endif
@@ -124,6 +130,8 @@ PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_frag_key, struct pyproxy_frag_value
 PYPROXY_BCC_TABLE("array", __u32, __u64, PYPROXY_MAP_PORTS, PYPROXY_PORT_WORDS, 0);
 PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_sock_key, struct pyproxy_backend, PYPROXY_MAP_SOCKS,
 		  PYPROXY_BCC_MAX_socks, 0);
+PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_sock_key, struct pyproxy_sockflow_value, PYPROXY_MAP_SOCKFLOWS,
+		  PYPROXY_BCC_MAX_sockflows, 0);
 PYPROXY_BCC_TABLE("lpm_trie", struct pyproxy_srcrange_key, __u32, PYPROXY_MAP_SRCRANGES, PYPROXY_BCC_MAX_srcranges,
 		  BPF_F_NO_PREALLOC);
 PYPROXY_BCC_TABLE("array", __u32, struct pyproxy_cursor, PYPROXY_MAP_CURSORS, PYPROXY_BCC_MAX_cursors, 0);
@@ -153,6 +161,8 @@ PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_frag6_key, struct pyproxy_frag_valu
 		  PYPROXY_BCC_MAX_frags6, 0);
 PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_sock6_key, struct pyproxy_backend6, PYPROXY_MAP_SOCKS6,
 		  PYPROXY_BCC_MAX_socks6, 0);
+PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_sock6_key, struct pyproxy_sockflow6_value, PYPROXY_MAP_SOCKFLOWS6,
+		  PYPROXY_BCC_MAX_sockflows6, 0);
 PYPROXY_BCC_TABLE("lpm_trie", struct pyproxy_srcrange6_key, __u32, PYPROXY_MAP_SRCRANGES6,
 		  PYPROXY_BCC_MAX_srcranges6, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("array", __u32, struct pyproxy_backend6, pyproxy_table6, 1, BPF_F_INNER_MAP);

@@ -121,6 +121,16 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_SOCKS SEC(".maps");
 
+/* Unconnected UDP sockets' flows (sock.h): (socket, frontend) -> the backend its datagrams to that frontend go to,
+ * while they keep coming (one flow per 5-tuple, as conntrack has it for the packet path). LRU as the map above. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, PYPROXY_MAX_SOCKS);
+	__type(key, struct pyproxy_sock_key);
+	__type(value, struct pyproxy_sockflow_value);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_SOCKFLOWS SEC(".maps");
+
 /* loadBalancerSourceRanges: (frontend id, source prefix) -> present (value unused). A new flow to a frontend
  * flagged PYPROXY_SVC_F_RANGES needs a match. */
 struct {
@@ -305,6 +315,15 @@ struct {
 	__type(value, struct pyproxy_backend6);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_SOCKS6 SEC(".maps");
+
+/* Unconnected IPv6 UDP sockets' flows to IPv6 frontends, as PYPROXY_MAP_SOCKFLOWS. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, PYPROXY_MAX_SOCKS);
+	__type(key, struct pyproxy_sock6_key);
+	__type(value, struct pyproxy_sockflow6_value);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_SOCKFLOWS6 SEC(".maps");
 
 /* loadBalancerSourceRanges of IPv6 frontends. */
 struct {

@@ -110,6 +110,40 @@ static __always_inline int pyproxy_sock_hairpin(struct bpf_sock_addr *ctx, const
 	return bpf_bind(ctx, (struct sockaddr *)&sa, sizeof(sa)) == 0;
 }
 
+/* Unconnected UDP (sendmsg): one flow per socket and frontend, as the packet path has one per client port and the
+ * kernel's conntrack one per 5-tuple, not a choice per datagram (a QUIC or statsd client would reach every endpoint
+ * in turn). The backend the socket's earlier datagrams to the frontend went to (*be) while the flow lives: a
+ * datagram either way within the UDP timeout (pyproxy_ct_timeouts.udp_new, 30 s; a stream's longer timeout is not
+ * kept here), the frontend's Service the same and the backend still an endpoint (the epoch check of
+ * pyproxy_ct_follow). Refreshed when followed; `epoch` read before the lookup. */
+static __always_inline int pyproxy_sockflow_follow(const struct pyproxy_sock_key *k,
+						   const struct pyproxy_svc_value *svc, __u32 epoch, __u64 now,
+						   struct pyproxy_backend *be)
+{
+	struct pyproxy_sockflow_value *f = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKFLOWS, k);
+
+	if (!f || f->svc_id != svc->svc_id || now - f->last_seen > pyproxy_config.ct.udp_new)
+		return 0;
+	*be = f->be;
+	if (f->epoch != epoch) {
+		if (!pyproxy_backend_alive(be))
+			return 0;
+		f->epoch = epoch;
+	}
+	f->last_seen = now;
+	return 1;
+}
+
+/* A datagram from the backend of an unconnected socket's flow (recvmsg) keeps the flow as one to it does. */
+static __always_inline void pyproxy_sockflow_answered(__u64 cookie, const struct pyproxy_backend *fe)
+{
+	struct pyproxy_sock_key k = { .cookie = cookie, .addr = fe->addr, .port = fe->port };
+	struct pyproxy_sockflow_value *f = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKFLOWS, &k);
+
+	if (f)
+		f->last_seen = pyproxy_now();
+}
+
 /* What pyproxy_sock_choose made of a connect() or send. */
 enum pyproxy_sock_choice {
 	PYPROXY_SOCK_NOT_OURS = 0,   /* not a frontend: the call goes on untouched */
@@ -124,6 +158,8 @@ static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32
 {
 	struct pyproxy_pkt p = { .daddr = daddr, .dport = dport, .proto = proto };
 	struct pyproxy_svc_value *svc = pyproxy_frontend_of(&p);
+	struct pyproxy_sock_key flow;
+	__u32 epoch;
 	__u64 now;
 
 	if (!svc)
@@ -146,16 +182,24 @@ static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32
 		return PYPROXY_SOCK_REFUSED;
 	}
 	now = pyproxy_now();
+	epoch = pyproxy_backends_epoch();
 	*cookie = bpf_get_socket_cookie(ctx);
+	flow = (struct pyproxy_sock_key){ .cookie = *cookie, .addr = daddr, .port = dport };
 	/* A socket has no source port yet at connect(): Maglev hashes the socket instead, so one client's sockets
 	 * spread over the backends (sh sees each pod, and the node, as one client, as affinity does). */
 	if (svc->sched == PYPROXY_SCHED_MAGLEV)
 		p.sport = (__be16)*cookie;
-	if (!((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_affinity_lookup(&p, svc, now, be))) {
-		if (!pyproxy_pick_backend(&p, svc, be)) {
+	if (connect || !pyproxy_sockflow_follow(&flow, svc, epoch, now, be)) {
+		if (!((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_affinity_lookup(&p, svc, now, be)) &&
+		    !pyproxy_pick_backend(&p, svc, be)) {
 			pyproxy_count(PYPROXY_CNT_SLOT_MISS);
 			bpf_set_retval(-ECONNREFUSED);
 			return PYPROXY_SOCK_REFUSED;
+		}
+		if (!connect) {
+			struct pyproxy_sockflow_value f = { .be = *be, .svc_id = svc->svc_id, .epoch = epoch, .last_seen = now };
+
+			bpf_map_update_elem(&PYPROXY_MAP_SOCKFLOWS, &flow, &f, BPF_ANY);
 		}
 	}
 	/* Recorded first: a pod's affinity to itself keeps each connection of it on TC, whose own affinity holds. */
@@ -196,8 +240,9 @@ static __always_inline int pyproxy_sock_forward(struct bpf_sock_addr *ctx, __u8 
 	return PYPROXY_SOCK_OK;
 }
 
-/* getpeername() of, or a datagram received by, a socket the hooks pointed at a backend: the frontend again. */
-static __always_inline int pyproxy_sock_reverse(struct bpf_sock_addr *ctx)
+/* getpeername() of, or a datagram received by (`answer`), a socket the hooks pointed at a backend: the frontend
+ * again. */
+static __always_inline int pyproxy_sock_reverse(struct bpf_sock_addr *ctx, int answer)
 {
 	struct pyproxy_sock_key k = {
 		.cookie = bpf_get_socket_cookie(ctx), .addr = ctx->user_ip4, .port = (__be16)ctx->user_port,
@@ -205,6 +250,8 @@ static __always_inline int pyproxy_sock_reverse(struct bpf_sock_addr *ctx)
 	struct pyproxy_backend *fe = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKS, &k);
 
 	if (fe) {
+		if (answer)
+			pyproxy_sockflow_answered(k.cookie, fe);
 		ctx->user_ip4 = fe->addr;
 		ctx->user_port = fe->port;
 	}
@@ -259,12 +306,42 @@ static __always_inline int pyproxy_sock6_forward_mapped(struct bpf_sock_addr *ct
 	return PYPROXY_SOCK_OK;
 }
 
+/* pyproxy_sockflow_follow's twin, for IPv6 frontends. */
+static __always_inline int pyproxy_sockflow6_follow(const struct pyproxy_sock6_key *k,
+						    const struct pyproxy_svc_value *svc, __u32 epoch, __u64 now,
+						    struct pyproxy_backend6 *be)
+{
+	struct pyproxy_sockflow6_value *f = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKFLOWS6, k);
+
+	if (!f || f->svc_id != svc->svc_id || now - f->last_seen > pyproxy_config.ct.udp_new)
+		return 0;
+	*be = f->be;
+	if (f->epoch != epoch) {
+		if (!pyproxy_lb6_backend_alive(be))
+			return 0;
+		f->epoch = epoch;
+	}
+	f->last_seen = now;
+	return 1;
+}
+
+/* pyproxy_sockflow_answered's twin. */
+static __always_inline void pyproxy_sockflow6_answered(__u64 cookie, const struct pyproxy_backend6 *fe)
+{
+	struct pyproxy_sock6_key k = { .cookie = cookie, .addr = fe->addr, .port = fe->port };
+	struct pyproxy_sockflow6_value *f = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKFLOWS6, &k);
+
+	if (f)
+		f->last_seen = pyproxy_now();
+}
+
 static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8 proto, int connect)
 {
 	struct pyproxy_pkt6 p = { .dport = (__be16)ctx->user_port, .proto = proto };
 	struct pyproxy_svc_value *svc;
 	struct pyproxy_backend6 be, fe;
 	struct pyproxy_sock6_key k = {};
+	__u32 epoch;
 	__u64 now;
 
 	pyproxy_sock6_addr(ctx, &p.daddr);
@@ -288,14 +365,24 @@ static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8
 	if (svc->backend_count == 0)
 		return pyproxy_sock_refuse(svc);
 	now = pyproxy_now();
+	epoch = pyproxy_backends_epoch();
 	k.cookie = bpf_get_socket_cookie(ctx);
 	if (svc->sched == PYPROXY_SCHED_MAGLEV)
 		p.sport = (__be16)k.cookie;
-	if (!((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_lb6_affinity_lookup(&p, svc, now, &be))) {
-		if (!pyproxy_lb6_pick_backend(&p, svc, &be)) {
+	/* k holds the frontend for the flow's lookup and record, then the backend for PYPROXY_MAP_SOCKS6. */
+	k.addr = p.daddr;
+	k.port = p.dport;
+	if (connect || !pyproxy_sockflow6_follow(&k, svc, epoch, now, &be)) {
+		if (!((svc->flags & PYPROXY_SVC_F_AFFINITY) && pyproxy_lb6_affinity_lookup(&p, svc, now, &be)) &&
+		    !pyproxy_lb6_pick_backend(&p, svc, &be)) {
 			pyproxy_count(PYPROXY_CNT_SLOT_MISS);
 			bpf_set_retval(-ECONNREFUSED);
 			return PYPROXY_SOCK_REFUSE;
+		}
+		if (!connect) {
+			struct pyproxy_sockflow6_value f = { .be = be, .svc_id = svc->svc_id, .epoch = epoch, .last_seen = now };
+
+			bpf_map_update_elem(&PYPROXY_MAP_SOCKFLOWS6, &k, &f, BPF_ANY);
 		}
 	}
 	if (svc->flags & PYPROXY_SVC_F_AFFINITY)
@@ -317,7 +404,7 @@ static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8
 	return PYPROXY_SOCK_OK;
 }
 
-static __always_inline int pyproxy_sock6_reverse(struct bpf_sock_addr *ctx)
+static __always_inline int pyproxy_sock6_reverse(struct bpf_sock_addr *ctx, int answer)
 {
 	struct pyproxy_sock6_key k = { .cookie = bpf_get_socket_cookie(ctx), .port = (__be16)ctx->user_port };
 	struct pyproxy_backend6 *fe;
@@ -325,6 +412,8 @@ static __always_inline int pyproxy_sock6_reverse(struct bpf_sock_addr *ctx)
 	pyproxy_sock6_addr(ctx, &k.addr);
 	fe = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKS6, &k);
 	if (fe) {
+		if (answer)
+			pyproxy_sockflow6_answered(k.cookie, fe);
 		pyproxy_sock6_set(ctx, &fe->addr, fe->port);
 	} else if (pyproxy_in6_v4mapped(&k.addr)) {
 		/* An unconnected IPv6 socket's datagram to an IPv4-mapped address is sent by the IPv4 path, whose sendmsg4
@@ -333,6 +422,8 @@ static __always_inline int pyproxy_sock6_reverse(struct bpf_sock_addr *ctx)
 		struct pyproxy_backend *fe4 = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKS, &k4);
 
 		if (fe4) {
+			if (answer)
+				pyproxy_sockflow_answered(k.cookie, fe4);
 			k.addr.w[3] = fe4->addr;
 			pyproxy_sock6_set(ctx, &k.addr, fe4->port);
 		}

@@ -24,6 +24,8 @@ MAP_EPOCH = "pyproxy_epoch_v1"
 MAP_FRAGS = "pyproxy_frag_v1"
 MAP_PORTS = "pyproxy_port_v1"
 MAP_SOCKS = "pyproxy_sock_v1"
+MAP_SOCKFLOWS = "pyproxy_sflow_v1"
+"""(socket, frontend) -> the backend of an unconnected UDP socket's flow to that frontend (sock.h)."""
 MAP_SRCRANGES = "pyproxy_range_v1"
 MAP_CURSORS = "pyproxy_rr_v1"
 MAP_TABLES = "pyproxy_tbl_v3"
@@ -44,6 +46,7 @@ MAP_FRAGS6 = "pyproxy_frag6_v1"
 MAP_SRCRANGES6 = "pyproxy_range6_v1"
 MAP_TABLES6 = "pyproxy_tbl6_v1"
 MAP_SOCKS6 = "pyproxy_sock6_v1"
+MAP_SOCKFLOWS6 = "pyproxy_sflow6_v1"
 MAP_DEVADDRS6 = "pyproxy_dev6_v1"
 MAP_EPSTATS6 = "pyproxy_epstat6_v1"
 MAP_AFFINITY6 = "pyproxy_aff6_v1"
@@ -58,18 +61,19 @@ MAP_PREFIX = "pyproxy_"
 """Every map name (and so every pin) starts with it: how cleanup and a newer layout find ours."""
 ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES, MAP_EPOCH,
             MAP_FRAGS, MAP_PORTS, MAP_SOCKS, MAP_SRCRANGES, MAP_CURSORS, MAP_TABLES, MAP_EPSTATS, MAP_DEVADDRS,
-            MAP_REFUSALS,
+            MAP_REFUSALS, MAP_SOCKFLOWS, MAP_SOCKFLOWS6,
             MAP_SERVICES6, MAP_SLOTS6, MAP_BACKENDS6, MAP_CT6, MAP_FRAGS6, MAP_SRCRANGES6, MAP_TABLES6, MAP_SOCKS6,
             MAP_DEVADDRS6, MAP_EPSTATS6, MAP_JUMP6, MAP_XJUMP6, MAP_AFFINITY, MAP_AFFINITY6)
 TABLE6_NAME = "pyproxy_table6"
 """The name of each IPv6 frontend's table (PYPROXY_MAP_TABLES6' inner arrays)."""
 RESIZABLE = {
     "services": MAP_SERVICES, "slots": MAP_SLOTS, "backends": MAP_BACKENDS, "ct": MAP_CT, "stats": MAP_STATS,
-    "names": MAP_NAMES, "frags": MAP_FRAGS, "socks": MAP_SOCKS, "srcranges": MAP_SRCRANGES, "cursors": MAP_CURSORS,
-    "tables": MAP_TABLES, "epstats": MAP_EPSTATS, "affinity": MAP_AFFINITY,
+    "names": MAP_NAMES, "frags": MAP_FRAGS, "socks": MAP_SOCKS, "sockflows": MAP_SOCKFLOWS,
+    "srcranges": MAP_SRCRANGES, "cursors": MAP_CURSORS, "tables": MAP_TABLES, "epstats": MAP_EPSTATS,
+    "affinity": MAP_AFFINITY,
     "services6": MAP_SERVICES6, "slots6": MAP_SLOTS6, "backends6": MAP_BACKENDS6, "ct6": MAP_CT6,
-    "frags6": MAP_FRAGS6, "socks6": MAP_SOCKS6, "srcranges6": MAP_SRCRANGES6, "tables6": MAP_TABLES6,
-    "epstats6": MAP_EPSTATS6, "affinity6": MAP_AFFINITY6,
+    "frags6": MAP_FRAGS6, "socks6": MAP_SOCKS6, "sockflows6": MAP_SOCKFLOWS6, "srcranges6": MAP_SRCRANGES6,
+    "tables6": MAP_TABLES6, "epstats6": MAP_EPSTATS6, "affinity6": MAP_AFFINITY6,
 }
 """The maps whose capacity a setting may change (--bpf-map-sizes), by the short name a setting uses; an IPv6 twin's
 is its IPv4 map's with a 6, and render's capacity check counts each family against its own map. Service ids
@@ -492,6 +496,29 @@ class Backend6(ctypes.Structure):
     ]
 
 
+class SockflowValue(ctypes.Structure):
+    """struct pyproxy_sockflow_value"""
+
+    _fields_ = [
+        ("be", Backend),
+        ("svc_id", ctypes.c_uint32),
+        ("epoch", ctypes.c_uint32),
+        ("last_seen", ctypes.c_uint64),  # jiffies
+    ]
+
+
+class Sockflow6Value(ctypes.Structure):
+    """struct pyproxy_sockflow6_value"""
+
+    _fields_ = [
+        ("be", Backend6),
+        ("svc_id", ctypes.c_uint32),
+        ("epoch", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+        ("last_seen", ctypes.c_uint64),  # jiffies
+    ]
+
+
 class Slot6(ctypes.Structure):
     """struct pyproxy_slot6"""
 
@@ -604,6 +631,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "pyproxy_frag_key": FragKey,
     "pyproxy_frag_value": FragValue,
     "pyproxy_sock_key": SockKey,
+    "pyproxy_sockflow_value": SockflowValue,
     "pyproxy_srcrange_key": SrcRangeKey,
     "pyproxy_svc_stats": SvcStats,
     "pyproxy_svc_name": SvcName,
@@ -617,6 +645,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "pyproxy_ct6_value": Ct6Value,
     "pyproxy_frag6_key": Frag6Key,
     "pyproxy_sock6_key": Sock6Key,
+    "pyproxy_sockflow6_value": Sockflow6Value,
     "pyproxy_srcrange6_key": SrcRange6Key,
 }
 
