@@ -42,7 +42,7 @@ help:
 	@echo "make image-test    build it, run it in a namespace lab with runc, and check deploy/ on a real API server"
 	@echo "make guest-test    IPVS mode, bpf mode's flow table, VLAN and bond uplinks on Debian's 6.1 kernel in a qemu guest (~35 min; not in make test)"
 	@echo "make guest-kernel-test  the BPF fixtures on Debian's 6.1 kernel in a qemu guest (~40 min; not in make test)"
-	@echo "make guest-lifecycle-test  issue 25's lost SYN-ACK and half-open flood on VLAN and bond uplinks in qemu guests (not in make test)"
+	@echo "make guest-lifecycle-test  issue 25's flow lifecycle on VLAN and bond uplinks in qemu guests (~20 min; not in make test)"
 	@echo "make lab-up    the Vagrant lab: PYPROXY_NODES (2) VMs, a real control plane and kubelets (root, minutes)"
 	@echo "make lab-status    its VMs, nodes and pods; make lab-smoke: an echo pod per node behind a Service"
 	@echo "make lab-test  pyproxy's image + DaemonSet on the lab's nodes, cross-node scenarios per mode, one table"
@@ -245,8 +245,8 @@ kube-proxy:
 guest-image:
 	bash tests/guest/build-image.sh
 
-# Issue 25's flow lifecycle (lost SYN-ACK, half-open flood) with the node's address on a VLAN and on a bond, a guest
-# each (tests/e2e/test_flow_lifecycle_guest.py; the DNS-like UDP row stays on the host: emulation cannot pace it).
+# Issue 25's flow lifecycle (lost SYN-ACK, half-open flood, DNS-like UDP) with the node's address on a VLAN and on a
+# bond, a guest each (tests/e2e/test_flow_lifecycle_guest.py; about 10 minutes a stack).
 .PHONY: guest-lifecycle-test
 guest-lifecycle-test: install guest-image
 	$(VENV)/bin/pytest -q -s tests/e2e/test_flow_lifecycle_guest.py

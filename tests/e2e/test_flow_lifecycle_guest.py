@@ -3,10 +3,9 @@ bond, with real packets, in the qemu guest: this machine's kernel has no 8021q o
 6.1 has both (the lab loads them). Per stack a guest of its own runs the lifecycle file with PYPROXY_LIFECYCLE_STACK
 set: bpf (TC, and XDP on the lower device) beside nftables, each held to the kernel conntrack's outcome.
 
-The DNS-like UDP row is left out by default: its 100 exchanges a second come from a Python client and server, which
-under emulation (10-50x slower) cannot keep that pace in any mode, so a miss there would say nothing of the
-datapath; that row runs on the host on the plain, bridge and macvlan uplinks (`make lifecycle-test`).
-PYPROXY_GUEST_LIFECYCLE_TESTS sets what the guest's pytest runs (e.g. the UDP row at a lower rate).
+Measured: 6.5 minutes per stack for the lost SYN-ACK and the flood, 3.5 for the DNS-like UDP (its 100 exchanges a
+second answered 6,000 of 6,000 in every mode on both stacks). PYPROXY_GUEST_LIFECYCLE_TESTS sets what the guest's
+pytest runs (e.g. one row while working on it).
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ import pytest
 pytestmark = pytest.mark.root
 
 REPO = Path(__file__).resolve().parents[2]
-SELECTION = os.environ.get("PYPROXY_GUEST_LIFECYCLE_TESTS",
-                           "tests/e2e/test_flow_lifecycle_e2e.py -k 'lost_first_synack or half_open'")
+SELECTION = os.environ.get("PYPROXY_GUEST_LIFECYCLE_TESTS", "tests/e2e/test_flow_lifecycle_e2e.py")
 GUEST_TIMEOUT = 3600.0
 
 
