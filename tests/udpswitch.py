@@ -67,8 +67,12 @@ while True:
 
 
 def measure(lab: Lab, targets: Mapping[str, Target], change: Callable[[], None], *, settle: float = 1.5,
-            watch: float = 4.0, old: str = "b1", new: str = "b2") -> dict[str, tuple[float, float]]:
-    client = lab.popen(lab.client, sys.executable, "-c", CLIENT, json.dumps(targets), stdin=-1, stdout=-1, text=True)
+            watch: float = 4.0, old: str = "b1", new: str = "b2",
+            ns: str | None = None) -> dict[str, tuple[float, float]]:
+    """`ns`: the client's namespace (a pod's: inside the lab's cgroup where the lab puts its pods there), else the
+    lab's outside client."""
+    client = lab.popen(ns or lab.client, sys.executable, "-c", CLIENT, json.dumps(targets), client=True, stdin=-1,
+                       stdout=-1, text=True)
     assert client.stdin is not None and client.stdout is not None
     try:
         assert json.loads(client.stdout.readline()) == {"ready": True}

@@ -938,14 +938,23 @@ class Lab:
         ns = self._resolve(ns)
         return ns == self.node or (self.pods_in_cgroup and any(b.ns == ns for b in self._backends))
 
-    def popen(self, ns: str, *argv: str, **kwargs: Any) -> subprocess.Popen[Any]:
+    def popen(self, ns: str, *argv: str, client: bool = False, **kwargs: Any) -> subprocess.Popen[Any]:
         """Start `ip netns exec NS argv...` in the background; the lab terminates it at teardown at the
         latest. It gets its own session (so teardown can signal its whole group) and gets SIGTERM when the
-        calling *thread* ends (PR_SET_PDEATHSIG): call it from the main thread or a thread that outlives it."""
+        calling *thread* ends (PR_SET_PDEATHSIG): call it from the main thread or a thread that outlives it.
+        `client`: a client process, placed as `exec` places one (in the lab's cgroup where `ns` is a namespace
+        whose processes are inside it); servers and pyproxy itself stay where they were started."""
         kwargs.setdefault("env", python_env())
+        ns = self._resolve(ns)
+        join = _joiner(self.cgroup) if client and self.in_cgroup(ns) else None
+
+        def preexec() -> None:
+            _die_with_parent()
+            if join is not None:
+                join()
+
         proc: subprocess.Popen[Any] = subprocess.Popen(  # noqa: S603
-            ["ip", "netns", "exec", self._resolve(ns), *argv], start_new_session=True,
-            preexec_fn=_die_with_parent, **kwargs)
+            ["ip", "netns", "exec", ns, *argv], start_new_session=True, preexec_fn=preexec, **kwargs)
         self._procs.append(proc)
         return proc
 

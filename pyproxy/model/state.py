@@ -150,8 +150,12 @@ class ServicePortState:
         pod the same. Not where the pod's flow is SNATed (`masquerades`: the backend would see the pod's address),
         nor where source ranges apply (the socket does not know the pod's address to check). externalTrafficPolicy
         Local frontends are translated at the socket from every endpoint, upstream's short circuit for pods.
-        --cluster-cidr's rule masquerades sources outside the cluster CIDR, which a pod is not."""
-        return not self.masquerades(masquerade_all) and not self.source_ranges
+        --cluster-cidr's rule masquerades sources outside the cluster CIDR, which a pod is not. Not UDP: a pod's
+        connected UDP socket (a resolver's) pointed at a backend once would keep it after that endpoint leaves,
+        where the packet path moves the flow at its next datagram (moving a socket needs bpf_sock_destroy, not
+        used); its datagrams keep their per-port flows on TC as upstream's conntrack has them."""
+        return (not self.masquerades(masquerade_all) and not self.source_ranges
+                and self.frontend.protocol is not Protocol.UDP)
 
     def weight(self, backend: Backend) -> int:
         """The weight of one of the backends (1 unless the Service's annotation names its address)."""

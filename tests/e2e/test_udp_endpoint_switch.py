@@ -88,3 +88,29 @@ def test_an_ipv6_udp_client_on_a_fixed_port_follows_a_replaced_endpoint(make_env
             f"{target}: the fixed-port flow reached b2 {switched - applied:.2f}s after new flows did")
     if mode in CONNTRACK_MODES:  # the others delete nothing (CONNTRACK_MODES)
         assert env.metrics()["kubeproxy_conntrack_reconciler_deleted_entries_total"] >= len(TARGETS6)
+
+
+POD_TARGETS = {"cluster-ip": (VIP, 53, 40057)}
+
+
+@pytest.mark.root
+@pytest.mark.parametrize(("mode", "args"), [
+    pytest.param("bpf", [], id="bpf"),
+    pytest.param("bpf", ["--bpf-socket-lb-hostns-only"], id="bpf-hostns-only"),
+    pytest.param("nftables", [], id="nftables"),
+])
+def test_a_pods_connected_udp_socket_follows_a_replaced_endpoint(make_env, mode: str, args: list[str]) -> None:
+    """Issue 26's third row: the same client in a pod of the node, its processes inside the cgroup the socket hooks
+    are attached to (as below a real node's root cgroup). Its connected socket must move to the new endpoint as
+    fast as in upstream's modes; a socket pointed at b1 once at connect() would keep b1 for its whole life."""
+    env = make_env(backends=3, pods_in_cgroup=True)
+    pod = env.lab.backends[2]
+    assert env.lab.in_cgroup(pod.ns)
+    svc = service("dns", VIP, [DNS])
+    env.write("dns.yaml", svc, _slice(B1))
+    env.start(mode=mode, args=args)
+    timings = measure(env.lab, POD_TARGETS, lambda: env.write("dns.yaml", svc, _slice(B2)), ns=pod.ns)
+    print(f"\n{mode} {' '.join(args)}, a pod's client: {describe(timings)}")
+    for target, (applied, switched) in timings.items():
+        assert switched - applied <= SWITCH_LIMIT, (
+            f"{target}: the fixed-port flow reached b2 {switched - applied:.2f}s after new flows did")

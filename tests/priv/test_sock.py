@@ -267,8 +267,8 @@ def test_a_start_on_another_cgroup_moves_the_hooks(world: World) -> None:
         other.rmdir()
 
 
-# A pod's (or the node's) client of 6 connected UDP sockets to VIP:53, whose 4 endpoints NODE_SERVER:15001-15004
-# answer with their port (SERVE_FOUR, in the node's namespace).
+# A pod's (or the node's) client of 6 TCP connections to VIP:80, whose 4 endpoints NODE_SERVER:15001-15004 answer
+# with their port (SERVE_FOUR, in the node's namespace: TCP, and UDP for VIP:53's datagrams).
 CLIENTS = 8
 ENDPOINTS = tuple(Backend(NODE_SERVER, 15001 + i) for i in range(4))
 SERVE_FOUR = textwrap.dedent("""
@@ -276,9 +276,15 @@ SERVE_FOUR = textwrap.dedent("""
     def serve(u, port):
         while True:
             data, peer = u.recvfrom(100); u.sendto(str(port).encode(), peer)
+    def accept(t, port):
+        while True:
+            c, _ = t.accept(); c.sendall(str(port).encode()); c.close()
     for port in range(15001, 15005):
         u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind((sys.argv[1], port))   # replies from it
         threading.Thread(target=serve, args=(u, port), daemon=True).start()
+        t = socket.socket(socket.AF_INET, socket.SOCK_STREAM); t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        t.bind((sys.argv[1], port)); t.listen(16)
+        threading.Thread(target=accept, args=(t, port), daemon=True).start()
     print("ready", flush=True)
     threading.Event().wait()
 """)
@@ -286,9 +292,7 @@ ASK_SIX = textwrap.dedent("""
     import json, socket
     got = []
     for _ in range(6):
-        c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); c.settimeout(2)
-        c.connect(("10.96.77.1", 53)); c.send(b"q"); got.append(int(c.recv(100)))
-        c.close()
+        c = socket.create_connection(("10.96.77.1", 80), timeout=2); got.append(int(c.recv(100))); c.close()
     print(json.dumps(got))
 """)
 
@@ -318,7 +322,7 @@ def test_every_pod_is_a_client_of_its_own_and_the_node_is_one(world: World, poli
     each keeping its own, as upstream's by pod address (before: every pod one client, all on one endpoint). The
     node's processes stay one client together."""
     dp = world.dp
-    dp.apply(_state(VIP, 53, Protocol.UDP, ENDPOINTS, **policy), service="default/web")
+    dp.apply(_state(VIP, 80, Protocol.TCP, ENDPOINTS, **policy), service="default/web")
     cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
     with serving_four(world):
         pods = [ask_six(world, world.pod()) for _ in range(CLIENTS)]
@@ -350,16 +354,16 @@ SEND_UNCONNECTED = textwrap.dedent("""
 sources), a line of JSON; once told (a line on stdin), the same again."""
 
 
-@pytest.mark.parametrize("client", ["node", "pod"])
-def test_an_unconnected_udp_socket_keeps_one_endpoint_until_it_leaves(world: World, client: str) -> None:
-    """An unconnected UDP socket's datagrams to a frontend go to one endpoint, as conntrack keeps one flow per
-    5-tuple on the packet path (before: a new choice per datagram, all 4 endpoints in 30); when that endpoint leaves
-    the Service, the socket's next datagrams go to another one, and stay there."""
+def test_an_unconnected_udp_socket_keeps_one_endpoint_until_it_leaves(world: World) -> None:
+    """A node process's unconnected UDP socket's datagrams to a frontend go to one endpoint, as conntrack keeps one
+    flow per 5-tuple on the packet path (before: a new choice per datagram, all 4 endpoints in 30); when that
+    endpoint leaves the Service, the socket's next datagrams go to another one, and stay there. (A pod's UDP is the
+    packet path's: ServicePortState.pods_at_socket.)"""
     dp = world.dp
     dp.apply(_state(VIP, 53, Protocol.UDP, ENDPOINTS), service="default/web")
     cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
     with serving_four(world):
-        proc = world.run_in(SEND_UNCONNECTED, world.pod() if client == "pod" else None, stdin=True)
+        proc = world.run_in(SEND_UNCONNECTED, stdin=True)
         try:
             assert proc.stdout is not None and proc.stdin is not None
             first = json.loads(proc.stdout.readline() or "null")

@@ -31,12 +31,15 @@ LB = replace(CLUSTER_IP, frontend=Frontend("192.0.2.10", 80, Protocol.TCP), kind
     (LB, MasqueradeSettings(masquerade_all=True), True),                  # which --masquerade-all leaves to Local
     (replace(LB, source_ranges=("198.51.100.0/24",)), MasqueradeSettings(), False),   # TC checks the pod's address
     (replace(LB, external_backends=(A,)), MasqueradeSettings(), True),    # Local: every endpoint, as upstream's pods
+    # UDP: TC moves a connected socket's flow when its endpoint leaves
+    (replace(CLUSTER_IP, frontend=Frontend("10.96.0.10", 53, Protocol.UDP)), MasqueradeSettings(), False),
 ], ids=["clusterip", "cluster-cidr", "masquerade-all", "etp-cluster", "etp-local", "etp-local-masquerade-all",
-        "source-ranges", "etp-local-short-circuit"])
+        "source-ranges", "etp-local-short-circuit", "udp"])
 def test_a_pods_socket_is_translated_only_where_the_packet_path_gives_the_same(
         st: ServicePortState, masq: MasqueradeSettings, at_socket: bool) -> None:
     assert st.pods_at_socket(masq.masquerade_all) is at_socket
-    for one in (st, replace(st, frontend=Frontend("fd00:96::a", 80, Protocol.TCP), backends=(Backend("fd00::1", 80),),
+    six = Frontend("fd00:96::a", st.frontend.port, st.frontend.protocol)
+    for one in (st, replace(st, frontend=six, backends=(Backend("fd00::1", 80),),
                             known_backends=(Backend("fd00::1", 80),), external_backends=())):
         plan = render(Applied(), {"default/web": [one]}, CAPACITY, masq)
         (fe,) = (fe for key, fe in plan.upserts.items() if key[-1] == abi.SVC_SCOPE_PACKETS)
