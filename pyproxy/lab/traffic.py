@@ -377,6 +377,7 @@ def talk(targets: Sequence[tuple[str, int]], count: int, interval: float = 0.1, 
     print(json.dumps({"opened": len(conns), "failed": failed}), flush=True)
     broken: list[str] = []
     exchanges = 0
+    started = time.monotonic()
     stop = threading.Event()
 
     def wait_for_eof() -> None:
@@ -397,6 +398,8 @@ def talk(targets: Sequence[tuple[str, int]], count: int, interval: float = 0.1, 
                 if reply != c["reply"]:
                     c["broken"] = f"{c['target']}: answered {reply!r}, first {c['reply']!r}"
             if c.get("broken"):
+                # When, from the first line printed: a caller matches it against what it did meanwhile.
+                c["broken"] += f" ({time.monotonic() - started:.1f} s in)"
                 broken.append(c["broken"])
                 continue
             now = time.monotonic()

@@ -171,22 +171,36 @@ def test_restarts_and_a_map_layout_change_under_load_lose_no_connection(make_env
     env.start()
     pins = Path(env.lab.pin_path)
     ct = _map_id(pins / abi.MAP_CT)
+    events: list[str] = []
     with env.lab.under_traffic([(VIP, 80), (NODE_IP, 30080)], [(VIP, 80), (NODE_IP, 30080)]) as traffic:
+        t0 = time.monotonic()
+
+        def event(what: str) -> None:  # when, as talk's "s in" of a broken connection counts (about)
+            events.append(f"{what} at {time.monotonic() - t0:.1f} s")
+
         time.sleep(1)
         env.running.kill()
+        event("killed")
         env.start()
+        event("started")
         time.sleep(1)
         assert env.running.terminate() == 0
+        event("stopped")
         env.start(wrapper=newer_release(env.lab.workdir, REPO / BUMPED,
                                         {f'MAP_FRAGS = "{abi.MAP_FRAGS}"': 'MAP_FRAGS = "pyproxy_frag_v9"'}))
+        event("started the newer layout")
         assert (pins / "pyproxy_frag_v9").exists() and not (pins / abi.MAP_FRAGS).exists()
         time.sleep(1)
         assert env.running.terminate() == 0
+        event("stopped")
         env.start()
+        event("started the current layout")
         assert (pins / abi.MAP_FRAGS).exists() and not (pins / "pyproxy_frag_v9").exists()
         time.sleep(1)
     held = traffic.held
     assert _map_id(pins / abi.MAP_CT) == ct, "the connection-tracking map was replaced"
     assert traffic.failures == {}, f"new connections failed: {traffic.failures}"
     assert traffic.count >= 40, traffic.probes
-    assert held["broken"] == [] and held["exchanges"] > 0, held
+    assert held["broken"] == [] and held["exchanges"] > 0, (
+        f"broken {held['broken']}; {'; '.join(events)}; {held['exchanges']} exchanges, longest gap "
+        f"{held['max_gap_ms']} ms")
