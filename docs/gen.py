@@ -55,6 +55,7 @@ FIELD_FLAGS = {
     "clientConnection.kubeconfig": "--kubeconfig",
     "iptables.masqueradeAll": "--masquerade-all",
     "nftables.masqueradeAll": "--masquerade-all",
+    "iptables.localhostNodePorts": "--iptables-localhost-nodeports",
     "bpf.socketLB": "--bpf-socket-lb",
     "bpf.socketLBHostNamespaceOnly": "--bpf-socket-lb-hostns-only",
     "bpf.cgroupRoot": "--cgroup-root",

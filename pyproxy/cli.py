@@ -60,6 +60,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "ipvs_scheduler": ("ipvs.scheduler",),
     "udp_timeout": ("userspace.udp_idle_timeout",),
     "nodeport_addresses": ("nodeport_addresses",),
+    "iptables_localhost_nodeports": ("localhost_nodeports",),
     "healthz_bind_address": ("healthz_bind_address",),
     "metrics_bind_address": ("metrics_bind_address",),
     "min_sync_period": ("min_sync_period",),
@@ -125,6 +126,16 @@ def _duration(value: str) -> float:
         return parse_duration(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _go_bool(value: str) -> bool:
+    """A boolean flag's value as upstream's (Go's strconv.ParseBool): --flag=false turns a default-true one off."""
+    lowered = value.strip().lower()
+    if lowered in ("1", "t", "true"):
+        return True
+    if lowered in ("0", "f", "false"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, not {value!r}")
 
 
 def _port_range(value: str) -> tuple[int, int]:
@@ -253,6 +264,10 @@ def parser() -> argparse.ArgumentParser:
                      help="comma-separated CIDRs of either family: NodePorts are served on the node addresses in "
                           "them (a family given none: all its addresses); 'primary': on the node's primary address "
                           "of each family (default: every node address)")
+    run.add_argument("--iptables-localhost-nodeports", type=_go_bool, nargs="?", const=True, metavar="BOOL",
+                     help="NodePorts are also served on 127.0.0.1 to the node's own processes, when "
+                          "--nodeport-addresses is unset or holds it (bpf mode, through its socket hooks; "
+                          f"upstream's flag; default: {str(d.localhost_nodeports).lower()})")
     run.add_argument("--healthz-bind-address", help=f"default: {d.healthz_bind_address}")
     run.add_argument("--metrics-bind-address", help=f"default: {d.metrics_bind_address}")
     run.add_argument("--min-sync-period", type=_duration,

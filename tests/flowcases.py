@@ -235,6 +235,9 @@ class FlowCase:
 # The userspace mode proxies: its endpoints see the node (PROXIED), in every case; the cases that check the source say
 # so.
 PROXIED = {"userspace": "node"}
+LOCALHOST = "127.0.0.1"
+NO_LOCALHOST_NODEPORTS = {"iptables": REFUSED, "nftables": REFUSED, "ipvs": REFUSED, "userspace": REFUSED}
+"""The modes that serve no NodePort on 127.0.0.1 (a connect() there is refused: nothing listens)."""
 
 CASES = (
     # No --cluster-cidr, no --masquerade-all: a ClusterIP flow keeps the client's address, but through a proxy.
@@ -304,6 +307,17 @@ EXTERNAL_CASES = (
              src="node"),
     FlowCase("from the node, externalTrafficPolicy Local without a local endpoint: every endpoint", "tcp", NODE_IP,
              30083, answered_by("b1:8080", "b2:8080"), src="node"),
+    # localhostNodePorts (upstream's default in iptables mode): the node's own processes reach NodePorts on
+    # 127.0.0.1 too, bpf mode through its socket hooks. Upstream's nftables and ipvs modes never serve them, nor do
+    # pyproxy's netfilter and userspace modes (docs/differences.md): nothing listens there, the node refuses.
+    FlowCase("from the node to a NodePort on 127.0.0.1", "tcp", LOCALHOST, 30080, answered_by("b1:8080", "b2:8080"),
+             src="node", by_mode=NO_LOCALHOST_NODEPORTS),
+    FlowCase("from the node to a NodePort on 127.0.0.1, udp", "udp", LOCALHOST, 30053,
+             answered_by("b1:5353", "b2:5353"), src="node", by_mode=NO_LOCALHOST_NODEPORTS),
+    FlowCase("from the node to 127.0.0.1, externalTrafficPolicy Local without a local endpoint: every endpoint",
+             "tcp", LOCALHOST, 30083, answered_by("b1:8080", "b2:8080"), src="node", by_mode=NO_LOCALHOST_NODEPORTS),
+    # A pod's 127.0.0.1 is its own (nothing listens on the NodePort there), in every mode as upstream.
+    FlowCase("from a pod to 127.0.0.1:<nodePort>: its own loopback", "tcp", LOCALHOST, 30080, REFUSED, src="b1"),
     # ipvs mode, as upstream's IPVS proxier, has one virtual server for every source: with a local endpoint it
     # serves the node (and pods) this node's endpoints only; without one, every endpoint (upstream's PR 97081),
     # while a filter rule drops sources from outside the cluster.

@@ -94,6 +94,13 @@ class Dataplane(Protocol):
         reports each once (a log line and an Event). Empty for the backends that serve everything they are given."""
 
     @property
+    def localhost_nodeports(self) -> bool:
+        """Whether it serves NodePorts on 127.0.0.1 to the node's own processes (upstream's localhostNodePorts),
+        known once `start` returned: bpf with socket load balancing, whose hooks see a connect() to loopback. The
+        proxier then offers the loopback address to --nodeport-addresses when --iptables-localhost-nodeports is
+        on."""
+
+    @property
     def collector(self) -> Collector | None:
         """Its own metrics (bpf: the maps and the connection-tracking collector; the netfilter modes: conntrack
         clean-ups), which the proxier registers beside its own; None: none."""

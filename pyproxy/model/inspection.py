@@ -48,7 +48,8 @@ class Frontend:
     scheduler: str
     endpoints: tuple[Endpoint, ...] = ()
     node: bool = False
-    """bpf: an entry only the node's own sockets see (scope node), never a packet."""
+    """bpf: an entry only the node's own sockets see (scope node, or host: a NodePort on 127.0.0.1), never a
+    packet."""
     affinity_sec: int = 0
     source_ranges: tuple[str, ...] = ()
     empty: str = "refused"

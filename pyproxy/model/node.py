@@ -20,7 +20,9 @@ class NodeInputs:
     endpoint is local."""
     nodeport_addresses: tuple[str, ...] = ()
     """The addresses node ports are served on, of both families (IPv4 first), as `select_nodeport_addresses` chose
-    them. (): no node port frontends. A Service gets node ports of a family only if it has a ClusterIP of it."""
+    them. (): no node port frontends. A Service gets node ports of a family only if it has a ClusterIP of it.
+    127.0.0.1 among them (localhostNodePorts, where the mode serves it): frontends only the node's own processes
+    reach (`ServicePortState.node_only`)."""
     primary_ip: str | None = None
     """The node's primary IPv4 address (Node.primary_ipv4): a loadBalancerSourceRanges entry holding it also
     admits the load-balancer IPs as sources (upstream's allowFromNode: a VIP routed locally loops back with

@@ -144,6 +144,15 @@ class ServicePortState:
         clients' addresses, as upstream)."""
         return self.masquerade or (masquerade_all and not self.kind.external)
 
+    @property
+    def node_only(self) -> bool:
+        """A NodePort on 127.0.0.1 (upstream's localhostNodePorts, `NodeInputs.nodeport_addresses`): only the node's
+        own processes reach it. No packet to it may be translated: a packet addressed to a loopback address that
+        arrives on a device comes from a neighbour, which must not reach a Service through it (CVE-2020-8558,
+        which upstream's iptables mode guards against with its "block incoming localnet connections" rule); and
+        a pod's own 127.0.0.1 is its own namespace's."""
+        return self.frontend.ip.startswith("127.")
+
     def pods_at_socket(self, masquerade_all: bool) -> bool:
         """Whether a pod's connection to this frontend may be translated at its socket (bpf's cgroup hooks, which
         see every pod below the node's cgroup) instead of by the packet path on its veth: only where both give the
@@ -153,9 +162,10 @@ class ServicePortState:
         --cluster-cidr's rule masquerades sources outside the cluster CIDR, which a pod is not. Not UDP: a pod's
         connected UDP socket (a resolver's) pointed at a backend once would keep it after that endpoint leaves,
         where the packet path moves the flow at its next datagram (moving a socket needs bpf_sock_destroy, not
-        used); its datagrams keep their per-port flows on TC as upstream's conntrack has them."""
+        used); its datagrams keep their per-port flows on TC as upstream's conntrack has them. Never a `node_only`
+        frontend: a pod's 127.0.0.1 is its own."""
         return (not self.masquerades(masquerade_all) and not self.source_ranges
-                and self.frontend.protocol is not Protocol.UDP)
+                and self.frontend.protocol is not Protocol.UDP and not self.node_only)
 
     def weight(self, backend: Backend) -> int:
         """The weight of one of the backends (1 unless the Service's annotation names its address)."""

@@ -76,7 +76,8 @@ def run(settings: ProxySettings, stop: threading.Event | None = None) -> int:
     )
     metrics.registry.register(NoLocalEndpointsCollector(lambda: proxier.served))
     # The node's addresses before the sources start, so the first sync already has its NodePorts.
-    node_addresses = NodeAddresses(node, settings.nodeport_addresses, proxier.set_node_inputs)
+    node_addresses = NodeAddresses(node, settings.nodeport_addresses, proxier.set_node_inputs,
+                                   localhost=settings.localhost_nodeports and dataplane.localhost_nodeports)
     proxier.node_addresses = node_addresses
     node_addresses.start()
     servers = [

@@ -55,6 +55,10 @@ class ProxySettings:
     in one of them; a family given none: all its addresses, as upstream), or "primary" (the node's primary
     address of each family: the Node object's, else the first address of that family's default-route device).
     Empty, as upstream's iptables mode: every address of the node (loopback and IPv6 link-local ones aside)."""
+    localhost_nodeports: bool = True
+    """--iptables-localhost-nodeports (config: iptables.localhostNodePorts; upstream's, default true): NodePorts are
+    also served on 127.0.0.1 to the node's own processes, when --nodeport-addresses is unset or holds 127.0.0.1.
+    bpf mode serves them (its socket hooks: --bpf-socket-lb); the other modes do not (docs/differences.md)."""
     healthz_bind_address: str = "0.0.0.0:10256"
     """--healthz-bind-address: /healthz and /livez (upstream's port)."""
     metrics_bind_address: str = "127.0.0.1:10249"

@@ -114,8 +114,6 @@ REFUSED = {
     "winkernel.forwardHealthCheckVip": "pyproxy runs on Linux only",
     "detectLocal.bridgeInterface": "pyproxy tells local traffic by clusterCIDR only",
     "detectLocal.interfaceNamePrefix": "pyproxy tells local traffic by clusterCIDR only",
-    "iptables.localhostNodePorts": "pyproxy never serves NodePorts on 127.0.0.1 (as upstream's ipvs and nftables "
-                                   "modes); set it to false or leave it null",
     "iptables.snatNodeInternalIP": "pyproxy masquerades to the egress device's address",
     "ipvs.excludeCIDRs": "pyproxy's ipvs mode owns every virtual server on the node and keeps none aside",
     "ipvs.strictARP": "pyproxy does not set arp_ignore/arp_announce; set them on the node (sysctl) instead",
@@ -299,6 +297,9 @@ class _Reader:
         if (addresses := self.given("nodePortAddresses")) is not None:
             # Upstream's keyword for "every address" is pyproxy's unset list.
             s.nodeport_addresses = () if addresses == ["all"] else tuple(addresses)
+        # A pointer upstream: null is the default (true), false turns it off.
+        if (localhost := self.fields.get("iptables.localhostNodePorts")) is not None:
+            s.localhost_nodeports = bool(localhost)
         if (cidrs := self.given("clusterCIDR")) is not None:
             self._cluster_cidr(s, cidrs)
         # Upstream's userspace proxy's (removed in 1.26; ConfigMaps kubeadm wrote before carry 250ms): the userspace
@@ -438,7 +439,7 @@ def dump(s: ProxySettings) -> str:
         "healthzBindAddress": s.healthz_bind_address,
         "udpIdleTimeout": format_duration(s.userspace.udp_idle_timeout),
         "hostnameOverride": s.hostname_override or "",
-        "iptables": {**masq, **periods, "localhostNodePorts": False},
+        "iptables": {**masq, **periods, "localhostNodePorts": s.localhost_nodeports},
         "logging": {"format": s.logging.format, "verbosity": s.logging.verbosity},
         "ipvs": {**periods, "scheduler": s.ipvs.scheduler},
         "metricsBindAddress": s.metrics_bind_address,

@@ -56,6 +56,7 @@ HONOURED_BY = (
     Honoured("--bpf-socket-lb", lambda s: s.bpf.socket_lb, _BPF),
     Honoured("--bpf-socket-lb-hostns-only", lambda s: s.bpf.socket_lb_hostns_only, _BPF),
     Honoured("--cgroup-root", lambda s: s.bpf.cgroup_root, _BPF),
+    Honoured("--iptables-localhost-nodeports", lambda s: s.localhost_nodeports, _BPF),
     Honoured("--bpf-snat-port-range", lambda s: s.bpf.snat_ports, _BPF),
     Honoured("--bpf-scheduler", lambda s: s.bpf.scheduler, _BPF),
     Honoured("--bpf-loader", lambda s: s.bpf.loader, _BPF),

@@ -4,10 +4,11 @@ it changes (a change recomputes every Service).
 
 - The name: --hostname-override, else the host name, lowercased (upstream's rule; `config.node_name`).
 - The node's addresses: every IPv4 and IPv6 address of pyproxy's network namespace, read from netlink and
-  followed (`netlink.AddressWatcher`), but loopback ones (upstream's iptables mode also serves NodePorts on 127.0.0.1
-  under localhostNodePorts, which pyproxy does not) and those on IPVS mode's kube-ipvs0, which hold ClusterIPs
-  (upstream's IPVS mode leaves them out too). --nodeport-addresses picks among them
-  (`select_nodeport_addresses`).
+  followed (`netlink.AddressWatcher`), but loopback ones and those on IPVS mode's kube-ipvs0, which hold
+  ClusterIPs (upstream's IPVS mode leaves them out too). --nodeport-addresses picks among them
+  (`select_nodeport_addresses`). With `localhost` (--iptables-localhost-nodeports, where the mode serves it) the
+  IPv4 loopback addresses are candidates too, as upstream's localhostNodePorts: unset or a CIDR holding 127.0.0.1
+  picks 127.0.0.1, "primary" does not. IPv6 never: upstream has no localhost NodePorts for ::1.
 - The primary address of each family: the Node object's (`Node.primary_ip`) when following the API server and
   it has one; else the first address of that family of the device that family's default route leaves by, which
   is what the node's InternalIP usually is (IPv6: its first global one, link-local ones aside).
@@ -52,8 +53,10 @@ class NodeAddresses:
         default_device: Callable[[int], str | None] = netlink.default_route_device,
         watcher: Callable[[Callable[[], None]], Watcher] = lambda on_change: netlink.AddressWatcher(
             on_change, (socket.AF_INET, socket.AF_INET6)),
+        localhost: bool = False,
     ) -> None:
         self._setting = tuple(setting)
+        self._localhost = localhost
         self._on_change = on_change
         self._list = list_addresses
         self._default_device = default_device
@@ -101,10 +104,14 @@ class NodeAddresses:
     def refresh(self) -> None:
         """Read the kernel again; hand the model new inputs if they changed."""
         with self._lock:
-            addresses = [a for a in self._list() if not a.loopback and a.device != DUMMY_DEVICE]
+            listed = self._list()
+            addresses = [a for a in listed if not a.loopback and a.device != DUMMY_DEVICE]
             primary = self._primary(self._node_primary, socket.AF_INET, addresses)
             primary6 = self._primary(self._node_primary6, socket.AF_INET6, addresses)
-            chosen = select_nodeport_addresses((a.ip for a in addresses), self._setting, primary, primary6)
+            candidates = [a.ip for a in addresses]
+            if self._localhost:
+                candidates += [a.ip for a in listed if a.ip.startswith("127.")]
+            chosen = select_nodeport_addresses(candidates, self._setting, primary, primary6)
             inputs = NodeInputs(self.inputs.name, chosen, primary, self._zone, primary6)
             if inputs == self.inputs:
                 return

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,7 @@ from packets import (
 
 from pyproxy.dataplane.bpf import abi, clock, libbpf, loader
 from pyproxy.model.objects import Protocol
-from pyproxy.model.state import Backend, Frontend, ServicePortState
+from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 pytestmark = ROOT
 
@@ -366,6 +367,20 @@ def test_anything_else_passes_untouched(dp: Dataplane, prog: Prog, data: bytes) 
     assert dp.run(prog, data) == (prog.ok, data)
     assert len(dp.maps.ct) == 0
     assert not any(dp.counters().values())
+
+
+@pytest.mark.parametrize("prog", INGRESS)
+def test_a_packet_to_a_nodeport_on_127_0_0_1_is_never_translated(dp: Dataplane, prog: Prog) -> None:
+    """localhostNodePorts serves the node's own sockets only: a packet addressed to 127.0.0.1 that arrives on a
+    device is a neighbour's, which must not reach a Service through it (CVE-2020-8558). The same NodePort on a node
+    address is translated."""
+    node_port = replace(port_state(TCP, port=30080), kind=FrontendKind.NODE_PORT, external_backends=READY)
+    dp.apply(replace(node_port, frontend=Frontend("127.0.0.1", 30080, Protocol.TCP)),
+             replace(node_port, frontend=Frontend(VIP, 30080, Protocol.TCP), port_name="node-address"))
+    data = frame(Flow(CLIENT, "127.0.0.1", 40000, 30080))
+    assert dp.run(prog, data) == (prog.ok, data)
+    assert len(dp.maps.ct) == 0 and dp.counter("new_flow") == 0
+    dnat(dp, prog, Flow(CLIENT, VIP, 40001, 30080))
 
 
 # -- regressions ----------------------------------------------------------------------------------

@@ -398,6 +398,38 @@ def test_a_pod_is_left_to_tc_where_the_frontend_says_the_socket_would_differ(wor
     assert connect_vip(world) == "ConnectionRefusedError" and dp.counter("sock_lb") == 1   # 127.0.0.1:18080
 
 
+LOCALHOST_CLIENT = CLIENT.replace('("10.96.77.1", 80)', '("127.0.0.1", 30080)').replace(
+    '("10.96.77.1", 53)', '("127.0.0.1", 30053)')
+"""CLIENT, asking the NodePorts on 127.0.0.1 instead of the ClusterIP (and the empty ClusterIP still)."""
+
+POD_OWN_LOOPBACK = textwrap.dedent("""
+    import socket
+    t = socket.socket(); t.bind(("127.0.0.1", 30080)); t.listen(1)
+    c = socket.create_connection(("127.0.0.1", 30080), timeout=2)
+    a, _ = t.accept(); a.sendall(b"pod-own"); print(c.recv(100).decode())
+""")
+
+
+def test_a_node_process_reaches_a_nodeport_on_127_0_0_1_and_a_pod_its_own_loopback(world: World) -> None:
+    """localhostNodePorts: the node's connect() and sendto() to 127.0.0.1:<nodePort> reach the Service (its HOST
+    entry) and still see 127.0.0.1 as their peer; a pod's 127.0.0.1 is its own, where its own server answers."""
+    dp = world.dp
+    node_port = {"kind": FrontendKind.NODE_PORT}
+    dp.apply(_state("127.0.0.1", 30080, Protocol.TCP, (TCP_BACKEND,), external_backends=(TCP_BACKEND,), **node_port),
+             _state("127.0.0.1", 30053, Protocol.UDP, (UDP_BACKEND,), external_backends=(UDP_BACKEND,), **node_port),
+             _state(EMPTY_VIP, 80, Protocol.TCP, ()), service="default/web")
+    cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
+    got = serve_and_ask(world, SERVER, LOCALHOST_CLIENT)
+    assert got == {"tcp_reply": "tcp-backend", "tcp_peer": ["127.0.0.1", 30080], "udp_reply": "udp:q",
+                   "udp_source": ["127.0.0.1", 30053], "connected_udp_reply": "udp:c",
+                   "connected_udp_peer": ["127.0.0.1", 30053], "empty": "ConnectionRefusedError"}
+    assert dp.counter("sock_lb") == 3
+    proc = world.run_in(POD_OWN_LOOPBACK, world.pod())
+    out, err = proc.communicate(timeout=20)
+    assert (proc.returncode, out.strip()) == (0, "pod-own"), err
+    assert dp.counter("sock_lb") == 3
+
+
 UNTOUCHED = ("OSError", "TimeoutError")
 """What a connect() to VIP:80 that no hook translated gets: no route for it, or no answer at the node."""
 

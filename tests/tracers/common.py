@@ -92,8 +92,9 @@ class Verdict:
 def untranslated(pkt: Packet) -> Verdict:
     """A new flow no rule translated or dropped: to a node address it reaches the node's own stack, where nothing
     listens on the table's ports, which refuses it (a TCP reset, an ICMP port unreachable); elsewhere it is routed
-    on, away from the lab, and nothing answers."""
-    return Verdict("refused" if pkt.dst in NODE_ADDRESSES else "no-answer")
+    on, away from the lab, and nothing answers. A loopback destination is the sender's own stack (a pod's 127.0.0.1
+    is its own), which refuses it likewise."""
+    return Verdict("refused" if pkt.dst in NODE_ADDRESSES or pkt.dst.startswith("127.") else "no-answer")
 
 
 class Tracer(Protocol):

@@ -23,7 +23,7 @@ from pyproxy.dataplane.userspace import sockfilter
 from pyproxy.dataplane.userspace.backend import UserspaceDataplane, UserspaceSettings
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Frontend
-from tracers.common import NODE_ADDRESSES, Memory, Packet, Sync, Verdict, as_served
+from tracers.common import Memory, Packet, Sync, Verdict, as_served, untranslated
 
 ENTERING_IFINDEX = 2
 """A device index other than lo's: the table's traced flows come from the client's link or a pod's."""
@@ -69,9 +69,8 @@ class Proxy:
 
     def flows(self, pkt: Packet, memory: Memory) -> Iterator[Verdict]:
         frontend = Frontend(pkt.dst, pkt.port, Protocol(pkt.proto.upper()))
-        local = pkt.dst in self.addresses or pkt.dst in NODE_ADDRESSES
         if frontend not in self.listeners:
-            yield Verdict("refused" if local else "no-answer")
+            yield Verdict("refused") if pkt.dst in self.addresses else untranslated(pkt)
             return
         program = self.listeners[frontend]
         if program is not None and not sockfilter.run(program, pkt.src, ENTERING_IFINDEX):

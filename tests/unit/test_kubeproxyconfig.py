@@ -111,6 +111,8 @@ def test_zero_values_are_the_defaults() -> None:
     ("bpf: {tcpCloseTimeout: 5s}", "bpf.ct_timeouts.tcp_closed", 5.0),
     ("bpf: {devices: [eth0, eth1]}", "bpf.devices", ("eth0", "eth1")),
     ("bpf: {devices: [eth0], xdpDevices: [eth0]}", "bpf.xdp_devices", ("eth0",)),
+    ("iptables: {localhostNodePorts: false}", "localhost_nodeports", False),  # a pointer: false is "off"
+    ("iptables: {localhostNodePorts: null}", "localhost_nodeports", True),
     ("bpf: {socketLB: false}", "bpf.socket_lb", False),
     ("bpf: {socketLBHostNamespaceOnly: true}", "bpf.socket_lb_hostns_only", True),
     ("bpf: {endpointCounters: true}", "bpf.endpoint_counters", True),
@@ -170,8 +172,6 @@ def test_fields_without_effect_here_are_accepted_with_a_warning(body: str, warni
                                            "pyproxy runs on Linux only"),
     ("detectLocalMode: NodeCIDR", "kp.yaml: detectLocalMode: 'NodeCIDR' is not supported"),
     ("detectLocal: {bridgeInterface: cbr0}", "kp.yaml: detectLocal.bridgeInterface: 'cbr0' is not supported"),
-    ("iptables: {localhostNodePorts: true}", "kp.yaml: iptables.localhostNodePorts: True is not supported: "
-                                             "pyproxy never serves NodePorts on 127.0.0.1"),
     ("ipvs: {strictARP: true}", "kp.yaml: ipvs.strictARP: True is not supported: pyproxy does not set arp_ignore"),
     ("ipvs: {tcpTimeout: 900s}", "kp.yaml: ipvs.tcpTimeout: '900s' is not supported"),
     ("ipvs: {excludeCIDRs: [10.0.0.0/8]}", "kp.yaml: ipvs.excludeCIDRs: ['10.0.0.0/8'] is not supported"),

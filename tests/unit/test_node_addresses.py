@@ -54,11 +54,11 @@ LO = Address("lo", "127.0.0.1", True)
 IPVS = Address("kube-ipvs0", "10.96.0.10", False)
 
 
-def tracked(kernel: FakeKernel, setting: tuple[str, ...] = (), name: str = "node-a"
+def tracked(kernel: FakeKernel, setting: tuple[str, ...] = (), name: str = "node-a", localhost: bool = False
             ) -> tuple[NodeAddresses, list[NodeInputs]]:
     seen: list[NodeInputs] = []
     tracker = NodeAddresses(name, setting, seen.append, list_addresses=lambda: list(kernel.addresses),
-                            default_device=kernel.default_device, watcher=kernel.watcher)
+                            default_device=kernel.default_device, watcher=kernel.watcher, localhost=localhost)
     tracker.start()
     return tracker, seen
 
@@ -77,6 +77,24 @@ def test_nodeport_addresses_filter_the_nodes_own(setting: tuple[str, ...], chose
     assert seen == [NodeInputs("node-a", chosen, "10.0.0.5")]
     tracker.stop()
     assert kernel.stopped
+
+
+LO6 = Address("lo", "::1", True)
+
+
+@pytest.mark.parametrize(("setting", "chosen"), [
+    ((), ("10.0.0.5", "127.0.0.1", "192.168.1.5")),  # unset: loopback too, as upstream's localhostNodePorts
+    (("127.0.0.0/8",), ("127.0.0.1",)),
+    (("10.0.0.0/8",), ("10.0.0.5",)),  # a CIDR without 127.0.0.1: not served there
+    (("primary",), ("10.0.0.5",)),
+])
+def test_localhost_nodeports_add_127_0_0_1_where_the_setting_holds_it(setting: tuple[str, ...],
+                                                                      chosen: tuple[str, ...]) -> None:
+    """--iptables-localhost-nodeports where the mode serves it (bpf's socket hooks): 127.0.0.1 is a node-port
+    address when --nodeport-addresses is unset or holds it (upstream's ContainsIPv4Loopback); ::1 never."""
+    tracker, seen = tracked(FakeKernel(LO, LO6, ETH0, ETH1, IPVS), setting, localhost=True)
+    assert seen == [NodeInputs("node-a", chosen, "10.0.0.5")]
+    tracker.stop()
 
 
 def test_an_address_change_is_handed_over_once_and_logged(caplog: pytest.LogCaptureFixture) -> None:

@@ -603,6 +603,22 @@ def test_a_local_policy_frontend_gives_the_node_every_endpoint_in_an_entry_of_it
     assert list(c.model.maps[abi.MAP_SERVICES].values()) == [(outside[0], 2, abi.SVC_F_MASQ, 0, 0, 0)]
 
 
+def test_a_nodeport_on_127_0_0_1_is_a_host_entry_only_served_as_the_node_sees_it() -> None:
+    """localhostNodePorts: the socket hooks look 127.0.0.1 up in scope HOST; no PACKETS entry (a packet to a loopback
+    address arriving on a device must not reach a Service: CVE-2020-8558), every endpoint as for the node's own
+    processes (externalTrafficPolicy Local's short circuit), and pods (whose 127.0.0.1 is their own) left alone."""
+    c = Cluster()
+    local = replace(port(WEB, "127.0.0.1", 30080, (A, B)), kind=FrontendKind.NODE_PORT, external_backends=(A,))
+    c.sync({WEB: [local]})
+    services, slots = c.model.maps[abi.MAP_SERVICES], c.model.maps[abi.MAP_SLOTS]
+    assert list(services) == [("127.0.0.1", 30080, "TCP", abi.SVC_SCOPE_HOST)]
+    host = services["127.0.0.1", 30080, "TCP", abi.SVC_SCOPE_HOST]
+    assert host[1:3] == (2, 0)
+    assert {slots[host[0], i] for i in range(2)} == {(A.ip, A.port, 1), (B.ip, B.port, 1)}
+    c.sync({WEB: []})
+    assert list(c.model.maps[abi.MAP_SERVICES]) == []
+
+
 # -- schedulers ---------------------------------------------------------------------------------------------
 
 

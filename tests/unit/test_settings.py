@@ -241,11 +241,25 @@ def test_the_table_names_real_flags_and_every_mode_setting() -> None:
     assert listed <= flags
     # The flags that set a mode's own settings (bpf.*, masquerade.*, iptables.*, ipvs.*) are all in the table,
     # but the pin path (every mode's start cleans up the bpf mode's pins) and the masquerade policy every mode
-    # follows.
+    # follows; and the node's own setting only some modes serve (NodePorts on 127.0.0.1).
     mode_flags = {f"--{dest.replace('_', '-')}" for dest, paths in cli.SETTINGS.items()
                   if paths[0].split(".")[0] in ("bpf", "masquerade", "iptables", "ipvs", "nftables", "userspace")}
     every_mode = {"--bpf-pin-path", "--cluster-cidr", "--masquerade-all"}
-    assert mode_flags - every_mode | {ct.flag for ct in cli.CT_FLAGS} == listed
+    node = {"--iptables-localhost-nodeports"}
+    assert mode_flags - every_mode | {ct.flag for ct in cli.CT_FLAGS} | node == listed
+
+
+@pytest.mark.parametrize(("args", "value"), [((), True), (("--iptables-localhost-nodeports=false",), False),
+                                             (("--iptables-localhost-nodeports",), True),
+                                             (("--iptables-localhost-nodeports=true",), True)])
+def test_localhost_nodeports_is_upstreams_flag_and_on_by_default(args: tuple[str, ...], value: bool) -> None:
+    assert settings(*args).localhost_nodeports is value
+
+
+def test_a_localhost_nodeports_value_that_is_no_boolean_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        settings("--iptables-localhost-nodeports=maybe")
+    assert "expected true or false, not 'maybe'" in capsys.readouterr().err
 
 
 def test_socket_lb_hostns_only_is_a_flag_and_off_by_default() -> None:

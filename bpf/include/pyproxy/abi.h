@@ -127,9 +127,12 @@
 
 /* struct pyproxy_svc_key.scope: whose traffic an entry serves. The packet path looks up PACKETS only. An external
  * frontend with externalTrafficPolicy Local serves clients from outside with this node's endpoints, and the
- * node's own processes with every endpoint (upstream's short circuit): its NODE entry, with slots of its own. */
+ * node's own processes with every endpoint (upstream's short circuit): its NODE entry, with slots of its own. A
+ * NodePort on 127.0.0.1 (localhostNodePorts) has a HOST entry only: the socket hooks look a loopback destination
+ * up there, and no packet can meet it (one to 127.0.0.1 arriving on a device is a neighbour's: CVE-2020-8558). */
 #define PYPROXY_SVC_SCOPE_PACKETS 0
 #define PYPROXY_SVC_SCOPE_NODE    1
+#define PYPROXY_SVC_SCOPE_HOST    2
 
 /* struct pyproxy_ct_key.dir */
 #define PYPROXY_CT_FORWARD  0          /* client -> frontend, value holds the backend */

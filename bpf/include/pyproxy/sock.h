@@ -7,7 +7,8 @@
  * For the application the socket still talks to the frontend: getpeername() and the source of received datagrams
  * are rewritten back (PYPROXY_MAP_SOCKS). The same frontends, backends and ClientIP affinity as the packet path
  * (lb.h), but that an externalTrafficPolicy Local frontend serves the node and its pods from every endpoint (its
- * PYPROXY_SVC_SCOPE_NODE entry, upstream's short circuit).
+ * PYPROXY_SVC_SCOPE_NODE entry, upstream's short circuit), and that the node's processes also reach NodePorts on
+ * 127.0.0.1 (upstream's localhostNodePorts: PYPROXY_SVC_SCOPE_HOST entries, which only these hooks look up).
  *
  * Who the client is (pyproxy_sock_client): the caller's network namespace. The node's own namespace is one client,
  * source 0, as it always was; a pod (any other namespace) is its own client, keyed by its namespace cookie, so
@@ -151,13 +152,20 @@ enum pyproxy_sock_choice {
 	PYPROXY_SOCK_REFUSED,        /* the call fails (bpf_set_retval said how) */
 };
 
+/* The services map scope a socket's IPv4 destination is looked up in: a loopback address's NodePorts are HOST
+ * entries (abi.h), every other frontend a PACKETS one. */
+static __always_inline __u8 pyproxy_sock_scope(__be32 daddr)
+{
+	return (bpf_ntohl(daddr) >> 24) == 127 ? PYPROXY_SVC_SCOPE_HOST : PYPROXY_SVC_SCOPE_PACKETS;
+}
+
 /* The backend for a socket's connect() or send to the IPv4 frontend daddr:dport (its IPv4 hook's, or an IPv6
  * socket's IPv4-mapped destination); *cookie gets the socket's cookie when it is one. */
 static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32 daddr, __be16 dport, __u8 proto,
 					       int connect, __u64 *cookie, struct pyproxy_backend *be)
 {
 	struct pyproxy_pkt p = { .daddr = daddr, .dport = dport, .proto = proto };
-	struct pyproxy_svc_value *svc = pyproxy_frontend_of(&p);
+	struct pyproxy_svc_value *svc = pyproxy_frontend_in(&p, pyproxy_sock_scope(daddr));
 	struct pyproxy_sock_key flow;
 	__u32 epoch;
 	__u64 now;

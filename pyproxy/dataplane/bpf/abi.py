@@ -131,6 +131,7 @@ COUNTING_SCHEDULERS = frozenset({"lc", "sed", "nq"})
 """The schedulers that read backends' active flows: their flows are counted (CT_F_COUNTED)."""
 SVC_SCOPE_PACKETS = 0  # PYPROXY_SVC_SCOPE_PACKETS
 SVC_SCOPE_NODE = 1  # PYPROXY_SVC_SCOPE_NODE
+SVC_SCOPE_HOST = 2  # PYPROXY_SVC_SCOPE_HOST
 
 CT_FORWARD = 0  # PYPROXY_CT_FORWARD
 CT_REVERSE = 1  # PYPROXY_CT_REVERSE

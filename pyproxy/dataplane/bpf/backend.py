@@ -729,6 +729,9 @@ class BpfDataplane:
         """The dataplane's own metrics, for the proxier's registry (a prometheus Collector)."""
         self.unserved: dict[str, str] = {}
         """Services left out because a map is full -> why (`_apply_what_fits`)."""
+        self.localhost_nodeports = False
+        """True once the socket hooks are attached: their connect() and sendmsg() hooks serve 127.0.0.1's NodePorts
+        (render.py gives those frontends the services map's PYPROXY_SVC_SCOPE_HOST only, which no packet meets)."""
         self._lock = threading.Lock()
         self._owners: tuple[Applied | None, int, dict[Backend, tuple[str, str, str]]] = (None, -1, {})
         """endpoint_owners() of an Applied at a generation: a scrape recomputes it only after a plan was applied."""
@@ -833,6 +836,7 @@ class BpfDataplane:
                 log.warning("node processes will not reach Services: %s", e)
                 return
         cgroup.attach(self._obj.progs, root, s.pin_path)
+        self.localhost_nodeports = True
 
     def stop(self) -> None:
         if self._gc:

@@ -147,7 +147,7 @@ def view(maps: Maps, flows: bool = True) -> inspection.View:
         out.frontends.append(inspection.Frontend(
             ip=ip, port=port, proto=proto, name=fe.name, service=fe.service,
             scheduler=abi.SCHED_NAME.get(fe.sched, str(fe.sched)), endpoints=_endpoints(maps, fe),
-            node=scope == abi.SVC_SCOPE_NODE, affinity_sec=fe.affinity_sec, source_ranges=fe.source_ranges,
+            node=scope != abi.SVC_SCOPE_PACKETS, affinity_sec=fe.affinity_sec, source_ranges=fe.source_ranges,
             empty="dropped" if fe.flags & abi.SVC_F_DROP else "refused", table=tuple(map(str, fe.table)),
             packets=sum(s.packets for s in per_cpu), bytes=sum(s.bytes for s in per_cpu)))
     out.counters = {n: sum(v.value for v in maps.counters.get(i)) for i, n in enumerate(abi.COUNTERS)}

@@ -52,7 +52,8 @@ from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortStat
 
 FrontendKey = tuple[str, int, str, int]
 """(address, port, "TCP"|"UDP", scope): a services map key. Scope abi.SVC_SCOPE_NODE is the entry an external
-frontend with externalTrafficPolicy Local has for the node's own processes, which reach every endpoint."""
+frontend with externalTrafficPolicy Local has for the node's own processes, which reach every endpoint; scope
+abi.SVC_SCOPE_HOST the only entry of a NodePort on 127.0.0.1 (`ServicePortState.node_only`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,6 +418,9 @@ def render(
             key = frontend_key(st.frontend)
             if key[2] not in abi.IPPROTO:
                 skipped.append(f"{st.display_name} {st.frontend}: protocol not served by the bpf dataplane")
+                continue
+            if st.node_only:   # the socket hooks' only (abi.h: PYPROXY_SVC_SCOPE_HOST), served as the node sees it
+                claims[frontend_key(st.frontend, abi.SVC_SCOPE_HOST)] = (service, _node_view(st))
                 continue
             claims[key] = (service, st)
             if _has_node_view(st):

@@ -47,6 +47,7 @@ class IptablesSettings:
 class IptablesDataplane:
     mode = "iptables"
     unserved: Mapping[str, str] = MappingProxyType({})  # it serves every Service it is given
+    localhost_nodeports = False  # no NodePorts on 127.0.0.1, unlike upstream's iptables mode (docs/differences.md)
 
     def __init__(self, settings: IptablesSettings) -> None:
         self.settings = settings

@@ -267,6 +267,7 @@ def is_mode_rule(table: str, chain: str, body: str) -> bool:
 class IpvsDataplane:
     mode = "ipvs"
     unserved: Mapping[str, str] = MappingProxyType({})  # it serves every Service it is given
+    localhost_nodeports = False  # no NodePorts on 127.0.0.1: as upstream's ipvs mode
 
     def __init__(self, settings: IpvsSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings

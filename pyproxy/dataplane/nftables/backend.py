@@ -96,6 +96,7 @@ def _frontend_count(state: TableState) -> int:
 class NftablesDataplane:
     mode = "nftables"
     unserved: Mapping[str, str] = MappingProxyType({})  # it serves every Service it is given
+    localhost_nodeports = False  # no NodePorts on 127.0.0.1: as upstream's nftables mode
 
     def __init__(self, settings: NftablesSettings) -> None:
         self.settings = settings

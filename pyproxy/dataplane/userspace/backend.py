@@ -90,6 +90,7 @@ def _ipv6_problem() -> str | None:
 class UserspaceDataplane:
     mode = "userspace"
     unserved: Mapping[str, str] = MappingProxyType({})  # it serves every Service it is given
+    localhost_nodeports = False  # no NodePorts on 127.0.0.1: its listeners are on the Service addresses
     collector = None  # no metrics of its own
 
     def __init__(self, settings: UserspaceSettings) -> None:
