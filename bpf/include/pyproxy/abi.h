@@ -24,6 +24,7 @@
                                                 * v4: SNAT ports reused early; v5: out-of-window RSTs */
 #define PYPROXY_MAP_NAMES     pyproxy_name_v1
 #define PYPROXY_MAP_EPOCH     pyproxy_epoch_v1
+#define PYPROXY_MAP_HPIN      pyproxy_hpin_v1
 #ifndef PYPROXY_MAP_FRAGS             /* -DPYPROXY_MAP_FRAGS=pyproxy_frag_v9: bench/restarts.py's stand-in for a newer
                                       * release whose one map changed layout (abi.py: PYPROXY_TEST_MAP_FRAGS) */
 #define PYPROXY_MAP_FRAGS     pyproxy_frag_v1

@@ -125,6 +125,7 @@ PYPROXY_BCC_TABLE("hash", struct pyproxy_affinity_key, __u32, PYPROXY_MAP_AFFINI
 		  BPF_F_NO_PREALLOC);
 PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_ct_key, struct pyproxy_ct_value, PYPROXY_MAP_CT, PYPROXY_BCC_MAX_ct, 0);
 PYPROXY_BCC_TABLE("array", __u32, __u32, PYPROXY_MAP_EPOCH, 1, 0);
+PYPROXY_BCC_TABLE("array", __u32, __u64, PYPROXY_MAP_HPIN, 1, 0);
 PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_frag_key, struct pyproxy_frag_value, PYPROXY_MAP_FRAGS,
 		  PYPROXY_BCC_MAX_frags, 0);
 PYPROXY_BCC_TABLE("array", __u32, __u64, PYPROXY_MAP_PORTS, PYPROXY_PORT_WORDS, 0);

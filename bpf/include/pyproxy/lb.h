@@ -68,6 +68,23 @@ static __always_inline void pyproxy_affinity_record(const struct pyproxy_pkt *p,
 /* Hairpin (sock.h): a pod's connect() whose chosen backend is the pod itself goes on untranslated to TC, which
  * masquerades it. The hook's choice travels with it: TC choosing again would bring a pod of n endpoints to itself
  * 1 time in n², not n. Keyed by the pod's address (the backend's, which the socket was bound to) and the frontend. */
+/* Both families' claims: when the last was made (PYPROXY_MAP_HPIN). */
+static __always_inline void pyproxy_hairpin_mark(__u64 now)
+{
+	__u32 zero = 0;
+
+	bpf_map_update_elem(&PYPROXY_MAP_HPIN, &zero, &now, BPF_ANY);
+}
+
+/* Whether a claim may be waiting: one was made no longer ago than a claim stays fresh (pyproxy_hairpin_take). */
+static __always_inline int pyproxy_hairpin_pending(__u64 now)
+{
+	__u32 zero = 0;
+	__u64 *last = bpf_map_lookup_elem(&PYPROXY_MAP_HPIN, &zero);
+
+	return last && now - *last <= pyproxy_config.ct.shortest;
+}
+
 static __always_inline void pyproxy_hairpin_claim(__be32 daddr, __be16 dport, __u8 proto,
 						  const struct pyproxy_backend *be, __u32 svc_id, __u64 now)
 {
@@ -79,6 +96,7 @@ static __always_inline void pyproxy_hairpin_claim(__be32 daddr, __be16 dport, __
 	};
 
 	bpf_map_update_elem(&PYPROXY_MAP_CT, &k, &v, BPF_ANY);
+	pyproxy_hairpin_mark(now);
 }
 
 /* A hairpin choice is taken once (its entry, `k` in `ct`, goes), and only fresh: a connect() sends its first packet
@@ -96,6 +114,8 @@ static __always_inline int pyproxy_hairpin_claimed(const struct pyproxy_pkt *p, 
 {
 	struct pyproxy_ct_value *v;
 
+	if (!pyproxy_hairpin_pending(now))
+		return 0;
 	pyproxy_ct_key_set(k, p->saddr, p->daddr, 0, p->dport, p->proto, PYPROXY_CT_HAIRPIN);
 	v = bpf_map_lookup_elem(&PYPROXY_MAP_CT, k);
 	if (!v)

@@ -77,6 +77,7 @@ static __always_inline void pyproxy_lb6_hairpin_claim(const struct pyproxy_in6 *
 
 	pyproxy_ct6_key_set(&k, &be->addr, daddr, 0, dport, proto, PYPROXY_CT_HAIRPIN);
 	bpf_map_update_elem(&PYPROXY_MAP_CT6, &k, &v, BPF_ANY);
+	pyproxy_hairpin_mark(now);
 }
 
 /* pyproxy_hairpin_claimed's twin. */
@@ -85,6 +86,8 @@ static __always_inline int pyproxy_lb6_hairpin_claimed(const struct pyproxy_pkt6
 {
 	struct pyproxy_ct6_value *v;
 
+	if (!pyproxy_hairpin_pending(now))
+		return 0;
 	pyproxy_ct6_key_set(k, &p->saddr, &p->daddr, 0, p->dport, p->proto, PYPROXY_CT_HAIRPIN);
 	v = bpf_map_lookup_elem(&PYPROXY_MAP_CT6, k);
 	if (!v)

@@ -21,6 +21,8 @@ MAP_STATS = "pyproxy_stat_v1"
 MAP_COUNTERS = "pyproxy_cnt_v5"
 MAP_NAMES = "pyproxy_name_v1"
 MAP_EPOCH = "pyproxy_epoch_v1"
+MAP_HPIN = "pyproxy_hpin_v1"
+"""jiffies of the socket hooks' last hairpin choice (maps.h): whether TC looks for one."""
 MAP_FRAGS = "pyproxy_frag_v1"
 MAP_PORTS = "pyproxy_port_v1"
 MAP_SOCKS = "pyproxy_sock_v1"
@@ -59,7 +61,7 @@ TABLE_NAME = "pyproxy_table"
 """The name of each frontend's table (PYPROXY_MAP_TABLES' inner arrays)."""
 MAP_PREFIX = "pyproxy_"
 """Every map name (and so every pin) starts with it: how cleanup and a newer layout find ours."""
-ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES, MAP_EPOCH,
+ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES, MAP_EPOCH, MAP_HPIN,
             MAP_FRAGS, MAP_PORTS, MAP_SOCKS, MAP_SRCRANGES, MAP_CURSORS, MAP_TABLES, MAP_EPSTATS, MAP_DEVADDRS,
             MAP_REFUSALS, MAP_SOCKFLOWS, MAP_SOCKFLOWS6,
             MAP_SERVICES6, MAP_SLOTS6, MAP_BACKENDS6, MAP_CT6, MAP_FRAGS6, MAP_SRCRANGES6, MAP_TABLES6, MAP_SOCKS6,

@@ -358,6 +358,7 @@ class Maps:
         self.ct: BpfMap = BpfMap(fds[abi.MAP_CT], abi.MAP_CT, abi.CtKey, abi.CtValue)
         self.names: BpfMap = BpfMap(fds[abi.MAP_NAMES], abi.MAP_NAMES, ctypes.c_uint32, abi.SvcName)
         self.epoch: BpfMap = BpfMap(fds[abi.MAP_EPOCH], abi.MAP_EPOCH, ctypes.c_uint32, ctypes.c_uint32)
+        self.hpin: BpfMap = BpfMap(fds[abi.MAP_HPIN], abi.MAP_HPIN, ctypes.c_uint32, ctypes.c_uint64)
         self.frags: BpfMap = BpfMap(fds[abi.MAP_FRAGS], abi.MAP_FRAGS, abi.FragKey, abi.FragValue)
         self.socks: BpfMap = BpfMap(fds[abi.MAP_SOCKS], abi.MAP_SOCKS, abi.SockKey, abi.Backend)
         self.sockflows: BpfMap = BpfMap(fds[abi.MAP_SOCKFLOWS], abi.MAP_SOCKFLOWS, abi.SockKey, abi.SockflowValue)
@@ -390,8 +391,8 @@ class Maps:
         self.by_name: dict[str, BpfMap] = {
             m.name: m
             for m in (self.services, self.slots, self.tables.outer, self.backends, self.ct, self.names, self.epoch,
-                      self.frags, self.socks, self.sockflows, self.ports, self.srcranges, self.cursors, self.devaddrs,
-                      self.affinity, self.services6, self.slots6, self.backends6, self.ct6, self.frags6,
+                      self.hpin, self.frags, self.socks, self.sockflows, self.ports, self.srcranges, self.cursors,
+                      self.devaddrs, self.affinity, self.services6, self.slots6, self.backends6, self.ct6, self.frags6,
                       self.srcranges6, self.tables6.outer, self.socks6, self.sockflows6, self.devaddrs6,
                       self.affinity6, self.jump6, self.xjump6)
         }
