@@ -367,4 +367,10 @@ int pyproxy_getpeer6(struct bpf_sock_addr *ctx)
 	return pyproxy_sock6_reverse(ctx, 0);
 }
 
+SEC("cgroup/sock_release")
+int pyproxy_release(struct bpf_sock *ctx)
+{
+	return pyproxy_sock_release(ctx);
+}
+
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

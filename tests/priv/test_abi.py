@@ -228,7 +228,7 @@ def test_programs_python_attaches_exist(btf: Btf) -> None:
 
 
 ABI_H = Path(__file__).resolve().parents[2] / "bpf" / "include" / "pyproxy" / "abi.h"
-MIRRORED = ("CT_F_", "CT_ST_", "SVC_F_", "SVC_SCOPE_", "KERNEL_",
+MIRRORED = ("CT_F_", "CT_ST_", "SVC_F_", "SVC_SCOPE_", "SOCK_F_", "KERNEL_",
             "CT_FORWARD", "CT_REVERSE", "CT_AFFINITY", "CT_HAIRPIN")
 """The #define families of abi.h whose every member Python must know: the flags and states it writes or reads."""
 

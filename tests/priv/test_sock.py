@@ -29,7 +29,9 @@ from conftest import Load
 from harness import CAPACITY, ROOT, Dataplane
 
 from pyproxy.dataplane.base import MasqueradeSettings
-from pyproxy.dataplane.bpf import abi, cgroup, libbpf, loader
+from pyproxy.dataplane.bpf import abi, cgroup, clock, gc, libbpf, loader
+from pyproxy.dataplane.bpf.conntrack import CtTimeouts
+from pyproxy.dataplane.bpf.maps import BpfMap
 from pyproxy.lab.netns import NetnsThread, ensure_bpffs, ensure_cgroup2
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
@@ -428,6 +430,58 @@ def test_a_node_process_reaches_a_nodeport_on_127_0_0_1_and_a_pod_its_own_loopba
     out, err = proc.communicate(timeout=20)
     assert (proc.returncode, out.strip()) == (0, "pod-own"), err
     assert dp.counter("sock_lb") == 3
+
+
+HOLD = textwrap.dedent("""
+    import socket, sys
+    socks = [socket.create_connection(("10.96.77.1", 80), timeout=2) for _ in range(int(sys.argv[1]))]
+    print("held", flush=True)
+    sys.stdin.readline()
+    for s in socks:
+        s.close()
+    print("closed", flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_lc_counts_a_node_sockets_connection_until_it_closes_and_its_entry_goes_with_it(world: World) -> None:
+    """A connect() the hooks balance to an lc frontend's backend counts one open connection there (what lc, sed and
+    nq compare) while the socket lives; its close (cgroup/sock_release) takes the count back and deletes the socket's
+    PYPROXY_MAP_SOCKS entry, so the map does not grow with every connection ever made. The collector's recount
+    keeps what the sockets hold."""
+    dp = world.dp
+    dp.apply(_state(VIP, 80, Protocol.TCP, (TCP_BACKEND,), scheduler="lc"), service="default/web")
+    cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
+    backend = abi.Backend(abi.be32(TCP_BACKEND.ip), abi.be16(TCP_BACKEND.port))
+    server = world.run_in(SERVER)
+    assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+    holder = world.run_in(HOLD, args=("3",), stdin=True)
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline().strip() == "held", holder.stderr.read() if holder.stderr else ""
+        assert dp.maps.backends[backend].active == 3 and len(dp.maps.socks) == 3
+        assert all(v.flags & abi.SOCK_F_COUNTED for v in dp.maps.socks.values())
+        hz = clock.kernel_hz()
+        collector = gc.CtGarbageCollector(
+            BpfMap(os.dup(dp.obj.maps[abi.MAP_CT]), abi.MAP_CT, abi.CtKey, abi.CtValue),
+            BpfMap(os.dup(dp.obj.maps[abi.MAP_SERVICES]), abi.MAP_SERVICES, abi.SvcKey, abi.SvcValue),
+            capacity=dp.capacity[abi.MAP_CT], timeouts=CtTimeouts().ticks(hz), hz=hz,
+            backends=BpfMap(os.dup(dp.obj.maps[abi.MAP_BACKENDS]), abi.MAP_BACKENDS, abi.Backend, abi.BackendInfo),
+            socks=(BpfMap(os.dup(dp.obj.maps[abi.MAP_SOCKS]), abi.MAP_SOCKS, abi.SockKey, abi.SockValue),
+                   BpfMap(os.dup(dp.obj.maps[abi.MAP_SOCKS6]), abi.MAP_SOCKS6, abi.Sock6Key, abi.Sock6Value)))
+        try:
+            collector.run_pass()
+        finally:
+            collector.close()
+        assert dp.maps.backends[backend].active == 3, "the recount lost the sockets' connections"
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "closed"
+        assert dp.maps.backends[backend].active == 0 and len(dp.maps.socks) == 0
+    finally:
+        for proc in (holder, server):
+            proc.kill()
+            proc.wait()
 
 
 UNTOUCHED = ("OSError", "TimeoutError")

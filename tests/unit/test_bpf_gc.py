@@ -242,3 +242,24 @@ def test_the_ipv6_collectors_metrics_sit_beside_the_ipv4_ones() -> None:
     v6.entries.set(7)
     assert registry.get_sample_value("pyproxy_bpf_ct_entries") == 3
     assert registry.get_sample_value("pyproxy_bpf_ct6_entries") == 7
+
+
+def test_the_recount_adds_the_sockets_the_hooks_counted_by_family() -> None:
+    """A node socket the hooks pointed at a backend of an lc, sed or nq frontend (SOCK_F_COUNTED) is one open
+    connection to it until its close deletes the entry; uncounted entries (a connection to a random frontend, an
+    unconnected socket's answer) are none. An IPv6 socket's IPv4-mapped backend counts for IPv4."""
+    def sock(cookie: int, be: str, flags: int) -> tuple[bytes, bytes]:
+        return (bytes(abi.SockKey(cookie, abi.be32(be), abi.be16(8080))),
+                bytes(abi.SockValue(abi.be32(VIP), abi.be16(80), flags)))
+
+    def sock6(cookie: int, be: str, flags: int) -> tuple[bytes, bytes]:
+        return (bytes(abi.Sock6Key(cookie, abi.in6(be), abi.be16(8080))),
+                bytes(abi.Sock6Value(abi.in6("fd00:96::a"), abi.be16(80), flags)))
+
+    four = [sock(1, BACKEND, abi.SOCK_F_COUNTED), sock(2, BACKEND, abi.SOCK_F_COUNTED), sock(3, BACKEND, 0)]
+    six = [sock6(4, "fd00:1::1", abi.SOCK_F_COUNTED), sock6(5, f"::ffff:{BACKEND}", abi.SOCK_F_COUNTED),
+           sock6(6, "fd00:1::1", 0)]
+    socks = (b"".join(k for k, _ in four), b"".join(v for _, v in four))
+    socks6 = (b"".join(k for k, _ in six), b"".join(v for _, v in six))
+    assert gc.count_sockets(socks, socks6) == {addr(BACKEND) + port(8080): 3}
+    assert gc.count_sockets(socks, socks6, gc.IPV6) == {bytes(abi.in6("fd00:1::1")) + port(8080): 1}

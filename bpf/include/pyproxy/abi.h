@@ -412,8 +412,17 @@ struct pyproxy_sock_key {
 	__be16 port;   /* network byte order */
 	__u16 pad;     /* zero */
 };
-/* Its value is a struct pyproxy_backend holding the frontend (ClusterIP and port) the socket asked for, which
- * getpeername() and received datagrams' source addresses show. */
+/* Value of PYPROXY_MAP_SOCKS: the frontend (ClusterIP and port) the socket asked for, which getpeername() and
+ * received datagrams' source addresses show (the layout of a struct pyproxy_backend, whose pad `flags` took). */
+struct pyproxy_sock_value {
+	__be32 addr;   /* network byte order; the frontend */
+	__be16 port;   /* network byte order */
+	__u8 flags;    /* PYPROXY_SOCK_F_* */
+	__u8 pad;      /* zero */
+};
+/* pyproxy_sock_value.flags */
+#define PYPROXY_SOCK_F_COUNTED 0x1   /* its connect() counted a connection to the key's backend (lc, sed, nq), which
+				      * the socket's close (cgroup/sock_release) takes back */
 
 /* PYPROXY_MAP_SOCKFLOWS is keyed by a struct pyproxy_sock_key too, holding the frontend an unconnected UDP socket
  * sends to (sendmsg); its value is the flow that socket has to that frontend. */
@@ -511,6 +520,14 @@ struct pyproxy_sock6_key {
 	__be16 port;   /* network byte order */
 	__u16 pad;     /* zero */
 	__u32 pad2;    /* zero */
+};
+
+/* Value of PYPROXY_MAP_SOCKS6 (pyproxy_sock_value's twin). */
+struct pyproxy_sock6_value {
+	struct pyproxy_in6 addr;
+	__be16 port;   /* network byte order */
+	__u8 flags;    /* PYPROXY_SOCK_F_* */
+	__u8 pad;      /* zero */
 };
 
 /* Value of PYPROXY_MAP_SOCKFLOWS6 (key: a struct pyproxy_sock6_key holding the frontend): pyproxy_sockflow_value's

@@ -129,7 +129,7 @@ PYPROXY_BCC_TABLE("array", __u32, __u64, PYPROXY_MAP_HPIN, 1, 0);
 PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_frag_key, struct pyproxy_frag_value, PYPROXY_MAP_FRAGS,
 		  PYPROXY_BCC_MAX_frags, 0);
 PYPROXY_BCC_TABLE("array", __u32, __u64, PYPROXY_MAP_PORTS, PYPROXY_PORT_WORDS, 0);
-PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_sock_key, struct pyproxy_backend, PYPROXY_MAP_SOCKS,
+PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_sock_key, struct pyproxy_sock_value, PYPROXY_MAP_SOCKS,
 		  PYPROXY_BCC_MAX_socks, 0);
 PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_sock_key, struct pyproxy_sockflow_value, PYPROXY_MAP_SOCKFLOWS,
 		  PYPROXY_BCC_MAX_sockflows, 0);
@@ -160,7 +160,7 @@ PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_ct6_key, struct pyproxy_ct6_value, 
 		  0);
 PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_frag6_key, struct pyproxy_frag_value, PYPROXY_MAP_FRAGS6,
 		  PYPROXY_BCC_MAX_frags6, 0);
-PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_sock6_key, struct pyproxy_backend6, PYPROXY_MAP_SOCKS6,
+PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_sock6_key, struct pyproxy_sock6_value, PYPROXY_MAP_SOCKS6,
 		  PYPROXY_BCC_MAX_socks6, 0);
 PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_sock6_key, struct pyproxy_sockflow6_value, PYPROXY_MAP_SOCKFLOWS6,
 		  PYPROXY_BCC_MAX_sockflows6, 0);

@@ -123,12 +123,13 @@ struct {
 } PYPROXY_MAP_PORTS SEC(".maps");
 
 /* Socket load balancing (sock.h): (socket, backend) -> the frontend the socket asked for, so the socket's
- * peer name and its received datagrams' sources read as the frontend. LRU: a closed socket's entries age out. */
+ * peer name and its received datagrams' sources read as the frontend. A socket's close deletes the entry of the
+ * address it is connected to (cgroup/sock_release); LRU for the others an unconnected socket's answers made. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, PYPROXY_MAX_SOCKS);
 	__type(key, struct pyproxy_sock_key);
-	__type(value, struct pyproxy_backend);
+	__type(value, struct pyproxy_sock_value);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_SOCKS SEC(".maps");
 
@@ -323,7 +324,7 @@ struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, PYPROXY_MAX_SOCKS);
 	__type(key, struct pyproxy_sock6_key);
-	__type(value, struct pyproxy_backend6);
+	__type(value, struct pyproxy_sock6_value);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_SOCKS6 SEC(".maps");
 

@@ -136,7 +136,7 @@ static __always_inline int pyproxy_sockflow_follow(const struct pyproxy_sock_key
 }
 
 /* A datagram from the backend of an unconnected socket's flow (recvmsg) keeps the flow as one to it does. */
-static __always_inline void pyproxy_sockflow_answered(__u64 cookie, const struct pyproxy_backend *fe)
+static __always_inline void pyproxy_sockflow_answered(__u64 cookie, const struct pyproxy_sock_value *fe)
 {
 	struct pyproxy_sock_key k = { .cookie = cookie, .addr = fe->addr, .port = fe->port };
 	struct pyproxy_sockflow_value *f = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKFLOWS, &k);
@@ -162,7 +162,7 @@ static __always_inline __u8 pyproxy_sock_scope(__be32 daddr)
 /* The backend for a socket's connect() or send to the IPv4 frontend daddr:dport (its IPv4 hook's, or an IPv6
  * socket's IPv4-mapped destination); *cookie gets the socket's cookie when it is one. */
 static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32 daddr, __be16 dport, __u8 proto,
-					       int connect, __u64 *cookie, struct pyproxy_backend *be)
+					       int connect, __u64 *cookie, struct pyproxy_backend *be, __u8 *sock_flags)
 {
 	struct pyproxy_pkt p = { .daddr = daddr, .dport = dport, .proto = proto };
 	struct pyproxy_svc_value *svc = pyproxy_frontend_in(&p, pyproxy_sock_scope(daddr));
@@ -221,6 +221,12 @@ static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32
 			return PYPROXY_SOCK_NOT_OURS;
 		}
 	}
+	/* lc, sed and nq count the connection while its socket lives, as TC counts a flow while it lives. */
+	*sock_flags = 0;
+	if (connect && pyproxy_sched_counts(svc)) {
+		pyproxy_active_add(be, 1);
+		*sock_flags = PYPROXY_SOCK_F_COUNTED;
+	}
 	pyproxy_count(PYPROXY_CNT_SOCK_LB);
 	pyproxy_count_svc(svc->svc_id, 0);
 	pyproxy_count_endpoint(be, 0);
@@ -231,10 +237,11 @@ static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32
  * frontend. */
 static __always_inline int pyproxy_sock_forward(struct bpf_sock_addr *ctx, __u8 proto, int connect)
 {
-	struct pyproxy_backend be, fe = { .addr = ctx->user_ip4, .port = (__be16)ctx->user_port };
+	struct pyproxy_sock_value fe = { .addr = ctx->user_ip4, .port = (__be16)ctx->user_port };
+	struct pyproxy_backend be;
 	struct pyproxy_sock_key k = {};
 
-	switch (pyproxy_sock_choose(ctx, fe.addr, fe.port, proto, connect, &k.cookie, &be)) {
+	switch (pyproxy_sock_choose(ctx, fe.addr, fe.port, proto, connect, &k.cookie, &be, &fe.flags)) {
 	case PYPROXY_SOCK_NOT_OURS:
 		return PYPROXY_SOCK_OK;
 	case PYPROXY_SOCK_REFUSED:
@@ -255,7 +262,7 @@ static __always_inline int pyproxy_sock_reverse(struct bpf_sock_addr *ctx, int a
 	struct pyproxy_sock_key k = {
 		.cookie = bpf_get_socket_cookie(ctx), .addr = ctx->user_ip4, .port = (__be16)ctx->user_port,
 	};
-	struct pyproxy_backend *fe = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKS, &k);
+	struct pyproxy_sock_value *fe = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKS, &k);
 
 	if (fe) {
 		if (answer)
@@ -298,10 +305,10 @@ static __always_inline int pyproxy_sock6_forward_mapped(struct bpf_sock_addr *ct
 							__be16 dport, __u8 proto, int connect)
 {
 	struct pyproxy_backend be;
-	struct pyproxy_backend6 fe = { .addr = *daddr, .port = dport };
+	struct pyproxy_sock6_value fe = { .addr = *daddr, .port = dport };
 	struct pyproxy_sock6_key k = { .addr = *daddr };
 
-	switch (pyproxy_sock_choose(ctx, daddr->w[3], dport, proto, connect, &k.cookie, &be)) {
+	switch (pyproxy_sock_choose(ctx, daddr->w[3], dport, proto, connect, &k.cookie, &be, &fe.flags)) {
 	case PYPROXY_SOCK_NOT_OURS:
 		return PYPROXY_SOCK_OK;
 	case PYPROXY_SOCK_REFUSED:
@@ -334,7 +341,7 @@ static __always_inline int pyproxy_sockflow6_follow(const struct pyproxy_sock6_k
 }
 
 /* pyproxy_sockflow_answered's twin. */
-static __always_inline void pyproxy_sockflow6_answered(__u64 cookie, const struct pyproxy_backend6 *fe)
+static __always_inline void pyproxy_sockflow6_answered(__u64 cookie, const struct pyproxy_sock6_value *fe)
 {
 	struct pyproxy_sock6_key k = { .cookie = cookie, .addr = fe->addr, .port = fe->port };
 	struct pyproxy_sockflow6_value *f = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKFLOWS6, &k);
@@ -347,7 +354,8 @@ static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8
 {
 	struct pyproxy_pkt6 p = { .dport = (__be16)ctx->user_port, .proto = proto };
 	struct pyproxy_svc_value *svc;
-	struct pyproxy_backend6 be, fe;
+	struct pyproxy_backend6 be;
+	struct pyproxy_sock6_value fe = {};
 	struct pyproxy_sock6_key k = {};
 	__u32 epoch;
 	__u64 now;
@@ -403,7 +411,10 @@ static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8
 	k.port = be.port;
 	fe.addr = p.daddr;
 	fe.port = p.dport;
-	fe.pad = 0;
+	if (connect && pyproxy_sched_counts(svc)) {
+		pyproxy_lb6_active_add(&be, 1);
+		fe.flags = PYPROXY_SOCK_F_COUNTED;
+	}
 	bpf_map_update_elem(&PYPROXY_MAP_SOCKS6, &k, &fe, BPF_ANY);
 	pyproxy_sock6_set(ctx, &be.addr, be.port);
 	pyproxy_count(PYPROXY_CNT_SOCK_LB);
@@ -415,7 +426,7 @@ static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8
 static __always_inline int pyproxy_sock6_reverse(struct bpf_sock_addr *ctx, int answer)
 {
 	struct pyproxy_sock6_key k = { .cookie = bpf_get_socket_cookie(ctx), .port = (__be16)ctx->user_port };
-	struct pyproxy_backend6 *fe;
+	struct pyproxy_sock6_value *fe;
 
 	pyproxy_sock6_addr(ctx, &k.addr);
 	fe = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKS6, &k);
@@ -427,7 +438,7 @@ static __always_inline int pyproxy_sock6_reverse(struct bpf_sock_addr *ctx, int 
 		/* An unconnected IPv6 socket's datagram to an IPv4-mapped address is sent by the IPv4 path, whose sendmsg4
 		 * hook recorded it in PYPROXY_MAP_SOCKS: the answer's source is looked up there. */
 		struct pyproxy_sock_key k4 = { .cookie = k.cookie, .addr = k.addr.w[3], .port = k.port };
-		struct pyproxy_backend *fe4 = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKS, &k4);
+		struct pyproxy_sock_value *fe4 = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKS, &k4);
 
 		if (fe4) {
 			if (answer)
@@ -436,6 +447,63 @@ static __always_inline int pyproxy_sock6_reverse(struct bpf_sock_addr *ctx, int 
 			pyproxy_sock6_set(ctx, &k.addr, fe4->port);
 		}
 	}
+	return PYPROXY_SOCK_OK;
+}
+
+/* A socket's close (cgroup/sock_release, both families): the PYPROXY_MAP_SOCKS(6) entry of the backend it is
+ * connected to goes, and the connection its connect() counted for lc, sed and nq with it. (An unconnected UDP
+ * socket's entries, one per backend that answered, age out of the LRU.) */
+static __always_inline void pyproxy_sock_forget(__u64 cookie, __be32 addr, __be16 port)
+{
+	struct pyproxy_sock_key k = { .cookie = cookie, .addr = addr, .port = port };
+	struct pyproxy_sock_value *v = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKS, &k);
+	struct pyproxy_backend be = { .addr = addr, .port = port };
+
+	if (!v)
+		return;
+	if (v->flags & PYPROXY_SOCK_F_COUNTED)
+		pyproxy_active_add(&be, -1);
+	bpf_map_delete_elem(&PYPROXY_MAP_SOCKS, &k);
+}
+
+static __always_inline void pyproxy_sock6_forget(__u64 cookie, const struct bpf_sock *sk)
+{
+	struct pyproxy_sock6_key k = { .cookie = cookie, .port = (__be16)sk->dst_port };
+	struct pyproxy_sock6_value *v;
+
+	k.addr.w[0] = sk->dst_ip6[0];
+	k.addr.w[1] = sk->dst_ip6[1];
+	k.addr.w[2] = sk->dst_ip6[2];
+	k.addr.w[3] = sk->dst_ip6[3];
+	v = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKS6, &k);
+	if (!v)
+		return;
+	if (v->flags & PYPROXY_SOCK_F_COUNTED) {
+		/* An IPv4-mapped backend is an IPv4 frontend's (pyproxy_sock6_forward_mapped): counted in the IPv4 map. */
+		if (pyproxy_in6_v4mapped(&k.addr)) {
+			struct pyproxy_backend be = { .addr = k.addr.w[3], .port = k.port };
+
+			pyproxy_active_add(&be, -1);
+		} else {
+			struct pyproxy_backend6 be = { .addr = k.addr, .port = k.port };
+
+			pyproxy_lb6_active_add(&be, -1);
+		}
+	}
+	bpf_map_delete_elem(&PYPROXY_MAP_SOCKS6, &k);
+}
+
+static __always_inline int pyproxy_sock_release(struct bpf_sock *sk)
+{
+	__u64 cookie;
+
+	if (sk->protocol != IPPROTO_TCP && sk->protocol != IPPROTO_UDP)
+		return PYPROXY_SOCK_OK;
+	cookie = bpf_get_socket_cookie(sk);
+	if (sk->family == AF_INET)
+		pyproxy_sock_forget(cookie, sk->dst_ip4, (__be16)sk->dst_port);
+	else if (sk->family == AF_INET6)
+		pyproxy_sock6_forget(cookie, sk);
 	return PYPROXY_SOCK_OK;
 }
 

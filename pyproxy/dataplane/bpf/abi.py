@@ -114,8 +114,10 @@ PROG_CONNECT6 = "pyproxy_connect6"
 PROG_SENDMSG6 = "pyproxy_sendmsg6"
 PROG_RECVMSG6 = "pyproxy_recvmsg6"
 PROG_GETPEERNAME6 = "pyproxy_getpeer6"
+PROG_RELEASE = "pyproxy_release"
+"""cgroup/sock_release, both families (a cgroup sock program; the others are sock_addr ones)."""
 SOCK_HOOKS = {PROG_CONNECT4: 10, PROG_SENDMSG4: 14, PROG_RECVMSG4: 19, PROG_GETPEERNAME4: 29,
-              PROG_CONNECT6: 11, PROG_SENDMSG6: 15, PROG_RECVMSG6: 20, PROG_GETPEERNAME6: 30}
+              PROG_CONNECT6: 11, PROG_SENDMSG6: 15, PROG_RECVMSG6: 20, PROG_GETPEERNAME6: 30, PROG_RELEASE: 34}
 PROG_PREFIX = "pyproxy_"
 
 SVC_F_AFFINITY = 0x1  # PYPROXY_SVC_F_AFFINITY
@@ -459,6 +461,20 @@ class SockKey(ctypes.Structure):
     ]
 
 
+class SockValue(ctypes.Structure):
+    """struct pyproxy_sock_value"""
+
+    _fields_ = [
+        ("addr", ctypes.c_uint32),  # network order
+        ("port", ctypes.c_uint16),  # network order
+        ("flags", ctypes.c_uint8),  # SOCK_F_*
+        ("pad", ctypes.c_uint8),
+    ]
+
+
+SOCK_F_COUNTED = 0x1  # PYPROXY_SOCK_F_COUNTED
+
+
 class SrcRangeKey(ctypes.Structure):
     """struct pyproxy_srcrange_key"""
 
@@ -597,6 +613,17 @@ class Sock6Key(ctypes.Structure):
     ]
 
 
+class Sock6Value(ctypes.Structure):
+    """struct pyproxy_sock6_value"""
+
+    _fields_ = [
+        ("addr", In6),
+        ("port", ctypes.c_uint16),  # network order
+        ("flags", ctypes.c_uint8),  # SOCK_F_*
+        ("pad", ctypes.c_uint8),
+    ]
+
+
 class SrcRange6Key(ctypes.Structure):
     """struct pyproxy_srcrange6_key"""
 
@@ -634,6 +661,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "pyproxy_frag_key": FragKey,
     "pyproxy_frag_value": FragValue,
     "pyproxy_sock_key": SockKey,
+    "pyproxy_sock_value": SockValue,
     "pyproxy_sockflow_value": SockflowValue,
     "pyproxy_srcrange_key": SrcRangeKey,
     "pyproxy_svc_stats": SvcStats,
@@ -648,6 +676,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "pyproxy_ct6_value": Ct6Value,
     "pyproxy_frag6_key": Frag6Key,
     "pyproxy_sock6_key": Sock6Key,
+    "pyproxy_sock6_value": Sock6Value,
     "pyproxy_sockflow6_value": Sockflow6Value,
     "pyproxy_srcrange6_key": SrcRange6Key,
 }

@@ -360,7 +360,7 @@ class Maps:
         self.epoch: BpfMap = BpfMap(fds[abi.MAP_EPOCH], abi.MAP_EPOCH, ctypes.c_uint32, ctypes.c_uint32)
         self.hpin: BpfMap = BpfMap(fds[abi.MAP_HPIN], abi.MAP_HPIN, ctypes.c_uint32, ctypes.c_uint64)
         self.frags: BpfMap = BpfMap(fds[abi.MAP_FRAGS], abi.MAP_FRAGS, abi.FragKey, abi.FragValue)
-        self.socks: BpfMap = BpfMap(fds[abi.MAP_SOCKS], abi.MAP_SOCKS, abi.SockKey, abi.Backend)
+        self.socks: BpfMap = BpfMap(fds[abi.MAP_SOCKS], abi.MAP_SOCKS, abi.SockKey, abi.SockValue)
         self.sockflows: BpfMap = BpfMap(fds[abi.MAP_SOCKFLOWS], abi.MAP_SOCKFLOWS, abi.SockKey, abi.SockflowValue)
         self.ports: BpfMap = BpfMap(fds[abi.MAP_PORTS], abi.MAP_PORTS, ctypes.c_uint32, ctypes.c_uint64)
         self.srcranges: BpfMap = BpfMap(fds[abi.MAP_SRCRANGES], abi.MAP_SRCRANGES, abi.SrcRangeKey, ctypes.c_uint32)
@@ -381,7 +381,7 @@ class Maps:
         self.srcranges6: BpfMap = BpfMap(fds[abi.MAP_SRCRANGES6], abi.MAP_SRCRANGES6, abi.SrcRange6Key,
                                          ctypes.c_uint32)
         self.tables6 = Tables(fds[abi.MAP_TABLES6], abi.MAP_TABLES6, _V6)
-        self.socks6: BpfMap = BpfMap(fds[abi.MAP_SOCKS6], abi.MAP_SOCKS6, abi.Sock6Key, abi.Backend6)
+        self.socks6: BpfMap = BpfMap(fds[abi.MAP_SOCKS6], abi.MAP_SOCKS6, abi.Sock6Key, abi.Sock6Value)
         self.sockflows6: BpfMap = BpfMap(fds[abi.MAP_SOCKFLOWS6], abi.MAP_SOCKFLOWS6, abi.Sock6Key,
                                          abi.Sockflow6Value)
         self.devaddrs6: BpfMap = BpfMap(fds[abi.MAP_DEVADDRS6], abi.MAP_DEVADDRS6, ctypes.c_uint32, abi.In6)
@@ -807,6 +807,7 @@ class BpfDataplane:
             capacity=self._capacity[abi.MAP_CT], timeouts=timeouts, hz=clock.kernel_hz(), settings=s.ct_gc,
             metrics=self.collector.gc,
             backends=BpfMap(os.dup(self._obj.maps[abi.MAP_BACKENDS]), abi.MAP_BACKENDS, abi.Backend, abi.BackendInfo),
+            socks=self._socket_maps(),
         )
         self._gc.start()
         # IPv6 flows by the same rules, in metrics of their own (pyproxy_bpf_ct6_*).
@@ -816,10 +817,17 @@ class BpfDataplane:
             capacity=self._capacity[abi.MAP_CT6], timeouts=timeouts, hz=clock.kernel_hz(), settings=s.ct_gc,
             backends=BpfMap(os.dup(self._obj.maps[abi.MAP_BACKENDS6]), abi.MAP_BACKENDS6, abi.Backend6,
                             abi.BackendInfo),
+            socks=self._socket_maps(),
             layout=IPV6,
             metrics=self.collector.gc6,
         )
         self._gc6.start()
+
+    def _socket_maps(self) -> tuple[BpfMap, BpfMap]:
+        """PYPROXY_MAP_SOCKS and SOCKS6 on fds of their own, for a collector's recount (the sockets counted)."""
+        assert self._obj is not None
+        return (BpfMap(os.dup(self._obj.maps[abi.MAP_SOCKS]), abi.MAP_SOCKS, abi.SockKey, abi.SockValue),
+                BpfMap(os.dup(self._obj.maps[abi.MAP_SOCKS6]), abi.MAP_SOCKS6, abi.Sock6Key, abi.Sock6Value))
 
     def _attach_socket_hooks(self) -> None:
         """Make the socket hooks what the settings say (cgroup.py): on the chosen cgroup, or nowhere."""

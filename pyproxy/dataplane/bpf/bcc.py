@@ -38,7 +38,7 @@ DEFAULT_KERNEL_SOURCE = Path("/usr/local/lib/pyproxy/linux-headers")
 LIBBCC = "libbcc.so.0"
 
 # uapi enum bpf_prog_type
-_SCHED_CLS, _XDP, _CGROUP_SOCK_ADDR = 3, 6, 18
+_SCHED_CLS, _XDP, _CGROUP_SOCK, _CGROUP_SOCK_ADDR = 3, 6, 9, 18
 _BPF_XDP = 37  # uapi enum bpf_attach_type: what libbpf gives SEC("xdp") programs
 PROGRAMS = {
     abi.PROG_TC_INGRESS: (_SCHED_CLS, 0),
@@ -50,6 +50,7 @@ PROGRAMS = {
     abi.PROG_TC_EGRESS6: (_SCHED_CLS, 0),
     abi.PROG_XDP6: (_XDP, _BPF_XDP),
     **{name: (_CGROUP_SOCK_ADDR, attach_type) for name, attach_type in abi.SOCK_HOOKS.items()},
+    abi.PROG_RELEASE: (_CGROUP_SOCK, abi.SOCK_HOOKS[abi.PROG_RELEASE]),
 }
 """Program name -> (program type, expected attach type): what libbpf takes from each SEC() name."""
 LOG_SIZE = 1 << 20

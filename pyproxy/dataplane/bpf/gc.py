@@ -17,8 +17,10 @@ Nothing is deleted that the programs would still use, so a restart (the map is p
 
 After the deletes, a pass given the backends map recounts each backend's open flows (`pyproxy_backend_info.active`,
 which lc, sed and nq read) from what it read: the FORWARD entries of counted flows (CT_F_COUNTED) that are not
-closed and were not deleted. The programs keep the counts as flows open, close and go, but never hear of an entry
-the LRU evicted or this collector deleted: the recount corrects those. It writes only counts that differ, and a
+closed and were not deleted, and the sockets the socket hooks pointed at it and counted (the socket maps' entries
+flagged SOCK_F_COUNTED, of this family: an IPv6 socket's IPv4-mapped backend counts for IPv4). The programs keep the
+counts as flows open, close and go, and sockets connect and close, but never hear of an entry the LRU evicted or
+this collector deleted: the recount corrects those. It writes only counts that differ, and a
 flow opened or closed between the read and the write is lost to that write, so a count may be off by the flows
 of that instant until the next pass (the schedulers read a count below 0 as 0).
 
@@ -72,6 +74,11 @@ _BACKEND_KEY = struct.Struct("=6s2x")  # pyproxy_backend: addr and port as the C
 _BACKEND_INFO = struct.Struct("=Ii")  # pyproxy_backend_info: flags, active
 SVC_KEY = struct.Struct("=4s2sBx")  # vip, port, proto: as an affinity key's daddr, dport, proto
 SVC_VALUE = struct.Struct("=IHHIxxxx")  # svc_id, backend_count, flags, affinity_ticks
+_SOCK_KEY = struct.Struct("=8x6s2x")  # pyproxy_sock_key: the backend's addr and port (the cookie left out)
+_SOCK_FLAGS = struct.Struct("=6xBx")  # pyproxy_sock_value: flags
+_SOCK6_KEY = struct.Struct("=8x16s2s6x")  # pyproxy_sock6_key: the backend's addr, port
+_SOCK6_FLAGS = struct.Struct("=18xBx")  # pyproxy_sock6_value: flags
+_V4MAPPED = bytes(10) + b"\xff\xff"
 
 Frontend = tuple[bytes, bytes, int]
 """(vip, port, proto) as the maps hold them (network-order bytes)."""
@@ -248,6 +255,25 @@ def count_snat_ports(keys: bytes, values: bytes, deleted: Iterable[int],
     return sum(per_backend.values()), max(per_backend.values(), default=0)
 
 
+def count_sockets(socks: tuple[bytes, bytes], socks6: tuple[bytes, bytes], layout: CtLayout = IPV4
+                  ) -> dict[bytes, int]:
+    """The connections the socket hooks counted per backend of `layout`'s family (its address and port, as
+    `count_open` keys them), from the socket maps' entries (PYPROXY_MAP_SOCKS and SOCKS6, packed as `items_raw`
+    reads them): those flagged SOCK_F_COUNTED. An IPv6 socket's IPv4-mapped backend is an IPv4 one."""
+    counts: dict[bytes, int] = {}
+    if layout is IPV4:
+        for (be,), (flags,) in zip(_SOCK_KEY.iter_unpack(socks[0]), _SOCK_FLAGS.iter_unpack(socks[1]), strict=True):
+            if flags & abi.SOCK_F_COUNTED:
+                counts[be] = counts.get(be, 0) + 1
+    for (addr, port), (flags,) in zip(_SOCK6_KEY.iter_unpack(socks6[0]), _SOCK6_FLAGS.iter_unpack(socks6[1]),
+                                      strict=True):
+        if not flags & abi.SOCK_F_COUNTED or (addr[:12] == _V4MAPPED) != (layout is IPV4):
+            continue
+        be = addr[12:] + port if layout is IPV4 else addr + port
+        counts[be] = counts.get(be, 0) + 1
+    return counts
+
+
 def recount(backends: BpfMap, counts: Mapping[bytes, int], layout: CtLayout = IPV4) -> int:
     """Writes each backend's open-flow count where the map's differs; returns how many were written."""
     keys, values = backends.items_raw()
@@ -319,6 +345,7 @@ class CtGarbageCollector:
         settings: CtGcSettings | None = None,
         metrics: CtGcMetrics | None = None,
         backends: BpfMap | None = None,
+        socks: tuple[BpfMap, BpfMap] | None = None,
         layout: CtLayout = IPV4,
     ) -> None:
         self.ct = ct
@@ -327,6 +354,8 @@ class CtGarbageCollector:
         self.services = services
         self.backends = backends
         """The backends map, whose open-flow counts a pass recounts (None: no recount)."""
+        self.socks = socks
+        """PYPROXY_MAP_SOCKS and SOCKS6, whose counted sockets the recount adds (None: no socket is counted)."""
         self.capacity = capacity
         self.timeouts = timeouts
         self.hz = hz
@@ -359,7 +388,12 @@ class CtGarbageCollector:
                 self.ct.delete_raw(key)
                 gone.append(i)
         if self.backends is not None and not self._stop.is_set():
-            recount(self.backends, count_open(keys, values, gone, self.layout), self.layout)
+            counts = count_open(keys, values, gone, self.layout)
+            if self.socks is not None:
+                held = count_sockets(self.socks[0].items_raw(), self.socks[1].items_raw(), self.layout)
+                for be, n in held.items():
+                    counts[be] = counts.get(be, 0) + n
+            recount(self.backends, counts, self.layout)
         in_use, busiest = count_snat_ports(keys, values, gone, self.layout)
         self.metrics.snat_in_use.set(in_use)
         self.metrics.snat_busiest.set(busiest)
@@ -391,6 +425,8 @@ class CtGarbageCollector:
         self.services.close()
         if self.backends is not None:
             self.backends.close()
+        for m in self.socks or ():
+            m.close()
 
     def _loop(self) -> None:
         delay, left = self.settings.min_interval, 0
