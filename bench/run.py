@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench import controlplane, guest, latency, maglev, nodeport, packet, restarts, sched, udpsnat
+from bench import controlplane, guest, latency, maglev, nodeport, packet, restarts, sched, sockpath, udpsnat
 from bench.core import (
     REPO,
     BudgetExceeded,
@@ -49,8 +49,9 @@ from bench.core import (
 
 # The order they run in: the run's bound (TOTAL_S) cuts the last one short first (maglev, seconds of
 # arithmetic, goes first so it never is; restarts, which has its own target, `make bench-restarts`, last).
-PARTS: dict[str, Part] = {p.name: p for p in (maglev.PART, packet.PART, sched.PART, latency.PART, nodeport.PART,
-                                               controlplane.PART, guest.PART, udpsnat.PART, restarts.PART)}
+PARTS: dict[str, Part] = {p.name: p for p in (maglev.PART, packet.PART, sockpath.PART, sched.PART, latency.PART,
+                                               nodeport.PART, controlplane.PART, guest.PART, udpsnat.PART,
+                                               restarts.PART)}
 # Series every other series of the same part is divided by, in an extra table per metric.
 ANCHORS = {"latency": controlplane.ANCHOR, "nodeport": controlplane.ANCHOR,
            "controlplane": f"{controlplane.ANCHOR} (API server)", "guest": guest.ANCHOR}
