@@ -488,6 +488,42 @@ UNTOUCHED = ("OSError", "TimeoutError")
 """What a connect() to VIP:80 that no hook translated gets: no route for it, or no answer at the node."""
 
 
+STORM = textwrap.dedent("""
+    import socket, sys
+    held = socket.create_connection(("10.96.77.1", 80), timeout=2)
+    for _ in range(int(sys.argv[1])):
+        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        u.sendto(b"q", ("10.96.77.1", 53))
+        u.close()
+    print(held.getpeername()[0])
+""")
+"""A connected TCP socket to VIP:80 held while fresh unconnected UDP sockets each send one datagram to VIP:53 (a
+resolver without a socket of its own per query), then the TCP socket's peer name."""
+
+
+def test_a_storm_of_unconnected_udp_sockets_evicts_no_connected_sockets_peer(world: World) -> None:
+    """Every unconnected UDP socket's datagram leaves an entry for its answers that nothing deletes (its close names
+    no peer) but the LRU. Kept in a map of its own, four times as many of them as the socket map holds leave a
+    connected socket's entry alone: its getpeername() still shows the Service, not the backend it was pointed at."""
+    dp = world.dp
+    dp.apply(_state(VIP, 80, Protocol.TCP, (TCP_BACKEND,)), service="default/web")
+    dp.apply(_state(VIP, 53, Protocol.UDP, (UDP_BACKEND,)), service="default/dns")
+    cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
+    storm = 4 * dp.capacity[abi.MAP_SOCKS]
+    server = world.run_in(SERVER)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        client = world.run_in(STORM, args=(str(storm),))
+        out, err = client.communicate(timeout=120)
+    finally:
+        server.kill()
+        server.wait()
+    assert client.returncode == 0, err
+    assert out.strip() == VIP, f"after {storm} unconnected sockets' datagrams the held socket's peer is {out.strip()}"
+    assert dp.counter("sock_lb") == storm + 1
+    assert len(dp.maps.sockanswers) > dp.capacity[abi.MAP_SOCKANS] // 2, "the storm did not fill the answers' LRU"
+
+
 def connect_vip(world: World, netns: str | None = None) -> str:
     proc = world.run_in(CONNECT_VIP, netns)
     out, err = proc.communicate(timeout=20)

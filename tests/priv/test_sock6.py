@@ -60,10 +60,10 @@ def test_a_node_process_reaches_ipv6_frontends_through_the_socket_hooks(world: W
     assert got["udp_reply"] == "udp:q" and got["udp_source"] == [VIP6, 53], "sendto() and recvfrom()'s source"
     assert got["empty"] == "ConnectionRefusedError", "a frontend without endpoints refuses at connect()"
     assert dp.counter("sock_lb") == 2 and dp.counter("sock_refused") == 1
-    # The TCP socket's entry went with its close (cgroup/sock_release); the unconnected UDP socket's stays for the
-    # LRU (its close cannot name the backends that answered it).
-    assert len(dp.maps.socks6) == 1 and ctypes.sizeof(abi.Sock6Key) == 32
-    [(key, value)] = dp.maps.socks6.items()
+    # The TCP socket's entry went with its close (cgroup/sock_release); the unconnected UDP socket's is in the
+    # answers' LRU of its own (its close cannot name the backends it sent to), where it can evict no connected one.
+    assert len(dp.maps.socks6) == 0 and ctypes.sizeof(abi.Sock6Key) == 32
+    [(key, value)] = dp.maps.sockanswers6.items()
     assert (key.port, value.flags) == (abi.be16(UDP_BACKEND[1]), 0)
 
 

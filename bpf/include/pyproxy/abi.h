@@ -32,6 +32,7 @@
 #define PYPROXY_MAP_PORTS     pyproxy_port_v1
 #define PYPROXY_MAP_SOCKS     pyproxy_sock_v1
 #define PYPROXY_MAP_SOCKFLOWS pyproxy_sflow_v1
+#define PYPROXY_MAP_SOCKANS   pyproxy_sans_v1
 #define PYPROXY_MAP_SRCRANGES pyproxy_range_v1
 #define PYPROXY_MAP_CURSORS   pyproxy_rr_v1
 #define PYPROXY_MAP_TABLES    pyproxy_tbl_v3   /* v2: an array per frontend (map in map); v3: its inner
@@ -52,6 +53,7 @@
 #define PYPROXY_MAP_TABLES6    pyproxy_tbl6_v1
 #define PYPROXY_MAP_SOCKS6     pyproxy_sock6_v1
 #define PYPROXY_MAP_SOCKFLOWS6 pyproxy_sflow6_v1
+#define PYPROXY_MAP_SOCKANS6   pyproxy_sans6_v1
 #define PYPROXY_MAP_DEVADDRS6  pyproxy_dev6_v1
 #define PYPROXY_MAP_EPSTATS6   pyproxy_epstat6_v1
 #define PYPROXY_MAP_AFFINITY6  pyproxy_aff6_v1

@@ -64,6 +64,9 @@
 #ifndef PYPROXY_BCC_MAX_sockflows
 #define PYPROXY_BCC_MAX_sockflows PYPROXY_MAX_SOCKS
 #endif
+#ifndef PYPROXY_BCC_MAX_sockanswers
+#define PYPROXY_BCC_MAX_sockanswers PYPROXY_MAX_SOCKS
+#endif
 #ifndef PYPROXY_BCC_MAX_srcranges
 #define PYPROXY_BCC_MAX_srcranges PYPROXY_MAX_SRCRANGES
 #endif
@@ -101,6 +104,9 @@
 #ifndef PYPROXY_BCC_MAX_sockflows6
 #define PYPROXY_BCC_MAX_sockflows6 PYPROXY_MAX_SOCKS
 #endif
+#ifndef PYPROXY_BCC_MAX_sockanswers6
+#define PYPROXY_BCC_MAX_sockanswers6 PYPROXY_MAX_SOCKS
+#endif
 #ifndef PYPROXY_BCC_MAX_srcranges6
 #define PYPROXY_BCC_MAX_srcranges6 PYPROXY_MAX_SRCRANGES
 #endif
@@ -133,6 +139,8 @@ PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_sock_key, struct pyproxy_sock_value
 		  PYPROXY_BCC_MAX_socks, 0);
 PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_sock_key, struct pyproxy_sockflow_value, PYPROXY_MAP_SOCKFLOWS,
 		  PYPROXY_BCC_MAX_sockflows, 0);
+PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_sock_key, struct pyproxy_sock_value, PYPROXY_MAP_SOCKANS,
+		  PYPROXY_BCC_MAX_sockanswers, 0);
 PYPROXY_BCC_TABLE("lpm_trie", struct pyproxy_srcrange_key, __u32, PYPROXY_MAP_SRCRANGES, PYPROXY_BCC_MAX_srcranges,
 		  BPF_F_NO_PREALLOC);
 PYPROXY_BCC_TABLE("array", __u32, struct pyproxy_cursor, PYPROXY_MAP_CURSORS, PYPROXY_BCC_MAX_cursors, 0);
@@ -164,6 +172,8 @@ PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_sock6_key, struct pyproxy_sock6_val
 		  PYPROXY_BCC_MAX_socks6, 0);
 PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_sock6_key, struct pyproxy_sockflow6_value, PYPROXY_MAP_SOCKFLOWS6,
 		  PYPROXY_BCC_MAX_sockflows6, 0);
+PYPROXY_BCC_TABLE("lru_hash", struct pyproxy_sock6_key, struct pyproxy_sock6_value, PYPROXY_MAP_SOCKANS6,
+		  PYPROXY_BCC_MAX_sockanswers6, 0);
 PYPROXY_BCC_TABLE("lpm_trie", struct pyproxy_srcrange6_key, __u32, PYPROXY_MAP_SRCRANGES6,
 		  PYPROXY_BCC_MAX_srcranges6, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("array", __u32, struct pyproxy_backend6, pyproxy_table6, 1, BPF_F_INNER_MAP);

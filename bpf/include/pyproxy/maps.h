@@ -123,8 +123,9 @@ struct {
 } PYPROXY_MAP_PORTS SEC(".maps");
 
 /* Socket load balancing (sock.h): (socket, backend) -> the frontend the socket asked for, so the socket's
- * peer name and its received datagrams' sources read as the frontend. A socket's close deletes the entry of the
- * address it is connected to (cgroup/sock_release); LRU for the others an unconnected socket's answers made. */
+ * peer name and its received datagrams' sources read as the frontend. Only connected sockets' entries: a socket's
+ * close deletes the entry of the address it is connected to (cgroup/sock_release), so the LRU evicts one only
+ * when more translated sockets than it holds are open at once. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, PYPROXY_MAX_SOCKS);
@@ -142,6 +143,19 @@ struct {
 	__type(value, struct pyproxy_sockflow_value);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_SOCKFLOWS SEC(".maps");
+
+/* The answers of unconnected UDP sockets (sock.h): (socket, backend) -> the frontend its sendmsg() asked for, so a
+ * datagram received from that backend reads as from the frontend. Apart from PYPROXY_MAP_SOCKS because nothing
+ * deletes these (an unconnected socket's close names no peer): only this LRU ages them, and however many a DNS
+ * storm of fresh sockets writes, it can evict no connected socket's entry, whose getpeername() would then show
+ * the backend. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, PYPROXY_MAX_SOCKS);
+	__type(key, struct pyproxy_sock_key);
+	__type(value, struct pyproxy_sock_value);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_SOCKANS SEC(".maps");
 
 /* loadBalancerSourceRanges: (frontend id, source prefix) -> present (value unused). A new flow to a frontend
  * flagged PYPROXY_SVC_F_RANGES needs a match. */
@@ -336,6 +350,15 @@ struct {
 	__type(value, struct pyproxy_sockflow6_value);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } PYPROXY_MAP_SOCKFLOWS6 SEC(".maps");
+
+/* Unconnected IPv6 UDP sockets' answers, as PYPROXY_MAP_SOCKANS. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, PYPROXY_MAX_SOCKS);
+	__type(key, struct pyproxy_sock6_key);
+	__type(value, struct pyproxy_sock6_value);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} PYPROXY_MAP_SOCKANS6 SEC(".maps");
 
 /* loadBalancerSourceRanges of IPv6 frontends. */
 struct {

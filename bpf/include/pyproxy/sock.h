@@ -5,7 +5,7 @@
  * without any per-packet NAT. cgroup hooks at connect() and at each unconnected UDP send choose the backend once
  * and point the socket at it; their packets then leave as ordinary traffic to the backend, which TC does not touch.
  * For the application the socket still talks to the frontend: getpeername() and the source of received datagrams
- * are rewritten back (PYPROXY_MAP_SOCKS). The same frontends, backends and ClientIP affinity as the packet path
+ * are rewritten back (pyproxy_sock_remember). The same frontends, backends and ClientIP affinity as the packet path
  * (lb.h), but that an externalTrafficPolicy Local frontend serves the node and its pods from every endpoint (its
  * PYPROXY_SVC_SCOPE_NODE entry, upstream's short circuit), and that the node's processes also reach NodePorts on
  * 127.0.0.1 (upstream's localhostNodePorts: PYPROXY_SVC_SCOPE_HOST entries, which only these hooks look up).
@@ -233,6 +233,27 @@ static __always_inline int pyproxy_sock_choose(struct bpf_sock_addr *ctx, __be32
 	return PYPROXY_SOCK_CHOSEN;
 }
 
+/* Where the frontend a socket asked for is kept, by (socket, backend): a connected socket's in PYPROXY_MAP_SOCKS,
+ * which its close deletes; an unconnected socket's answers in PYPROXY_MAP_SOCKANS, which only the LRU ages. */
+static __always_inline void pyproxy_sock_remember(const struct pyproxy_sock_key *k, const struct pyproxy_sock_value *fe,
+						  int connect)
+{
+	if (connect)
+		bpf_map_update_elem(&PYPROXY_MAP_SOCKS, k, fe, BPF_ANY);
+	else
+		bpf_map_update_elem(&PYPROXY_MAP_SOCKANS, k, fe, BPF_ANY);
+}
+
+/* The frontend for a connected socket's getpeername() or datagrams, or (`answer`) an unconnected one's datagrams. */
+static __always_inline struct pyproxy_sock_value *pyproxy_sock_recall(const struct pyproxy_sock_key *k, int answer)
+{
+	struct pyproxy_sock_value *fe = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKS, k);
+
+	if (!fe && answer)
+		fe = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKANS, k);
+	return fe;
+}
+
 /* A socket's connect() (`connect`) or sendmsg() to ctx's address: points it at a backend when that address is a
  * frontend. */
 static __always_inline int pyproxy_sock_forward(struct bpf_sock_addr *ctx, __u8 proto, int connect)
@@ -249,7 +270,7 @@ static __always_inline int pyproxy_sock_forward(struct bpf_sock_addr *ctx, __u8 
 	}
 	k.addr = be.addr;
 	k.port = be.port;
-	bpf_map_update_elem(&PYPROXY_MAP_SOCKS, &k, &fe, BPF_ANY);
+	pyproxy_sock_remember(&k, &fe, connect);
 	ctx->user_ip4 = be.addr;
 	ctx->user_port = be.port;
 	return PYPROXY_SOCK_OK;
@@ -262,7 +283,7 @@ static __always_inline int pyproxy_sock_reverse(struct bpf_sock_addr *ctx, int a
 	struct pyproxy_sock_key k = {
 		.cookie = bpf_get_socket_cookie(ctx), .addr = ctx->user_ip4, .port = (__be16)ctx->user_port,
 	};
-	struct pyproxy_sock_value *fe = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKS, &k);
+	struct pyproxy_sock_value *fe = pyproxy_sock_recall(&k, answer);
 
 	if (fe) {
 		if (answer)
@@ -299,6 +320,25 @@ static __always_inline int pyproxy_in6_v4mapped(const struct pyproxy_in6 *a)
 	return a->w[0] == 0 && a->w[1] == 0 && a->w[2] == bpf_htonl(0xffff);
 }
 
+/* pyproxy_sock_remember's and pyproxy_sock_recall's twins, for IPv6 sockets. */
+static __always_inline void pyproxy_sock6_remember(const struct pyproxy_sock6_key *k,
+						   const struct pyproxy_sock6_value *fe, int connect)
+{
+	if (connect)
+		bpf_map_update_elem(&PYPROXY_MAP_SOCKS6, k, fe, BPF_ANY);
+	else
+		bpf_map_update_elem(&PYPROXY_MAP_SOCKANS6, k, fe, BPF_ANY);
+}
+
+static __always_inline struct pyproxy_sock6_value *pyproxy_sock6_recall(const struct pyproxy_sock6_key *k, int answer)
+{
+	struct pyproxy_sock6_value *fe = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKS6, k);
+
+	if (!fe && answer)
+		fe = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKANS6, k);
+	return fe;
+}
+
 /* An IPv6 socket's connect() or send to an IPv4-mapped address: the IPv4 frontends decide; the socket is pointed at
  * the IPv4-mapped backend, and PYPROXY_MAP_SOCKS6 remembers the IPv4-mapped frontend for its peer name. */
 static __always_inline int pyproxy_sock6_forward_mapped(struct bpf_sock_addr *ctx, const struct pyproxy_in6 *daddr,
@@ -316,7 +356,7 @@ static __always_inline int pyproxy_sock6_forward_mapped(struct bpf_sock_addr *ct
 	}
 	k.addr.w[3] = be.addr;
 	k.port = be.port;
-	bpf_map_update_elem(&PYPROXY_MAP_SOCKS6, &k, &fe, BPF_ANY);
+	pyproxy_sock6_remember(&k, &fe, connect);
 	pyproxy_sock6_set(ctx, &k.addr, be.port);
 	return PYPROXY_SOCK_OK;
 }
@@ -385,7 +425,7 @@ static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8
 	k.cookie = bpf_get_socket_cookie(ctx);
 	if (svc->sched == PYPROXY_SCHED_MAGLEV)
 		p.sport = (__be16)k.cookie;
-	/* k holds the frontend for the flow's lookup and record, then the backend for PYPROXY_MAP_SOCKS6. */
+	/* k holds the frontend for the flow's lookup and record, then the backend for pyproxy_sock6_remember. */
 	k.addr = p.daddr;
 	k.port = p.dport;
 	if (connect || !pyproxy_sockflow6_follow(&k, svc, epoch, now, &be)) {
@@ -415,7 +455,7 @@ static __always_inline int pyproxy_sock6_forward(struct bpf_sock_addr *ctx, __u8
 		pyproxy_lb6_active_add(&be, 1);
 		fe.flags = PYPROXY_SOCK_F_COUNTED;
 	}
-	bpf_map_update_elem(&PYPROXY_MAP_SOCKS6, &k, &fe, BPF_ANY);
+	pyproxy_sock6_remember(&k, &fe, connect);
 	pyproxy_sock6_set(ctx, &be.addr, be.port);
 	pyproxy_count(PYPROXY_CNT_SOCK_LB);
 	pyproxy_count_svc(svc->svc_id, 0);
@@ -429,16 +469,16 @@ static __always_inline int pyproxy_sock6_reverse(struct bpf_sock_addr *ctx, int 
 	struct pyproxy_sock6_value *fe;
 
 	pyproxy_sock6_addr(ctx, &k.addr);
-	fe = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKS6, &k);
+	fe = pyproxy_sock6_recall(&k, answer);
 	if (fe) {
 		if (answer)
 			pyproxy_sockflow6_answered(k.cookie, fe);
 		pyproxy_sock6_set(ctx, &fe->addr, fe->port);
 	} else if (pyproxy_in6_v4mapped(&k.addr)) {
 		/* An unconnected IPv6 socket's datagram to an IPv4-mapped address is sent by the IPv4 path, whose sendmsg4
-		 * hook recorded it in PYPROXY_MAP_SOCKS: the answer's source is looked up there. */
+		 * hook recorded it in PYPROXY_MAP_SOCKANS: the answer's source is looked up there. */
 		struct pyproxy_sock_key k4 = { .cookie = k.cookie, .addr = k.addr.w[3], .port = k.port };
-		struct pyproxy_sock_value *fe4 = bpf_map_lookup_elem(&PYPROXY_MAP_SOCKS, &k4);
+		struct pyproxy_sock_value *fe4 = pyproxy_sock_recall(&k4, answer);
 
 		if (fe4) {
 			if (answer)
@@ -452,7 +492,7 @@ static __always_inline int pyproxy_sock6_reverse(struct bpf_sock_addr *ctx, int 
 
 /* A socket's close (cgroup/sock_release, both families): the PYPROXY_MAP_SOCKS(6) entry of the backend it is
  * connected to goes, and the connection its connect() counted for lc, sed and nq with it. (An unconnected UDP
- * socket's entries, one per backend that answered, age out of the LRU.) */
+ * socket's entries, one per backend it sent to, are in PYPROXY_MAP_SOCKANS(6) and age out of that LRU.) */
 static __always_inline void pyproxy_sock_forget(__u64 cookie, __be32 addr, __be16 port)
 {
 	struct pyproxy_sock_key k = { .cookie = cookie, .addr = addr, .port = port };

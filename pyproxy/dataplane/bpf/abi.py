@@ -28,6 +28,8 @@ MAP_PORTS = "pyproxy_port_v1"
 MAP_SOCKS = "pyproxy_sock_v1"
 MAP_SOCKFLOWS = "pyproxy_sflow_v1"
 """(socket, frontend) -> the backend of an unconnected UDP socket's flow to that frontend (sock.h)."""
+MAP_SOCKANS = "pyproxy_sans_v1"
+"""(socket, backend) -> the frontend an unconnected UDP socket sent to: its answers' source (sock.h)."""
 MAP_SRCRANGES = "pyproxy_range_v1"
 MAP_CURSORS = "pyproxy_rr_v1"
 MAP_TABLES = "pyproxy_tbl_v3"
@@ -49,6 +51,7 @@ MAP_SRCRANGES6 = "pyproxy_range6_v1"
 MAP_TABLES6 = "pyproxy_tbl6_v1"
 MAP_SOCKS6 = "pyproxy_sock6_v1"
 MAP_SOCKFLOWS6 = "pyproxy_sflow6_v1"
+MAP_SOCKANS6 = "pyproxy_sans6_v1"
 MAP_DEVADDRS6 = "pyproxy_dev6_v1"
 MAP_EPSTATS6 = "pyproxy_epstat6_v1"
 MAP_AFFINITY6 = "pyproxy_aff6_v1"
@@ -63,7 +66,7 @@ MAP_PREFIX = "pyproxy_"
 """Every map name (and so every pin) starts with it: how cleanup and a newer layout find ours."""
 ALL_MAPS = (MAP_SERVICES, MAP_SLOTS, MAP_BACKENDS, MAP_CT, MAP_STATS, MAP_COUNTERS, MAP_NAMES, MAP_EPOCH, MAP_HPIN,
             MAP_FRAGS, MAP_PORTS, MAP_SOCKS, MAP_SRCRANGES, MAP_CURSORS, MAP_TABLES, MAP_EPSTATS, MAP_DEVADDRS,
-            MAP_REFUSALS, MAP_SOCKFLOWS, MAP_SOCKFLOWS6,
+            MAP_REFUSALS, MAP_SOCKFLOWS, MAP_SOCKFLOWS6, MAP_SOCKANS, MAP_SOCKANS6,
             MAP_SERVICES6, MAP_SLOTS6, MAP_BACKENDS6, MAP_CT6, MAP_FRAGS6, MAP_SRCRANGES6, MAP_TABLES6, MAP_SOCKS6,
             MAP_DEVADDRS6, MAP_EPSTATS6, MAP_JUMP6, MAP_XJUMP6, MAP_AFFINITY, MAP_AFFINITY6)
 TABLE6_NAME = "pyproxy_table6"
@@ -71,10 +74,12 @@ TABLE6_NAME = "pyproxy_table6"
 RESIZABLE = {
     "services": MAP_SERVICES, "slots": MAP_SLOTS, "backends": MAP_BACKENDS, "ct": MAP_CT, "stats": MAP_STATS,
     "names": MAP_NAMES, "frags": MAP_FRAGS, "socks": MAP_SOCKS, "sockflows": MAP_SOCKFLOWS,
+    "sockanswers": MAP_SOCKANS,
     "srcranges": MAP_SRCRANGES, "cursors": MAP_CURSORS, "tables": MAP_TABLES, "epstats": MAP_EPSTATS,
     "affinity": MAP_AFFINITY,
     "services6": MAP_SERVICES6, "slots6": MAP_SLOTS6, "backends6": MAP_BACKENDS6, "ct6": MAP_CT6,
-    "frags6": MAP_FRAGS6, "socks6": MAP_SOCKS6, "sockflows6": MAP_SOCKFLOWS6, "srcranges6": MAP_SRCRANGES6,
+    "frags6": MAP_FRAGS6, "socks6": MAP_SOCKS6, "sockflows6": MAP_SOCKFLOWS6, "sockanswers6": MAP_SOCKANS6,
+    "srcranges6": MAP_SRCRANGES6,
     "tables6": MAP_TABLES6, "epstats6": MAP_EPSTATS6, "affinity6": MAP_AFFINITY6,
 }
 """The maps whose capacity a setting may change (--bpf-map-sizes), by the short name a setting uses; an IPv6 twin's

@@ -362,6 +362,7 @@ class Maps:
         self.frags: BpfMap = BpfMap(fds[abi.MAP_FRAGS], abi.MAP_FRAGS, abi.FragKey, abi.FragValue)
         self.socks: BpfMap = BpfMap(fds[abi.MAP_SOCKS], abi.MAP_SOCKS, abi.SockKey, abi.SockValue)
         self.sockflows: BpfMap = BpfMap(fds[abi.MAP_SOCKFLOWS], abi.MAP_SOCKFLOWS, abi.SockKey, abi.SockflowValue)
+        self.sockanswers: BpfMap = BpfMap(fds[abi.MAP_SOCKANS], abi.MAP_SOCKANS, abi.SockKey, abi.SockValue)
         self.ports: BpfMap = BpfMap(fds[abi.MAP_PORTS], abi.MAP_PORTS, ctypes.c_uint32, ctypes.c_uint64)
         self.srcranges: BpfMap = BpfMap(fds[abi.MAP_SRCRANGES], abi.MAP_SRCRANGES, abi.SrcRangeKey, ctypes.c_uint32)
         self.devaddrs: BpfMap = BpfMap(fds[abi.MAP_DEVADDRS], abi.MAP_DEVADDRS, ctypes.c_uint32, ctypes.c_uint32)
@@ -384,6 +385,7 @@ class Maps:
         self.socks6: BpfMap = BpfMap(fds[abi.MAP_SOCKS6], abi.MAP_SOCKS6, abi.Sock6Key, abi.Sock6Value)
         self.sockflows6: BpfMap = BpfMap(fds[abi.MAP_SOCKFLOWS6], abi.MAP_SOCKFLOWS6, abi.Sock6Key,
                                          abi.Sockflow6Value)
+        self.sockanswers6: BpfMap = BpfMap(fds[abi.MAP_SOCKANS6], abi.MAP_SOCKANS6, abi.Sock6Key, abi.Sock6Value)
         self.devaddrs6: BpfMap = BpfMap(fds[abi.MAP_DEVADDRS6], abi.MAP_DEVADDRS6, ctypes.c_uint32, abi.In6)
         self.affinity6: BpfMap = BpfMap(fds[abi.MAP_AFFINITY6], abi.MAP_AFFINITY6, abi.Affinity6Key, ctypes.c_uint32)
         self.jump6: BpfMap = BpfMap(fds[abi.MAP_JUMP6], abi.MAP_JUMP6, ctypes.c_uint32, ctypes.c_uint32)
@@ -391,10 +393,10 @@ class Maps:
         self.by_name: dict[str, BpfMap] = {
             m.name: m
             for m in (self.services, self.slots, self.tables.outer, self.backends, self.ct, self.names, self.epoch,
-                      self.hpin, self.frags, self.socks, self.sockflows, self.ports, self.srcranges, self.cursors,
-                      self.devaddrs, self.affinity, self.services6, self.slots6, self.backends6, self.ct6, self.frags6,
-                      self.srcranges6, self.tables6.outer, self.socks6, self.sockflows6, self.devaddrs6,
-                      self.affinity6, self.jump6, self.xjump6)
+                      self.hpin, self.frags, self.socks, self.sockflows, self.sockanswers, self.ports, self.srcranges,
+                      self.cursors, self.devaddrs, self.affinity, self.services6, self.slots6, self.backends6, self.ct6,
+                      self.frags6, self.srcranges6, self.tables6.outer, self.socks6, self.sockflows6, self.sockanswers6,
+                      self.devaddrs6, self.affinity6, self.jump6, self.xjump6)
         }
 
     def _svc_values(self, values: Sequence[tuple]) -> bytes:
