@@ -9,7 +9,7 @@
 #            Takes minutes; cached as a one-layer OCI layout in ${PYPROXY_CACHE:-~/.cache/pyproxy}/image/base-KEY,
 #            KEY hashing everything that decides its content (this script's build_base, its package lists, the
 #            dependencies), so it is rebuilt only when one of them changes.
-#   pyproxy  the wheel built from this tree, and bpf/build/pyproxy.bpf.o (`make bpf`).
+#   pyproxy  the wheel built from this tree, and bpf/build/pyproxy.bpf.o and sockdestroy.bpf.o (`make bpf`).
 #
 # Output: deploy/build/oci (an OCI image layout, tag $VERSION) and deploy/build/pyproxy-$VERSION.oci.tar (the
 # same layout as one archive, for `ctr images import`, `podman load` or `skopeo copy oci-archive:...`).
@@ -25,6 +25,7 @@ PYVER=3.11  # bookworm's python3; the pyproxy layer's site-packages path depends
 VENV=/opt/pyproxy
 ROOT_PKGS=python3,python3-venv,libbpf1,iproute2,iptables,nftables,ipset,conntrack,kmod
 BPF_OBJ=$REPO/bpf/build/pyproxy.bpf.o
+DESTROY_OBJ=$REPO/bpf/build/sockdestroy.bpf.o
 
 log() { echo "build-image: $*" >&2; }
 
@@ -55,6 +56,7 @@ BASE=$CACHE/base-$BASE_KEY
 
 oci_require_tools
 [ -s "$BPF_OBJ" ] || { log "$BPF_OBJ is missing: run make bpf"; exit 1; }
+[ -s "$DESTROY_OBJ" ] || { log "$DESTROY_OBJ is missing: run make bpf"; exit 1; }
 
 mkdir -p "$CACHE"
 # Two builds at once would spend the base's minute twice and clash on deploy/build: the second waits, then finds
@@ -98,6 +100,7 @@ sys.exit(main())
 PYEOF
 chmod 0755 "$L/usr/local/bin/pyproxy"
 install -m 0644 "$BPF_OBJ" "$L/usr/lib/pyproxy/pyproxy.bpf.o"
+install -m 0644 "$DESTROY_OBJ" "$L/usr/lib/pyproxy/sockdestroy.bpf.o"
 oci_layer_tar "$L" "$STAGE/layer.tar"
 
 rm -rf "$OUT/oci"

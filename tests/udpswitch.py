@@ -22,21 +22,29 @@ Target = tuple[str, int, int]
 
 # Every 50 ms, per target: one datagram from the FIXED source port (a connected socket, as a DNS stub resolver's),
 # and one from a fresh socket (a new flow: shows when the rules changed). Every answer is printed as it comes,
-# with the wall-clock time; it stops at EOF on stdin.
+# with the wall-clock time; it stops at EOF on stdin. A fixed socket that fails (bpf mode destroys a node process's
+# socket pointed at an endpoint that left: ECONNABORTED) is opened again on the same port, as a resolver does.
 CLIENT = """
 import json, select, socket, sys, time
 targets = json.loads(sys.argv[1])
-fixed = {}
-for name, (ip, port, sport) in targets.items():
+def open_fixed(ip, port, sport):
     s = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_DGRAM)
     s.bind(("::" if ":" in ip else "0.0.0.0", sport))
     s.connect((ip, port))
-    fixed[s] = name
+    return s
+def reopen(s):
+    name = fixed.pop(s)
+    s.close()
+    fixed[open_fixed(*targets[name])] = name
+fixed = {open_fixed(ip, port, sport): name for name, (ip, port, sport) in targets.items()}
 fresh = {}
 print(json.dumps({"ready": True}), flush=True)
 while True:
-    for s, name in fixed.items():
-        s.send(b"probe\\n")
+    for s in list(fixed):
+        try:
+            s.send(b"probe\\n")
+        except OSError:
+            reopen(s)
     for name, (ip, port, _) in targets.items():
         f = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_DGRAM)
         f.connect((ip, port))
@@ -48,12 +56,16 @@ while True:
         if sys.stdin in ready:
             sys.exit(0)
         for s in ready:
+            if s not in fixed and s not in fresh:
+                continue  # a fixed socket reopened in this loop
             try:
                 reply = s.recv(1024).decode().strip()
             except OSError:
                 reply = None
             if s in fixed:
                 kind, name = "fixed", fixed[s]
+                if reply is None:
+                    reopen(s)
             else:
                 kind, name = "fresh", fresh.pop(s)[0]
                 s.close()

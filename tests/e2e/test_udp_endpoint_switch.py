@@ -114,3 +114,28 @@ def test_a_pods_connected_udp_socket_follows_a_replaced_endpoint(make_env, mode:
     for target, (applied, switched) in timings.items():
         assert switched - applied <= SWITCH_LIMIT, (
             f"{target}: the fixed-port flow reached b2 {switched - applied:.2f}s after new flows did")
+
+
+NODE_TARGETS = {"cluster-ip": (VIP, 53, 40058)}
+
+
+@pytest.mark.root
+@pytest.mark.parametrize(("mode", "args"), [pytest.param("bpf", [], id="bpf"),
+                                            pytest.param("nftables", [], id="nftables")])
+def test_a_node_processes_connected_udp_socket_follows_a_replaced_endpoint(make_env, mode: str,
+                                                                           args: list[str]) -> None:
+    """The same client as a process of the node itself, whose connected socket the bpf socket hooks point at b1 at
+    connect(): bpf mode destroys it once b1 leaves (bpf_sock_destroy, kernel 6.5; its owner reopens it, as a
+    resolver does, and the new one gets b2), as fast as upstream's modes move its conntrack flow. nftables beside it
+    (a node with a default route, which a node process's datagram to a ClusterIP takes there)."""
+    env = make_env(backends=2, distro=True)
+    svc = service("dns", VIP, [DNS])
+    env.write("dns.yaml", svc, _slice(B1))
+    env.start(mode=mode, args=args)
+    timings = measure(env.lab, NODE_TARGETS, lambda: env.write("dns.yaml", svc, _slice(B2)), ns=env.lab.node)
+    print(f"\n{mode} {' '.join(args)}, a node process: {describe(timings)}")
+    for target, (applied, switched) in timings.items():
+        assert switched - applied <= SWITCH_LIMIT, (
+            f"{target}: the fixed-port flow reached b2 {switched - applied:.2f}s after new flows did")
+    if mode == "bpf":
+        assert "destroyed 1 connected UDP socket" in env.running.log_text(), env.running.log_tail()

@@ -30,8 +30,10 @@ from harness import CAPACITY, ROOT, Dataplane
 
 from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, cgroup, clock, gc, libbpf, loader
+from pyproxy.dataplane.bpf.backend import DESTROYER_OBJECT
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.dataplane.bpf.maps import BpfMap
+from pyproxy.dataplane.bpf.sockdestroy import SocketDestroyer
 from pyproxy.lab.netns import NetnsThread, ensure_bpffs, ensure_cgroup2
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
@@ -522,6 +524,60 @@ def test_a_storm_of_unconnected_udp_sockets_evicts_no_connected_sockets_peer(wor
     assert out.strip() == VIP, f"after {storm} unconnected sockets' datagrams the held socket's peer is {out.strip()}"
     assert dp.counter("sock_lb") == storm + 1
     assert len(dp.maps.sockanswers) > dp.capacity[abi.MAP_SOCKANS] // 2, "the storm did not fill the answers' LRU"
+
+
+CONNECTED_PAIR = textwrap.dedent("""
+    import errno, socket, sys
+    socks = []
+    for port in (53, 54):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.connect(("10.96.77.1", port))
+        s.setblocking(False)
+        socks.append(s)
+    print(" ".join(f"{s.getpeername()[0]}:{s.getpeername()[1]}" for s in socks), flush=True)
+    sys.stdin.readline()
+    out = []
+    for s in socks:
+        try:
+            s.recv(100)
+            out.append("data")
+        except BlockingIOError:
+            out.append("open")
+        except OSError as e:
+            out.append(errno.errorcode[e.errno])
+    print(" ".join(out), flush=True)
+""")
+"""Two connected UDP sockets of a node process, to VIP:53 and VIP:54; once told, what each reads: "open" (nothing to
+read, still connected) or the error its owner gets."""
+
+
+def test_the_iterator_destroys_the_connected_udp_sockets_whose_endpoint_left(world: World, bpf_object: Path) -> None:
+    """bpf/sockdestroy.bpf.c on the datapath's maps (whichever loader made them), run in the node's namespace after
+    one Service's only endpoint left: the socket pointed at it fails with ECONNABORTED (its owner opens another,
+    balanced afresh), the other Service's socket stays connected, and a second pass destroys nothing more."""
+    dp = world.dp
+    gone, kept = Backend("127.0.0.1", 15353), Backend("127.0.0.1", 15354)
+    dp.apply(_state(VIP, 53, Protocol.UDP, (gone,)), service="default/dns")
+    dp.apply(_state(VIP, 54, Protocol.UDP, (kept,)), service="default/other")
+    cgroup.attach(dp.obj.progs, world.cgroup, world.pins)
+    destroyer = SocketDestroyer.load(bpf_object.with_name(DESTROYER_OBJECT), dp.obj.maps)
+    thread = NetnsThread(world.netns)
+    client = world.run_in(CONNECTED_PAIR, stdin=True)
+    try:
+        assert client.stdout is not None and client.stdin is not None
+        assert client.stdout.readline().split() == [f"{VIP}:53", f"{VIP}:54"], "getpeername() before"
+        assert thread.call(destroyer.run) == 0, "destroyed a socket whose endpoint is still there"
+        dp.apply(_state(VIP, 53, Protocol.UDP, (Backend("127.0.0.1", 15355),)), service="default/dns")
+        assert thread.call(destroyer.run) == 1
+        assert thread.call(destroyer.run) == 0
+        client.stdin.write("\n")
+        client.stdin.flush()
+        assert client.stdout.readline().split() == ["ECONNABORTED", "open"]
+    finally:
+        client.kill()
+        client.wait()
+        thread.close()
+        destroyer.close()
 
 
 def connect_vip(world: World, netns: str | None = None) -> str:

@@ -120,6 +120,10 @@ PROG_SENDMSG6 = "pyproxy_sendmsg6"
 PROG_RECVMSG6 = "pyproxy_recvmsg6"
 PROG_GETPEERNAME6 = "pyproxy_getpeer6"
 PROG_RELEASE = "pyproxy_release"
+PROG_UDP_DESTROY = "pyproxy_udp_destroy"
+"""bpf/sockdestroy.bpf.c's iter/udp program (an object of its own: bpf_sock_destroy is 6.5's)."""
+DESTROY_MAPS = (MAP_SOCKS, MAP_SOCKS6, MAP_BACKENDS, MAP_BACKENDS6)
+"""The maps it reads, which must be the datapath's own (sockdestroy.py checks they are)."""
 """cgroup/sock_release, both families (a cgroup sock program; the others are sock_addr ones)."""
 SOCK_HOOKS = {PROG_CONNECT4: 10, PROG_SENDMSG4: 14, PROG_RECVMSG4: 19, PROG_GETPEERNAME4: 29,
               PROG_CONNECT6: 11, PROG_SENDMSG6: 15, PROG_RECVMSG6: 20, PROG_GETPEERNAME6: 30, PROG_RELEASE: 34}

@@ -42,6 +42,7 @@ from pyproxy.dataplane.bpf.render import (
     ports_batch,
     render,
 )
+from pyproxy.dataplane.bpf.sockdestroy import SocketDestroyer
 from pyproxy.model import objects
 from pyproxy.model.state import BOTH_FAMILIES, Backend, DesiredState, ServicePortState
 
@@ -51,6 +52,9 @@ DEFAULT_OBJECT = Path(os.environ.get("PYPROXY_BPF_OBJECT")
                       or Path(__file__).resolve().parents[3] / "bpf" / "build" / "pyproxy.bpf.o")
 """bpf/build/pyproxy.bpf.o; PYPROXY_BPF_OBJECT names another: the container image's (an installed wheel has no
 bpf/build beside it), bench/restarts.py's with a changed map layout."""
+DESTROYER_OBJECT = "sockdestroy.bpf.o"
+"""bpf/sockdestroy.bpf.c's object, looked for beside BpfSettings.object_path (`make bpf` builds both; the image has
+both in /usr/lib/pyproxy)."""
 LOADERS = ("libbpf", "bcc")
 """--bpf-loader: libbpf loads the prebuilt object (`make bpf`); bcc compiles bpf/ at start with BCC (bcc.py), for
 nodes where the prebuilt object does not fit. Never chosen automatically: bcc only when asked."""
@@ -728,6 +732,8 @@ class BpfDataplane:
         self._devaddrs: snat.DeviceAddresses | None = None
         self._gc: CtGarbageCollector | None = None
         self._gc6: CtGarbageCollector | None = None
+        self._destroyer: SocketDestroyer | None = None
+        """bpf/sockdestroy.bpf.c, once the socket hooks are attached on a kernel that has bpf_sock_destroy (6.5)."""
         self.collector = BpfCollector(self)
         """The dataplane's own metrics, for the proxier's registry (a prometheus Collector)."""
         self.unserved: dict[str, str] = {}
@@ -848,8 +854,16 @@ class BpfDataplane:
                 return
         cgroup.attach(self._obj.progs, root, s.pin_path)
         self.localhost_nodeports = True
+        path = s.object_path.with_name(DESTROYER_OBJECT)
+        try:
+            self._destroyer = SocketDestroyer.load(path, self._obj.maps)
+        except (loader.BpfUnavailable, OSError) as e:
+            log.warning("a node process's connected UDP socket will keep an endpoint that left (moving it needs "
+                        "bpf_sock_destroy, kernel 6.5, and %s): %s", path, e)
 
     def stop(self) -> None:
+        if self._destroyer:
+            self._destroyer.close()
         if self._gc:
             self._gc.stop()
         if self._gc6:
@@ -1018,7 +1032,22 @@ class BpfDataplane:
             self.maps.sync_endpoint_stats(self.applied, self.settings.endpoint_counters)
             self.maps.sync_affinity(self.applied)
             raise DataplaneError(f"programming the BPF maps failed: {e}") from e
+        released = plan.epoch != self.applied.epoch
         self.applied.commit(plan)
+        if released and self._destroyer:
+            self._destroy_stale_sockets()
+
+    def _destroy_stale_sockets(self) -> None:
+        """After a plan that removed endpoints: the node's connected UDP sockets pointed at one are destroyed, so
+        their owners open new ones, balanced afresh (sockdestroy.py). A failure costs only that move."""
+        assert self._destroyer is not None
+        try:
+            moved = self._destroyer.run()
+        except OSError as e:
+            log.warning("cannot move connected UDP sockets off endpoints that left: %s", e)
+            return
+        if moved:
+            log.info("destroyed %d connected UDP socket(s) of the node pointed at endpoints that left", moved)
 
     def _apply_what_fits(self, wanted: Mapping[str, Iterable[ServicePortState]]) -> None:
         """The maps cannot hold every Service of `wanted`: apply them one by one, those that free room first

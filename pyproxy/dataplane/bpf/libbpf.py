@@ -84,6 +84,7 @@ ffi.cdef(
     int bpf_obj_get(const char *pathname);
     int bpf_obj_pin(int fd, const char *pathname);
     int bpf_link_create(int prog_fd, int target_fd, int attach_type, const void *opts);
+    int bpf_iter_create(int link_fd);
     int bpf_link_update(int link_fd, int new_prog_fd, const void *opts);
     int bpf_map_get_fd_by_id(uint32_t id);
     struct bpf_map_create_opts { size_t sz; uint32_t btf_fd; uint32_t btf_key_type_id; uint32_t btf_value_type_id;
