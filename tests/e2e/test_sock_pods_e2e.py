@@ -105,8 +105,12 @@ print(json.dumps(got))
 first word (who answered) and its source."""
 
 
-@pytest.mark.parametrize("mode", ["bpf", "nftables"])
-def test_one_unconnected_udp_socket_talks_to_one_endpoint(make_env, mode: str) -> None:
+@pytest.mark.parametrize("mode, args", [
+    pytest.param("bpf", [], id="bpf"),
+    pytest.param("bpf", ["--bpf-socket-lb-hostns-only"], id="bpf-hostns-only"),
+    pytest.param("nftables", [], id="nftables"),
+])
+def test_one_unconnected_udp_socket_talks_to_one_endpoint(make_env, mode: str, args: list[str]) -> None:
     """Issue 26's fourth row: one unconnected UDP socket sends 60 datagrams (sendto) to a Service of 3 endpoints,
     from a pod of the node and from the node itself: all 60 reach one endpoint, as conntrack keeps one flow per
     5-tuple in upstream's modes, and every answer comes from the Service's address."""
@@ -115,12 +119,12 @@ def test_one_unconnected_udp_socket_talks_to_one_endpoint(make_env, mode: str) -
     endpoints, pod = env.lab.backends[:3], env.lab.backends[3]
     env.write("dns.yaml", service("dns", UNCONNECTED_VIP, DNS_PORTS),
               endpoint_slice("dns", {b.ip: True for b in endpoints}, DNS_PORTS))
-    env.start(mode=mode)
+    env.start(mode=mode, args=args)
     env.assert_reaches("udp", UNCONNECTED_VIP, 53, {f"{b.name}:5353" for b in endpoints})
     for client in (pod.ns, env.lab.node):
         out = env.lab.python(client, "-c", SENDTO, UNCONNECTED_VIP, str(DATAGRAMS), timeout=60).stdout
         got = json.loads(out)
         answered = {who for who, _ in got}
-        print(f"{mode} {client}: {DATAGRAMS} datagrams of one socket answered by {sorted(answered)}")
+        print(f"{mode} {' '.join(args)} {client}: {DATAGRAMS} datagrams of one socket answered by {sorted(answered)}")
         assert len(got) == DATAGRAMS and len(answered) == 1, f"{client}: {got}"
         assert all(src == [UNCONNECTED_VIP, 53] for _, src in got), f"{client}: answers' sources {got}"
