@@ -16,7 +16,7 @@ import pytest
 from scenarios import DNS_PORTS, WEB_PORTS
 
 from pyproxy.lab import describe
-from pyproxy.lab.manifests import endpoint_slice, service
+from pyproxy.lab.manifests import Port, endpoint_slice, service
 from pyproxy.lab.netns import Lab, ipv6_of
 from pyproxy.lab.traffic import ProbeResult
 
@@ -128,3 +128,46 @@ def test_one_unconnected_udp_socket_talks_to_one_endpoint(make_env, mode: str, a
         print(f"{mode} {' '.join(args)} {client}: {DATAGRAMS} datagrams of one socket answered by {sorted(answered)}")
         assert len(got) == DATAGRAMS and len(answered) == 1, f"{client}: {got}"
         assert all(src == [UNCONNECTED_VIP, 53] for _, src in got), f"{client}: answers' sources {got}"
+
+
+EXT_PORTS = [Port("http", 80, 8080, node_port=30095)]
+LOCAL_EXTERNAL_IP = "192.0.2.25"
+
+
+@pytest.mark.parametrize("mode, args", [
+    pytest.param("bpf", [], id="bpf"),
+    pytest.param("bpf", ["--bpf-socket-lb-hostns-only"], id="bpf-hostns-only"),
+    pytest.param("nftables", [], id="nftables"),
+])
+@pytest.mark.parametrize("flags, pod_masqueraded", [
+    pytest.param(["--masquerade-all"], True, id="masquerade-all"),
+    pytest.param(["--cluster-cidr=10.201.0.0/16"], False, id="cluster-cidr"),
+])
+def test_a_pods_source_is_what_the_masquerade_settings_say(make_env, mode: str, args: list[str], flags: list[str],
+                                                           pod_masqueraded: bool) -> None:
+    """The issue's fifth row, its masquerade flows, with the pods inside the hooked cgroup: a pod's connection to a
+    ClusterIP reaches the endpoint from the node's address with --masquerade-all and from its own with
+    --cluster-cidr (a pod is inside it), as upstream's; an outside client is masqueraded either way. And a pod
+    reaching an externalTrafficPolicy Local external IP gets every endpoint, keeping its address (upstream's short
+    circuit), whose one endpoint on this node is all an outside client gets."""
+    env = make_env(3, distro=True, pods_in_cgroup=True)
+    pod, b2, b3 = env.lab.backends
+    env.write("web.yaml", service("web", "10.96.0.45", WEB_PORTS),
+              endpoint_slice("web", {b2.ip: True}, WEB_PORTS),
+              service("local", "10.96.0.46", EXT_PORTS, type="NodePort", external_traffic_policy="Local",
+                      external_ips=[LOCAL_EXTERNAL_IP]),
+              endpoint_slice("local", {b2.ip: True, b3.ip: True}, EXT_PORTS,
+                             node_names={b2.ip: "lab-node", b3.ip: "other-node"}))
+    env.start(mode=mode, args=["--hostname-override=lab-node", *flags, *args])
+    from_pod = env.lab.probe("tcp", "10.96.0.45", 80, 6, ns=pod.ns)
+    assert from_pod["replies"] == {"b2:8080": 6}, describe(from_pod)
+    assert set(from_pod["seen_from"]) == {b2.node_ip if pod_masqueraded else pod.ip}, from_pod["seen_from"]
+    from_client = env.probe("tcp", "10.96.0.45", 80, 6)
+    assert set(from_client["seen_from"]) == {b2.node_ip}, describe(from_client)
+    if pod_masqueraded:
+        return  # the short circuit keeps a pod's address only where the pod is not masqueraded anyway
+    short = env.lab.probe("tcp", LOCAL_EXTERNAL_IP, 80, 30, ns=pod.ns)
+    assert short["failures"] == 0 and set(short["replies"]) == {"b2:8080", "b3:8080"}, describe(short)
+    assert set(short["seen_from"]) == {pod.ip}, short["seen_from"]
+    outside = env.probe("tcp", LOCAL_EXTERNAL_IP, 80, 10)
+    assert outside["replies"] == {"b2:8080": 10}, describe(outside)

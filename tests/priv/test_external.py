@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from harness import CLIENT, INGRESS, READY, ROOT, TC_INGRESS, Dataplane, Prog, backend_of, dnat
+from conftest import Load
+from harness import CAPACITY, CLIENT, INGRESS, READY, ROOT, TC_INGRESS, Dataplane, Prog, backend_of, dnat
 from packets import Flow, frame
 
 from pyproxy.dataplane.bpf.backend import Maps
@@ -72,3 +73,23 @@ def test_changed_ranges_apply_to_new_flows_and_survive_a_restart(dp: Dataplane) 
         again.close()
     dp.apply()  # the Service goes: its ranges go with it
     assert len(dp.maps.srcranges) == 0
+
+
+POD = "10.244.1.5"
+"""A pod of this node, inside the --cluster-cidr the short-circuit test loads with."""
+
+
+def test_a_pod_reaches_every_endpoint_of_a_local_frontend_keeping_its_address(load: Load) -> None:
+    """Upstream's short circuit on TC (a pod's veth, its flows left there by the socket hooks or with
+    --bpf-socket-lb-hostns-only): a source inside --cluster-cidr reaching an externalTrafficPolicy Local external IP
+    is served from every endpoint, unmasqueraded (dnat checks the frame is the pod's own, only its destination
+    changed), as if it had gone out and come back; an outside client still gets this node's endpoint only."""
+    d = Dataplane(load(None, max_entries=CAPACITY, cluster_cidr="10.244.0.0/16"))
+    try:
+        d.apply(external(FrontendKind.EXTERNAL_IP, "192.0.2.11", 80, (LOCAL,)))
+        from_pod = {dnat(d, TC_INGRESS, Flow(POD, "192.0.2.11", 41000 + i, 80)) for i in range(30)}
+        assert from_pod == set(READY), f"a pod reached only {from_pod}"
+        from_outside = {dnat(d, TC_INGRESS, Flow(CLIENT, "192.0.2.11", 42000 + i, 80)) for i in range(30)}
+        assert from_outside == {LOCAL}
+    finally:
+        d.close()

@@ -56,7 +56,7 @@ from packets6 import (
 
 from pyproxy.dataplane.bpf import abi, attach, inspect, kernel, loader
 from pyproxy.lab.netns import NetnsThread, scratch_node
-from pyproxy.model.state import Backend, Frontend, ServicePortState
+from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 pytestmark = ROOT
 
@@ -511,6 +511,24 @@ def test_clients_outside_the_cluster_cidrs_ipv6_half_are_masqueraded(load: Load,
         assert leaving(CLIENT6, 46000) == CLIENT6  # fd00:c::10, inside fd00:c::/48
         assert leaving("fd00:99::10", 46001) == NODE_SIDE6
         assert d.counter("snat") == 1
+    finally:
+        d.close()
+
+
+def test_an_ipv6_pod_reaches_every_endpoint_of_a_local_frontend(load: Load) -> None:
+    """pyproxy_lb6_pod_view, the IPv6 short circuit on TC: a source inside --cluster-cidr's IPv6 prefix reaching an
+    externalTrafficPolicy Local external IP is served from every endpoint, unmasqueraded (dnat6 checks the frame);
+    an outside client from this node's endpoint only."""
+    d = Dataplane(load(None, max_entries=CAPACITY, cluster_cidr="10.244.0.0/16", cluster_cidr6="fd00:c::/48"))
+    try:
+        bes = tuple(sorted(Backend(ip, p) for ip, p in BACKENDS6))
+        d.apply(ServicePortState(service=SERVICE, port_name="ext6", frontend=Frontend("fd00:ee::1", PORT, PROTOS[TCP]),
+                                 backends=bes, known_backends=bes, kind=FrontendKind.EXTERNAL_IP,
+                                 external_backends=bes[:1]))
+        from_pod = {dnat6(d, TC_INGRESS, Flow(CLIENT6, "fd00:ee::1", 48000 + i, PORT, TCP)) for i in range(30)}
+        assert from_pod == set(BACKENDS6), f"a pod reached only {from_pod}"
+        outside = {dnat6(d, TC_INGRESS, Flow("fd00:99::10", "fd00:ee::1", 48100 + i, PORT, TCP)) for i in range(30)}
+        assert outside == {BACKENDS6[0]}
     finally:
         d.close()
 

@@ -179,6 +179,22 @@ static __always_inline int pyproxy_lb_must_masquerade(const struct pyproxy_pkt *
 	       (p->saddr & pyproxy_config.cluster.mask) != pyproxy_config.cluster.addr;
 }
 
+/* upstream's short circuit on the packet path: a pod (a source inside --cluster-cidr, as upstream's detect-local;
+ * none without one) reaching an externalTrafficPolicy Local frontend gets the frontend as the node's processes do
+ * (its PYPROXY_SVC_SCOPE_NODE entry: every endpoint, its own address kept), as if it had gone out and come back.
+ * Chosen before the flow lookup: a flow's packets all meet the entry its first one did. */
+static __always_inline struct pyproxy_svc_value *pyproxy_lb_pod_view(const struct pyproxy_pkt *p,
+								     struct pyproxy_svc_value *svc)
+{
+	struct pyproxy_svc_value *node;
+
+	if (!(svc->flags & PYPROXY_SVC_F_NODE_VIEW) || !pyproxy_config.cluster.mask ||
+	    (p->saddr & pyproxy_config.cluster.mask) != pyproxy_config.cluster.addr)
+		return svc;
+	node = pyproxy_frontend_in(p, PYPROXY_SVC_SCOPE_NODE);
+	return node ? node : svc;   /* none: mid-update, this node's endpoints serve */
+}
+
 /* SNAT for a new flow that needs it: records the SNAT pair and returns the Service flow's FORWARD entry flags,
  * or -1: no free port. */
 static __always_inline int pyproxy_lb_masquerade(void *ctx, __u32 ifindex, const struct pyproxy_pkt *p,
@@ -209,8 +225,8 @@ static __always_inline int pyproxy_lb_masquerade(void *ctx, __u32 ifindex, const
  * once per flow after backends were removed, and one on each state change (pyproxy_ct_seen). A later fragment
  * (p->frag) only follows its flow: it never starts one. A backend's reply to an SNATed flow comes back as
  * PYPROXY_DNAT too, with *be its client. `pods`: whether this node's pods' packets may come here (TC, on their
- * veths; not XDP on the uplinks), which may follow a socket hook's hairpin choice (a constant: XDP, near the
- * verifier's limits under BCC, has none of that code). */
+ * veths; not XDP on the uplinks), which may follow a socket hook's hairpin choice and take upstream's short
+ * circuit (pyproxy_lb_pod_view; a constant: XDP, near the verifier's limits under BCC, has none of that code). */
 static __always_inline int pyproxy_lb_forward(void *ctx, __u32 ifindex, const struct pyproxy_pkt *p, __u64 pkt_len,
 					      int pods, struct pyproxy_backend *be)
 {
@@ -229,6 +245,8 @@ static __always_inline int pyproxy_lb_forward(void *ctx, __u32 ifindex, const st
 			pyproxy_ct_untrack(p);
 		return PYPROXY_PASS;
 	}
+	if (pods)
+		svc = pyproxy_lb_pod_view(p, svc);
 	now = pyproxy_now();
 	/* Before the backend is looked up or chosen: an epoch read after a concurrent removal could otherwise
 	 * vouch for the removed backend. */

@@ -288,6 +288,19 @@ static __always_inline int pyproxy_lb6_masquerade(void *ctx, __u32 ifindex, cons
 	return PYPROXY_CT_F_MASQ;
 }
 
+/* pyproxy_lb_pod_view's twin, for IPv6 (--cluster-cidr's IPv6 CIDR). */
+static __always_inline struct pyproxy_svc_value *pyproxy_lb6_pod_view(const struct pyproxy_pkt6 *p,
+								      struct pyproxy_svc_value *svc)
+{
+	struct pyproxy_svc_value *node;
+
+	if (!(svc->flags & PYPROXY_SVC_F_NODE_VIEW) || !pyproxy_config.cluster6.mask.w[0] ||
+	    pyproxy_lb6_outside_cluster(&p->saddr))
+		return svc;
+	node = pyproxy_lb6_frontend_in(&p->daddr, p->dport, p->proto, PYPROXY_SVC_SCOPE_NODE);
+	return node ? node : svc;
+}
+
 /* The forward decision for an IPv6 packet entering the node (pyproxy_lb_forward's twin). */
 static __always_inline int pyproxy_lb6_forward(void *ctx, __u32 ifindex, const struct pyproxy_pkt6 *p,
 					       __u64 pkt_len, int pods, struct pyproxy_backend6 *be)
@@ -307,6 +320,8 @@ static __always_inline int pyproxy_lb6_forward(void *ctx, __u32 ifindex, const s
 			pyproxy_ct6_untrack(p);
 		return PYPROXY_PASS;
 	}
+	if (pods)
+		svc = pyproxy_lb6_pod_view(p, svc);
 	now = pyproxy_now();
 	epoch = pyproxy_backends_epoch();
 
