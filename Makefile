@@ -79,12 +79,14 @@ bpf/build/%.bpf.o: bpf/%.bpf.c $(BPF_HDRS)
 	@mkdir -p bpf/build
 	$(BPF_CC) -c $< -o $@
 
+# The lab is development tooling in tests/labkit (not in the wheel or the image).
 demo: install
-	$(VENV)/bin/pyproxy demo
+	PYTHONPATH=tests $(VPY) -m labkit.demo
 
 lint: venv
 	$(VENV)/bin/ruff check pyproxy tests docs $(wildcard bench)
 	$(VENV)/bin/mypy pyproxy
+	MYPYPATH=tests $(VENV)/bin/mypy -p labkit
 	$(VENV)/bin/lint-imports
 
 unit: venv

@@ -61,6 +61,9 @@ from typing import Any, Protocol
 
 from apiobjects import Kube, service  # the tests' API helpers (tests/ is on sys.path: bench/__init__.py)
 from cluster.cluster import Cluster, bridge_into_netns, stop_process
+from labkit import Lab, Pyproxy
+from labkit.netns import NODE_CLIENT_IP
+from labkit.proxy import METRICS_PORT
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import core, rules
@@ -69,9 +72,6 @@ from bench.upstream import HOSTNAME, KubeProxy, register_node
 from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.inspect import open_maps
-from pyproxy.lab import Lab, Pyproxy
-from pyproxy.lab.netns import NODE_CLIENT_IP
-from pyproxy.lab.proxy import METRICS_PORT
 
 POLL_S = 0.02
 NODE_IP = NODE_CLIENT_IP

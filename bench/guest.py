@@ -15,7 +15,7 @@ boot. qemu gets two more devices (tests/guest/run.py's qemu_args):
   serving certificate has), the kube-proxy binary, and the `ready-N` files by which the host says that the
   objects of N Services are in the API server.
 
-Guest side (`python -m bench.guest --inside /mnt/ctl`): one namespace lab (pyproxy.lab, 10 backends running
+Guest side (`python -m bench.guest --inside /mnt/ctl`): one namespace lab (labkit, 10 backends running
 bench/connload's server, built on the host: same Debian, same glibc), its node reaching the API server through
 two socats (node 127.0.0.1:6443 -> guest 127.0.0.1:6443 -> 10.0.2.100:6443). At each size it asks the host for
 the objects (an event line on the console), waits for `ready-N`, then runs every series in SERIES: start the
@@ -367,8 +367,8 @@ def reset_node(lab: Any) -> None:
 
 
 def guest_pyproxy(lab: Any, *args: Any, **kwargs: Any) -> Any:
-    """pyproxy as the lab runs it, its `cleanup` being `reset_node` (made here: pyproxy.lab is imported late)."""
-    from pyproxy.lab import Pyproxy
+    """pyproxy as the lab runs it, its `cleanup` being `reset_node` (made here: labkit is imported late)."""
+    from labkit import Pyproxy
 
     class GuestPyproxy(Pyproxy):
         def cleanup(self) -> subprocess.CompletedProcess[str]:
@@ -405,8 +405,7 @@ class GuestRun:
 
     def run(self) -> None:
         from cluster.cluster import bridge_into_netns, stop_process
-
-        from pyproxy.lab import Lab
+        from labkit import Lab
 
         self.rec.step("network to the API server, lab of 10 backends")
         # Importing the benchmark's modules (the kubernetes client among them) takes some 10 s of emulated CPU:
@@ -461,11 +460,12 @@ class GuestRun:
     def measure(self, lab: Any, loadlab: Any, series: str, mode: str, n: int, addresses: Sequence[str],
                 size: Any) -> str:
         """Start the proxy of `mode`, wait until programmed and idle, load it, stop it: why it did not finish."""
+        from labkit.proxy import METRICS_PORT
+
         from bench import controlplane as cp
         from bench import rules
         from bench.latency import two_loads, wait_idle
         from bench.upstream import HOSTNAME, KubeProxy
-        from pyproxy.lab.proxy import METRICS_PORT
 
         log_path = self.ctl / "logs" / f"{mode.replace(' ', '-')}-{n}.log"
         log_path.parent.mkdir(exist_ok=True)

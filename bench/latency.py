@@ -64,13 +64,13 @@ from pathlib import Path
 from typing import Any
 
 from cluster.cluster import Cluster, bridge_into_netns, stop_process
+from labkit import Lab
+from labkit.netns import parse_proc_net_counters
 
 from bench import controlplane as cp
 from bench import core, rules
 from bench.core import Deadline, Figure, Measurement, Panel, Part, Recorder
 from bench.upstream import register_node
-from pyproxy.lab import Lab
-from pyproxy.lab.netns import parse_proc_net_counters
 
 TOOL = core.REPO / "bench" / "build" / "connload"
 DIRECT = "no proxy (routing only)"

@@ -37,13 +37,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from cluster.cluster import Cluster
+from labkit import Lab
+from labkit.netns import NODE_CLIENT_IP
 
 from bench import controlplane as cp
 from bench import core, latency
 from bench.core import Deadline, Figure, Panel, Part, Recorder
 from bench.latency import LoadLab, Series, Size
-from pyproxy.lab import Lab
-from pyproxy.lab.netns import NODE_CLIENT_IP
 
 NODE_PORT = 30000
 """Service i's nodePort is NODE_PORT + i."""

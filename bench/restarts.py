@@ -9,13 +9,13 @@ are SNATed to the node) read from a manifest folder, pyproxy in bpf mode. Throug
   EOF, close; 2 s to connect, so one lost SYN costs a resend a second later, two fail it), half to the ClusterIP
   and half to the NodePort, to connload servers on the backends;
 - `long_lived` connections (half ClusterIP, half NodePort) to the lab's line servers, each exchanging a line
-  every 100 ms (`python -m pyproxy.lab.traffic talk`): broken when an exchange fails or another backend or
+  every 100 ms (`python -m labkit.traffic talk`): broken when an exchange fails or another backend or
   source answers.
 
 While both run, pyproxy is restarted `period_s` apart, in the order of `plan`: SIGTERM (a graceful stop) or
 SIGKILL, then a start of the same or another build. "layout bump" starts a build whose frags map changed
 layout (bench/build/pyproxy-frag-v9.bpf.o, made with -DPYPROXY_MAP_FRAGS=pyproxy_frag_v9, run by a copy of the
-pyproxy package whose abi.py names that map: pyproxy.lab.proxy.newer_release): that start makes a new frags map,
+pyproxy package whose abi.py names that map: labkit.proxy.newer_release): that start makes a new frags map,
 unpins the old one
 and adopts every other map, the connection-tracking map first of all; "layout back" returns to the
 current build. The part checks that the connection-tracking map is the same kernel map (same id) before
@@ -47,6 +47,10 @@ from pathlib import Path
 from typing import Any
 
 from cluster.cluster import Cluster, bridge_into_netns, stop_process
+from labkit import Lab, Pyproxy, write_manifest
+from labkit.manifests import Port, documents, endpoint_slice, service
+from labkit.netns import NODE_CLIENT_IP, parse_proc_net_counters
+from labkit.proxy import newer_release
 
 from bench import controlplane as cp
 from bench import core
@@ -54,10 +58,6 @@ from bench.core import Deadline, Measurement, Part, Recorder
 from bench.latency import build_tool
 from bench.upstream import HOSTNAME, KubeProxy, register_node
 from pyproxy.dataplane.bpf import abi, libbpf, loader
-from pyproxy.lab import Lab, Pyproxy, write_manifest
-from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
-from pyproxy.lab.netns import NODE_CLIENT_IP, parse_proc_net_counters
-from pyproxy.lab.proxy import newer_release
 
 VIP = "10.96.40.1"
 CONN_PORT = 9000
@@ -111,7 +111,7 @@ class Load:
     def __init__(self, lab: Lab, rate: float, seconds: float, long_lived: int) -> None:
         self.lab = lab
         self.resent0 = self.resent()
-        self.talk = lab.popen(lab.client, sys.executable, "-m", "pyproxy.lab.traffic", "talk", ",".join(TALK_TARGETS),
+        self.talk = lab.popen(lab.client, sys.executable, "-m", "labkit.traffic", "talk", ",".join(TALK_TARGETS),
                               "--count", str(long_lived), "--interval", "0.1", stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
         assert self.talk.stdout is not None

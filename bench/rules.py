@@ -33,11 +33,11 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from labkit import Lab
+from labkit.netns import NetnsThread
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import core
-from pyproxy.lab import Lab
-from pyproxy.lab.netns import NetnsThread
 
 LAST_SYNC = "kubeproxy_sync_proxy_rules_last_timestamp_seconds"
 METRICS_POLL_S = 0.05

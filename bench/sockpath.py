@@ -33,11 +33,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from labkit.netns import scratch_node
+
 from bench import core, packet
 from bench.core import Deadline, Figure, Measurement, Panel, Part, Recorder
 from pyproxy.dataplane.bpf import libbpf, loader
 from pyproxy.dataplane.bpf.libbpf import ffi
-from pyproxy.lab.netns import scratch_node
 
 CONNECT4, RELEASE = "pyproxy_connect4", "pyproxy_release"
 ATTACH = {CONNECT4: 10, RELEASE: 34}

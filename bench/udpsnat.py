@@ -1,7 +1,7 @@
 """UDP single exchanges through SNAT (issue 25): the rate of DNS-like traffic a NodePort whose endpoint is on
 another node carries before its answers start to fail, bpf and nftables mode side by side.
 
-Set-up. Per mode a two-node lab of its own (pyproxy.lab.Lab with remote_backends=1, distro=True): the client
+Set-up. Per mode a two-node lab of its own (labkit.Lab with remote_backends=1, distro=True): the client
 outside the cluster, node 1 running pyproxy as lab-node, the pod r1 behind node2 (lab-node-2), which has no route
 to the client: every exchange is DNATed to r1 and SNATed to node 1's address on the node2 link. One Service, type
 NodePort, UDP 53 -> r1:5353 (the lab's echo server), externalTrafficPolicy Cluster. The modes' labs are started
@@ -41,11 +41,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from flowstress import answered_pct, run_json
+from labkit import Lab, Pyproxy, write_manifest
+from labkit.manifests import Port, documents, endpoint_slice, service
+from labkit.netns import NODE_CLIENT_IP, REMOTE_NODE_NAME, remote_backend_ip
 
 from bench.core import Deadline, Figure, Measurement, Panel, Part, Recorder
-from pyproxy.lab import Lab, Pyproxy, write_manifest
-from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
-from pyproxy.lab.netns import NODE_CLIENT_IP, REMOTE_NODE_NAME, remote_backend_ip
 
 NODE_NAME = "lab-node"
 SERVICE_IP = "10.96.25.53"

@@ -2,7 +2,7 @@
 anchor every benchmark number is divided by.
 
 The binary is built once from Debian's own `kubernetes` source package (bench/build-kube-proxy.sh, cached in
-~/.cache/pyproxy). `KubeProxy` starts and stops it the way `pyproxy.lab.Pyproxy` does pyproxy, so
+~/.cache/pyproxy). `KubeProxy` starts and stops it the way `labkit.Pyproxy` does pyproxy, so
 the benchmark parts treat both alike (`start`, `proc`, `terminate`, `close`, `log_tail`, `metrics_url`).
 
 What kube-proxy 1.20 needs to run in a network namespace (found by running it):
@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from cluster.cluster import cache_dir
+from labkit import Lab
+from labkit.proxy import HEALTHZ_PORT, METRICS_PORT
 
 from bench import core
 from pyproxy.k8s.client import ApiError
-from pyproxy.lab import Lab
-from pyproxy.lab.proxy import HEALTHZ_PORT, METRICS_PORT
 
 VERSION = "v1.20.2"
 BACKENDS = ("legacy", "nft")

@@ -229,7 +229,7 @@ def cli_page() -> str:
     out.append(table(("flag", "value", "default", "config field", "help"), rows))
     if run.epilog:
         out.append(f"\n{run.epilog}\n")
-    for name in ("inspect", "cleanup", "demo"):
+    for name in ("inspect", "cleanup"):
         sub = subs[name]
         out.append(f"\n## `pyproxy {name}`\n\n")
         out.append(f"{_help_of(ap, name)}\n\n")

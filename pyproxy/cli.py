@@ -309,7 +309,6 @@ def parser() -> argparse.ArgumentParser:
     clean = sub.add_parser("cleanup", help="remove every program, map, pin and qdisc of pyproxy")
     _add_common(clean)
 
-    sub.add_parser("demo", help="run the namespace lab demo (root)")
     return ap
 
 
@@ -430,10 +429,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
         argv = ["run", *argv]  # kube-proxy's command line has no subcommand
     args = parser().parse_args(argv)
-    if args.command == "demo":
-        from pyproxy.lab.demo import run_demo
-
-        return run_demo()
     warnings: list[str] = []
     try:
         settings = settings_from(args, warnings)

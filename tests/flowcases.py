@@ -14,7 +14,7 @@ kept, not even with externalTrafficPolicy Local; and the Service addresses are t
 a port no Service has is refused by the node's own stack, as in ipvs mode (and a node process listening
 on 0.0.0.0 on that port would answer, upstream issue 72236, which the ipvs mode's KUBE-IPVS-FILTER prevents).
 
-Lab addressing (pyproxy.lab): client 10.200.0.2 (outside the cluster), backend I at 10.201.I.2 (named bI),
+Lab addressing (labkit): client 10.200.0.2 (outside the cluster), backend I at 10.201.I.2 (named bI),
 servers on TCP 8080 and 9090 and UDP 5353 in every backend. The node (pyproxy runs as `--hostname-override=
 lab-node`, NODE_NAME) has 10.200.0.1 on the client's link, 10.201.I.1 on backend I's and 10.199.0.1 on its
 uplink; NodePorts are served on all of them (no --nodeport-addresses). Every backend is a pod of this node;
@@ -22,7 +22,7 @@ a slice may still say another `nodeName`, which is what externalTrafficPolicy Lo
 (`hints.forZones`), which topology-aware routing looks at: the manifests hold the node's Node object, in zone
 NODE_ZONE.
 
-IPv6 and dual-stack (issue 15): each role's IPv6 address is its IPv4 one's `pyproxy.lab.netns.ipv6_of`
+IPv6 and dual-stack (issue 15): each role's IPv6 address is its IPv4 one's `labkit.netns.ipv6_of`
 (10.A.B.C -> fd00:10:A:B::C). IPV6_CASES are the IPv6 counterparts of the ClusterIP, NodePort, Local, no-endpoint
 and source-range cases, and dual-stack Services reached on IPv6; the IPv4 halves of the dual-stack Services are in
 CASES (every mode serves those). tests/e2e/test_flowcases.py runs IPV6_CASES in a lab given IPv6 addresses
@@ -37,12 +37,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyproxy.lab.manifests import Port, documents, endpoint_slice, node, service
+from labkit.manifests import Port, documents, endpoint_slice, node, service
+
 from pyproxy.model.objects import TOPOLOGY_MODE_ANNOTATION, ZONE_LABEL
 
 B1, B2, B3 = "10.201.1.2", "10.201.2.2", "10.201.3.2"
 B1_6, B2_6, B3_6 = "fd00:10:201:1::2", "fd00:10:201:2::2", "fd00:10:201:3::2"
-"""The backends' IPv6 addresses (pyproxy.lab.netns.ipv6_of)."""
+"""The backends' IPv6 addresses (labkit.netns.ipv6_of)."""
 HTTP, ALT, DNS = Port("http", 80, 8080), Port("alt", 443, 9090), Port("dns", 53, 5353, "UDP")
 NODE_NAME = "lab-node"
 NODE_ZONE = "zone-a"
@@ -463,7 +464,7 @@ def matches(expected: Outcome, seen: Outcome) -> bool:
 
 def results(lab: Any, mode: str, cases: Sequence[FlowCase] = CASES,
             timeout: float = 1.0) -> list[tuple[FlowCase, str | None]]:
-    """Run `cases` with real flows in `lab` (a started pyproxy.lab.Lab whose node runs pyproxy in `mode` on the
+    """Run `cases` with real flows in `lab` (a started labkit.Lab whose node runs pyproxy in `mode` on the
     cases' manifests): each case with None when it did what `mode` must, else what was wrong. `timeout`: the
     seconds a flow that must be answered gets."""
     addresses: dict[str, set[str]] = {}

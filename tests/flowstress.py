@@ -16,9 +16,9 @@ rules that make a namespace lose packets, and the per-window accounting.
         never used before in the run, sent on a fixed schedule (late sends catch up at once: the count is the
         schedule's); every query is accounted to the WINDOW-second window and the schedule step it was sent in.
 
-The servers are the lab's (pyproxy.lab.traffic serve): a TCP connection is answered `NAME:PORT PEER` per
+The servers are the lab's (labkit.traffic serve): a TCP connection is answered `NAME:PORT PEER` per
 request and closed after the client's FIN; a UDP datagram is answered with the same line. Every subcommand
-prints one JSON object; everything is bounded in time. Stdlib and pyproxy.lab.traffic only.
+prints one JSON object; everything is bounded in time. Stdlib and labkit.traffic only.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pyproxy.lab.traffic import REQUEST, parse_reply
-from pyproxy.lab.traffic import _classify as _kind  # timeout, reset, refused, unreachable, ECONNREFUSED ...
+from labkit.traffic import REQUEST, parse_reply
+from labkit.traffic import _classify as _kind  # timeout, reset, refused, unreachable, ECONNREFUSED ...
 
 SCRIPT = Path(__file__).resolve()
 

@@ -47,14 +47,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
+from labkit.manifests import Port, documents, endpoint_slice, service
+
 from pyproxy.model.objects import SCHEDULER_ANNOTATION, SCHEDULERS, WEIGHTS_ANNOTATION
 
 B1, B2, B3 = "10.201.1.2", "10.201.2.2", "10.201.3.2"
 BACKENDS = (B1, B2, B3)
 HTTP = Port("http", 80, 8080)
 NAMES = {B1: "b1:8080", B2: "b2:8080", B3: "b3:8080"}
-"""What each backend answers on HTTP's target port (pyproxy.lab.traffic's reply)."""
+"""What each backend answers on HTTP's target port (labkit.traffic's reply)."""
 WRR_WEIGHTS = {B1: 3, B2: 1, B3: 0}
 WEIGHTS: Mapping[str, Mapping[str, int]] = {"wrr": WRR_WEIGHTS, "sh": {B3: 0}}
 """The Services' `pyproxy.io/weights` (1 for an endpoint not named). sh's quiesced b3: the clients a hash would
@@ -100,7 +101,7 @@ def manifests(annotated: bool = True, *, removed: Mapping[str, str] | None = Non
 @dataclass(frozen=True)
 class Run:
     lab: Any
-    """A started pyproxy.lab.Lab with CLIENT_ADDRESSES more client addresses and servers on TCP 8080."""
+    """A started labkit.Lab with CLIENT_ADDRESSES more client addresses and servers on TCP 8080."""
     annotated: bool
     update: Callable[[str], None] | None
     seen: list[str] = field(default_factory=list)
@@ -150,7 +151,7 @@ def check_wrr(run: Run, ip: str) -> list[str]:
 
 
 def _hold(run: Run, ip: str, count: int) -> tuple[subprocess.Popen[str], list[str | None]]:
-    holder = run.lab.popen(run.lab.client, sys.executable, "-m", "pyproxy.lab.traffic", "hold", ip, "80",
+    holder = run.lab.popen(run.lab.client, sys.executable, "-m", "labkit.traffic", "hold", ip, "80",
                            "--count", str(count), "--timeout", str(TIMEOUT), stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return holder, _answer(holder, 60.0)
@@ -282,7 +283,7 @@ CHECKS: Mapping[str, Callable[[Run, str], list[str]]] = {
 def mismatches(lab: Any, mode: str, *, schedulers: Iterable[str] | None = None, annotated: bool = True,
                update: Callable[[str], None] | None = None, seen: list[str] | None = None) -> list[str]:
     """Run the cases of `schedulers` (default: every one `mode` runs, `MODES`) with real flows in `lab` (a
-    started pyproxy.lab.Lab with CLIENT_ADDRESSES more client addresses, servers on TCP 8080, and pyproxy in
+    started labkit.Lab with CLIENT_ADDRESSES more client addresses, servers on TCP 8080, and pyproxy in
     `mode` on `manifests(annotated)`; with `annotated` False, on the node's default scheduler, which must be
     the one case's named). What went wrong, one line each: [] when all did what they must. `seen` gets a line
     per probe (its answers per backend and how long it took)."""

@@ -3,7 +3,7 @@ must see, with real packets, whatever the proxy mode. tests/e2e/test_twonode.py 
 kernel has; `mismatches(lab, mode)` is all a runner needs, so the IPVS guest can run it as it runs
 tests/flowcases.py (whose FlowCase, outcomes and runner this table reuses).
 
-The lab (pyproxy.lab.Lab(2, remote_backends=2, second_client=True, distro=True)): node 1 runs pyproxy as
+The lab (labkit.Lab(2, remote_backends=2, second_client=True, distro=True)): node 1 runs pyproxy as
 NODE_NAME, with pods b1 and b2 (10.201.I.2); node2 (REMOTE_NODE_NAME, no pyproxy) has pods r1 and r2
 (10.202.J.2) and NO route to the clients' networks, so a remote endpoint can only answer a client outside the
 cluster whose flow the node SNATed to one of its own addresses; the client (10.200.0.2) and client2 (10.200.1.2)
@@ -27,9 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowcases import NO_ANSWER, PROXIED, REFUSED, FlowCase, answered_by, describe_case, results, sticky
-
-from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
-from pyproxy.lab.netns import NODE_CLIENT_IP, REMOTE_NODE_NAME, backend_ip, nonzero_checksum_errors, remote_backend_ip
+from labkit.manifests import Port, documents, endpoint_slice, service
+from labkit.netns import NODE_CLIENT_IP, REMOTE_NODE_NAME, backend_ip, nonzero_checksum_errors, remote_backend_ip
 
 NODE_NAME = "lab-node"
 """pyproxy's --hostname-override: the nodeName of b1's and b2's endpoints."""

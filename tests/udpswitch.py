@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 
-from pyproxy.lab import Lab
+from labkit import Lab
 
 Target = tuple[str, int, int]
 """(address, port, the client's fixed source port); an IPv6 address makes an IPv6 flow."""

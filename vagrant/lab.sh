@@ -250,7 +250,7 @@ test)
     rc=0
     restart=()
     if [ -e "$RUN/images-changed" ]; then restart=(--restart-proxies); rm -f "$RUN/images-changed"; fi
-    inns env PYTHONPATH="$REPO" "$PY" "$REPO/tests/cluster/lab_scenarios.py" --kubeconfig "$SHARE/pki/admin.kubeconfig" --kubectl "$KUBECTL" \
+    inns env PYTHONPATH="$REPO:$REPO/tests" "$PY" "$REPO/tests/cluster/lab_scenarios.py" --kubeconfig "$SHARE/pki/admin.kubeconfig" --kubectl "$KUBECTL" \
         --nodes "$NODES" --modes "$modes" ${PYPROXY_LAB_SCENARIOS:+--scenarios "$PYPROXY_LAB_SCENARIOS"} "${restart[@]}" \
         --results "$LAB/lab-test-results.json" --logs "$LAB/logs/proxies" || rc=$?
     log "lab-test took $(( $(date +%s) - T0 ))s (rc $rc)"

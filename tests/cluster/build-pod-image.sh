@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lab's pod images, built with no registry, as pyproxy's own image is (deploy/oci.sh):
 #
-#   echo   Debian bookworm minbase with python3, and the lab's traffic tool (pyproxy/lab/traffic.py, stdlib
+#   echo   Debian bookworm minbase with python3, and the lab's traffic tool (tests/labkit/traffic.py, stdlib
 #          only) as /usr/local/bin/traffic. Its entrypoint, echo-server, answers every TCP connection, HTTP GET
 #          and UDP datagram on 8080/tcp and 5353/udp (arguments replace those: `--tcp 80,8080 --udp 53`) with one
 #          line, `POD:PORT CLIENT_IP:CLIENT_PORT`: the pod's name (its hostname, or $POD_NAME), the port the
@@ -28,7 +28,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 # shellcheck source=kube-build.sh
 . "$REPO/tests/cluster/kube-build.sh"
 OUT=$CACHE/pod-image
-TRAFFIC=$REPO/pyproxy/lab/traffic.py
+TRAFFIC=$REPO/tests/labkit/traffic.py
 ECHO_TAG=1
 
 log() { echo "build-pod-image: $*" >&2; }

@@ -52,7 +52,7 @@ node. The cells give the slowest answer and the client's longest stall, so a sta
 # The client side, run in every client pod with `python3 -u -c AGENT` (and locally for the lab network's host):
 # JSON commands on stdin, each run in its own thread, results as JSON lines. `probe` opens one NEW connection per
 # request (count, or until stopped); `talk` keeps connections open and asks on each every interval until stopped.
-# Replies are the echo server's `POD:PORT CLIENT_IP:CLIENT_PORT` (pyproxy/lab/traffic.py). Self-contained, stdlib.
+# Replies are the echo server's `POD:PORT CLIENT_IP:CLIENT_PORT` (tests/labkit/traffic.py). Self-contained, stdlib.
 AGENT = r'''
 import errno, json, socket, sys, threading, time
 from collections import Counter
@@ -496,7 +496,7 @@ class Lab:
             time.sleep(5)
 
     def healthz(self, node: str) -> int | None:
-        from pyproxy.lab.traffic import http_get  # the host's side runs in this tree's venv
+        from labkit.traffic import http_get  # the host's side runs in this tree's venv
 
         return http_get(f"http://{self.node_ip[node]}:10256/healthz", timeout=3)["status"]
 

@@ -22,11 +22,10 @@ from typing import Any
 import pytest
 from cluster.cluster import Cluster, bridge_into_netns, stop_process
 from emulation import bound
+from labkit import Lab, ProbeResult, Pyproxy, describe, nonzero_checksum_errors, write_manifest
+from labkit.manifests import documents
+from labkit.netns import missing_stack_driver
 from prometheus_client.parser import text_string_to_metric_families
-
-from pyproxy.lab import Lab, ProbeResult, Pyproxy, describe, nonzero_checksum_errors, write_manifest
-from pyproxy.lab.manifests import documents
-from pyproxy.lab.netns import missing_stack_driver
 
 GUEST_DIR = Path(__file__).resolve().parents[1] / "guest"
 GUEST_PYTEST = "python -m pytest -q -p no:cacheprovider -ra"

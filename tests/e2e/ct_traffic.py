@@ -17,7 +17,7 @@
 Clients bind their source port with SO_REUSEADDR, as clients that pick their own port do, and close first with
 a graceful shutdown (FIN, then read to the server's FIN). A port the kernel refuses (EADDRINUSE, EADDRNOTAVAIL:
 the same 4-tuple still in TIME_WAIT) is not the proxy's failure: `soak` counts it and takes the next port.
-Every exchange has a timeout; every subcommand prints one JSON object. Stdlib and pyproxy.lab.traffic only.
+Every exchange has a timeout; every subcommand prints one JSON object. Stdlib and labkit.traffic only.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pyproxy.lab.traffic import READY_LINE, format_reply, parse_reply
+from labkit.traffic import READY_LINE, format_reply, parse_reply
 
 SCRIPT = Path(__file__).resolve()
 SERVER_IDLE_TIMEOUT = 10.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pyproxy.lab.manifests import Port, endpoint_slice, service
+from labkit.manifests import Port, endpoint_slice, service
 
 WEB_IP, DNS_IP, MULTI_IP = "10.96.0.10", "10.96.0.53", "10.96.0.20"
 WEB_PORTS = [Port("http", 80, 8080, target_port="http")]

@@ -8,10 +8,9 @@ of the other two and stay there. bpf mode beside nftables, whose affinity sets h
 from __future__ import annotations
 
 import pytest
+from labkit import describe
+from labkit.manifests import endpoint_slice, service
 from scenarios import WEB_PORTS
-
-from pyproxy.lab import describe
-from pyproxy.lab.manifests import endpoint_slice, service
 
 pytestmark = pytest.mark.root
 

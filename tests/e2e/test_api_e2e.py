@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from apiobjects import Kube, service, wait_for
 from cluster.cluster import Cluster, bridge_into_netns
+from labkit import describe
 
 from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.inspect import open_maps
-from pyproxy.lab import describe
 
 pytestmark = pytest.mark.root
 

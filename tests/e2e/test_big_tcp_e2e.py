@@ -9,8 +9,7 @@ them, as it sees GRO's aggregates on a NIC with `gro_ipv4_max_size` raised. Befo
 from __future__ import annotations
 
 import pytest
-
-from pyproxy.lab.manifests import Port, endpoint_slice, service
+from labkit.manifests import Port, endpoint_slice, service
 
 pytestmark = pytest.mark.root
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 
 import pytest
+from labkit import describe
+from labkit.manifests import Port, service
 from scenarios import (
     DNS_IP,
     WEB_IP,
@@ -23,8 +25,6 @@ from scenarios import (
 )
 
 from pyproxy.dataplane.bpf import abi, bcc
-from pyproxy.lab import describe
-from pyproxy.lab.manifests import Port, service
 
 pytestmark = pytest.mark.root
 

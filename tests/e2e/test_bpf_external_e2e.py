@@ -9,10 +9,9 @@ steers clients to another node) while its ClusterIP serves every endpoint, and r
 from __future__ import annotations
 
 import pytest
-
-from pyproxy.lab import describe
-from pyproxy.lab.manifests import Port, endpoint_slice, service
-from pyproxy.lab.netns import NODE_CLIENT_IP
+from labkit import describe
+from labkit.manifests import Port, endpoint_slice, service
+from labkit.netns import NODE_CLIENT_IP
 
 pytestmark = pytest.mark.root
 

@@ -18,10 +18,9 @@ import time
 import ct_traffic
 import pytest
 from ct_traffic import run_json
+from labkit.manifests import Port, endpoint_slice, service
+from labkit.traffic import READY_LINE
 from scenarios import WEB_IP, web
-
-from pyproxy.lab.manifests import Port, endpoint_slice, service
-from pyproxy.lab.traffic import READY_LINE
 
 pytestmark = pytest.mark.root
 

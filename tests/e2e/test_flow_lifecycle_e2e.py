@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import flowstress
 import pytest
 from flowstress import answered_pct, describe_windows, run_json
+from labkit.netns import CLIENT2_IP, NODE_CLIENT2_IFNAME, NODE_CLIENT2_IP
 from twonode import (
     EXTERNAL_IP,
     LOCAL_PODS,
@@ -49,7 +50,6 @@ from twonode import (
 )
 
 from pyproxy.dataplane.bpf.abi import DEFAULT_SNAT_PORTS
-from pyproxy.lab.netns import CLIENT2_IP, NODE_CLIENT2_IFNAME, NODE_CLIENT2_IP
 
 pytestmark = pytest.mark.root
 

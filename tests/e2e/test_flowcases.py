@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 from flowcases import IPV6_CASES, MANIFESTS, NODE_NAME, NOT_RENDERED_YET, mismatches
+from labkit.netns import nonzero_checksum_errors
 
 from pyproxy.dataplane.bpf import bcc, loader
-from pyproxy.lab.netns import nonzero_checksum_errors
 
 pytestmark = pytest.mark.root
 

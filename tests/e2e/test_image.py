@@ -12,10 +12,10 @@ from pathlib import Path
 
 import ocirun
 import pytest
+from labkit.netns import BPFFS_DIR, CGROUP_DIR, ensure_bpffs, ensure_cgroup2
 from scenarios import assert_core_traffic, write_core_manifests
 
 from pyproxy import __version__
-from pyproxy.lab.netns import BPFFS_DIR, CGROUP_DIR, ensure_bpffs, ensure_cgroup2
 
 pytestmark = pytest.mark.root
 
@@ -25,6 +25,16 @@ def rootfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     image = ocirun.build_image()
     assert image.endswith(f":{__version__}"), image
     yield ocirun.unpack(image, tmp_path_factory.mktemp("image") / "bundle")
+
+
+def test_the_image_has_the_product_and_no_lab(rootfs: Path) -> None:
+    """The lab is development tooling (tests/labkit): neither the wheel nor so the image has it. Both BPF objects
+    are there (the datapath, and the socket destroyer beside it)."""
+    lab = [str(p.relative_to(rootfs)) for p in rootfs.rglob("*") if p.name in ("labkit", "lab") and p.is_dir()]
+    assert not lab, f"lab code in the image: {lab}"
+    assert list(rootfs.rglob("site-packages/pyproxy/cli.py")), "no pyproxy package in the image"
+    for obj in ("pyproxy.bpf.o", "sockdestroy.bpf.o"):
+        assert (rootfs / "usr/lib/pyproxy" / obj).is_file(), obj
 
 
 def test_the_image_runs_the_cli(rootfs: Path, tmp_path: Path) -> None:

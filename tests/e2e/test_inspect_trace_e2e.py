@@ -28,9 +28,9 @@ from flowcases import (
     NODE_IP6,
     NODE_NAME,
 )
+from labkit.manifests import endpoint_slice, service
+from labkit.netns import backend_ip, ipv6_of
 
-from pyproxy.lab.manifests import endpoint_slice, service
-from pyproxy.lab.netns import backend_ip, ipv6_of
 from pyproxy.model.objects import join_host_port
 
 pytestmark = pytest.mark.root
@@ -48,7 +48,7 @@ def _backend(name_port: str, family: int = 4) -> str:
 @contextlib.contextmanager
 def _holding(env: Any, ip: str) -> Iterator[str]:
     """One TCP connection from the client to ip:80, held open meanwhile: the answer of the backend it reached."""
-    holder = env.lab.popen(env.lab.client, sys.executable, "-m", "pyproxy.lab.traffic", "hold", ip, "80",
+    holder = env.lab.popen(env.lab.client, sys.executable, "-m", "labkit.traffic", "hold", ip, "80",
                            "--count", "1", stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                            text=True)
     try:

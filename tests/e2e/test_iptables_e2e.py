@@ -18,6 +18,9 @@ import sys
 import time
 
 import pytest
+from labkit import describe
+from labkit.manifests import Port, endpoint_slice, service
+from labkit.netns import NODE_CLIENT_IP
 from scenarios import (
     DNS_IP,
     DNS_PORTS,
@@ -33,10 +36,6 @@ from scenarios import (
     web,
     write_core_manifests,
 )
-
-from pyproxy.lab import describe
-from pyproxy.lab.manifests import Port, endpoint_slice, service
-from pyproxy.lab.netns import NODE_CLIENT_IP
 
 pytestmark = pytest.mark.root
 

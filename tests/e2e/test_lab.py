@@ -14,10 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-from pyproxy.lab import Lab, describe, nonzero_checksum_errors, reap_stale_labs
-from pyproxy.lab.netns import MARKER_DIR, list_namespaces, parse_proc_net_counters
-from pyproxy.lab.traffic import parse_reply
+from labkit import Lab, describe, nonzero_checksum_errors, reap_stale_labs
+from labkit.netns import MARKER_DIR, list_namespaces, parse_proc_net_counters, python_env
+from labkit.traffic import parse_reply
 
 
 def _alive(pid: int) -> bool:
@@ -142,7 +141,7 @@ def test_more_client_addresses_fixed_source_ports_and_held_connections() -> None
         udp = lab.probe("udp", b1.ip, 5353, 3, sources=lab.client_ips[1:2])
         assert udp["by_source"] == {"10.200.0.3": {"b1:5353": 3}}, describe(udp)
         assert lab.probe("tcp", b1.ip, 8080, 1)["by_source"] == {}
-        holder = lab.popen(lab.client, sys.executable, "-m", "pyproxy.lab.traffic", "hold", b1.ip, "8080",
+        holder = lab.popen(lab.client, sys.executable, "-m", "labkit.traffic", "hold", b1.ip, "8080",
                            "--count", "2", stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert holder.stdin is not None and holder.stdout is not None
         assert json.loads(holder.stdout.readline()) == ["b1:8080", "b1:8080"]
@@ -365,13 +364,13 @@ def test_a_killed_owner_leaves_nothing_running_and_its_namespaces_are_reaped() -
     # Lab (or reap_stale_labs) removes its namespaces, never those of a live owner.
     script = textwrap.dedent("""
         import json, time
-        from pyproxy.lab import Lab
+        from labkit import Lab
         lab = Lab(2).start()
         lab.start_servers(tcp=[8080], udp=[5353])
         print(json.dumps({"id": lab.id, "namespaces": lab.namespaces}), flush=True)
         time.sleep(60)
         """)
-    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=python_env())
     try:
         assert owner.stdout is not None
         info = json.loads(owner.stdout.readline())

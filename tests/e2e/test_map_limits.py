@@ -15,11 +15,10 @@ from collections.abc import Callable
 import pytest
 from apiobjects import Kube, service
 from cluster.cluster import Cluster
-
-from pyproxy.lab.manifests import Port, endpoint_slice
-from pyproxy.lab.manifests import service as manifest_service
-from pyproxy.lab.netns import ipv6_of
-from pyproxy.lab.proxy import Pyproxy
+from labkit.manifests import Port, endpoint_slice
+from labkit.manifests import service as manifest_service
+from labkit.netns import ipv6_of
+from labkit.proxy import Pyproxy
 
 pytestmark = pytest.mark.root
 
@@ -51,7 +50,7 @@ def test_a_full_services_map_leaves_out_only_what_does_not_fit(make_env: Callabl
     proxy = env.start(args=["--bpf-map-sizes=services=3"])
     for i in range(3):
         env.assert_reaches("tcp", f"10.96.40.{i + 1}", 80, {"b1:8080", "b2:8080"})
-    holder = env.lab.popen(env.lab.client, sys.executable, "-m", "pyproxy.lab.traffic", "hold", "10.96.40.1", "80",
+    holder = env.lab.popen(env.lab.client, sys.executable, "-m", "labkit.traffic", "hold", "10.96.40.1", "80",
                            "--count", "1", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                            stderr=subprocess.DEVNULL, text=True)
     try:

@@ -6,9 +6,8 @@ import re
 import sys
 
 import pytest
-
-from pyproxy.lab import describe
-from pyproxy.lab.manifests import Port, endpoint_slice, service
+from labkit import describe
+from labkit.manifests import Port, endpoint_slice, service
 
 pytestmark = pytest.mark.root
 

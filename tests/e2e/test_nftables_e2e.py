@@ -15,6 +15,8 @@ from collections.abc import Mapping
 
 import flowcases as fc
 import pytest
+from labkit import describe
+from labkit.manifests import endpoint_slice, service
 from scenarios import (
     DNS_IP,
     MULTI_IP,
@@ -30,9 +32,6 @@ from scenarios import (
     web,
     write_core_manifests,
 )
-
-from pyproxy.lab import describe
-from pyproxy.lab.manifests import endpoint_slice, service
 
 pytestmark = pytest.mark.root
 

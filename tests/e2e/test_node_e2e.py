@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from pyproxy.lab import describe
-from pyproxy.lab.manifests import Port, endpoint_slice, service
-from pyproxy.lab.netns import NODE_CLIENT_IP
+from labkit import describe
+from labkit.manifests import Port, endpoint_slice, service
+from labkit.netns import NODE_CLIENT_IP
 
 pytestmark = pytest.mark.root
 

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from labkit.manifests import Port, endpoint_slice, service
+from labkit.proxy import newer_release
 
 from pyproxy.dataplane.bpf import abi, bcc, libbpf, loader
-from pyproxy.lab.manifests import Port, endpoint_slice, service
-from pyproxy.lab.proxy import newer_release
 
 MODES = [
     pytest.param("bpf", False, [], id="bpf"),

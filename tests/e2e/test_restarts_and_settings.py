@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from pyproxy.lab.manifests import Port, endpoint_slice, service
-from pyproxy.lab.netns import PEER_IFNAME
+from labkit.manifests import Port, endpoint_slice, service
+from labkit.netns import PEER_IFNAME
 
 pytestmark = pytest.mark.root
 

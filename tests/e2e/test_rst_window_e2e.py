@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+from labkit.manifests import Port, endpoint_slice, service
 
 from pyproxy.dataplane.bpf import abi, libbpf
 from pyproxy.dataplane.bpf.maps import BpfMap, PerCpuArray
-from pyproxy.lab.manifests import Port, endpoint_slice, service
 
 pytestmark = pytest.mark.root
 

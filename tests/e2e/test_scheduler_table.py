@@ -48,7 +48,7 @@ def test_each_scheduler_as_the_nodes_default_keeps_a_held_connection_through_res
                 assert env.proxy.terminate(20.0) == 0
             env.start(args=[f"--bpf-scheduler={default}"])
             if holder is None:
-                holder = env.lab.popen(env.lab.client, sys.executable, "-m", "pyproxy.lab.traffic", "hold",
+                holder = env.lab.popen(env.lab.client, sys.executable, "-m", "labkit.traffic", "hold",
                                        schedcases.service_ip("rr"), "80", "--count", "1", stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
                 assert holder.stdin is not None and holder.stdout is not None

@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from labkit import describe
+from labkit.manifests import Port, endpoint_slice, service
+from labkit.netns import Lab, ipv6_of
+from labkit.traffic import ProbeResult
 from scenarios import DNS_PORTS, WEB_PORTS
-
-from pyproxy.lab import describe
-from pyproxy.lab.manifests import Port, endpoint_slice, service
-from pyproxy.lab.netns import Lab, ipv6_of
-from pyproxy.lab.traffic import ProbeResult
 
 pytestmark = pytest.mark.root
 

@@ -34,9 +34,8 @@ from collections.abc import Callable
 
 import pytest
 from emulation import bound
-
-from pyproxy.lab.manifests import Port, endpoint_slice, service
-from pyproxy.lab.netns import NODE_CLIENT_IP, POD_BRIDGE, REMOTE_NODE_NAME, backend_ip, remote_backend_ip
+from labkit.manifests import Port, endpoint_slice, service
+from labkit.netns import NODE_CLIENT_IP, POD_BRIDGE, REMOTE_NODE_NAME, backend_ip, remote_backend_ip
 
 pytestmark = pytest.mark.root
 

@@ -11,9 +11,8 @@ tests/e2e/test_twonode.py` shows which checks each still misses.
 from __future__ import annotations
 
 import pytest
+from labkit.netns import NODE_CLIENT2_IFNAME
 from twonode import LOCAL_PODS, MANIFESTS, NODE_NAME, PENDING_MODES, REMOTE_PODS, mismatches
-
-from pyproxy.lab.netns import NODE_CLIENT2_IFNAME
 
 pytestmark = pytest.mark.root
 

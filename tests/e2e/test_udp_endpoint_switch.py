@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import pytest
 from flowcases import NOT_RENDERED_YET
+from labkit.manifests import Port, endpoint_slice, service
+from labkit.netns import ipv6_of
 from udpswitch import describe, measure
-
-from pyproxy.lab.manifests import Port, endpoint_slice, service
-from pyproxy.lab.netns import ipv6_of
 
 MODES = [
     pytest.param("bpf", [], id="bpf"),

@@ -9,10 +9,9 @@ import re
 
 import pytest
 from flowcases import MANIFESTS, NODE_NAME, mismatches
-
-from pyproxy.lab import describe
-from pyproxy.lab.manifests import Port, endpoint_slice, service
-from pyproxy.lab.netns import ipv6_of
+from labkit import describe
+from labkit.manifests import Port, endpoint_slice, service
+from labkit.netns import ipv6_of
 
 pytestmark = pytest.mark.root
 

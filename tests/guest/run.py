@@ -89,7 +89,8 @@ def guest_script(command: str, repo: Path, env: dict[str, str]) -> str:
         f"modprobe -a {' '.join(MODULES)} || echo 'guest: some modules did not load' >&2",
         # Bytecode of the checkout goes to the guest's own (throwaway) disk, never into the host's share: it
         # is compiled once per boot, not at every start of a Python process (seconds each under emulation).
-        f"export PATH={GUEST_VENV}/bin:$PATH PYTHONPATH={shlex.quote(str(repo))} PYTHONPYCACHEPREFIX={GUEST_PYCACHE} "
+        f"export PATH={GUEST_VENV}/bin:$PATH PYTHONPATH={shlex.quote(f'{repo}:{repo}/tests')} "
+        f"PYTHONPYCACHEPREFIX={GUEST_PYCACHE} "
         f"PYTHONUNBUFFERED=1 {exports}".rstrip(),
         f"cd {shlex.quote(str(repo))}",
         command,

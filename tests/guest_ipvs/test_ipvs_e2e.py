@@ -23,9 +23,8 @@ import schedcases
 import twonode
 import udpswitch
 from flowcases import IPV6_CASES, MANIFESTS, NODE_NAME, mismatches
-
-from pyproxy.lab import Lab, LabError, ProbeResult, Pyproxy, PyproxyError, describe, write_manifest
-from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
+from labkit import Lab, LabError, ProbeResult, Pyproxy, PyproxyError, describe, write_manifest
+from labkit.manifests import Port, documents, endpoint_slice, service
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not Path("/proc/sys/net/ipv4/vs").exists(),
                                 reason="runs as root in the IPVS guest (tests/guest/run.py)")
@@ -498,7 +497,7 @@ def test_the_scheduler_table_agrees(tmp_path: Path) -> None:
                 assert proxy.log_text().count(f"Service {name} asks for the random scheduler") == 1, proxy.log_tail()
             assert proxy.terminate(20.0) == 0
             update(schedcases.manifests(annotated=False))
-            holder = lab.popen(lab.client, sys.executable, "-m", "pyproxy.lab.traffic", "hold",
+            holder = lab.popen(lab.client, sys.executable, "-m", "labkit.traffic", "hold",
                                schedcases.service_ip("rr"), "80", "--count", "1", stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             assert holder.stdin is not None and holder.stdout is not None

@@ -33,6 +33,7 @@ from harness import (
     dnat,
     port_state,
 )
+from labkit.netns import NetnsThread, scratch_node
 from packets import ETH_HLEN, TCP, TCP_ACK, TCP_SYN, UDP, Flow, ones_sum
 from packets6 import (
     DSTOPTS,
@@ -55,7 +56,6 @@ from packets6 import (
 )
 
 from pyproxy.dataplane.bpf import abi, attach, inspect, kernel, loader
-from pyproxy.lab.netns import NetnsThread, scratch_node
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 
 pytestmark = ROOT

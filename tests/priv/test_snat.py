@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import CAPACITY, Load
 from harness import CLIENT, INGRESS, READY, ROOT, TC_EGRESS, TC_INGRESS, XDP, Dataplane, Prog, port_state
+from labkit.netns import NetnsThread, scratch_node
 from packets import TCP, UDP, Flow, decode, frame
 from prometheus_client import CollectorRegistry
 
@@ -31,7 +32,6 @@ from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, clock, gc, inspect, kernel, loader, snat
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.dataplane.bpf.maps import BpfMap
-from pyproxy.lab.netns import NetnsThread, scratch_node
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 

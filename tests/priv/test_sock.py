@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 from conftest import Load
 from harness import CAPACITY, ROOT, Dataplane
+from labkit.netns import NetnsThread, ensure_bpffs, ensure_cgroup2
 
 from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, cgroup, clock, gc, libbpf, loader
@@ -34,7 +35,6 @@ from pyproxy.dataplane.bpf.backend import DESTROYER_OBJECT
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.dataplane.bpf.maps import BpfMap
 from pyproxy.dataplane.bpf.sockdestroy import SocketDestroyer
-from pyproxy.lab.netns import NetnsThread, ensure_bpffs, ensure_cgroup2
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import pytest
 from conftest import Load
 from harness import CAPACITY, ROOT, Dataplane
+from labkit.netns import NetnsThread
 from test_packets6 import frontend6
 
 from pyproxy.dataplane.bpf import abi, attach
-from pyproxy.lab.netns import NetnsThread
 
 pytestmark = ROOT
 

@@ -20,11 +20,11 @@ from typing import Protocol
 
 import flowcases
 from flowcases import ALT, B1, B2, B3, DNS, HTTP, NO_ANSWER, REFUSED, Outcome, answered_by, sticky
+from labkit.manifests import Port, documents, endpoint_slice, service
+from labkit.netns import CLIENT_IP, NODE_CLIENT_IP, NODE_UPLINK_IP, backend_ip, ipv6_of
 
 from pyproxy.dataplane.fake import FakeDataplane
 from pyproxy.k8s.manifest import ManifestSource
-from pyproxy.lab.manifests import Port, documents, endpoint_slice, service
-from pyproxy.lab.netns import CLIENT_IP, NODE_CLIENT_IP, NODE_UPLINK_IP, backend_ip, ipv6_of
 from pyproxy.model.node import NodeInputs
 from pyproxy.model.state import DesiredState, FamilyFilter
 from pyproxy.proxier.metrics import ProxyMetrics
@@ -52,10 +52,10 @@ BEFORE = documents(
 )
 
 BACKENDS = {backend_ip(i): f"b{i}" for i in (1, 2, 3)}
-"""Lab addressing (pyproxy.lab): backend I is 10.201.I.2, named bI in the table."""
+"""Lab addressing (labkit): backend I is 10.201.I.2, named bI in the table."""
 SOURCES = {"client": CLIENT_IP, **{name: ip for ip, name in BACKENDS.items()}}
 SOURCES6 = {role: ipv6_of(ip) for role, ip in SOURCES.items()}
-"""Each role's IPv6 address (pyproxy.lab.netns.ipv6_of), the source of its IPv6 flows."""
+"""Each role's IPv6 address (labkit.netns.ipv6_of), the source of its IPv6 flows."""
 BACKENDS.update({ipv6_of(ip): name for ip, name in list(BACKENDS.items())})
 NODE_ADDRESSES4 = (NODE_UPLINK_IP, NODE_CLIENT_IP, *(f"10.201.{i}.1" for i in (1, 2, 3)))
 NODE_ADDRESSES = (*NODE_ADDRESSES4, *(ipv6_of(ip) for ip in NODE_ADDRESSES4))

@@ -1,4 +1,4 @@
-"""The lab's traffic server (pyproxy/lab/traffic.py, also the lab pods' echo server) on loopback: a probe line and an
+"""The lab's traffic server (tests/labkit/traffic.py, also the lab pods' echo server) on loopback: a probe line and an
 HTTP GET get the same answer, naming the server and the client address it saw."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-
-from pyproxy.lab import traffic
+from labkit import traffic
 
 
 @pytest.fixture

@@ -89,9 +89,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from pyproxy.lab.traffic import READY_LINE, HttpResult, ProbeResult
+from labkit.traffic import READY_LINE, HttpResult, ProbeResult
 
-log = logging.getLogger("pyproxy.lab")
+log = logging.getLogger("labkit")
 
 DEFAULT_TIMEOUT = 30.0
 # Lab state outside /sys: `ip netns exec` remounts /sys, hiding any bpffs there (kernel-and-bpf.md pitfall 2).
@@ -249,11 +249,13 @@ def missing_stack_driver(stack: str) -> str | None:
 
 
 def python_env() -> dict[str, str]:
-    """The environment for `python -m pyproxy...` inside a namespace: this process's, with this pyproxy on
-    the path (an `ip netns exec` child inherits the environment, but need not share our working directory)."""
-    root = str(Path(__file__).resolve().parents[2])
+    """The environment for `python -m labkit...` or `-m pyproxy...` inside a namespace: this process's, with this
+    pyproxy and this lab on the path (an `ip netns exec` child inherits the environment, but need not share our
+    working directory)."""
+    here = Path(__file__).resolve()
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here.parents[2]), str(here.parents[1]),
+                                                    env.get("PYTHONPATH", "")) if p)
     return env
 
 
@@ -981,7 +983,7 @@ class Lab:
             if b.name in self._servers:
                 self.stop_servers([b])
             # stdin stays an open pipe: the server exits on its EOF, i.e. when this process is gone.
-            proc = self.popen(b.ns, sys.executable, "-m", "pyproxy.lab.traffic", "serve", "--name", b.name,
+            proc = self.popen(b.ns, sys.executable, "-m", "labkit.traffic", "serve", "--name", b.name,
                               "--tcp", ",".join(map(str, tcp_ports)), "--udp", ",".join(map(str, udp_ports)),
                               *(["--bind6", "::"] if self.ipv6 else []),
                               "--exit-on-stdin-eof", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -1027,7 +1029,7 @@ class Lab:
             raise ValueError("proto must be tcp or udp")
         if deadline is None:
             deadline = min(60.0, count * timeout + 5.0)
-        out = self.python(self.client if ns is None else ns, "-m", "pyproxy.lab.traffic", "probe",
+        out = self.python(self.client if ns is None else ns, "-m", "labkit.traffic", "probe",
                           f"--{proto}", ip, str(port), "--count", str(count), "--timeout", str(timeout),
                           "--deadline", str(deadline), "--interval", str(interval),
                           *([] if max_failures is None else ["--max-failures", str(max_failures)]),
@@ -1044,7 +1046,7 @@ class Lab:
         `held` exchanging a line every 100 ms (traffic.talk), and new TCP connections to `probed` in turn, 10
         at a time. After it, the result's `held` is talk's summary (broken ones named) and `probes` every
         probe's result."""
-        talk = self.popen(self.client, sys.executable, "-m", "pyproxy.lab.traffic", "talk",
+        talk = self.popen(self.client, sys.executable, "-m", "labkit.traffic", "talk",
                           ",".join(f"{ip}:{port}" for ip, port in held), "--count", str(connections),
                           "--timeout", str(timeout), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert talk.stdout is not None and talk.stdin is not None
@@ -1073,7 +1075,7 @@ class Lab:
     def http_get(self, ns: str, url: str, *, timeout: float = 2.0, wait: float = 0.0,
                  expect: int | None = None) -> HttpResult:
         """GET `url` from inside `ns`; with `wait` and `expect`, poll until it answers `expect` (bounded)."""
-        args = ["-m", "pyproxy.lab.traffic", "http", url, "--timeout", str(timeout)]
+        args = ["-m", "labkit.traffic", "http", url, "--timeout", str(timeout)]
         if wait and expect is not None:
             args += ["--wait", str(wait), "--expect", str(expect)]
         out = self.python(ns, *args, check=False, timeout=wait + timeout + 15.0).stdout

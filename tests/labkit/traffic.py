@@ -1,6 +1,6 @@
 """Real traffic for the lab: a backend server, a probing client and an HTTP checker.
 
-Run inside a namespace as `python -m pyproxy.lab.traffic SUBCOMMAND ...`:
+Run inside a namespace as `python -m labkit.traffic SUBCOMMAND ...`:
 
     serve --name b1 --tcp 8080,9090 --udp 5353     answer every TCP connection / UDP datagram
     probe --tcp 10.96.0.10 80 --count 60           one NEW connection (new source port) per request
@@ -458,7 +458,7 @@ def _ports(text: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pyproxy.lab.traffic", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m labkit.traffic", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
 

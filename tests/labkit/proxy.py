@@ -23,8 +23,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from pyproxy.lab.netns import Lab, LabError
-from pyproxy.lab.traffic import ProbeResult
+from labkit.netns import Lab, LabError
+from labkit.traffic import ProbeResult
 
 HEALTHZ_PORT = 10256
 METRICS_PORT = 10249

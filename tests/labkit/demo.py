@@ -1,7 +1,7 @@
-"""`make demo` / `pyproxy demo`: real traffic through pyproxy's BPF dataplane in a namespace lab.
+"""`make demo` (`python -m labkit.demo`): real traffic through pyproxy's BPF dataplane in a namespace lab.
 
 Builds a lab with three backends, starts pyproxy on the node with the shipped manifests
-(pyproxy/demo/manifests: `web` 10.96.0.10:80/TCP -> 8080 and `dns` 10.96.0.53:53/UDP -> 5353), sends new TCP
+(tests/labkit/demo-manifests: `web` 10.96.0.10:80/TCP -> 8080 and `dns` 10.96.0.53:53/UDP -> 5353), sends new TCP
 connections and UDP datagrams from the client to the ClusterIPs, prints how they spread, shows
 `pyproxy inspect`, stops pyproxy with SIGTERM, runs `pyproxy cleanup` and removes the lab. Exit status 0 only
 when every backend answered on both services, nothing failed and no receiver counted a checksum error.
@@ -15,11 +15,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pyproxy.lab.netns import Lab, LabError, nonzero_checksum_errors
-from pyproxy.lab.proxy import Pyproxy, PyproxyError
-from pyproxy.lab.traffic import ProbeResult
+from labkit.netns import Lab, LabError, nonzero_checksum_errors
+from labkit.proxy import Pyproxy, PyproxyError
+from labkit.traffic import ProbeResult
 
-MANIFESTS = Path(__file__).resolve().parents[1] / "demo" / "manifests"
+MANIFESTS = Path(__file__).resolve().parent / "demo-manifests"
 BACKENDS = 3
 REQUESTS = 60
 # `pyproxy inspect` lists every tracked flow too: enough lines for the services and some flows.
