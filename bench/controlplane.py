@@ -70,8 +70,8 @@ from bench import core, rules
 from bench.core import Deadline, Figure, Measurement, Panel, Part, Recorder
 from bench.upstream import HOSTNAME, KubeProxy, register_node
 from pyproxy.dataplane.bpf import abi
-from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.inspect import open_maps
+from pyproxy.dataplane.bpf.mapset import Maps
 
 POLL_S = 0.02
 NODE_IP = NODE_CLIENT_IP

@@ -49,8 +49,8 @@ from labkit.netns import NetnsThread, scratch_node
 from bench import core
 from bench.core import Deadline, Figure, Measurement, Panel, Part, Recorder
 from pyproxy.dataplane.bpf import abi, libbpf, loader
-from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.libbpf import ffi
+from pyproxy.dataplane.bpf.mapset import Maps
 from pyproxy.dataplane.bpf.render import Applied, render
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState

@@ -38,7 +38,8 @@ from prometheus_client.registry import Collector  # noqa: E402
 from pyproxy import cli  # noqa: E402
 from pyproxy.dataplane import netfilter  # noqa: E402
 from pyproxy.dataplane.bpf import abi  # noqa: E402
-from pyproxy.dataplane.bpf.backend import BpfDataplane, BpfSettings  # noqa: E402
+from pyproxy.dataplane.bpf.backend import BpfDataplane  # noqa: E402
+from pyproxy.dataplane.bpf.settings import BpfSettings  # noqa: E402
 from pyproxy.k8s.informer import ReflectorStats  # noqa: E402
 from pyproxy.model.state import DesiredState  # noqa: E402
 from pyproxy.proxier import kubeproxyconfig as kpc  # noqa: E402

@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 from pyproxy import logs
 from pyproxy.dataplane.bpf import abi
-from pyproxy.dataplane.bpf.backend import LOADERS, XDP_MODES
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
+from pyproxy.dataplane.bpf.settings import LOADERS, XDP_MODES
 from pyproxy.model import inspection
 from pyproxy.proxier import app, kubeproxyconfig
 from pyproxy.proxier.config import WINDOWS_MODES, ProxySettings, SettingError, format_duration, parse_duration

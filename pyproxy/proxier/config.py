@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pyproxy.dataplane.bpf.backend import BpfSettings
+from pyproxy.dataplane.bpf.settings import BpfSettings
 from pyproxy.dataplane.iptables.backend import IptablesSettings
 from pyproxy.dataplane.ipvs.backend import IpvsSettings
 from pyproxy.dataplane.netfilter import MasqueradeSettings

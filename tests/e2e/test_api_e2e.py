@@ -19,8 +19,8 @@ from cluster.cluster import Cluster, bridge_into_netns
 from labkit import describe
 
 from pyproxy.dataplane.bpf import abi
-from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.inspect import open_maps
+from pyproxy.dataplane.bpf.mapset import Maps
 
 pytestmark = pytest.mark.root
 

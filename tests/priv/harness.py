@@ -11,8 +11,8 @@ from packets import TCP, TCP_ACK, TCP_SYN, UDP, Flow, L4Csum, decode, frame
 
 from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, libbpf, loader
-from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.libbpf import ffi
+from pyproxy.dataplane.bpf.mapset import Maps
 from pyproxy.dataplane.bpf.render import (
     DEFAULT_SCHEDULING,
     NO_MASQUERADE,

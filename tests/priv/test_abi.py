@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from pyproxy.dataplane.bpf import abi
-from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.maps import PerCpuArray, PerCpuHash
+from pyproxy.dataplane.bpf.mapset import Maps
 
 BPF_MAP_TYPE_PROG_ARRAY, BPF_MAP_TYPE_PERCPU_HASH, BPF_MAP_TYPE_PERCPU_ARRAY = 3, 5, 6  # uapi enum bpf_map_type
 _QUALIFIERS = ("TYPEDEF", "CONST", "VOLATILE", "RESTRICT", "TYPE_TAG")
@@ -146,7 +146,7 @@ def _py_name(cls: type) -> str:
 
 
 def test_python_reads_each_map_with_its_c_key_and_value_types(btf: Btf) -> None:
-    """backend.Maps is how the control plane reads and writes every map: its key and value types must be
+    """mapset.Maps is how the control plane reads and writes every map: its key and value types must be
     the map's own, and the per-CPU readers must be used exactly for the per-CPU maps of their kind."""
     maps = Maps({name: -1 for name in abi.ALL_MAPS})  # no fds: only the declared types are inspected
     readers: dict[str, tuple[type, type, int | None]] = {

@@ -12,7 +12,7 @@ from conftest import Load
 from harness import CAPACITY, CLIENT, INGRESS, READY, ROOT, TC_INGRESS, Dataplane, Prog, backend_of, dnat
 from packets import Flow, frame
 
-from pyproxy.dataplane.bpf.backend import Maps
+from pyproxy.dataplane.bpf.mapset import Maps
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState
 

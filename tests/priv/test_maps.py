@@ -13,8 +13,8 @@ import pytest
 from conftest import Load
 
 from pyproxy.dataplane.bpf import abi, libbpf
-from pyproxy.dataplane.bpf.backend import Maps
 from pyproxy.dataplane.bpf.maps import MapFullError, lookup_batch, update_batch
+from pyproxy.dataplane.bpf.mapset import Maps
 from pyproxy.dataplane.bpf.render import NO_MASQUERADE, Applied, Scheduling, render
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, ServicePortState

@@ -31,9 +31,9 @@ from labkit.netns import NetnsThread, ensure_bpffs, ensure_cgroup2
 
 from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi, cgroup, clock, gc, libbpf, loader
-from pyproxy.dataplane.bpf.backend import DESTROYER_OBJECT
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.dataplane.bpf.maps import BpfMap
+from pyproxy.dataplane.bpf.settings import DESTROYER_OBJECT
 from pyproxy.dataplane.bpf.sockdestroy import SocketDestroyer
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, FrontendKind, ServicePortState

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pyproxy.dataplane.bpf import bcc
-from pyproxy.dataplane.bpf.backend import BpfDataplane, BpfSettings
+from pyproxy.dataplane.bpf.backend import BpfDataplane
+from pyproxy.dataplane.bpf.settings import BpfSettings
 from pyproxy.proxier import modes
 from pyproxy.proxier.config import ProxySettings
 

@@ -9,7 +9,7 @@ import ctypes
 import pytest
 
 from pyproxy.dataplane.bpf import abi
-from pyproxy.dataplane.bpf.backend import KEY_CODECS, VALUE_CODECS
+from pyproxy.dataplane.bpf.mapset import KEY_CODECS, VALUE_CODECS
 
 CASES = [
     (abi.MAP_SERVICES, ("10.96.3.4", 8443, "UDP", 0), abi.SvcKey(abi.be32("10.96.3.4"), abi.be16(8443), 17),

@@ -7,8 +7,9 @@ import pytest
 
 from pyproxy.dataplane.base import MasqueradeSettings
 from pyproxy.dataplane.bpf import abi
-from pyproxy.dataplane.bpf.backend import BpfDataplane, BpfSettings
+from pyproxy.dataplane.bpf.backend import BpfDataplane
 from pyproxy.dataplane.bpf.render import Applied, CapacityError, render
+from pyproxy.dataplane.bpf.settings import BpfSettings
 from pyproxy.model.objects import Protocol
 from pyproxy.model.state import Backend, Frontend, ServicePortState
 

@@ -19,8 +19,10 @@ from prometheus_client.registry import Collector
 
 from pyproxy.dataplane import netfilter as nf
 from pyproxy.dataplane.bpf import abi
-from pyproxy.dataplane.bpf.backend import BpfDataplane, BpfSettings, endpoint_owners
+from pyproxy.dataplane.bpf.backend import BpfDataplane
+from pyproxy.dataplane.bpf.collector import endpoint_owners
 from pyproxy.dataplane.bpf.render import Applied, AppliedFrontend
+from pyproxy.dataplane.bpf.settings import BpfSettings
 from pyproxy.dataplane.fake import FakeDataplane
 from pyproxy.k8s.informer import ReflectorStats
 from pyproxy.model.conntrack import Stale

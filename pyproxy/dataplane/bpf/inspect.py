@@ -20,10 +20,11 @@ from pathlib import Path
 
 from pyproxy.dataplane import netlink
 from pyproxy.dataplane.bpf import abi, attach, clock, libbpf, loader
-from pyproxy.dataplane.bpf.backend import DEFAULT_OBJECT, Maps
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts, timeout_ticks
 from pyproxy.dataplane.bpf.maps import BpfMap
+from pyproxy.dataplane.bpf.mapset import Maps
 from pyproxy.dataplane.bpf.render import AppliedFrontend
+from pyproxy.dataplane.bpf.settings import DEFAULT_OBJECT
 from pyproxy.model import inspection
 from pyproxy.model.objects import IPV6, join_host_port
 
