@@ -7,7 +7,7 @@ PYTHON   ?= python3
 VENV     := .venv
 VPY      := $(VENV)/bin/python
 CLANG    ?= clang
-BPF_OBJS := bpf/build/pyproxy.bpf.o bpf/build/verdict.bpf.o bpf/build/sockdestroy.bpf.o
+BPF_OBJS := bpf/build/pyproxy.bpf.o bpf/build/sockdestroy.bpf.o
 BPF_HDRS := $(wildcard bpf/include/pyproxy/*.h)
 ARCH_INC := /usr/include/$(shell uname -m)-linux-gnu
 # -mcpu=v3: atomic fetch-and-add (the rr cursor, sched.h); kernels since 5.12 have it, clang 14 needs it asked.
@@ -204,16 +204,21 @@ $(VENV)/.bench-stamp: pyproject.toml $(VENV)/.stamp
 	touch $@
 
 # The latency part's load generator and backend server (bench/connload.c), and the packet part's
-# established path cut into steps (bench/steps.bpf.c, built on pyproxy's own headers).
+# established path cut into steps (bench/steps.bpf.c, built on pyproxy's own headers) beside its floor, a
+# verdict-only XDP program (bench/verdict.bpf.c).
 # bench/build/pyproxy-frag-v9.bpf.o: pyproxy's programs with the frags map renamed, as a newer release whose one map
 # changed layout would be (bench/restarts.py restarts into it and back).
-BENCH_TOOLS := bench/build/connload bench/build/steps.bpf.o bench/build/pyproxy-frag-v9.bpf.o
+BENCH_TOOLS := bench/build/connload bench/build/steps.bpf.o bench/build/verdict.bpf.o bench/build/pyproxy-frag-v9.bpf.o
 
 bench/build/connload: bench/connload.c
 	@mkdir -p bench/build
 	$(CLANG) -O2 -g -Wall -Wextra -Werror -pthread $< -o $@
 
 bench/build/steps.bpf.o: bench/steps.bpf.c $(BPF_HDRS)
+	@mkdir -p bench/build
+	$(BPF_CC) -c $< -o $@
+
+bench/build/verdict.bpf.o: bench/verdict.bpf.c
 	@mkdir -p bench/build
 	$(BPF_CC) -c $< -o $@
 

@@ -1,5 +1,5 @@
 """Per-packet cost in the kernel: BPF_PROG_TEST_RUN on pyproxy's XDP and TC ingress programs, beside the
-verdict-only XDP program (bpf/build/verdict.bpf.o), the machine's floor, with 1 to 100,000 Services loaded.
+verdict-only XDP program (bench/build/verdict.bpf.o), the machine's floor, with 1 to 100,000 Services loaded.
 
 The maps are filled through the real control-plane path: a desired state -> render() -> Maps.run(op), one
 bpf(2) call per key, exactly what `pyproxy run` does (measured: about 5 us per map operation, 2.3 million
@@ -60,7 +60,7 @@ from packets import TCP, TCP_ACK, TCP_SYN, Flow, decode, frame, pseudo_header_su
 from packets6 import frame6  # noqa: E402 - its IPv6 twin
 
 PYPROXY_OBJECT = core.REPO / "bpf" / "build" / "pyproxy.bpf.o"
-VERDICT_OBJECT = core.REPO / "bpf" / "build" / "verdict.bpf.o"
+VERDICT_OBJECT = core.REPO / "bench" / "build" / "verdict.bpf.o"
 STEPS_OBJECT = core.REPO / "bench" / "build" / "steps.bpf.o"
 VERDICT_PROG = "pyproxy_verdict"
 XDP_PASS, TC_ACT_OK = 2, 0

@@ -244,7 +244,7 @@ def run(p: Mapping[str, Any], rec: Recorder, deadline: Deadline) -> None:
         raise PermissionError("BPF_PROG_TEST_RUN and map creation need root")
     for path in (PYPROXY_OBJECT, VERDICT_OBJECT):
         if not path.exists():
-            raise FileNotFoundError(f"{path} missing: run `make bpf`")
+            raise FileNotFoundError(f"{path} missing: run `make bpf bench-tools`")
     rec.note(f"TC ingress; one Service per scheduler ({len(SCHEDULERS)}), 10 backends each, itself among them; "
              "wrr, sed, nq weighted 1, 2, 3; lc, sed, nq compare all 10 backends per new flow. The smallest size "
              "is those Services alone; at 100,000 the other 99,991 are random: a Maglev table (16,381 entries, "
