@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from pyproxy import logs
+from pyproxy.dataplane import trace
 from pyproxy.dataplane.bpf import abi
 from pyproxy.dataplane.bpf.conntrack import CtTimeouts
 from pyproxy.dataplane.bpf.settings import LOADERS, XDP_MODES
@@ -415,7 +416,7 @@ def _inspect(args: argparse.Namespace, settings: ProxySettings) -> str:
     if args.view == "trace":
         # Checked before any I/O: a typo answers at once, and never as "not a Service".
         inspection.parse_flow(args.src, args.dst)
-        found = inspection.trace(app.inspect_view(settings), args.src, args.dst)
+        found = trace.trace(app.inspect_view(settings), args.src, args.dst)
         if args.output == "json":
             return json.dumps(dataclasses.asdict(found), indent=2)
         return inspection.trace_text(found)

@@ -71,6 +71,7 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from pyproxy.dataplane import trace
 from pyproxy.dataplane.base import DataplaneError, MasqueradeSettings, ModeUnavailable
 from pyproxy.model import inspection
 from pyproxy.model.conntrack import Stale
@@ -338,7 +339,7 @@ def ct_flows(view: inspection.View, ct: Iterable[CtEntry]) -> Iterator[inspectio
     """The conntrack entries of flows to a frontend of `view`, DNATed or not (a refused one is never confirmed):
     what `pyproxy inspect` shows as flows in the modes that DNAT with netfilter (nftables, iptables)."""
     for e in ct:
-        fe = inspection.frontend_of(view, e.dst, e.dport, e.proto)
+        fe = trace.frontend_of(view, e.dst, e.dport, e.proto)
         if fe is None:
             continue
         yield inspection.Flow(e.proto, e.src, e.sport, e.dst, e.dport, join_host_port(e.reply_src, e.reply_sport),

@@ -15,19 +15,8 @@ import pytest
 from pyproxy.cli import parser, settings_from
 from pyproxy.dataplane.netfilter import parse_conntrack
 from pyproxy.dataplane.nftables import inspect as nft_inspect
-from pyproxy.model.inspection import (
-    Affinity,
-    Endpoint,
-    Flow,
-    Frontend,
-    View,
-    filtered,
-    flow_hash,
-    mix32,
-    report,
-    trace,
-    trace_text,
-)
+from pyproxy.dataplane.trace import flow_hash, mix32, trace
+from pyproxy.model.inspection import Affinity, Endpoint, Flow, Frontend, View, filtered, report, trace_text
 
 CLIENT = "10.200.0.2"
 B1, B2, B3 = Endpoint("10.201.1.2", 8080), Endpoint("10.201.2.2", 8080), Endpoint("10.201.3.2", 8080)

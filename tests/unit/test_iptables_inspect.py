@@ -10,7 +10,8 @@ import pytest
 
 from pyproxy.dataplane import netfilter as nf
 from pyproxy.dataplane.iptables import inspect as ii
-from pyproxy.model.inspection import ANY_NODE_ADDRESS, filtered, trace, trace_text
+from pyproxy.dataplane.trace import trace
+from pyproxy.model.inspection import ANY_NODE_ADDRESS, filtered, trace_text
 
 CAPTURED = Path(__file__).parent / "captured"
 CLIENT = "10.200.0.2"

@@ -17,7 +17,8 @@ from pyproxy.dataplane.ipvs.render import (
     Real,
     Virtual,
 )
-from pyproxy.model.inspection import View, filtered, trace, trace_text
+from pyproxy.dataplane.trace import trace
+from pyproxy.model.inspection import View, filtered, trace_text
 from pyproxy.model.state import Backend
 
 CAPTURED = Path(__file__).parent / "captured"
