@@ -51,6 +51,9 @@ Cleanup
     iptables mode claims `"<service> cluster IP"` in nat KUBE-SERVICES and `"<service> has no endpoints"` and
     `"<service> has no local endpoints"` in filter KUBE-SERVICES, so another mode must not write rules with
     those comments there).
+
+Over 600 lines as the one module the netfilter backends share (backends never import each other, so what both
+need is here, not in either).
 """
 
 from __future__ import annotations

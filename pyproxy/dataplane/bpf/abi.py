@@ -3,6 +3,9 @@
 Each class names the C struct it mirrors; `__be` fields hold the value whose in-memory bytes are in
 network order (use `be32`/`be16` to build them); padding is explicit, as in C, because hash keys are
 compared bytewise. tests/priv/test_abi.py checks sizes and offsets against the compiled object's BTF.
+
+Over 600 lines because abi.h is: one mirror, in abi.h's order, is what a reader compares line by line with the C
+(and the ABI test checks as a whole); split, a struct and its flags would drift apart.
 """
 
 from __future__ import annotations

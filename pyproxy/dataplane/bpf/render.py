@@ -35,6 +35,9 @@ A plan costs O(what changed), not O(what is applied): `Applied` keeps the indexe
 frontends of each Service, backend reference counts, the backends per port, the slot total, the free service
 ids), and a plan
 carries its change to them instead of a new copy.
+
+One module of some 800 lines on purpose: the ordering rules above hold across every map at once, and each
+operation is written next to the rule that makes it safe; split by map, no file would show why its order is right.
 """
 
 from __future__ import annotations
