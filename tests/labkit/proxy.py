@@ -30,8 +30,8 @@ HEALTHZ_PORT = 10256
 METRICS_PORT = 10249
 
 
-PACKAGE = Path(__file__).resolve().parents[1]
-"""This checkout's pyproxy package."""
+PACKAGE = Path(__file__).resolve().parents[2] / "pyproxy"
+"""This checkout's pyproxy package (the lab is not in it)."""
 
 
 def newer_release(workdir: Path, bpf_object: Path, abi_edits: dict[str, str]) -> tuple[str, ...]:
